@@ -1,0 +1,701 @@
+-- Admission, settlement, release and expiry.
+--
+-- Each function is one statement from the client: one round trip, one
+-- transaction, all or nothing. Each takes arrays so that a caller can decide
+-- a whole batch of requests at once; a batch of one is the ordinary case.
+--
+-- Locking discipline (the reason concurrent transitions never deadlock):
+--   1. advisory locks on idempotency keys, in hash order (admission only);
+--   2. reservation rows, in reservation_id order (never waited on by admission);
+--   3. limit_layers rows, in layer_id order.
+-- A transaction only ever waits for a lock of a later class, or of the same
+-- class further along the same order, so no cycle can form.
+--
+-- Time comes from the database clock alone: clock_timestamp() read after the
+-- locks are held, never earlier than a layer's last refill.
+
+-- The balance of a bucket after refilling it for the time since its last refill.
+-- Refill is continuous at per_minute / 60 per second and never passes burst.
+CREATE OR REPLACE FUNCTION lq_refilled(
+    balance double precision,
+    per_minute bigint,
+    burst bigint,
+    refilled_at timestamptz,
+    now_ts timestamptz
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE
+        WHEN per_minute IS NULL THEN NULL
+        ELSE least(burst::double precision,
+                   balance + greatest(0, extract(epoch FROM now_ts - refilled_at))
+                             * per_minute / 60.0)
+    END
+$$;
+
+
+-- Credit (or debit, when negative) layers, clamped to capacity, and free
+-- in-flight permits. The rows are locked in layer_id order before any is
+-- changed. Settlement, release and expiry all end here, so "a balance never
+-- exceeds its capacity" is enforced in exactly one place.
+CREATE OR REPLACE FUNCTION lq_credit_layers(
+    p_layer_ids      bigint[],
+    p_token_credit   double precision[],
+    p_request_credit double precision[],
+    p_permits_freed  integer[]
+) RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts timestamptz;
+BEGIN
+    IF coalesce(cardinality(p_layer_ids), 0) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- Lock every touched layer, in layer_id order, before changing any.
+    PERFORM 1
+       FROM limit_layers
+      WHERE layer_id = ANY (p_layer_ids)
+      ORDER BY layer_id
+        FOR UPDATE;
+
+    now_ts := clock_timestamp();
+
+    UPDATE limit_layers AS l
+       SET tokens      = least(l.token_burst::double precision,
+                               lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
+                                           l.refilled_at, now_ts) + c.tokens),
+           requests    = least(l.request_burst::double precision,
+                               lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
+                                           l.refilled_at, now_ts) + c.requests),
+           in_flight   = l.in_flight - c.permits,
+           refilled_at = greatest(l.refilled_at, now_ts)
+      -- One reservation list may name a layer many times: sum per layer.
+      FROM (SELECT u.layer_id,
+                   sum(u.tokens)   AS tokens,
+                   sum(u.requests) AS requests,
+                   sum(u.permits)::integer AS permits
+              FROM unnest(p_layer_ids, p_token_credit, p_request_credit, p_permits_freed)
+                   AS u(layer_id, tokens, requests, permits)
+             GROUP BY u.layer_id) AS c
+     WHERE l.layer_id = c.layer_id;
+END
+$$;
+
+
+-- Decide a batch of admission requests, exactly as if they were applied one
+-- by one in array order, and debit every layer of each admitted request.
+--
+-- status per request:
+--   admitted             reserved; reservation_id and lease_expires_at are set
+--   replayed             idempotency_key seen before with the same request_hash
+--   idempotency_conflict idempotency_key seen before with another request
+--   rate_limited         some layer lacks tokens, requests or permits: limit_kind,
+--                        limit_scope and retry_after_ms name the longest wait
+--   too_large            reserved tokens exceed some layer's token_burst: it can
+--                        never fit, and capacity names that burst
+--   unknown_tenant       no such tenant
+-- Nothing is debited unless every layer passes; refill state is persisted on
+-- every locked layer whatever the outcome.
+CREATE OR REPLACE FUNCTION lq_admit(
+    p_tenants          text[],
+    p_routes           text[],
+    p_models           text[],
+    p_input_tokens     bigint[],
+    p_max_tokens       bigint[],
+    p_input_estimated  boolean[],
+    p_lease_seconds    integer[],
+    p_idempotency_keys text[],
+    p_request_hashes   text[],
+    p_concurrency_retry_ms integer DEFAULT 1000
+) RETURNS TABLE (
+    ord                        integer,
+    status                     text,
+    reservation_id             uuid,
+    reserved_tokens            bigint,
+    lease_expires_at           timestamptz,
+    lease_generation           integer,
+    limit_kind                 text,
+    limit_scope                text,
+    retry_after_ms             bigint,
+    capacity                   bigint,
+    remaining_tokens           bigint,
+    remaining_requests         bigint,
+    remaining_in_flight        integer,
+    tenant_tokens_per_minute   bigint,
+    tenant_token_burst         bigint,
+    tenant_tokens              double precision,
+    tenant_requests_per_minute bigint,
+    tenant_request_burst       bigint,
+    tenant_requests            double precision
+)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    n            integer := coalesce(cardinality(p_tenants), 0);
+    now_ts       timestamptz;
+    -- The locked layers, in layer_id order. Position i describes one layer;
+    -- l_key is 'g', 't/<tenant>' or 'r/<tenant>/<route>' for lookups.
+    l_id         bigint[];
+    l_key        text[];
+    l_scope      text[];
+    l_tpm        bigint[];
+    l_tburst     bigint[];
+    l_rpm        bigint[];
+    l_rburst     bigint[];
+    l_max_if     integer[];
+    l_lease      integer[];
+    l_version    bigint[];
+    l_tokens     double precision[];
+    l_requests   double precision[];
+    l_in_flight  integer[];
+    l_refilled   timestamptz[];
+    -- Per-request results, indexed by request position.
+    r_status     text[] := array_fill(NULL::text, ARRAY[n]);
+    r_id         uuid[] := array_fill(NULL::uuid, ARRAY[n]);
+    r_reserved   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_expires    timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
+    r_generation integer[] := array_fill(NULL::integer, ARRAY[n]);
+    r_kind       text[] := array_fill(NULL::text, ARRAY[n]);
+    r_scope      text[] := array_fill(NULL::text, ARRAY[n]);
+    r_wait       bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_capacity   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_rem_tok    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_rem_req    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_rem_if     integer[] := array_fill(NULL::integer, ARRAY[n]);
+    r_t_tpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_t_tburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_t_tokens   double precision[] := array_fill(NULL::double precision, ARRAY[n]);
+    r_t_rpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_t_rburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_t_requests double precision[] := array_fill(NULL::double precision, ARRAY[n]);
+    -- Admitted requests, for the single INSERT at the end.
+    a_ord        integer[] := '{}';
+    a_layers     text[] := '{}';     -- layer ids as '{1,2,3}' text; parsed in the INSERT
+    a_version    bigint[] := '{}';
+    a_lease      integer[] := '{}';
+    -- Idempotency keys admitted earlier in this same batch.
+    b_key        text[] := '{}';
+    b_ord        integer[] := '{}';
+    k            integer;
+    j            integer;
+    gi           integer;
+    ti           integer;
+    ri           integer;
+    layers       integer[];
+    cost         bigint;
+    wait_ms      bigint;
+    too_cap      bigint;
+    too_scope    text;
+    best_wait    bigint;
+    best_kind    text;
+    best_scope   text;
+    rem_tok      double precision;
+    rem_req      double precision;
+    rem_if       integer;
+    version      bigint;
+    prior        record;
+    -- A balance within this of the cost counts as enough: refill arithmetic is
+    -- floating point and must not refuse a request for a billionth of a token.
+    epsilon      constant double precision := 1e-6;
+BEGIN
+    IF n = 0 THEN
+        RETURN;
+    END IF;
+
+    -- (1) Serialize requests that share an idempotency key, so that the
+    -- second one sees the first one's committed reservation below.
+    PERFORM pg_advisory_xact_lock(h)
+       FROM (SELECT DISTINCT hashtextextended(u.t || '/' || u.k, 0) AS h
+               FROM unnest(p_tenants, p_idempotency_keys) AS u(t, k)
+              WHERE u.k IS NOT NULL) AS keys
+      ORDER BY h;
+
+    -- (2) Lock every layer any request touches, in layer_id order. FOR UPDATE
+    -- re-reads a row changed by a transaction we waited for, so the balances
+    -- below are the latest committed ones.
+    SELECT array_agg(x.layer_id ORDER BY x.layer_id),
+           array_agg(CASE x.scope WHEN 'global' THEN 'g'
+                                  WHEN 'tenant' THEN 't/' || x.tenant
+                                  ELSE 'r/' || x.tenant || '/' || x.route END ORDER BY x.layer_id),
+           array_agg(x.scope ORDER BY x.layer_id),
+           array_agg(x.tokens_per_minute ORDER BY x.layer_id),
+           array_agg(x.token_burst ORDER BY x.layer_id),
+           array_agg(x.requests_per_minute ORDER BY x.layer_id),
+           array_agg(x.request_burst ORDER BY x.layer_id),
+           array_agg(x.max_in_flight ORDER BY x.layer_id),
+           array_agg(x.lease_seconds ORDER BY x.layer_id),
+           array_agg(x.policy_version ORDER BY x.layer_id),
+           array_agg(x.tokens ORDER BY x.layer_id),
+           array_agg(x.requests ORDER BY x.layer_id),
+           array_agg(x.in_flight ORDER BY x.layer_id),
+           array_agg(x.refilled_at ORDER BY x.layer_id),
+           max(x.refilled_at)
+      INTO l_id, l_key, l_scope, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
+           l_version, l_tokens, l_requests, l_in_flight, l_refilled, now_ts
+      FROM (SELECT ll.*
+              FROM limit_layers AS ll
+             WHERE ll.layer_id IN (
+                       -- three index probes on (scope, tenant, route), never a scan
+                       SELECT g.layer_id FROM limit_layers AS g
+                        WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
+                       UNION
+                       SELECT t.layer_id
+                         FROM unnest(p_tenants) AS u(t)
+                         JOIN limit_layers AS t
+                           ON t.scope = 'tenant' AND t.tenant = u.t AND t.route IS NULL
+                       UNION
+                       SELECT r.layer_id
+                         FROM unnest(p_tenants, p_routes) AS u(t, r)
+                         JOIN limit_layers AS r
+                           ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r)
+             ORDER BY ll.layer_id
+               FOR UPDATE) AS x;
+
+    -- (3) The clock, read once the locks are held, never before the latest
+    -- refill (max(refilled_at) above), so elapsed time is never negative.
+    now_ts := greatest(clock_timestamp(), now_ts);
+
+    -- (4) Refill every locked layer to now_ts.
+    FOR j IN 1 .. coalesce(cardinality(l_id), 0) LOOP
+        l_tokens[j] := lq_refilled(l_tokens[j], l_tpm[j], l_tburst[j], l_refilled[j], now_ts);
+        l_requests[j] := lq_refilled(l_requests[j], l_rpm[j], l_rburst[j], l_refilled[j], now_ts);
+    END LOOP;
+
+    -- (5) Decide each request in order against the running balances.
+    FOR k IN 1 .. n LOOP
+        ti := array_position(l_key, 't/' || p_tenants[k]);
+        IF ti IS NULL THEN
+            r_status[k] := 'unknown_tenant';
+            CONTINUE;
+        END IF;
+        r_t_tpm[k] := l_tpm[ti];
+        r_t_tburst[k] := l_tburst[ti];
+        r_t_rpm[k] := l_rpm[ti];
+        r_t_rburst[k] := l_rburst[ti];
+
+        -- Idempotency: a key admitted before (committed, or earlier in this batch).
+        IF p_idempotency_keys[k] IS NOT NULL THEN
+            j := array_position(b_key, p_tenants[k] || '/' || p_idempotency_keys[k]);
+            IF j IS NOT NULL THEN
+                j := b_ord[j];
+                r_status[k] := CASE WHEN p_request_hashes[k] IS NOT DISTINCT FROM p_request_hashes[j]
+                                    THEN 'replayed' ELSE 'idempotency_conflict' END;
+                IF r_status[k] = 'replayed' THEN
+                    r_id[k] := r_id[j];
+                    r_reserved[k] := r_reserved[j];
+                    r_expires[k] := r_expires[j];
+                    r_generation[k] := r_generation[j];
+                END IF;
+                r_t_tokens[k] := l_tokens[ti];
+                r_t_requests[k] := l_requests[ti];
+                CONTINUE;
+            END IF;
+            SELECT rs.reservation_id, rs.reserved_tokens, rs.lease_expires_at,
+                   rs.lease_generation, rs.request_hash
+              INTO prior
+              FROM reservations AS rs
+             WHERE rs.tenant = p_tenants[k]
+               AND rs.idempotency_key = p_idempotency_keys[k];
+            IF FOUND THEN
+                IF prior.request_hash IS NOT DISTINCT FROM p_request_hashes[k] THEN
+                    r_status[k] := 'replayed';
+                    r_id[k] := prior.reservation_id;
+                    r_reserved[k] := prior.reserved_tokens;
+                    r_expires[k] := prior.lease_expires_at;
+                    r_generation[k] := prior.lease_generation;
+                ELSE
+                    r_status[k] := 'idempotency_conflict';
+                END IF;
+                r_t_tokens[k] := l_tokens[ti];
+                r_t_requests[k] := l_requests[ti];
+                CONTINUE;
+            END IF;
+        END IF;
+
+        gi := array_position(l_key, 'g');
+        ri := CASE WHEN p_routes[k] IS NULL THEN NULL
+                   ELSE array_position(l_key, 'r/' || p_tenants[k] || '/' || p_routes[k]) END;
+        layers := array_remove(ARRAY[gi, ti, ri], NULL);
+        cost := p_input_tokens[k] + p_max_tokens[k];
+        r_reserved[k] := cost;
+
+        too_cap := NULL;
+        best_wait := -1;
+        FOREACH j IN ARRAY layers LOOP
+            IF l_tpm[j] IS NOT NULL THEN
+                IF cost > l_tburst[j] THEN
+                    -- Can never fit: name the smallest capacity that refuses it.
+                    IF too_cap IS NULL OR l_tburst[j] < too_cap THEN
+                        too_cap := l_tburst[j];
+                        too_scope := l_scope[j];
+                    END IF;
+                ELSIF l_tokens[j] + epsilon < cost THEN
+                    wait_ms := greatest(1, ceil((cost - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                    IF wait_ms > best_wait THEN
+                        best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
+                    END IF;
+                END IF;
+            END IF;
+            IF l_rpm[j] IS NOT NULL AND l_requests[j] + epsilon < 1 THEN
+                wait_ms := greatest(1, ceil((1 - l_requests[j]) * 60000.0 / l_rpm[j]));
+                IF wait_ms > best_wait THEN
+                    best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
+                END IF;
+            END IF;
+            IF l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
+                wait_ms := p_concurrency_retry_ms;
+                IF wait_ms > best_wait THEN
+                    best_wait := wait_ms; best_kind := 'concurrency'; best_scope := l_scope[j];
+                END IF;
+            END IF;
+        END LOOP;
+
+        IF too_cap IS NOT NULL THEN
+            r_status[k] := 'too_large';
+            r_kind[k] := 'tokens';
+            r_scope[k] := too_scope;
+            r_capacity[k] := too_cap;
+        ELSIF best_wait >= 0 THEN
+            r_status[k] := 'rate_limited';
+            r_kind[k] := best_kind;
+            r_scope[k] := best_scope;
+            r_wait[k] := best_wait;
+        ELSE
+            -- Every layer passes: debit them all.
+            version := 0;
+            FOREACH j IN ARRAY layers LOOP
+                IF l_tpm[j] IS NOT NULL THEN
+                    l_tokens[j] := l_tokens[j] - cost;
+                END IF;
+                IF l_rpm[j] IS NOT NULL THEN
+                    l_requests[j] := l_requests[j] - 1;
+                END IF;
+                l_in_flight[j] := l_in_flight[j] + 1;
+                version := greatest(version, l_version[j]);
+            END LOOP;
+            r_status[k] := 'admitted';
+            r_id[k] := gen_random_uuid();
+            r_generation[k] := 1;
+            a_lease := a_lease || coalesce(p_lease_seconds[k], l_lease[coalesce(ri, ti)]);
+            r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
+            a_ord := a_ord || k;
+            a_version := a_version || version;
+            a_layers := a_layers || ('{' || array_to_string(ARRAY[l_id[gi], l_id[ti], l_id[ri]], ',') || '}');
+            IF p_idempotency_keys[k] IS NOT NULL THEN
+                b_key := b_key || (p_tenants[k] || '/' || p_idempotency_keys[k]);
+                b_ord := b_ord || k;
+            END IF;
+        END IF;
+
+        -- What is left after this decision: the tightest layer of each kind.
+        rem_tok := NULL; rem_req := NULL; rem_if := NULL;
+        FOREACH j IN ARRAY layers LOOP
+            IF l_tpm[j] IS NOT NULL THEN
+                rem_tok := least(coalesce(rem_tok, l_tokens[j]), l_tokens[j]);
+            END IF;
+            IF l_rpm[j] IS NOT NULL THEN
+                rem_req := least(coalesce(rem_req, l_requests[j]), l_requests[j]);
+            END IF;
+            IF l_max_if[j] IS NOT NULL THEN
+                rem_if := least(coalesce(rem_if, l_max_if[j] - l_in_flight[j]),
+                                l_max_if[j] - l_in_flight[j]);
+            END IF;
+        END LOOP;
+        r_rem_tok[k] := floor(rem_tok);
+        r_rem_req[k] := floor(rem_req);
+        r_rem_if[k] := rem_if;
+        r_t_tokens[k] := l_tokens[ti];
+        r_t_requests[k] := l_requests[ti];
+    END LOOP;
+
+    -- (6) Persist every locked layer: refill state even where all refused.
+    UPDATE limit_layers AS ll
+       SET tokens = u.tokens,
+           requests = u.requests,
+           in_flight = u.in_flight,
+           refilled_at = now_ts
+      FROM unnest(l_id, l_tokens, l_requests, l_in_flight) AS u(layer_id, tokens, requests, in_flight)
+     WHERE ll.layer_id = u.layer_id;
+
+    -- (7) Journal the admitted reservations, so a dead worker's can be swept.
+    INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
+                              input_tokens, input_estimated, max_tokens, reserved_tokens,
+                              policy_version, created_at, lease_seconds, lease_expires_at,
+                              idempotency_key, request_hash)
+    SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], p_models[a.k], a.layers::bigint[],
+           p_input_tokens[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
+           a.version, now_ts, a.lease, r_expires[a.k],
+           p_idempotency_keys[a.k], p_request_hashes[a.k]
+      FROM unnest(a_ord, a_layers, a_version, a_lease) AS a(k, layers, version, lease);
+
+    RETURN QUERY
+    SELECT o.i::integer, r_status[o.i], r_id[o.i], r_reserved[o.i], r_expires[o.i],
+           r_generation[o.i], r_kind[o.i], r_scope[o.i], r_wait[o.i], r_capacity[o.i],
+           r_rem_tok[o.i], r_rem_req[o.i], r_rem_if[o.i],
+           r_t_tpm[o.i], r_t_tburst[o.i], r_t_tokens[o.i],
+           r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i]
+      FROM generate_series(1, n) AS o(i);
+END
+$$;
+
+
+-- Resolve a batch of reservations: settle, release or expire each one, in
+-- array order. This is the reservation state machine, in one place:
+--
+--   active --settle--> settled      refund reserved - charged (or debit the
+--                                   excess), free the permit, ledger 'usage'
+--   active --release-> released     refund everything, the request too, free
+--                                   the permit; the provider was never called
+--   active --expire--> expired      the lease ran out: refund the tokens, free
+--                                   the permit, ledger 'usage' row with outcome
+--                                   'expired' and zero known usage
+--   expired --settle-> expired      a late settle: debit what was really used,
+--                                   ledger 'late' row; never counted twice
+--
+-- An active reservation whose lease has run out is expired first, whatever
+-- the action, so the result never depends on whether the sweeper ran yet:
+-- a worker paused past its lease cannot act as if it still held the permit.
+-- Repeating a settle with the same figures returns the first result.
+--
+-- status per request: settled | released | expired | replayed | conflict |
+-- not_found | not_due (expire only: the lease is still live).
+CREATE OR REPLACE FUNCTION lq_finish(
+    p_ids            uuid[],
+    p_actions        text[],     -- 'settle' | 'release' | 'expire'
+    p_callers        text[],     -- the caller's tenant; NULL for an admin
+    p_input_tokens   bigint[],   -- settle only
+    p_output_tokens  bigint[],   -- settle only
+    p_outcomes       text[]      -- settle only: ok | error | cancelled
+) RETURNS TABLE (
+    ord              integer,
+    status           text,
+    state            text,
+    tenant           text,
+    charged_tokens   bigint,
+    refunded_tokens  bigint,
+    late             boolean
+)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    n         integer := coalesce(cardinality(p_ids), 0);
+    now_ts    timestamptz;
+    res       reservations[];
+    ids       uuid[];
+    changed   boolean[];
+    rec       reservations;
+    i         integer;
+    k         integer;
+    charged   bigint;
+    -- credits to every layer of reservation res[c_res[x]]
+    c_res     integer[] := '{}';
+    c_tokens  double precision[] := '{}';
+    c_reqs    double precision[] := '{}';
+    c_permits integer[] := '{}';
+    -- ledger rows to append, for reservation res[g_res[x]]
+    g_res     integer[] := '{}';
+    g_kind    text[] := '{}';
+    g_in      bigint[] := '{}';
+    g_out     bigint[] := '{}';
+    g_held    bigint[] := '{}';
+    g_outcome text[] := '{}';
+    -- results
+    r_status  text[] := array_fill(NULL::text, ARRAY[n]);
+    r_state   text[] := array_fill(NULL::text, ARRAY[n]);
+    r_tenant  text[] := array_fill(NULL::text, ARRAY[n]);
+    r_charged bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_refund  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_late    boolean[] := array_fill(NULL::boolean, ARRAY[n]);
+BEGIN
+    IF n = 0 THEN
+        RETURN;
+    END IF;
+
+    -- (1) Lock the reservations in id order, then read them: the read's fresh
+    -- snapshot sees whatever the transactions we waited for committed.
+    PERFORM 1 FROM reservations AS rs
+      WHERE rs.reservation_id = ANY (p_ids)
+      ORDER BY rs.reservation_id
+        FOR UPDATE;
+    SELECT array_agg(rs ORDER BY rs.reservation_id), array_agg(rs.reservation_id ORDER BY rs.reservation_id)
+      INTO res, ids
+      FROM reservations AS rs
+     WHERE rs.reservation_id = ANY (p_ids);
+    changed := array_fill(false, ARRAY[coalesce(cardinality(ids), 0)]);
+    now_ts := clock_timestamp();
+
+    FOR k IN 1 .. n LOOP
+        i := array_position(ids, p_ids[k]);
+        IF i IS NULL THEN
+            r_status[k] := 'not_found';
+            CONTINUE;
+        END IF;
+        rec := res[i];
+        IF p_callers[k] IS NOT NULL AND p_callers[k] <> rec.tenant THEN
+            -- Another tenant's reservation is indistinguishable from none.
+            r_status[k] := 'not_found';
+            CONTINUE;
+        END IF;
+        r_tenant[k] := rec.tenant;
+
+        -- (2) A lease that ran out is expired before anything else happens.
+        IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
+            c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
+            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+            g_res := g_res || i; g_kind := g_kind || 'usage'::text;
+            g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
+            g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
+            rec.state := 'expired';
+            rec.finished_at := now_ts;
+            changed[i] := true;
+            IF p_actions[k] = 'expire' THEN
+                r_status[k] := 'expired';
+            END IF;
+        ELSIF p_actions[k] = 'expire' THEN
+            r_status[k] := 'not_due';
+        END IF;
+
+        -- (3) The action itself.
+        IF p_actions[k] = 'settle' THEN
+            charged := p_input_tokens[k] + p_output_tokens[k];
+            IF rec.state = 'active' THEN
+                -- Refund what was reserved and not used, or debit the excess;
+                -- lq_credit_layers clamps at capacity.
+                c_res := c_res || i; c_tokens := c_tokens || (rec.reserved_tokens - charged)::double precision;
+                c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+                g_res := g_res || i; g_kind := g_kind || 'usage'::text;
+                g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
+                g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
+                rec.state := 'settled';
+                rec.finished_at := now_ts;
+                rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
+                rec.late := false;
+                r_status[k] := 'settled';
+            ELSIF rec.state = 'expired' AND rec.charged_tokens IS NULL THEN
+                -- Late: the expiry gave the whole reservation back, so what
+                -- was really used is debited now. The permit is already free.
+                c_res := c_res || i; c_tokens := c_tokens || (-charged)::double precision;
+                c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 0;
+                g_res := g_res || i; g_kind := g_kind || 'late'::text;
+                g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
+                g_held := g_held || 0::bigint; g_outcome := g_outcome || 'late'::text;
+                rec.refunded_tokens := 0;
+                rec.late := true;
+                r_status[k] := 'settled';
+            ELSIF rec.charged_tokens IS NOT NULL THEN
+                -- Settled before: the same figures get the first answer back.
+                r_status[k] := CASE
+                    WHEN rec.settled_input_tokens = p_input_tokens[k]
+                     AND rec.settled_output_tokens = p_output_tokens[k]
+                     AND rec.outcome = p_outcomes[k]
+                    THEN 'replayed' ELSE 'conflict' END;
+            ELSE
+                r_status[k] := 'conflict';   -- released, or expired and then released
+            END IF;
+            IF r_status[k] = 'settled' THEN
+                rec.settled_input_tokens := p_input_tokens[k];
+                rec.settled_output_tokens := p_output_tokens[k];
+                rec.outcome := p_outcomes[k];
+                rec.charged_tokens := charged;
+                changed[i] := true;
+            END IF;
+        ELSIF p_actions[k] = 'release' THEN
+            IF rec.state = 'active' THEN
+                c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
+                c_reqs := c_reqs || 1::double precision; c_permits := c_permits || 1;
+                rec.state := 'released';
+                rec.finished_at := now_ts;
+                changed[i] := true;
+                r_status[k] := 'released';
+            ELSIF rec.state = 'released' THEN
+                r_status[k] := 'replayed';
+            ELSE
+                r_status[k] := 'conflict';
+            END IF;
+        END IF;
+
+        res[i] := rec;
+        r_state[k] := rec.state;
+        r_charged[k] := rec.charged_tokens;
+        r_refund[k] := rec.refunded_tokens;
+        r_late[k] := rec.late;
+    END LOOP;
+
+    -- (4) Layers: each credit goes to every layer its reservation debited.
+    -- lq_credit_layers locks them in layer_id order, after the reservations.
+    PERFORM lq_credit_layers(array_agg(l.layer_id), array_agg(c.tokens),
+                             array_agg(c.reqs), array_agg(c.permits))
+       FROM unnest(c_res, c_tokens, c_reqs, c_permits) AS c(i, tokens, reqs, permits)
+            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id);
+
+    -- (5) Write back the reservations that changed.
+    UPDATE reservations AS rs
+       SET state = u.state,
+           finished_at = u.finished_at,
+           settled_input_tokens = u.settled_input_tokens,
+           settled_output_tokens = u.settled_output_tokens,
+           outcome = u.outcome,
+           charged_tokens = u.charged_tokens,
+           refunded_tokens = u.refunded_tokens,
+           late = u.late
+      FROM unnest(res) WITH ORDINALITY AS u
+     WHERE rs.reservation_id = u.reservation_id
+       AND changed[u.ordinality::integer];
+
+    -- (6) Append the ledger rows; UNIQUE (reservation_id, entry_kind) makes a
+    -- second row for the same event impossible, not merely unlikely.
+    INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
+                              input_tokens, output_tokens, reserved_tokens, outcome,
+                              policy_version, recorded_at)
+    SELECT (res[g.i]).reservation_id, g.kind, (res[g.i]).tenant, (res[g.i]).route,
+           (res[g.i]).model, g.input_tokens, g.output_tokens, g.held, g.outcome,
+           (res[g.i]).policy_version, now_ts
+      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome)
+           AS g(i, kind, input_tokens, output_tokens, held, outcome);
+
+    RETURN QUERY
+    SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
+           r_charged[o.i], r_refund[o.i], r_late[o.i]
+      FROM generate_series(1, n) AS o(i);
+END
+$$;
+
+
+-- The sweeper's step: expire up to p_limit reservations whose lease ran out.
+-- SKIP LOCKED lets several sweepers (and settlements in flight) work side by
+-- side: a row another transaction holds is simply someone else's to finish.
+CREATE OR REPLACE FUNCTION lq_sweep(p_limit integer)
+RETURNS TABLE (expired integer, tokens_returned bigint)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    due uuid[];
+BEGIN
+    SELECT array_agg(d.reservation_id ORDER BY d.reservation_id)
+      INTO due
+      FROM (SELECT rs.reservation_id
+              FROM reservations AS rs
+             WHERE rs.state = 'active'
+               AND rs.lease_expires_at <= clock_timestamp()
+             ORDER BY rs.lease_expires_at
+             LIMIT p_limit
+               FOR UPDATE SKIP LOCKED) AS d;
+    IF due IS NULL THEN
+        RETURN QUERY SELECT 0, 0::bigint;
+        RETURN;
+    END IF;
+
+    RETURN QUERY
+    SELECT count(*)::integer, coalesce(sum(rs.reserved_tokens), 0)::bigint
+      FROM lq_finish(due,
+                     array_fill('expire'::text, ARRAY[cardinality(due)]),
+                     array_fill(NULL::text, ARRAY[cardinality(due)]),
+                     array_fill(NULL::bigint, ARRAY[cardinality(due)]),
+                     array_fill(NULL::bigint, ARRAY[cardinality(due)]),
+                     array_fill(NULL::text, ARRAY[cardinality(due)])) AS f
+      JOIN reservations AS rs ON rs.reservation_id = due[f.ord]
+     WHERE f.status = 'expired';
+END
+$$;

@@ -1,0 +1,153 @@
+-- Named statements the store runs. Each block: a header line with the name,
+-- a comment saying what it does, then one statement with $n parameters.
+-- The hot transitions (admit, settle, release, expire) are functions in
+-- admission.sql; these call them or do the small things around them.
+
+-- admit --
+-- Decide a batch of admission requests in arrival order (see lq_admit).
+SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
+                       $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer)
+
+-- finish --
+-- Settle, release or expire a batch of reservations (see lq_finish).
+SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[])
+
+-- sweep --
+-- Expire up to $1 reservations whose lease ran out (see lq_sweep).
+SELECT * FROM lq_sweep($1::integer)
+
+-- heartbeat --
+-- Extend a live lease by $3 seconds (default: the reservation's own lease) and
+-- bump its generation. No row: no such reservation for this caller. A row
+-- with a NULL lease_expires_at: it exists but is finished or its lease ran out.
+WITH target AS (
+    SELECT rs.reservation_id, rs.state
+      FROM reservations AS rs
+     WHERE rs.reservation_id = $1::uuid
+       AND ($2::text IS NULL OR rs.tenant = $2::text)
+), extended AS (
+    UPDATE reservations AS rs
+       SET lease_expires_at = clock_timestamp()
+                              + make_interval(secs => coalesce($3::integer, rs.lease_seconds)),
+           lease_generation = rs.lease_generation + 1
+      FROM target
+     WHERE rs.reservation_id = target.reservation_id
+       AND rs.state = 'active'
+       AND rs.lease_expires_at > clock_timestamp()
+    RETURNING rs.lease_expires_at, rs.lease_generation
+)
+SELECT target.state, extended.lease_expires_at, extended.lease_generation
+  FROM target LEFT JOIN extended ON true
+
+-- put_policy --
+-- Create or replace one layer's policy. A tenant layer creates its tenant. The
+-- balance refills under the old rules up to now, then is clamped to the new
+-- capacity; a limit that did not exist before starts full.
+WITH new_tenant AS (
+    INSERT INTO tenants (tenant)
+    SELECT $2::text WHERE $1::text = 'tenant'
+    ON CONFLICT DO NOTHING
+)
+INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
+                               requests_per_minute, request_burst, max_in_flight,
+                               lease_seconds, tokens, requests)
+VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
+        $8::integer, $9::integer, $5::bigint, $7::bigint)
+ON CONFLICT (scope, tenant, route) DO UPDATE
+   SET tokens_per_minute   = excluded.tokens_per_minute,
+       token_burst         = excluded.token_burst,
+       requests_per_minute = excluded.requests_per_minute,
+       request_burst       = excluded.request_burst,
+       max_in_flight       = excluded.max_in_flight,
+       lease_seconds       = excluded.lease_seconds,
+       policy_version      = nextval('policy_version_seq'),
+       tokens = CASE
+           WHEN excluded.tokens_per_minute IS NULL THEN NULL
+           WHEN l.tokens IS NULL THEN excluded.token_burst
+           ELSE least(excluded.token_burst,
+                      lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
+                                  l.refilled_at, clock_timestamp()))
+       END,
+       requests = CASE
+           WHEN excluded.requests_per_minute IS NULL THEN NULL
+           WHEN l.requests IS NULL THEN excluded.request_burst
+           ELSE least(excluded.request_burst,
+                      lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
+                                  l.refilled_at, clock_timestamp()))
+       END,
+       refilled_at = greatest(l.refilled_at, clock_timestamp())
+RETURNING l.policy_version
+
+-- get_policy --
+-- One layer's policy, or no row.
+SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
+       max_in_flight, lease_seconds, policy_version
+  FROM limit_layers
+ WHERE scope = $1::text
+   AND tenant IS NOT DISTINCT FROM $2::text
+   AND route IS NOT DISTINCT FROM $3::text
+
+-- ensure_tenant --
+-- Register a tenant (with an empty tenant layer: no limits of its own yet).
+WITH new_tenant AS (
+    INSERT INTO tenants (tenant) VALUES ($1::text)
+    ON CONFLICT DO NOTHING
+    RETURNING tenant
+)
+INSERT INTO limit_layers (scope, tenant)
+SELECT 'tenant', tenant FROM new_tenant
+
+-- tenant_exists --
+-- Whether a tenant is registered.
+SELECT EXISTS (SELECT 1 FROM tenants WHERE tenant = $1::text)
+
+-- insert_api_key --
+-- Store a key's digest for a tenant (NULL: an admin key).
+INSERT INTO api_keys (key_hash, tenant) VALUES ($1::bytea, $2::text) RETURNING key_id
+
+-- insert_first_admin_key --
+-- Store an admin key's digest unless an admin key exists already.
+INSERT INTO api_keys (key_hash, tenant)
+SELECT $1::bytea, NULL
+ WHERE NOT EXISTS (SELECT 1 FROM api_keys WHERE tenant IS NULL)
+RETURNING key_id
+
+-- find_api_key --
+-- The key with this digest: its tenant, or NULL tenant for an admin key.
+SELECT key_id, tenant FROM api_keys WHERE key_hash = $1::bytea
+
+-- layer_status --
+-- The global layer and every layer of one tenant, refilled to now (read only).
+SELECT scope, tenant, route, tokens_per_minute, token_burst, requests_per_minute,
+       request_burst, max_in_flight, lease_seconds, policy_version, in_flight,
+       lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
+           AS tokens,
+       lq_refilled(requests, requests_per_minute, request_burst, refilled_at, clock_timestamp())
+           AS requests
+  FROM limit_layers
+ WHERE (scope = 'global' AND tenant IS NULL AND route IS NULL)
+    OR (scope IN ('tenant', 'route') AND tenant = $1::text)
+ ORDER BY layer_id
+
+-- tenant_usage --
+-- Ledger totals for one tenant over [from, to): requests are reservations
+-- with any ledger row; tokens are what was really used.
+SELECT count(DISTINCT reservation_id) AS requests,
+       coalesce(sum(input_tokens), 0)::bigint AS input_tokens,
+       coalesce(sum(output_tokens), 0)::bigint AS output_tokens
+  FROM usage_ledger
+ WHERE tenant = $1::text
+   AND recorded_at >= $2::timestamptz
+   AND recorded_at < $3::timestamptz
+
+-- purge_finished --
+-- Delete up to $2 reservations finished longer ago than $1 seconds (their
+-- ledger rows stay); idempotency keys live as long as their reservation.
+DELETE FROM reservations
+ WHERE reservation_id IN (
+       SELECT reservation_id
+         FROM reservations
+        WHERE state <> 'active'
+          AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
+        LIMIT $2::integer
+          FOR UPDATE SKIP LOCKED)

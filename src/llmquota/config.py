@@ -1,0 +1,53 @@
+"""Settings, read from LLMQUOTA_* environment variables.
+
+Every limit the service itself lives by is here and named: pool sizes,
+timeouts, body size, sweeper batches. Nothing reads the environment
+elsewhere, and nothing holds settings in a module global: callers build a
+Settings and pass it down.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# A single token count above this is refused as absurd (and as a likely bug).
+MAX_TOKEN_COUNT = 10_000_000
+
+
+class Settings(BaseSettings):
+    """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMQUOTA_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
+    )
+    data_dir: str | None = Field(
+        default=None, description="embedded PostgreSQL data directory (default: user data dir)"
+    )
+    admin_key: str | None = Field(
+        default=None, description="admin API key; unset: `serve` generates one on first start"
+    )
+    estimate_factors: dict[str, float] = Field(
+        default_factory=dict,
+        description='per-model factor on o200k counts for models without a published '
+        'tokenizer, JSON such as {"claude-*": 1.25}; default 1.25',
+    )
+    pool_min_size: int = Field(default=2, ge=1, le=100)
+    pool_max_size: int = Field(default=10, ge=1, le=200)
+    statement_timeout_ms: int = Field(
+        default=5_000, ge=10, le=600_000, description="server-side cap on any statement"
+    )
+    lock_timeout_ms: int = Field(default=2_000, ge=10, le=600_000)
+    concurrency_retry_ms: int = Field(
+        default=1_000, ge=1, le=600_000, description="retry hint for a concurrency refusal"
+    )
+    max_body_bytes: int = Field(default=1_048_576, ge=1_024, le=64 * 1_048_576)
+    sweep_batch_size: int = Field(default=500, ge=1, le=10_000)
+    sweep_max_batches: int = Field(default=100, ge=1, le=100_000)
+    retention_seconds: int = Field(
+        default=7 * 86_400,
+        ge=86_400,
+        description="how long finished reservations (and their idempotency keys) are kept",
+    )

@@ -1,0 +1,69 @@
+"""The errors a caller of llmquota can get, as types.
+
+Each refusal says what bound it and what to do: wait (RateLimited, with a
+retry hint), change the request (RequestTooLarge, never retryable), or fix a
+mistake (the rest).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+LimitKind = Literal["tokens", "requests", "concurrency"]
+Scope = Literal["global", "tenant", "route"]
+
+
+class LimiterError(Exception):
+    """Base class of every error llmquota raises on purpose."""
+
+
+class RateLimited(LimiterError):
+    """A limit has no room now; retrying after `retry_after_ms` may succeed."""
+
+    def __init__(self, limit: LimitKind, scope: Scope, retry_after_ms: int, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.scope = scope
+        self.retry_after_ms = retry_after_ms
+        self.message = message
+
+    @property
+    def retry_after(self) -> float:
+        """The retry hint in seconds."""
+        return self.retry_after_ms / 1000.0
+
+
+class RequestTooLarge(LimiterError):
+    """The reservation exceeds a layer's token capacity: it can never fit."""
+
+    def __init__(self, scope: Scope, requested: int, capacity: int, message: str) -> None:
+        super().__init__(message)
+        self.limit: LimitKind = "tokens"
+        self.scope = scope
+        self.requested = requested
+        self.capacity = capacity
+        self.message = message
+
+
+class UnknownTenant(LimiterError):
+    """No such tenant is registered."""
+
+
+class InvalidRequest(LimiterError):
+    """The request's values are out of range or of the wrong kind."""
+
+
+class ReservationNotFound(LimiterError):
+    """No such reservation, or it belongs to another tenant."""
+
+
+class ReservationConflict(LimiterError):
+    """The reservation is in a state that does not allow this action."""
+
+
+class IdempotencyConflict(LimiterError):
+    """The idempotency key was used before for a different request."""
+
+
+class StoreUnavailable(LimiterError):
+    """The database could not be reached or did not answer in time; retryable."""

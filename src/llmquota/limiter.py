@@ -1,0 +1,427 @@
+"""The Limiter: the library a Python gateway uses, and what the API wraps.
+
+It validates and counts a request (pure code), hands the decision to the
+store (one statement), and turns the answer into a Reservation or a typed
+error. It holds no balances of its own: every figure comes from PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from llmquota.config import MAX_TOKEN_COUNT, Settings
+from llmquota.errors import (
+    IdempotencyConflict,
+    InvalidRequest,
+    RateLimited,
+    RequestTooLarge,
+    ReservationConflict,
+    ReservationNotFound,
+    StoreUnavailable,
+    UnknownTenant,
+)
+from llmquota.metrics import Metrics
+from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.store import (
+    AdmitDecision,
+    AdmitRequest,
+    FinishRequest,
+    FinishResult,
+    HeartbeatResult,
+    Store,
+)
+from llmquota.tokens import TokenCountError, count_messages
+
+Outcome = Literal["ok", "error", "cancelled"]
+OUTCOMES: frozenset[str] = frozenset({"ok", "error", "cancelled"})
+MAX_MODEL_NAME_CHARS = 200
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+_NAME = re.compile(NAME_PATTERN)
+
+
+def check_name(kind: str, value: object) -> str:
+    """A tenant or route name, or InvalidRequest."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise InvalidRequest(f"{kind} must match {NAME_PATTERN}")
+    return value
+
+
+def check_token_count(name: str, value: object) -> int:
+    """A token count: an integer in [0, MAX_TOKEN_COUNT], never a float or bool."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer")
+    if value < 0 or value > MAX_TOKEN_COUNT:
+        raise InvalidRequest(f"{name} must be between 0 and {MAX_TOKEN_COUNT}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A decision with what the limiter counted to reach it."""
+
+    decision: AdmitDecision
+    input_tokens: int
+    input_estimated: bool
+
+    def raise_for_refusal(self, tenant: str) -> None:
+        """Raise the typed error for anything but an admission (or its replay)."""
+        d = self.decision
+        if d.status in ("admitted", "replayed"):
+            return
+        if d.status == "rate_limited":
+            raise RateLimited(
+                limit=d.limit_kind,  # type: ignore[arg-type]
+                scope=d.limit_scope,  # type: ignore[arg-type]
+                retry_after_ms=int(d.retry_after_ms or 0),
+                message=refusal_message(tenant, d),
+            )
+        if d.status == "too_large":
+            raise RequestTooLarge(
+                scope=d.limit_scope,  # type: ignore[arg-type]
+                requested=int(d.reserved_tokens or 0),
+                capacity=int(d.capacity or 0),
+                message=refusal_message(tenant, d),
+            )
+        if d.status == "unknown_tenant":
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        raise IdempotencyConflict(
+            "idempotency_key was already used for a different request by this tenant"
+        )
+
+
+def refusal_message(tenant: str, d: AdmitDecision) -> str:
+    """A sentence a developer can act on: what bound, and what to do."""
+    if d.status == "too_large":
+        return (
+            f"Request reserves {d.reserved_tokens} tokens but the {d.limit_scope} token "
+            f"capacity for tenant {tenant} is {d.capacity}; it can never fit. Lower "
+            f"max_tokens or split the input."
+        )
+    retry_s = (d.retry_after_ms or 0) / 1000.0
+    what = {
+        "tokens": f"has too few tokens for {d.reserved_tokens}",
+        "requests": "is out of requests",
+        "concurrency": "has no free concurrency permit",
+    }.get(d.limit_kind or "", "refused")
+    return f"The {d.limit_scope} {d.limit_kind} limit for tenant {tenant} {what}; retry in {retry_s:.3f}s."
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What settling charged and gave back."""
+
+    charged_tokens: int
+    refunded_tokens: int
+    late: bool
+
+
+class Reservation:
+    """Admitted capacity held until settled, released or expired."""
+
+    def __init__(self, limiter: Limiter, tenant: str, admission: Admission) -> None:
+        d = admission.decision
+        if d.reservation_id is None or d.lease_expires_at is None:
+            raise RuntimeError("a reservation needs an admitted decision")
+        self._limiter = limiter
+        self.tenant = tenant
+        self.reservation_id: uuid.UUID = d.reservation_id
+        self.reserved_tokens = int(d.reserved_tokens or 0)
+        self.input_tokens = admission.input_tokens
+        self.input_estimated = admission.input_estimated
+        self.lease_expires_at: datetime = d.lease_expires_at
+        self.replayed = d.status == "replayed"
+        self.settlement: Settlement | None = None
+        self.released = False
+
+    @property
+    def finished(self) -> bool:
+        """Settled or released by this object."""
+        return self.settlement is not None or self.released
+
+    async def settle(
+        self, *, input_tokens: int, output_tokens: int, outcome: Outcome = "ok"
+    ) -> Settlement:
+        """Charge what the provider reported; refund (or debit) the difference."""
+        self.settlement = await self._limiter.settle(
+            self.reservation_id,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            outcome=outcome,
+        )
+        return self.settlement
+
+    async def release(self) -> None:
+        """Give everything back: the provider was never called."""
+        await self._limiter.release(self.reservation_id)
+        self.released = True
+
+    async def heartbeat(self, lease_seconds: int | None = None) -> datetime:
+        """Extend the lease while the work is healthy."""
+        result = await self._limiter.heartbeat(self.reservation_id, lease_seconds=lease_seconds)
+        assert result.lease_expires_at is not None
+        self.lease_expires_at = result.lease_expires_at
+        return self.lease_expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class SweepReport:
+    """What one sweeper run did."""
+
+    expired: int
+    tokens_returned: int
+    batches: int
+    purged: int
+
+
+class Limiter:
+    """Admission control over one PostgreSQL database."""
+
+    def __init__(self, store: Store, settings: Settings, metrics: Metrics | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+
+    @classmethod
+    async def connect(cls, dsn: str, settings: Settings | None = None) -> Limiter:
+        """Open a pool to an already-migrated database."""
+        settings = settings or Settings()
+        store = await Store.connect(
+            dsn,
+            min_size=settings.pool_min_size,
+            max_size=settings.pool_max_size,
+            statement_timeout_ms=settings.statement_timeout_ms,
+            lock_timeout_ms=settings.lock_timeout_ms,
+            concurrency_retry_ms=settings.concurrency_retry_ms,
+        )
+        return cls(store, settings)
+
+    async def close(self) -> None:
+        """Close the pool."""
+        await self.store.close()
+
+    async def __aenter__(self) -> Limiter:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def prepare(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        max_tokens: int,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        input_tokens: int | None = None,
+        route: str | None = None,
+        lease_seconds: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> AdmitRequest:
+        """Validate and count a request; pure, raises InvalidRequest."""
+        check_name("tenant", tenant)
+        if route is not None:
+            check_name("route", route)
+        if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
+            raise InvalidRequest(f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+        check_token_count("max_tokens", max_tokens)
+        if lease_seconds is not None and (
+            isinstance(lease_seconds, bool)
+            or not isinstance(lease_seconds, int)
+            or not 1 <= lease_seconds <= MAX_LEASE_SECONDS
+        ):
+            raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str)
+            or not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS
+        ):
+            raise InvalidRequest(
+                f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters"
+            )
+        if (messages is None) == (input_tokens is None):
+            raise InvalidRequest("give exactly one of messages or input_tokens")
+        if input_tokens is not None:
+            counted, estimated = check_token_count("input_tokens", input_tokens), False
+        else:
+            try:
+                count = count_messages(messages or [], model, self.settings.estimate_factors)
+            except TokenCountError as exc:
+                raise InvalidRequest(str(exc)) from exc
+            counted, estimated = count.tokens, count.estimated
+            if counted > MAX_TOKEN_COUNT:
+                raise InvalidRequest(f"messages hold more than {MAX_TOKEN_COUNT} tokens")
+        request_hash = None
+        if idempotency_key is not None:
+            canonical = json.dumps(
+                [route, model, max_tokens, lease_seconds, input_tokens, messages],
+                sort_keys=True,
+                separators=(",", ":"),
+            )
+            request_hash = hashlib.sha256(canonical.encode()).hexdigest()
+        return AdmitRequest(
+            tenant=tenant,
+            route=route,
+            model=model,
+            input_tokens=counted,
+            max_tokens=max_tokens,
+            input_estimated=estimated,
+            lease_seconds=lease_seconds,
+            idempotency_key=idempotency_key,
+            request_hash=request_hash,
+        )
+
+    async def decide(self, request: AdmitRequest) -> Admission:
+        """One admission decision; refusals are returned, not raised."""
+        started = time.perf_counter()
+        try:
+            (decision,) = await self.store.admit([request])
+        except StoreUnavailable:
+            self.metrics.store_errors.labels("admit").inc()
+            raise
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if decision.status == "admitted":
+            self.metrics.admits.inc()
+        elif decision.status in ("rate_limited", "too_large"):
+            self.metrics.denials.labels(
+                decision.limit_kind, decision.limit_scope, decision.status
+            ).inc()
+        return Admission(decision, request.input_tokens, request.input_estimated)
+
+    async def admit(self, **request: Any) -> Reservation:
+        """Reserve capacity for one request, or raise why not.
+
+        Keyword arguments are those of `prepare`.
+        """
+        prepared = self.prepare(**request)
+        admission = await self.decide(prepared)
+        admission.raise_for_refusal(prepared.tenant)
+        return Reservation(self, prepared.tenant, admission)
+
+    @contextlib.asynccontextmanager
+    async def reservation(self, **request: Any) -> AsyncIterator[Reservation]:
+        """Hold a reservation for a block; leaving it unsettled releases it.
+
+        The release also runs on exceptions and cancellation (shielded, so a
+        cancelled caller still returns its capacity).
+        """
+        held = await self.admit(**request)
+        try:
+            yield held
+        finally:
+            if not held.finished:
+                await asyncio.shield(self.release(held.reservation_id))
+                held.released = True
+
+    async def _finish_one(self, request: FinishRequest) -> FinishResult:
+        try:
+            (result,) = await self.store.finish([request])
+        except StoreUnavailable:
+            self.metrics.store_errors.labels(request.action).inc()
+            raise
+        if result.status == "not_found":
+            raise ReservationNotFound(f"no reservation {request.reservation_id}")
+        return result
+
+    async def settle(
+        self,
+        reservation_id: uuid.UUID,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        outcome: str = "ok",
+        caller: str | None = None,
+    ) -> Settlement:
+        """Charge actual usage for a reservation; idempotent for the same figures."""
+        check_token_count("input_tokens", input_tokens)
+        check_token_count("output_tokens", output_tokens)
+        if outcome not in OUTCOMES:
+            raise InvalidRequest(f"outcome must be one of {sorted(OUTCOMES)}")
+        result = await self._finish_one(
+            FinishRequest(reservation_id, "settle", caller, input_tokens, output_tokens, outcome)
+        )
+        if result.status == "conflict":
+            raise ReservationConflict(
+                "reservation was released, or settled before with different figures"
+                if result.state != "released"
+                else "reservation was released; it cannot be settled"
+            )
+        settlement = Settlement(
+            charged_tokens=int(result.charged_tokens or 0),
+            refunded_tokens=int(result.refunded_tokens or 0),
+            late=bool(result.late),
+        )
+        if result.status == "settled":
+            self.metrics.settlements.labels(str(settlement.late).lower()).inc()
+            self.metrics.refunded_tokens.inc(settlement.refunded_tokens)
+        return settlement
+
+    async def release(self, reservation_id: uuid.UUID, caller: str | None = None) -> None:
+        """Return a reservation unused; idempotent."""
+        result = await self._finish_one(FinishRequest(reservation_id, "release", caller))
+        if result.status == "conflict":
+            raise ReservationConflict(f"reservation is {result.state}; it cannot be released")
+        if result.status == "released":
+            self.metrics.releases.inc()
+
+    async def heartbeat(
+        self, reservation_id: uuid.UUID, lease_seconds: int | None = None, caller: str | None = None
+    ) -> HeartbeatResult:
+        """Extend a live lease, or raise why it cannot be."""
+        if lease_seconds is not None and (
+            isinstance(lease_seconds, bool)
+            or not isinstance(lease_seconds, int)
+            or not 1 <= lease_seconds <= MAX_LEASE_SECONDS
+        ):
+            raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+        try:
+            result = await self.store.heartbeat(reservation_id, caller, lease_seconds)
+        except StoreUnavailable:
+            self.metrics.store_errors.labels("heartbeat").inc()
+            raise
+        if result is None:
+            raise ReservationNotFound(f"no reservation {reservation_id}")
+        if result.lease_expires_at is None:
+            state = "expired (lease ran out)" if result.state == "active" else result.state
+            raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
+        return result
+
+    async def sweep(
+        self, batch_size: int | None = None, max_batches: int | None = None
+    ) -> SweepReport:
+        """Expire lapsed reservations in bounded batches, then purge old finished ones."""
+        batch_size = batch_size or self.settings.sweep_batch_size
+        max_batches = max_batches or self.settings.sweep_max_batches
+        expired = tokens = batches = 0
+        for _ in range(max_batches):
+            count, returned = await self.store.sweep(batch_size)
+            batches += 1
+            expired += count
+            tokens += returned
+            if count < batch_size:
+                break
+        self.metrics.sweeper_reclaims.inc(expired)
+        purged = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+        return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
+
+
+def seconds_until_full(balance: float | None, burst: int | None, per_minute: int | None) -> float | None:
+    """How long a bucket takes to refill completely; None where there is no limit."""
+    if balance is None or burst is None or not per_minute:
+        return None
+    return max(0.0, (burst - balance) * 60.0 / per_minute)
+
+
+def ceil_seconds(milliseconds: int) -> int:
+    """Whole seconds, rounded up, for a Retry-After header."""
+    return max(1, math.ceil(milliseconds / 1000))

@@ -1,0 +1,56 @@
+"""Prometheus metrics for one process.
+
+A Metrics object owns its registry (no module globals), so tests and several
+limiters in one process never share counters. Policy denials, concurrency
+denials, store errors and sweeper reclaims are separate series: a limiter
+doing its job and a broken dependency must never look alike.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+DECISION_BUCKETS_SECONDS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+
+
+class Metrics:
+    """The counters and histograms the limiter and API update."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.admits = Counter(
+            "llmquota_admits", "Admissions granted", registry=self.registry
+        )
+        self.denials = Counter(
+            "llmquota_denials",
+            "Admissions refused, by the limit and scope that bound",
+            ["limit", "scope", "reason"],
+            registry=self.registry,
+        )
+        self.settlements = Counter(
+            "llmquota_settlements", "Reservations settled", ["late"], registry=self.registry
+        )
+        self.releases = Counter(
+            "llmquota_releases", "Reservations released unused", registry=self.registry
+        )
+        self.refunded_tokens = Counter(
+            "llmquota_refunded_tokens", "Tokens refunded at settlement", registry=self.registry
+        )
+        self.sweeper_reclaims = Counter(
+            "llmquota_sweeper_reclaims", "Reservations expired by the sweeper",
+            registry=self.registry,
+        )
+        self.store_errors = Counter(
+            "llmquota_store_errors", "Calls that failed because the database did not answer",
+            ["operation"], registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "llmquota_decision_seconds", "Admission decision latency",
+            buckets=DECISION_BUCKETS_SECONDS, registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)

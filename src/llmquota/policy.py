@@ -1,0 +1,67 @@
+"""Limit policies: what a layer allows, validated before anything is stored.
+
+Pure code. A policy field left out means no limit of that kind at that layer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+# Ceilings on every configurable number, so a typo cannot store a value the
+# arithmetic downstream was never meant to see.
+MAX_TOKENS_PER_MINUTE = 10_000_000_000
+MAX_REQUESTS_PER_MINUTE = 100_000_000
+MAX_IN_FLIGHT = 1_000_000
+MAX_LEASE_SECONDS = 86_400
+DEFAULT_LEASE_SECONDS = 120
+
+NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+
+LayerScope = Literal["global", "tenant", "route"]
+
+TokenRate = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
+RequestRate = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
+
+
+class Policy(BaseModel):
+    """One layer's limits. Capacity (burst) and refill (per minute) are separate dials."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_per_minute: TokenRate | None = None
+    token_burst: TokenRate | None = None
+    requests_per_minute: RequestRate | None = None
+    request_burst: RequestRate | None = None
+    max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    lease_seconds: Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)] = DEFAULT_LEASE_SECONDS
+
+    @model_validator(mode="after")
+    def _bursts_need_rates(self) -> Self:
+        if self.token_burst is not None and self.tokens_per_minute is None:
+            raise ValueError("token_burst needs tokens_per_minute (the refill rate)")
+        if self.request_burst is not None and self.requests_per_minute is None:
+            raise ValueError("request_burst needs requests_per_minute (the refill rate)")
+        return self
+
+    @property
+    def effective_token_burst(self) -> int | None:
+        """Capacity of the token bucket; defaults to one minute of refill."""
+        return self.token_burst if self.token_burst is not None else self.tokens_per_minute
+
+    @property
+    def effective_request_burst(self) -> int | None:
+        """Capacity of the request bucket; defaults to one minute of refill."""
+        if self.request_burst is not None:
+            return self.request_burst
+        return self.requests_per_minute
+
+    def resolved(self) -> Policy:
+        """The same policy with default bursts written out, as stored."""
+        return self.model_copy(
+            update={
+                "token_burst": self.effective_token_burst,
+                "request_burst": self.effective_request_burst,
+            }
+        )

@@ -1,0 +1,202 @@
+"""Counting input tokens before a request leaves.
+
+Pure code: no database. The rank files ship with the package and are checked
+against the SHA-256 that tiktoken itself expects, so nothing downloads at run
+time and a corrupted file fails loudly instead of miscounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+from llmquota.resources import encodings_dir
+
+# The SHA-256 of each rank file, as pinned by tiktoken_ext/openai_public.py.
+_EXPECTED_SHA256 = {
+    "cl100k_base": "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7",
+    "o200k_base": "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d",
+}
+
+# Regexes and special tokens as in tiktoken_ext/openai_public.py.
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|"""
+    r"""\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_SPECIAL_TOKENS = {
+    "cl100k_base": {
+        "<|endoftext|>": 100257,
+        "<|fim_prefix|>": 100258,
+        "<|fim_middle|>": 100259,
+        "<|fim_suffix|>": 100260,
+        "<|endofprompt|>": 100276,
+    },
+    "o200k_base": {"<|endoftext|>": 199999, "<|endofprompt|>": 200018},
+}
+_PATTERNS = {"cl100k_base": _CL100K_PATTERN, "o200k_base": _O200K_PATTERN}
+
+# OpenAI's chat format: every message costs its content plus a fixed framing
+# (<|start|>{role}\n ... <|end|>\n), a name field costs one more, and the reply
+# is primed with three tokens. These are the figures OpenAI's cookbook uses for
+# gpt-3.5-turbo-0613 and later, gpt-4 and the o200k models.
+TOKENS_PER_MESSAGE = 3
+TOKENS_PER_NAME = 1
+TOKENS_REPLY_PRIMING = 3
+
+# Model-name prefixes in the order they are tried: longest and most specific first.
+_EXACT_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("gpt-4o", "o200k_base"),
+    ("gpt-4.1", "o200k_base"),
+    ("gpt-4.5", "o200k_base"),
+    ("gpt-5", "o200k_base"),
+    ("chatgpt-4o", "o200k_base"),
+    ("o1", "o200k_base"),
+    ("o3", "o200k_base"),
+    ("o4", "o200k_base"),
+    ("gpt-4", "cl100k_base"),
+    ("gpt-3.5", "cl100k_base"),
+    ("text-embedding-3", "cl100k_base"),
+    ("text-embedding-ada-002", "cl100k_base"),
+)
+
+DEFAULT_ESTIMATE_FACTOR = 1.25
+
+
+class TokenCountError(ValueError):
+    """The messages cannot be counted: wrong shape or wrong types."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """Input tokens for one request, and whether the figure is an estimate."""
+
+    tokens: int
+    encoding: str
+    estimated: bool
+
+
+@functools.cache
+def get_encoding(name: str) -> tiktoken.Encoding:
+    """Load one of the shipped encodings, verifying its hash; cached per process."""
+    if name not in _EXPECTED_SHA256:
+        raise KeyError(f"unknown encoding {name!r}")
+    path = encodings_dir() / f"{name}.tiktoken"
+    ranks = load_tiktoken_bpe(str(path), expected_hash=_EXPECTED_SHA256[name])
+    return tiktoken.Encoding(
+        name=name,
+        pat_str=_PATTERNS[name],
+        mergeable_ranks=ranks,
+        special_tokens=_SPECIAL_TOKENS[name],
+    )
+
+
+def encoding_for_model(model: str) -> tuple[str, bool]:
+    """The encoding used to count `model`, and whether the count is exact.
+
+    OpenAI models have a published tokenizer; anything else (claude-*, open
+    models) is counted with o200k_base and scaled, so the figure is an estimate.
+    """
+    lowered = model.lower()
+    for prefix, encoding in _EXACT_PREFIXES:
+        if lowered.startswith(prefix):
+            return encoding, True
+    return "o200k_base", False
+
+
+def _message_text(message: Mapping[str, Any]) -> list[str]:
+    """The strings of one chat message that the model reads."""
+    if not isinstance(message, Mapping):
+        raise TokenCountError("each message must be an object with 'role' and 'content'")
+    parts: list[str] = []
+    for key in ("role", "name"):
+        value = message.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise TokenCountError(f"message {key} must be a string")
+            parts.append(value)
+    content = message.get("content")
+    if content is None:
+        return parts
+    if isinstance(content, str):
+        parts.append(content)
+    elif isinstance(content, list):
+        # Content blocks: only text blocks are counted here.
+        for block in content:
+            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
+                parts.append(block["text"])
+            elif isinstance(block, str):
+                parts.append(block)
+            else:
+                raise TokenCountError("content blocks must be strings or objects with a 'text'")
+    else:
+        raise TokenCountError("message content must be a string or a list of blocks")
+    return parts
+
+
+def count_text(text: str, model: str, estimate_factors: Mapping[str, float] | None = None) -> TokenCount:
+    """Tokens in plain text (no chat framing), as the CLI's `tokens` command counts stdin."""
+    encoding_name, exact = encoding_for_model(model)
+    raw = len(get_encoding(encoding_name).encode(text, disallowed_special=()))
+    return _scaled(raw, model, encoding_name, exact, estimate_factors)
+
+
+def count_messages(
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    estimate_factors: Mapping[str, float] | None = None,
+) -> TokenCount:
+    """Input tokens of a chat request, framing included."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+        raise TokenCountError("messages must be a list of message objects")
+    encoding_name, exact = encoding_for_model(model)
+    encoding = get_encoding(encoding_name)
+    raw = TOKENS_REPLY_PRIMING
+    for message in messages:
+        raw += TOKENS_PER_MESSAGE
+        if isinstance(message, Mapping) and message.get("name") is not None:
+            raw += TOKENS_PER_NAME
+        for part in _message_text(message):
+            raw += len(encoding.encode(part, disallowed_special=()))
+    return _scaled(raw, model, encoding_name, exact, estimate_factors)
+
+
+def _scaled(
+    raw: int,
+    model: str,
+    encoding_name: str,
+    exact: bool,
+    estimate_factors: Mapping[str, float] | None,
+) -> TokenCount:
+    if exact:
+        return TokenCount(tokens=raw, encoding=encoding_name, estimated=False)
+    factor = estimate_factor(model, estimate_factors)
+    return TokenCount(tokens=math.ceil(raw * factor), encoding=encoding_name, estimated=True)
+
+
+def estimate_factor(model: str, estimate_factors: Mapping[str, float] | None) -> float:
+    """The configured factor for a model: exact name first, then the longest matching prefix."""
+    factors = estimate_factors or {}
+    if model in factors:
+        return factors[model]
+    best = ""
+    for prefix in factors:
+        if prefix.endswith("*") and model.startswith(prefix[:-1]) and len(prefix) > len(best):
+            best = prefix
+    return factors[best] if best else DEFAULT_ESTIMATE_FACTOR

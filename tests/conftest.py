@@ -1,0 +1,92 @@
+"""Test fixtures: a real PostgreSQL, one migrated template, a fresh database per test.
+
+The server is LLMQUOTA_DATABASE_URL when set (CI's PostgreSQL 15 matrix),
+otherwise an embedded PostgreSQL in a temporary directory. The migrations run
+once into a template database; each test gets `CREATE DATABASE ... TEMPLATE`
+of it, which is fast, isolated and real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from llmquota import migrate
+from llmquota.config import Settings
+from llmquota.database import open_database
+from llmquota.limiter import Limiter
+
+_counter = itertools.count()
+
+
+def dsn_with_database(dsn: str, database: str) -> str:
+    """The same server, another database."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+async def _admin(dsn: str, *statements: str) -> None:
+    connection = await asyncpg.connect(dsn)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+@pytest.fixture(scope="session")
+def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A DSN to the test server's maintenance database."""
+    url = os.environ.get("LLMQUOTA_DATABASE_URL")
+    data_dir: Path | None = None if url else tmp_path_factory.mktemp("pg") / "data"
+    with open_database(database_url=url, data_dir=data_dir) as handle:
+        yield handle.dsn
+
+
+@pytest.fixture(scope="session")
+def template_database(server_dsn: str) -> Iterator[str]:
+    """Name of a database migrated to head, used as the template for each test."""
+    name = f"llmquota_template_{os.getpid()}"
+    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"'))
+    migrate.upgrade(dsn_with_database(server_dsn, name))
+    yield name
+    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def database_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"llmquota_test_{os.getpid()}_{next(_counter)}_{uuid.uuid4().hex[:6]}"
+    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield dsn_with_database(server_dsn, name)
+    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def settings() -> Settings:
+    """Settings for tests: a pool wide enough for the concurrency tests."""
+    return Settings(pool_min_size=1, pool_max_size=20, _env_file=None)  # type: ignore[call-arg]
+
+
+@pytest.fixture
+async def limiter(database_dsn: str, settings: Settings) -> AsyncIterator[Limiter]:
+    """A Limiter on a fresh database."""
+    lim = await Limiter.connect(database_dsn, settings)
+    yield lim
+    await lim.close()
+
+
+@pytest.fixture
+async def db(database_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the test database, for inspecting and shifting state."""
+    connection = await asyncpg.connect(database_dsn)
+    yield connection
+    await connection.close()
