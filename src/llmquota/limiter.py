@@ -352,9 +352,9 @@ class Limiter:
         )
         if result.status == "conflict":
             raise ReservationConflict(
-                "reservation was released, or settled before with different figures"
-                if result.state != "released"
-                else "reservation was released; it cannot be settled"
+                "reservation was released; it cannot be settled"
+                if result.state == "released"
+                else "reservation was settled before with different figures"
             )
         settlement = Settlement(
             charged_tokens=int(result.charged_tokens or 0),

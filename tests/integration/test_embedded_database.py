@@ -263,34 +263,50 @@ def test_sigterm_to_uvicorn_serving_stops_the_server(pgdata: Path, tmp_path: Pat
 
 
 async def test_nested_open_in_one_process_and_sqlalchemy_url(tmp_path: Path) -> None:
-    # A space in the path: the socket directory must be quoted in the DSN.
-    pgdata = tmp_path / "with space" / "pgdata"
+    # A "+" in the socket directory: a query string would read it as a space
+    # unless the DSN quotes it.
+    pgdata = tmp_path / "c++" / "pgdata"
     try:
         with open_database(data_dir=pgdata) as outer:
             assert outer.embedded
             assert outer.data_dir == pgdata
-            assert (
-                outer.dsn == f"postgresql://postgres@/postgres?host={tmp_path}/with%20space/pgdata"
-            )
+            assert outer.dsn == f"postgresql://postgres@/postgres?host={tmp_path}/c%2B%2B/pgdata"
             [postmaster] = postmasters(pgdata)
             with open_database(data_dir=pgdata) as inner:
                 assert inner.dsn == outer.dsn
                 assert postmasters(pgdata) == [postmaster]
             # The outer handle still holds the server.
             assert postmasters(pgdata) == [postmaster]
+            assert set(users_register(pgdata)) == {str(os.getpid())}
             engine = create_async_engine(sqlalchemy_url(outer.dsn))
             try:
                 async with engine.connect() as conn:
                     assert await conn.scalar(text("select 41 + 1")) == 42
             finally:
                 await engine.dispose()
+            assert await postmaster_start_time(outer.dsn) > 0
         assert wait_for_no_postmaster(pgdata) == []
     finally:
         for pid in postmasters(pgdata):
             psutil.Process(pid).kill()
 
 
-async def test_stale_postmaster_pid_naming_a_recycled_pid_is_not_taken_for_a_server(
+async def test_data_dir_with_a_space_starts(tmp_path: Path) -> None:
+    # The package hands the socket directory to pg_ctl's shell unquoted; the
+    # default data directory on macOS ("Application Support") has a space.
+    pgdata = tmp_path / "Application Support" / "pgdata"
+    try:
+        with open_database(data_dir=pgdata) as db:
+            assert " " not in db.dsn
+            assert await postmaster_start_time(db.dsn) > 0
+            assert len(postmasters(pgdata)) == 1
+        assert wait_for_no_postmaster(pgdata) == []
+    finally:
+        for pid in postmasters(pgdata):
+            psutil.Process(pid).kill()
+
+
+def test_stale_postmaster_pid_naming_a_recycled_pid_is_not_taken_for_a_server(
     pgdata: Path,
 ) -> None:
     with open_database(data_dir=pgdata):
@@ -307,7 +323,7 @@ async def test_stale_postmaster_pid_naming_a_recycled_pid_is_not_taken_for_a_ser
         with open_database(data_dir=pgdata) as db:
             [postmaster] = postmasters(pgdata)
             assert postmaster != impostor.pid
-            assert await postmaster_start_time(db.dsn) > 0
+            assert asyncio.run(postmaster_start_time(db.dsn)) > 0
         assert wait_for_no_postmaster(pgdata) == []
         assert impostor.poll() is None  # left alone
     finally:

@@ -1,0 +1,160 @@
+"""Request and response bodies of the REST API.
+
+Token counts are strict integers with a ceiling: a float, NaN, Infinity,
+1e400 or a string is refused before anything touches the database.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from llmquota.config import MAX_TOKEN_COUNT
+from llmquota.limiter import MAX_IDEMPOTENCY_KEY_CHARS, MAX_MODEL_NAME_CHARS
+from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+
+TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
+LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
+Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+MAX_MESSAGES = 10_000
+
+
+class AdmitBody(BaseModel):
+    """POST /v1/admit. Give `messages` to have them counted, or `input_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tenant: Name
+    route: Name | None = None
+    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+    messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
+    input_tokens: TokenCount | None = None
+    max_tokens: TokenCount
+    lease_seconds: LeaseSeconds | None = None
+    idempotency_key: (
+        Annotated[StrictStr, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None
+    ) = None
+
+
+class Remaining(BaseModel):
+    """What is left at the tightest layer of each kind; null where unlimited."""
+
+    tokens: int | None
+    requests: int | None
+    in_flight: int | None
+
+
+class AdmitResponse(BaseModel):
+    """201 from POST /v1/admit."""
+
+    reservation_id: str
+    reserved_tokens: int
+    input_tokens: int
+    input_estimated: bool
+    lease_expires_at: datetime
+    lease_generation: int
+    remaining: Remaining
+
+
+class SettleBody(BaseModel):
+    """POST /v1/reservations/{id}/settle: the provider's reported usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_tokens: TokenCount
+    output_tokens: TokenCount
+    outcome: Literal["ok", "error", "cancelled"] = "ok"
+
+
+class SettleResponse(BaseModel):
+    """200 from settle."""
+
+    charged_tokens: int
+    refunded_tokens: int
+    late: bool
+
+
+class HeartbeatBody(BaseModel):
+    """POST /v1/reservations/{id}/heartbeat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lease_seconds: LeaseSeconds | None = None
+
+
+class HeartbeatResponse(BaseModel):
+    """200 from heartbeat."""
+
+    lease_expires_at: datetime
+    lease_generation: int
+
+
+class ReleaseResponse(BaseModel):
+    """200 from release."""
+
+    released: bool
+
+
+class PolicyBody(BaseModel):
+    """A layer's policy; a field left out is no limit of that kind."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens_per_minute: Annotated[StrictInt, Field(ge=1)] | None = None
+    token_burst: Annotated[StrictInt, Field(ge=1)] | None = None
+    requests_per_minute: Annotated[StrictInt, Field(ge=1)] | None = None
+    request_burst: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_in_flight: Annotated[StrictInt, Field(ge=1)] | None = None
+    lease_seconds: Annotated[StrictInt, Field(ge=1)] | None = None
+
+
+class PolicyResponse(BaseModel):
+    """A stored policy with its defaults written out."""
+
+    tokens_per_minute: int | None
+    token_burst: int | None
+    requests_per_minute: int | None
+    request_burst: int | None
+    max_in_flight: int | None
+    lease_seconds: int
+    policy_version: int
+
+
+class KeyResponse(BaseModel):
+    """201 from POST /v1/tenants/{tenant}/keys: shown once, stored hashed."""
+
+    key: str
+    tenant: str
+
+
+class LayerStatusResponse(BaseModel):
+    """One layer in GET /v1/tenants/{tenant}/status."""
+
+    scope: Literal["global", "tenant", "route"]
+    route: str | None
+    limits: PolicyResponse
+    remaining_tokens: int | None
+    remaining_requests: int | None
+    in_flight: int
+    tokens_full_in_seconds: float | None
+    requests_full_in_seconds: float | None
+
+
+class StatusResponse(BaseModel):
+    """GET /v1/tenants/{tenant}/status."""
+
+    tenant: str
+    layers: list[LayerStatusResponse]
+
+
+class UsageResponse(BaseModel):
+    """GET /v1/tenants/{tenant}/usage: ledger totals over [from, to)."""
+
+    tenant: str
+    from_: datetime = Field(serialization_alias="from")
+    to: datetime
+    requests: int
+    input_tokens: int
+    output_tokens: int
