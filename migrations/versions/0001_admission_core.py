@@ -108,8 +108,8 @@ CREATE TABLE usage_ledger (
     input_tokens     bigint NOT NULL,
     output_tokens    bigint NOT NULL,
     reserved_tokens  bigint NOT NULL,
-    outcome          text NOT NULL
-                     CHECK (outcome IN ('ok', 'error', 'cancelled', 'expired', 'late', 'adjustment')),
+    outcome          text NOT NULL CHECK (outcome IN ('ok', 'error', 'cancelled',
+                                                  'expired', 'late', 'adjustment')),
     policy_version   bigint,
     recorded_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
     UNIQUE (reservation_id, entry_kind)
@@ -133,7 +133,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute("DROP FUNCTION IF EXISTS lq_admit, lq_finish, lq_sweep, lq_credit_layers, lq_refilled")
+    op.execute(
+        "DROP FUNCTION IF EXISTS lq_admit, lq_finish, lq_sweep, lq_credit_layers, lq_refilled"
+    )
     for table in ("api_keys", "usage_ledger", "reservations", "limit_layers", "tenants"):
         op.execute(f"DROP TABLE IF EXISTS {table} CASCADE")
     op.execute("DROP SEQUENCE IF EXISTS policy_version_seq")

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     )
     estimate_factors: dict[str, float] = Field(
         default_factory=dict,
-        description='per-model factor on o200k counts for models without a published '
+        description="per-model factor on o200k counts for models without a published "
         'tokenizer, JSON such as {"claude-*": 1.25}; default 1.25',
     )
     pool_min_size: int = Field(default=2, ge=1, le=100)

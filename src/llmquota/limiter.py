@@ -115,7 +115,10 @@ def refusal_message(tenant: str, d: AdmitDecision) -> str:
         "requests": "is out of requests",
         "concurrency": "has no free concurrency permit",
     }.get(d.limit_kind or "", "refused")
-    return f"The {d.limit_scope} {d.limit_kind} limit for tenant {tenant} {what}; retry in {retry_s:.3f}s."
+    return (
+        f"The {d.limit_scope} {d.limit_kind} limit for tenant {tenant} {what}; "
+        f"retry in {retry_s:.3f}s."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +237,9 @@ class Limiter:
         if route is not None:
             check_name("route", route)
         if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
-            raise InvalidRequest(f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+            raise InvalidRequest(
+                f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters"
+            )
         check_token_count("max_tokens", max_tokens)
         if lease_seconds is not None and (
             isinstance(lease_seconds, bool)
@@ -415,7 +420,9 @@ class Limiter:
         return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
 
 
-def seconds_until_full(balance: float | None, burst: int | None, per_minute: int | None) -> float | None:
+def seconds_until_full(
+    balance: float | None, burst: int | None, per_minute: int | None
+) -> float | None:
     """How long a bucket takes to refill completely; None where there is no limit."""
     if balance is None or burst is None or not per_minute:
         return None

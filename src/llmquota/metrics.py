@@ -11,7 +11,18 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 DECISION_BUCKETS_SECONDS = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
 )
 
 
@@ -20,9 +31,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.admits = Counter(
-            "llmquota_admits", "Admissions granted", registry=self.registry
-        )
+        self.admits = Counter("llmquota_admits", "Admissions granted", registry=self.registry)
         self.denials = Counter(
             "llmquota_denials",
             "Admissions refused, by the limit and scope that bound",
@@ -39,16 +48,21 @@ class Metrics:
             "llmquota_refunded_tokens", "Tokens refunded at settlement", registry=self.registry
         )
         self.sweeper_reclaims = Counter(
-            "llmquota_sweeper_reclaims", "Reservations expired by the sweeper",
+            "llmquota_sweeper_reclaims",
+            "Reservations expired by the sweeper",
             registry=self.registry,
         )
         self.store_errors = Counter(
-            "llmquota_store_errors", "Calls that failed because the database did not answer",
-            ["operation"], registry=self.registry,
+            "llmquota_store_errors",
+            "Calls that failed because the database did not answer",
+            ["operation"],
+            registry=self.registry,
         )
         self.decision_seconds = Histogram(
-            "llmquota_decision_seconds", "Admission decision latency",
-            buckets=DECISION_BUCKETS_SECONDS, registry=self.registry,
+            "llmquota_decision_seconds",
+            "Admission decision latency",
+            buckets=DECISION_BUCKETS_SECONDS,
+            registry=self.registry,
         )
 
     def render(self) -> bytes:

@@ -373,7 +373,7 @@ class Store:
             status: str = await connection.execute(
                 self._sql["purge_finished"], retention_seconds, limit
             )
-        return int(status.split()[-1])
+        return int(status.rsplit(maxsplit=1)[-1])
 
 
 def _policy_from_row(row: asyncpg.Record) -> Policy:

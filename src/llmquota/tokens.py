@@ -150,7 +150,9 @@ def _message_text(message: Mapping[str, Any]) -> list[str]:
     return parts
 
 
-def count_text(text: str, model: str, estimate_factors: Mapping[str, float] | None = None) -> TokenCount:
+def count_text(
+    text: str, model: str, estimate_factors: Mapping[str, float] | None = None
+) -> TokenCount:
     """Tokens in plain text (no chat framing), as the CLI's `tokens` command counts stdin."""
     encoding_name, exact = encoding_for_model(model)
     raw = len(get_encoding(encoding_name).encode(text, disallowed_special=()))

@@ -49,15 +49,9 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                try:
-                    declared = int(value)
-                except ValueError:
-                    declared = -1
-                if declared < 0 or declared > self.max_body_bytes:
-                    await self._refuse(send)
-                    return
+        if self._declared_too_large(scope):
+            await self._refuse(send)
+            return
         seen = 0
         response_started = False
 
@@ -81,6 +75,17 @@ class BodySizeLimit:
         except BodyTooLarge:
             if not response_started:
                 await self._refuse(send)
+
+    def _declared_too_large(self, scope: Scope) -> bool:
+        """A Content-Length over the limit (or not a number) is refused unread."""
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    return True
+                return declared < 0 or declared > self.max_body_bytes
+        return False
 
     async def _refuse(self, send: Send) -> None:
         body = _payload(self.max_body_bytes)
