@@ -18,10 +18,13 @@ SELECT * FROM lq_sweep($1::integer)
 
 -- heartbeat --
 -- Extend a live lease by $3 seconds (default: the reservation's own lease) and
--- bump its generation. No row: no such reservation for this caller. A row
--- with a NULL lease_expires_at: it exists but is finished or its lease ran out.
+-- bump its generation (the fencing token). $4, when given, is the generation
+-- the caller holds: a stale one extends nothing. No row: no such reservation
+-- for this caller. A row with a NULL lease_expires_at: it exists but is
+-- finished, its lease ran out, or the caller's generation is stale.
 WITH target AS (
-    SELECT rs.reservation_id, rs.state
+    SELECT rs.reservation_id, rs.state, rs.lease_generation,
+           rs.state = 'active' AND rs.lease_expires_at > clock_timestamp() AS lease_live
       FROM reservations AS rs
      WHERE rs.reservation_id = $1::uuid
        AND ($2::text IS NULL OR rs.tenant = $2::text)
@@ -34,9 +37,11 @@ WITH target AS (
      WHERE rs.reservation_id = target.reservation_id
        AND rs.state = 'active'
        AND rs.lease_expires_at > clock_timestamp()
+       AND ($4::integer IS NULL OR rs.lease_generation = $4::integer)
     RETURNING rs.lease_expires_at, rs.lease_generation
 )
-SELECT target.state, extended.lease_expires_at, extended.lease_generation
+SELECT target.state, target.lease_live, target.lease_generation AS current_generation,
+       extended.lease_expires_at, extended.lease_generation
   FROM target LEFT JOIN extended ON true
 
 -- put_policy --
@@ -50,9 +55,9 @@ WITH new_tenant AS (
 )
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
-                               lease_seconds, tokens, requests)
+                               lease_seconds, failure_mode, tokens, requests)
 VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-        $8::integer, $9::integer, $5::bigint, $7::bigint)
+        $8::integer, $9::integer, $10::text, $5::bigint, $7::bigint)
 ON CONFLICT (scope, tenant, route) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
@@ -60,6 +65,7 @@ ON CONFLICT (scope, tenant, route) DO UPDATE
        request_burst       = excluded.request_burst,
        max_in_flight       = excluded.max_in_flight,
        lease_seconds       = excluded.lease_seconds,
+       failure_mode        = excluded.failure_mode,
        policy_version      = nextval('policy_version_seq'),
        tokens = CASE
            WHEN excluded.tokens_per_minute IS NULL THEN NULL
@@ -81,7 +87,7 @@ RETURNING l.policy_version
 -- get_policy --
 -- One layer's policy, or no row.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
-       max_in_flight, lease_seconds, policy_version
+       max_in_flight, lease_seconds, failure_mode, policy_version
   FROM limit_layers
  WHERE scope = $1::text
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -119,7 +125,7 @@ SELECT key_id, tenant FROM api_keys WHERE key_hash = $1::bytea
 -- layer_status --
 -- The global layer and every layer of one tenant, refilled to now (read only).
 SELECT scope, tenant, route, tokens_per_minute, token_burst, requests_per_minute,
-       request_burst, max_in_flight, lease_seconds, policy_version, in_flight,
+       request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
        lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
            AS tokens,
        lq_refilled(requests, requests_per_minute, request_burst, refilled_at, clock_timestamp())
@@ -151,3 +157,48 @@ DELETE FROM reservations
           AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
         LIMIT $2::integer
           FOR UPDATE SKIP LOCKED)
+
+-- policy_snapshot --
+-- Every layer's policy, for the per-worker cache that outlives an outage. The
+-- snapshot version is (max policy_version, layer count): a policy change takes
+-- the next policy_version and a deleted tenant lowers the count. When it
+-- equals the caller's ($1, $2) only the version row comes back (the columns of
+-- the layer are NULL); otherwise up to $3 layers, in layer_id order.
+WITH version AS (
+    SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
+           count(*)::bigint AS layer_count
+      FROM limit_layers
+)
+SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
+       l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
+       l.lease_seconds, l.failure_mode, l.policy_version
+  FROM version AS v
+       LEFT JOIN LATERAL (
+           SELECT ll.*
+             FROM limit_layers AS ll
+            WHERE (v.snapshot_version, v.layer_count)
+                  IS DISTINCT FROM ($1::bigint, $2::bigint)
+            ORDER BY ll.layer_id
+            LIMIT $3::integer) AS l ON true
+
+-- record_outage_admissions --
+-- Record reservations admitted during an outage, once each (see
+-- lq_record_outage_admissions).
+SELECT * FROM lq_record_outage_admissions($1::uuid[], $2::text[], $3::text[], $4::text[],
+                                          $5::bigint[], $6::bigint[], $7::boolean[],
+                                          $8::integer[], $9::text[], $10::text[],
+                                          $11::bigint[], $12::text[])
+
+-- audit --
+-- Every discrepancy between the counters and the journal (see lq_audit).
+SELECT * FROM lq_audit() ORDER BY check_name, subject
+
+-- audit_summary --
+-- What the journal holds now: reservations in each state, the tokens held by
+-- active ones, and the ledger's size.
+SELECT (SELECT count(*) FROM reservations WHERE state = 'active') AS active,
+       (SELECT coalesce(sum(reserved_tokens), 0)::bigint
+          FROM reservations WHERE state = 'active') AS reserved_tokens,
+       (SELECT count(*) FROM reservations WHERE state <> 'active') AS finished,
+       (SELECT count(*) FROM reservations WHERE outage_mode IS NOT NULL) AS outage_admissions,
+       (SELECT count(*) FROM usage_ledger) AS ledger_rows

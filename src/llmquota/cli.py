@@ -117,6 +117,31 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    """Recompute in-flight counts and ledger rows from the journal; exit 1 on drift."""
+    from llmquota.store import Store
+
+    async def run(dsn: str) -> int:
+        store = await Store.connect(dsn, min_size=1, max_size=1)
+        try:
+            summary = await store.audit_summary()
+            findings = await store.audit()
+        finally:
+            await store.close()
+        print(
+            f"journal: active={summary.active} reserved_tokens={summary.reserved_tokens} "
+            f"finished={summary.finished} outage_admissions={summary.outage_admissions} "
+            f"ledger_rows={summary.ledger_rows}"
+        )
+        for f in findings:
+            print(f"DRIFT {f.check_name} {f.subject}: expected {f.expected}, found {f.actual}")
+        print(f"drift: {len(findings)}" if findings else "no drift")
+        return 1 if findings else 0
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        return asyncio.run(run(db.dsn))
+
+
 def cmd_tokens(args: argparse.Namespace, settings: Settings) -> int:
     """Count the tokens of stdin as `model` would see them."""
     from llmquota.tokens import count_text
@@ -183,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="statements per run; env LLMQUOTA_SWEEP_MAX_BATCHES (default 100)",
     )
     sweep.set_defaults(func=cmd_sweep)
+
+    audit = commands.add_parser(
+        "audit",
+        help="recompute in-flight counts and outstanding reservations from the journal; "
+        "exit 1 when anything drifted",
+    )
+    audit.set_defaults(func=cmd_audit)
 
     tokens = commands.add_parser("tokens", help="count the tokens of stdin")
     tokens.add_argument("--model", required=True, help="model name, e.g. gpt-4o")

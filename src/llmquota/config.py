@@ -46,6 +46,42 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1_024, le=64 * 1_048_576)
     sweep_batch_size: int = Field(default=500, ge=1, le=10_000)
     sweep_max_batches: int = Field(default=100, ge=1, le=100_000)
+    decision_deadline_ms: int = Field(
+        default=250,
+        ge=1,
+        le=600_000,
+        description="longest a decision waits for the database before the failure mode applies",
+    )
+    outage_local_fraction: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description="share of each limit a worker may admit on its own in failure mode local",
+    )
+    outage_journal_max_entries: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="admissions a worker may hold unrecorded during an outage",
+    )
+    outage_spool_dir: str | None = Field(
+        default=None,
+        description="directory for fsync'd outage journal files (unset: memory only)",
+    )
+    outage_flush_batch_size: int = Field(default=500, ge=1, le=10_000)
+    outage_probe_seconds: float = Field(
+        default=0.5, gt=0.0, le=60.0, description="retry interval while recording an outage"
+    )
+    policy_cache_refresh_seconds: float = Field(
+        default=10.0, gt=0.0, le=3_600.0, description="how often workers reload policies"
+    )
+    policy_cache_max_stale_seconds: float = Field(
+        default=3_600.0,
+        gt=0.0,
+        le=7 * 86_400.0,
+        description="oldest cached policies a worker decides by during an outage",
+    )
+    policy_cache_max_layers: int = Field(default=100_000, ge=1, le=10_000_000)
     retention_seconds: int = Field(
         default=7 * 86_400,
         ge=86_400,

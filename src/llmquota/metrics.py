@@ -1,14 +1,15 @@
 """Prometheus metrics for one process.
 
 A Metrics object owns its registry (no module globals), so tests and several
-limiters in one process never share counters. Policy denials, concurrency
-denials, store errors and sweeper reclaims are separate series: a limiter
-doing its job and a broken dependency must never look alike.
+limiters in one process never share counters. Policy denials (tokens and
+requests), concurrency denials, fallback decisions (made by a failure mode
+while the store was away), store errors and sweeper reclaims are separate
+series: a limiter doing its job and a broken dependency must never look alike.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 DECISION_BUCKETS_SECONDS = (
     0.0005,
@@ -32,10 +33,33 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.admits = Counter("llmquota_admits", "Admissions granted", registry=self.registry)
-        self.denials = Counter(
-            "llmquota_denials",
-            "Admissions refused, by the limit and scope that bound",
+        self.policy_denials = Counter(
+            "llmquota_policy_denials",
+            "Admissions the store refused for tokens or requests, by limit and scope",
             ["limit", "scope", "reason"],
+            registry=self.registry,
+        )
+        self.concurrency_denials = Counter(
+            "llmquota_concurrency_denials",
+            "Admissions the store refused for want of a concurrency permit, by scope",
+            ["scope"],
+            registry=self.registry,
+        )
+        self.fallback_decisions = Counter(
+            "llmquota_fallback_decisions",
+            "Decisions made by a failure mode because the store did not answer in time",
+            ["mode", "decision"],
+            registry=self.registry,
+        )
+        self.outage_journal_pending = Gauge(
+            "llmquota_outage_journal_pending",
+            "Outage admissions this worker holds that the store has not recorded yet",
+            registry=self.registry,
+        )
+        self.outage_recorded = Counter(
+            "llmquota_outage_recorded",
+            "Outage admissions and their settlements written to the store on recovery",
+            ["what"],
             registry=self.registry,
         )
         self.settlements = Counter(
@@ -54,8 +78,9 @@ class Metrics:
         )
         self.store_errors = Counter(
             "llmquota_store_errors",
-            "Calls that failed because the database did not answer",
-            ["operation"],
+            "Calls that failed because the database did not answer (timeout) or refused "
+            "the connection (unavailable)",
+            ["operation", "kind"],
             registry=self.registry,
         )
         self.decision_seconds = Histogram(

@@ -21,6 +21,14 @@ NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 
 LayerScope = Literal["global", "tenant", "route"]
 
+# What a layer does when the store cannot decide within the deadline:
+#   closed  refuse (503 limiter_unavailable, never a 429);
+#   open    admit, and record the admission when the store is back;
+#   local   admit against a worker-local fraction of this layer's limits.
+FailureMode = Literal["closed", "open", "local"]
+FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
+DEFAULT_FAILURE_MODE: FailureMode = "closed"
+
 TokenRate = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
 RequestRate = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
 
@@ -36,6 +44,16 @@ class Policy(BaseModel):
     request_burst: RequestRate | None = None
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
     lease_seconds: Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)] = DEFAULT_LEASE_SECONDS
+    failure_mode: FailureMode = DEFAULT_FAILURE_MODE
+
+    @property
+    def has_limits(self) -> bool:
+        """Whether this layer limits anything at all (an empty layer never refuses)."""
+        return (
+            self.tokens_per_minute is not None
+            or self.requests_per_minute is not None
+            or self.max_in_flight is not None
+        )
 
     @model_validator(mode="after")
     def _bursts_need_rates(self) -> Self:

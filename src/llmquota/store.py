@@ -5,11 +5,20 @@ statement from sql/queries.sql in one round trip and turns rows into typed
 records. No decision is made here and no row is read, changed in Python and
 written back: the statements do the atomic work. Driver errors that mean
 "the database is not answering" become StoreUnavailable.
+
+Decisions can carry a deadline. A database that stops answering (packets
+dropped, not refused) must not hold a request hostage, so the statement runs
+in a task of its own: the caller waits for its answer at most the deadline and
+then gets StoreTimeout, while the task is cancelled and its connection
+terminated (never reused: the statement's fate is unknown and the socket may
+be hung) in the background, without the caller waiting for that clean-up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -18,9 +27,20 @@ from typing import Any, Literal
 
 import asyncpg
 
-from llmquota.errors import StoreUnavailable
+from llmquota.errors import StoreTimeout, StoreUnavailable
 from llmquota.policy import LayerScope, Policy
 from llmquota.sqlfiles import queries
+
+log = logging.getLogger(__name__)
+
+# How long close() lets the pool shut down gracefully before cutting it.
+POOL_CLOSE_TIMEOUT_SECONDS = 5.0
+# How long a connection may take to reset on its way back to the pool before
+# it is terminated instead.
+RELEASE_TIMEOUT_SECONDS = 1.0
+# How often a backend checks, during a long statement, that its client is still
+# there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
+CLIENT_CONNECTION_CHECK_MS = 1_000
 
 AdmitStatus = Literal[
     "admitted", "replayed", "rate_limited", "too_large", "unknown_tenant", "idempotency_conflict"
@@ -108,6 +128,58 @@ class HeartbeatResult:
     state: str
     lease_expires_at: datetime | None
     lease_generation: int | None
+    lease_live: bool = False
+    current_generation: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CachedLayer:
+    """One layer's policy as the policy snapshot returns it."""
+
+    scope: LayerScope
+    tenant: str | None
+    route: str | None
+    policy: Policy
+    policy_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySnapshotRows:
+    """The snapshot version, and the layers when it changed (None: unchanged)."""
+
+    version: tuple[int, int]
+    layers: list[CachedLayer] | None
+
+
+@dataclass(frozen=True, slots=True)
+class OutageAdmissionRecord:
+    """A reservation a worker admitted during an outage, to record exactly once."""
+
+    reservation_id: uuid.UUID
+    request: AdmitRequest
+    policy_version: int
+    mode: str
+
+
+@dataclass(frozen=True, slots=True)
+class AuditFinding:
+    """One discrepancy lq_audit found between a counter and the journal."""
+
+    check_name: str
+    subject: str
+    expected: int | None
+    actual: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSummary:
+    """What the journal holds."""
+
+    active: int
+    reserved_tokens: int
+    finished: int
+    outage_admissions: int
+    ledger_rows: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +225,11 @@ def translate_errors() -> Any:
     try:
         yield
     except _UNAVAILABLE as exc:
-        raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}") from exc
+        raise _unavailable(exc) from exc
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable:
+    return StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}")
 
 
 class Store:
@@ -163,6 +239,8 @@ class Store:
         self._pool = pool
         self._sql = queries()
         self._concurrency_retry_ms = concurrency_retry_ms
+        # Statements whose caller stopped waiting; kept referenced until done.
+        self._abandoned: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(
@@ -184,14 +262,24 @@ class Store:
                 server_settings={
                     "statement_timeout": str(statement_timeout_ms),
                     "lock_timeout": str(lock_timeout_ms),
+                    "client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS),
                     "application_name": "llmquota",
                 },
             )
         return cls(pool, concurrency_retry_ms=concurrency_retry_ms)
 
     async def close(self) -> None:
-        """Close every connection of the pool."""
-        await self._pool.close()
+        """Close every connection of the pool; cut them if the server does not answer."""
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned), timeout=2 * RELEASE_TIMEOUT_SECONDS)
+        closing = asyncio.ensure_future(self._pool.close())
+        done, _ = await asyncio.wait({closing}, timeout=POOL_CLOSE_TIMEOUT_SECONDS)
+        if not done:
+            log.warning("database did not answer while closing; terminating connections")
+            closing.cancel()
+            self._pool.terminate()
+        elif closing.exception() is not None:
+            self._pool.terminate()
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -199,12 +287,74 @@ class Store:
             async with self._pool.acquire() as connection:
                 yield connection
 
-    async def _fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:
-        async with self._connection() as connection:
-            rows: list[asyncpg.Record] = await connection.fetch(self._sql[name], *args)
-            return rows
+    async def _fetch(
+        self, name: str, *args: Any, deadline_seconds: float | None = None
+    ) -> list[asyncpg.Record]:
+        if deadline_seconds is None:
+            async with self._connection() as connection:
+                rows: list[asyncpg.Record] = await connection.fetch(self._sql[name], *args)
+                return rows
+        return await self._fetch_within(deadline_seconds, self._sql[name], args)
 
-    async def admit(self, requests: Sequence[AdmitRequest]) -> list[AdmitDecision]:
+    async def _fetch_within(
+        self, deadline_seconds: float, sql: str, args: tuple[Any, ...]
+    ) -> list[asyncpg.Record]:
+        """Run a statement; its answer, or StoreTimeout once the deadline passes."""
+        answer: asyncio.Future[list[asyncpg.Record]] = asyncio.get_running_loop().create_future()
+        worker = asyncio.ensure_future(self._answer(answer, sql, args))
+        self._abandoned.add(worker)
+        worker.add_done_callback(self._abandoned.discard)
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), deadline_seconds)
+        except TimeoutError:
+            raise StoreTimeout(
+                f"database gave no answer within {deadline_seconds * 1000:.0f} ms"
+            ) from None
+        finally:
+            if not answer.done():
+                # Timed out or the caller was cancelled: stop the statement, and
+                # let nobody set an answer nobody will read.
+                answer.cancel()
+                worker.cancel()
+
+    async def _answer(
+        self, answer: asyncio.Future[list[asyncpg.Record]], sql: str, args: tuple[Any, ...]
+    ) -> None:
+        """Run `sql` and put its rows (or its error) into `answer` as soon as they exist.
+
+        The answer is set before the connection goes back to the pool, so a
+        hang during that clean-up cannot turn a decision that was made into
+        a timeout; the clean-up itself is bounded by RELEASE_TIMEOUT_SECONDS.
+        """
+        try:
+            connection = await self._pool.acquire()
+        except _UNAVAILABLE as exc:
+            if not answer.done():
+                answer.set_exception(_unavailable(exc))
+            return
+        try:
+            rows: list[asyncpg.Record] = await connection.fetch(sql, *args)
+        except asyncio.CancelledError:
+            connection.terminate()
+            raise
+        except _UNAVAILABLE as exc:
+            if not answer.done():
+                answer.set_exception(_unavailable(exc))
+        except Exception as exc:
+            if not answer.done():
+                answer.set_exception(exc)
+        else:
+            if not answer.done():
+                answer.set_result(rows)
+        finally:
+            try:
+                await self._pool.release(connection, timeout=RELEASE_TIMEOUT_SECONDS)
+            except (*_UNAVAILABLE, asyncpg.PostgresError):
+                connection.terminate()
+
+    async def admit(
+        self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
+    ) -> list[AdmitDecision]:
         """Decide a batch of admissions in order, in one statement."""
         rows = await self._fetch(
             "admit",
@@ -218,6 +368,7 @@ class Store:
             [r.idempotency_key for r in requests],
             [r.request_hash for r in requests],
             self._concurrency_retry_ms,
+            deadline_seconds=deadline_seconds,
         )
         return [
             AdmitDecision(
@@ -245,7 +396,9 @@ class Store:
             for row in rows
         ]
 
-    async def finish(self, requests: Sequence[FinishRequest]) -> list[FinishResult]:
+    async def finish(
+        self, requests: Sequence[FinishRequest], *, deadline_seconds: float | None = None
+    ) -> list[FinishResult]:
         """Settle, release or expire a batch of reservations, in one statement."""
         rows = await self._fetch(
             "finish",
@@ -255,6 +408,7 @@ class Store:
             [r.input_tokens for r in requests],
             [r.output_tokens for r in requests],
             [r.outcome for r in requests],
+            deadline_seconds=deadline_seconds,
         )
         return [
             FinishResult(
@@ -274,10 +428,23 @@ class Store:
         return int(rows[0]["expired"]), int(rows[0]["tokens_returned"])
 
     async def heartbeat(
-        self, reservation_id: uuid.UUID, caller: str | None, lease_seconds: int | None
+        self,
+        reservation_id: uuid.UUID,
+        caller: str | None,
+        lease_seconds: int | None,
+        expected_generation: int | None = None,
+        *,
+        deadline_seconds: float | None = None,
     ) -> HeartbeatResult | None:
         """Extend a live lease; None when no such reservation exists for the caller."""
-        rows = await self._fetch("heartbeat", reservation_id, caller, lease_seconds)
+        rows = await self._fetch(
+            "heartbeat",
+            reservation_id,
+            caller,
+            lease_seconds,
+            expected_generation,
+            deadline_seconds=deadline_seconds,
+        )
         if not rows:
             return None
         row = rows[0]
@@ -285,6 +452,85 @@ class Store:
             state=row["state"],
             lease_expires_at=row["lease_expires_at"],
             lease_generation=row["lease_generation"],
+            lease_live=bool(row["lease_live"]),
+            current_generation=row["current_generation"],
+        )
+
+    async def ping(self, *, deadline_seconds: float) -> None:
+        """One round trip, to learn whether the database answers again."""
+        await self._fetch_within(deadline_seconds, "SELECT 1", ())
+
+    async def policy_snapshot(
+        self,
+        known_version: tuple[int, int] | None,
+        max_layers: int,
+        *,
+        deadline_seconds: float | None = None,
+    ) -> PolicySnapshotRows:
+        """Every layer's policy, unless the snapshot version is still `known_version`."""
+        known = known_version or (-1, -1)
+        rows = await self._fetch(
+            "policy_snapshot", known[0], known[1], max_layers, deadline_seconds=deadline_seconds
+        )
+        version = (int(rows[0]["snapshot_version"]), int(rows[0]["layer_count"]))
+        if rows[0]["scope"] is None:
+            return PolicySnapshotRows(version=version, layers=None if version == known else [])
+        layers = [
+            CachedLayer(
+                scope=row["scope"],
+                tenant=row["tenant"],
+                route=row["route"],
+                policy=_policy_from_row(row),
+                policy_version=int(row["policy_version"]),
+            )
+            for row in rows
+        ]
+        return PolicySnapshotRows(version=version, layers=layers)
+
+    async def record_outage_admissions(
+        self, records: Sequence[OutageAdmissionRecord], *, deadline_seconds: float | None = None
+    ) -> list[bool]:
+        """Record outage admissions once each; True where this call wrote the row."""
+        rows = await self._fetch(
+            "record_outage_admissions",
+            [r.reservation_id for r in records],
+            [r.request.tenant for r in records],
+            [r.request.route for r in records],
+            [r.request.model for r in records],
+            [r.request.input_tokens for r in records],
+            [r.request.max_tokens for r in records],
+            [r.request.input_estimated for r in records],
+            [r.request.lease_seconds for r in records],
+            [r.request.idempotency_key for r in records],
+            [r.request.request_hash for r in records],
+            [r.policy_version for r in records],
+            [r.mode for r in records],
+            deadline_seconds=deadline_seconds,
+        )
+        return [bool(row["recorded"]) for row in rows]
+
+    async def audit(self) -> list[AuditFinding]:
+        """Every drift between counters and journal; empty when the books agree."""
+        rows = await self._fetch("audit")
+        return [
+            AuditFinding(
+                check_name=row["check_name"],
+                subject=row["subject"],
+                expected=row["expected"],
+                actual=row["actual"],
+            )
+            for row in rows
+        ]
+
+    async def audit_summary(self) -> AuditSummary:
+        """Counts of what the journal holds."""
+        row = (await self._fetch("audit_summary"))[0]
+        return AuditSummary(
+            active=int(row["active"]),
+            reserved_tokens=int(row["reserved_tokens"]),
+            finished=int(row["finished"]),
+            outage_admissions=int(row["outage_admissions"]),
+            ledger_rows=int(row["ledger_rows"]),
         )
 
     async def put_policy(
@@ -303,6 +549,7 @@ class Store:
             p.request_burst,
             p.max_in_flight,
             p.lease_seconds,
+            p.failure_mode,
         )
         return int(rows[0]["policy_version"])
 
@@ -384,4 +631,5 @@ def _policy_from_row(row: asyncpg.Record) -> Policy:
         request_burst=row["request_burst"],
         max_in_flight=row["max_in_flight"],
         lease_seconds=row["lease_seconds"],
+        failure_mode=row["failure_mode"],
     )

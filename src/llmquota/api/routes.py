@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -18,6 +18,7 @@ from llmquota.api.headers import rate_limit_headers
 from llmquota.api.schemas import (
     AdmitBody,
     AdmitResponse,
+    ErrorResponse,
     HeartbeatBody,
     HeartbeatResponse,
     KeyResponse,
@@ -35,7 +36,24 @@ from llmquota.errors import InvalidRequest, UnknownTenant
 from llmquota.limiter import Limiter, ceil_seconds, refusal_message, seconds_until_full
 from llmquota.policy import NAME_PATTERN, LayerScope, Policy
 
-router = APIRouter()
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error statuses, all in the one error shape."""
+    descriptions = {
+        401: "missing or invalid API key",
+        403: "the key may not act on this tenant or endpoint",
+        404: "no such tenant or reservation (another tenant's looks the same)",
+        409: "the reservation's state does not allow this",
+        413: "the body is over the size limit, or the reservation can never fit",
+        422: "invalid request: wrong types, out-of-range numbers, malformed JSON",
+        429: "a limit has no room now; retry after retry_after_ms",
+        503: "limiter_unavailable: the database did not answer in time; retryable",
+    }
+    return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
+
+
+# Every endpoint may answer these: authentication, body size, validation, outage.
+router = APIRouter(responses=_errors(401, 403, 404, 413, 422, 503))
 
 TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
 RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]
@@ -76,10 +94,7 @@ async def metrics(limiter: LimiterDep) -> Response:
     status_code=201,
     response_model=AdmitResponse,
     tags=["admission"],
-    responses={
-        429: {"description": "a limit has no room now; retry after retry_after_ms"},
-        413: {"description": "the reservation can never fit; not retryable"},
-    },
+    responses=_errors(429),
 )
 async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSONResponse:
     """Reserve input + max_tokens on every layer, or say which limit refused."""
@@ -97,6 +112,9 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
     admission = await limiter.decide(prepared)
     d = admission.decision
     headers = rate_limit_headers(d.tenant)
+    if admission.fallback is not None:
+        # Decided by the failure mode while the store was away.
+        headers["llmquota-fallback"] = admission.fallback
     if d.status == "rate_limited":
         retry_ms = int(d.retry_after_ms or 1)
         headers["Retry-After"] = str(ceil_seconds(retry_ms))
@@ -150,7 +168,10 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
 
 
 @router.post(
-    "/v1/reservations/{reservation_id}/settle", response_model=SettleResponse, tags=["admission"]
+    "/v1/reservations/{reservation_id}/settle",
+    response_model=SettleResponse,
+    tags=["admission"],
+    responses=_errors(409),
 )
 async def settle(
     reservation_id: uuid.UUID, body: SettleBody, caller: CallerDep, limiter: LimiterDep
@@ -171,7 +192,10 @@ async def settle(
 
 
 @router.post(
-    "/v1/reservations/{reservation_id}/release", response_model=ReleaseResponse, tags=["admission"]
+    "/v1/reservations/{reservation_id}/release",
+    response_model=ReleaseResponse,
+    tags=["admission"],
+    responses=_errors(409),
 )
 async def release(
     reservation_id: uuid.UUID, caller: CallerDep, limiter: LimiterDep
@@ -185,6 +209,7 @@ async def release(
     "/v1/reservations/{reservation_id}/heartbeat",
     response_model=HeartbeatResponse,
     tags=["admission"],
+    responses=_errors(409),
 )
 async def heartbeat(
     reservation_id: uuid.UUID,
@@ -194,7 +219,10 @@ async def heartbeat(
 ) -> HeartbeatResponse:
     """Extend a live lease."""
     result = await limiter.heartbeat(
-        reservation_id, lease_seconds=body.lease_seconds if body else None, caller=caller.scope
+        reservation_id,
+        lease_seconds=body.lease_seconds if body else None,
+        caller=caller.scope,
+        lease_generation=body.lease_generation if body else None,
     )
     assert result.lease_expires_at is not None and result.lease_generation is not None
     return HeartbeatResponse(

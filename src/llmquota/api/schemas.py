@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from llmquota.config import MAX_TOKEN_COUNT
 from llmquota.limiter import MAX_IDEMPOTENCY_KEY_CHARS, MAX_MODEL_NAME_CHARS
-from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN, FailureMode
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
@@ -77,11 +77,16 @@ class SettleResponse(BaseModel):
 
 
 class HeartbeatBody(BaseModel):
-    """POST /v1/reservations/{id}/heartbeat."""
+    """POST /v1/reservations/{id}/heartbeat.
+
+    `lease_generation`, optional, is the fencing token the caller holds (from
+    the admission or its last heartbeat); a stale one gets 409.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     lease_seconds: LeaseSeconds | None = None
+    lease_generation: Annotated[StrictInt, Field(ge=1, le=2_147_483_647)] | None = None
 
 
 class HeartbeatResponse(BaseModel):
@@ -108,6 +113,11 @@ class PolicyBody(BaseModel):
     request_burst: Annotated[StrictInt, Field(ge=1)] | None = None
     max_in_flight: Annotated[StrictInt, Field(ge=1)] | None = None
     lease_seconds: Annotated[StrictInt, Field(ge=1)] | None = None
+    failure_mode: FailureMode | None = Field(
+        default=None,
+        description="when the store cannot answer in time: closed (503, the default), "
+        "open (admit and record later) or local (admit against a worker-local fraction)",
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -119,6 +129,7 @@ class PolicyResponse(BaseModel):
     request_burst: int | None
     max_in_flight: int | None
     lease_seconds: int
+    failure_mode: FailureMode
     policy_version: int
 
 
@@ -158,3 +169,19 @@ class UsageResponse(BaseModel):
     requests: int
     input_tokens: int
     output_tokens: int
+
+
+class ErrorDetail(BaseModel):
+    """What went wrong; refusals add the limit that bound and when to retry."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every error of the API has this shape."""
+
+    type: Literal["error"]
+    error: ErrorDetail

@@ -1,0 +1,42 @@
+"""Reliability: per-layer failure modes, outage admissions, the audit function.
+
+Revision ID: 0003
+Revises: 0001
+Create Date: 2026-11-30
+"""
+
+from alembic import op
+
+from llmquota.migration_support import execute_script
+from llmquota.sqlfiles import script
+
+revision = "0003"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+SCHEMA = r"""
+-- What a layer does when PostgreSQL cannot decide in time: refuse (closed),
+-- admit and count (open), or admit against a worker-local fraction of its
+-- limits (local). Workers cache it with the rest of the policy.
+ALTER TABLE limit_layers
+    ADD COLUMN failure_mode text NOT NULL DEFAULT 'closed'
+        CHECK (failure_mode IN ('closed', 'open', 'local'));
+
+-- A reservation a worker admitted on its own during an outage, recorded when
+-- the store came back: the failure mode that admitted it. NULL for the
+-- reservations PostgreSQL decided itself.
+ALTER TABLE reservations
+    ADD COLUMN outage_mode text CHECK (outage_mode IN ('open', 'local'));
+"""
+
+
+def upgrade() -> None:
+    execute_script(SCHEMA)
+    execute_script(script("reliability.sql"))
+
+
+def downgrade() -> None:
+    op.execute("DROP FUNCTION IF EXISTS lq_record_outage_admissions, lq_audit")
+    op.execute("ALTER TABLE reservations DROP COLUMN IF EXISTS outage_mode")
+    op.execute("ALTER TABLE limit_layers DROP COLUMN IF EXISTS failure_mode")

@@ -1,0 +1,297 @@
+"""The outage journal: what a worker admitted on its own, until the store has it.
+
+During a store outage a worker may admit requests itself (failure modes open
+and local). Each such reservation gets a reservation id the worker makes (a
+version-8 UUID, so any worker can tell it from PostgreSQL's version-4 ids)
+and an entry here, as do its settle or release. When the store answers
+again, `flush` writes the admissions (lq_record_outage_admissions) and then
+their settlements (lq_finish), in batches, and forgets each entry once the
+store holds everything about it. Both statements are idempotent on the
+reservation id, so a flush repeated after a lost answer, a crash or a spool
+replayed by another worker records nothing twice.
+
+The journal is bounded (`max_entries`): when it is full the worker stops
+admitting on its own, because it could not count what it admitted. With a
+spool directory each change is also appended to a file and fsync'd before
+the caller hears yes, so a worker killed mid-outage loses nothing: the next
+worker to start on the same directory adopts the dead one's file (it can
+take the file's lock only once the owner is gone) and flushes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from llmquota.errors import LimiterError
+from llmquota.store import AdmitRequest, FinishRequest, OutageAdmissionRecord, Store
+
+log = logging.getLogger(__name__)
+
+OutageMode = Literal["open", "local"]
+OUTAGE_ID_VERSION = 8
+SPOOL_GLOB = "spool-*.jsonl"
+
+
+def new_outage_id() -> uuid.UUID:
+    """A random reservation id marked as made by a worker (UUID version 8)."""
+    raw = bytearray(secrets.token_bytes(16))
+    raw[6] = (raw[6] & 0x0F) | (OUTAGE_ID_VERSION << 4)
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return uuid.UUID(bytes=bytes(raw))
+
+
+def is_outage_id(reservation_id: uuid.UUID) -> bool:
+    """Whether a worker made this id during an outage."""
+    return reservation_id.version == OUTAGE_ID_VERSION
+
+
+class JournalFull(LimiterError):
+    """The journal holds as many entries as it may; nothing more can be admitted locally."""
+
+
+@dataclass(slots=True)
+class OutageEntry:
+    """One reservation admitted during an outage, and what happened to it since."""
+
+    reservation_id: uuid.UUID
+    request: AdmitRequest
+    mode: OutageMode
+    policy_version: int
+    finish: FinishRequest | None = None
+    recorded: bool = False
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.request.input_tokens + self.request.max_tokens
+
+    @property
+    def tenant(self) -> str:
+        return self.request.tenant
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What one flush wrote and which entries it forgot."""
+
+    admissions_recorded: int
+    finishes_recorded: int
+    forgotten: list[OutageEntry]
+
+
+class Spool:
+    """An append-only, fsync'd file of journal changes, locked by its owner."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.path = directory / f"spool-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
+        self._file: IO[str] = self.path.open("a+", encoding="utf-8")
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def append(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def truncate(self) -> None:
+        """Everything in the file is in the store: start it afresh."""
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self, remove: bool) -> None:
+        self._file.close()
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def orphans(self) -> list[list[dict[str, Any]]]:
+        """Take over the files of workers that are gone: their records, file by file."""
+        taken: list[list[dict[str, Any]]] = []
+        for path in sorted(self.directory.glob(SPOOL_GLOB)):
+            if path == self.path:
+                continue
+            try:
+                handle = path.open("r", encoding="utf-8")
+            except FileNotFoundError:
+                continue
+            with handle:
+                try:
+                    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its worker is alive
+                records = [json.loads(line) for line in handle if line.strip()]
+                taken.append(records)
+                path.unlink()
+        return taken
+
+
+def _admit_record(entry: OutageEntry) -> dict[str, Any]:
+    return {
+        "op": "admit",
+        "id": str(entry.reservation_id),
+        "mode": entry.mode,
+        "policy_version": entry.policy_version,
+        "request": dataclasses.asdict(entry.request),
+    }
+
+
+def _finish_record(finish: FinishRequest) -> dict[str, Any]:
+    record = dataclasses.asdict(finish)
+    record["reservation_id"] = str(finish.reservation_id)
+    return {"op": "finish", "id": str(finish.reservation_id), "finish": record}
+
+
+class OutageJournal:
+    """A worker's outage admissions, in memory (and in a spool file when configured)."""
+
+    def __init__(self, max_entries: int, spool_dir: Path | None = None) -> None:
+        self.max_entries = max_entries
+        self._entries: dict[uuid.UUID, OutageEntry] = {}
+        self._keys: dict[tuple[str, str], uuid.UUID] = {}
+        self._spool = Spool(spool_dir) if spool_dir is not None else None
+        if self._spool is not None:
+            for records in self._spool.orphans():
+                self._adopt(records)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, reservation_id: uuid.UUID) -> OutageEntry | None:
+        return self._entries.get(reservation_id)
+
+    def by_idempotency_key(self, tenant: str, key: str) -> OutageEntry | None:
+        found = self._keys.get((tenant, key))
+        return None if found is None else self._entries.get(found)
+
+    def add(self, entry: OutageEntry) -> None:
+        """Journal an admission before the caller hears it was admitted."""
+        if len(self._entries) >= self.max_entries:
+            raise JournalFull(f"outage journal holds {self.max_entries} entries")
+        if self._spool is not None:
+            self._spool.append(_admit_record(entry))
+        self._entries[entry.reservation_id] = entry
+        if entry.request.idempotency_key is not None:
+            self._keys[(entry.tenant, entry.request.idempotency_key)] = entry.reservation_id
+
+    def set_finish(self, entry: OutageEntry, finish: FinishRequest) -> None:
+        """Journal the settle or release of a journaled reservation."""
+        if self._spool is not None:
+            self._spool.append(_finish_record(finish))
+        entry.finish = finish
+
+    def _adopt(self, records: Sequence[dict[str, Any]]) -> None:
+        """Take a dead worker's entries (copied into our own spool first)."""
+        adopted: dict[uuid.UUID, OutageEntry] = {}
+        for record in records:
+            reservation_id = uuid.UUID(record["id"])
+            if record["op"] == "admit":
+                adopted[reservation_id] = OutageEntry(
+                    reservation_id=reservation_id,
+                    request=AdmitRequest(**record["request"]),
+                    mode=record["mode"],
+                    policy_version=int(record["policy_version"]),
+                )
+            elif record["op"] == "finish" and reservation_id in adopted:
+                fields = dict(record["finish"])
+                fields["reservation_id"] = reservation_id
+                adopted[reservation_id].finish = FinishRequest(**fields)
+            elif record["op"] == "forgotten":
+                adopted.pop(reservation_id, None)
+        for entry in adopted.values():
+            if entry.reservation_id in self._entries:
+                continue
+            finish, entry.finish = entry.finish, None
+            self._entries[entry.reservation_id] = entry
+            if self._spool is not None:
+                self._spool.append(_admit_record(entry))
+            if finish is not None:
+                self.set_finish(entry, finish)
+        if adopted:
+            log.warning("adopted %d outage admissions from a stopped worker", len(adopted))
+
+    async def flush(
+        self, store: Store, batch_size: int, deadline_seconds: float | None
+    ) -> FlushReport:
+        """Write everything journaled to the store, oldest first; forget what it holds.
+
+        Raises StoreUnavailable when the store stops answering midway; what was
+        written stays written and the rest is tried again next time.
+
+        No lock: a settle may journal itself while a batch is in flight. It
+        only ever sets `finish` on an entry (in one synchronous step), and an
+        entry is forgotten only when the store holds everything it had when
+        the batch was sent, so the settle is sent by this flush or the next.
+        """
+        recorded = finished = 0
+        forgotten: list[OutageEntry] = []
+        while True:
+            batch = [e for e in self._entries.values() if not e.recorded][:batch_size]
+            if not batch:
+                break
+            await store.record_outage_admissions(
+                [
+                    OutageAdmissionRecord(e.reservation_id, e.request, e.policy_version, e.mode)
+                    for e in batch
+                ],
+                deadline_seconds=deadline_seconds,
+            )
+            for entry in batch:
+                entry.recorded = True
+            recorded += len(batch)
+        while True:
+            sent = [
+                (e, e.finish) for e in self._entries.values() if e.recorded and e.finish is not None
+            ][:batch_size]
+            if not sent:
+                break
+            results = await store.finish(
+                [finish for _, finish in sent if finish is not None],
+                deadline_seconds=deadline_seconds,
+            )
+            for (entry, finish), result in zip(sent, results, strict=True):
+                if result.status not in ("settled", "released", "replayed"):
+                    log.error(
+                        "outage %s of %s came back %s",
+                        finish.action if finish else "?",
+                        entry.reservation_id,
+                        result.status,
+                    )
+                if self._entries.get(entry.reservation_id) is entry:
+                    self._forget(entry)
+                    forgotten.append(entry)
+            finished += len(sent)
+        # Recorded and not finished: the store holds the reservation now, so
+        # its settle or release goes to the store like any other. (No await
+        # between this check and the forgetting: no settle can slip between.)
+        for entry in [e for e in self._entries.values() if e.recorded and e.finish is None]:
+            self._forget(entry)
+            forgotten.append(entry)
+        if self._spool is not None and not self._entries:
+            self._spool.truncate()
+        return FlushReport(recorded, finished, forgotten)
+
+    def _forget(self, entry: OutageEntry) -> None:
+        self._entries.pop(entry.reservation_id, None)
+        key = entry.request.idempotency_key
+        if key is not None:
+            self._keys.pop((entry.tenant, key), None)
+        if self._spool is not None:
+            self._spool.append({"op": "forgotten", "id": str(entry.reservation_id)})
+
+    def close(self) -> None:
+        """Close the spool; the file stays when it still holds unflushed entries."""
+        if self._spool is not None:
+            self._spool.close(remove=not self._entries)

@@ -1,0 +1,64 @@
+"""The policies a worker last loaded, kept for when the store cannot answer.
+
+A worker refreshes its copy of every layer's policy every `refresh_seconds`
+while the store answers, and keeps using the last copy while it does not,
+for at most `max_stale_seconds`; past that the copy is not trusted and every
+layer counts as `closed`. The copy has a version, (max policy_version, layer
+count), so a refresh that finds nothing changed transfers one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llmquota.policy import LayerScope
+from llmquota.store import CachedLayer
+
+LayerKey = tuple[LayerScope, str | None, str | None]
+
+
+class PolicyCache:
+    """One worker's copy of the policies, with a version and an age."""
+
+    def __init__(self, refresh_seconds: float, max_stale_seconds: float) -> None:
+        self.refresh_seconds = refresh_seconds
+        self.max_stale_seconds = max_stale_seconds
+        self.version: tuple[int, int] | None = None
+        self.complete = True
+        self._loaded_at: float | None = None
+        self._layers: dict[LayerKey, CachedLayer] = {}
+
+    def replace(self, version: tuple[int, int], layers: Sequence[CachedLayer], now: float) -> None:
+        """Take a fresh snapshot (complete when it holds every layer the version counts)."""
+        self._layers = {(layer.scope, layer.tenant, layer.route): layer for layer in layers}
+        self.version = version
+        self.complete = len(layers) >= version[1]
+        self._loaded_at = now
+
+    def confirm(self, now: float) -> None:
+        """The store says nothing changed: the copy is fresh again."""
+        self._loaded_at = now
+
+    def due(self, now: float) -> bool:
+        """Whether it is time to ask the store for changes."""
+        return self._loaded_at is None or now - self._loaded_at >= self.refresh_seconds
+
+    def usable(self, now: float) -> bool:
+        """Whether the copy is recent enough to decide by during an outage."""
+        return self._loaded_at is not None and now - self._loaded_at <= self.max_stale_seconds
+
+    def layers_for(self, tenant: str, route: str | None) -> list[CachedLayer] | None:
+        """The layers a request of `tenant` passes; None when the tenant is not cached."""
+        tenant_layer = self._layers.get(("tenant", tenant, None))
+        if tenant_layer is None:
+            return None
+        layers = [layer for layer in (self._layers.get(("global", None, None)),) if layer]
+        layers.append(tenant_layer)
+        if route is not None:
+            route_layer = self._layers.get(("route", tenant, route))
+            if route_layer is not None:
+                layers.append(route_layer)
+        return layers
+
+    def __len__(self) -> int:
+        return len(self._layers)

@@ -1,0 +1,158 @@
+"""Fixtures for the fault tests: a hangable proxy, helpers, and the audit.
+
+Every fault test ends with `lq_audit()` on its database (the autouse
+`audited` fixture): whatever the fault did, the counters must still agree
+with the journal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from llmquota.config import Settings
+from llmquota.limiter import Limiter
+from llmquota.policy import LayerScope, Policy
+from llmquota.store import Store
+from tests.faults.proxy import PgProxy
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+WORKER = str(Path(__file__).with_name("worker.py"))
+
+
+def fault_settings(**overrides: Any) -> Settings:
+    """Settings for a limiter under test; `overrides` are Settings fields."""
+    values: dict[str, Any] = {
+        "pool_min_size": 1,
+        "pool_max_size": 10,
+        "decision_deadline_ms": 250,
+        "outage_probe_seconds": 0.1,
+    }
+    values.update(overrides)
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+async def audit_findings(dsn: str) -> list[str]:
+    """lq_audit() on a database, as readable lines (empty: no drift)."""
+    store = await Store.connect(dsn, min_size=1, max_size=1)
+    try:
+        return [
+            f"{f.check_name} {f.subject}: expected {f.expected}, found {f.actual}"
+            for f in await store.audit()
+        ]
+    finally:
+        await store.close()
+
+
+@pytest.fixture(autouse=True)
+async def audited(database_dsn: str) -> AsyncIterator[None]:
+    """Run the audit on the test's database after the test (and its limiters) finished."""
+    yield
+    assert await audit_findings(database_dsn) == []
+
+
+@pytest.fixture
+async def proxy(database_dsn: str) -> AsyncIterator[PgProxy]:
+    """A proxy to the test database that the test can hang or cut."""
+    p = await PgProxy(database_dsn).start()
+    yield p
+    await p.close()
+
+
+async def put(
+    limiter: Limiter,
+    scope: LayerScope,
+    tenant: str | None = None,
+    route: str | None = None,
+    **policy: Any,
+) -> None:
+    """Create or replace one layer's policy."""
+    await limiter.store.put_policy(scope, tenant, route, Policy(**policy))
+
+
+async def count(db: asyncpg.Connection, table: str, where: str = "true", *args: Any) -> int:
+    return int(await db.fetchval(f"SELECT count(*) FROM {table} WHERE {where}", *args))
+
+
+async def layer(db: asyncpg.Connection, tenant: str | None) -> asyncpg.Record:
+    """The stored row of a tenant layer (or the global one for None)."""
+    row = await db.fetchrow(
+        """SELECT tokens, requests, in_flight, refilled_at FROM limit_layers
+            WHERE tenant IS NOT DISTINCT FROM $1 AND route IS NULL""",
+        tenant,
+    )
+    assert row is not None
+    return row
+
+
+def elapsed_since(started: float) -> float:
+    return time.perf_counter() - started
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a worker subprocess: this one, with the repo importable."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+class Worker:
+    """A worker subprocess (tests/faults/worker.py) spoken to in JSON lines."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, dsn: str, *, prefix: list[str] | None = None, **env: str) -> Worker:
+        process = await asyncio.create_subprocess_exec(
+            *(prefix or []),
+            PYTHON,
+            WORKER,
+            dsn,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=worker_env(**env),
+        )
+        worker = cls(process)
+        ready = await worker.read()
+        assert ready.get("ready") is True, ready
+        return worker
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+    async def read(self, wait_seconds: float = 60.0) -> dict[str, Any]:
+        line = await asyncio.wait_for(self.process.stdout.readline(), wait_seconds)
+        if not line:
+            raise RuntimeError("worker exited")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def send(self, **command: Any) -> None:
+        self.process.stdin.write((json.dumps(command) + "\n").encode())
+
+    async def call(self, **command: Any) -> dict[str, Any]:
+        self.send(**command)
+        return await self.read()
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            with contextlib.suppress(Exception):
+                self.send(op="exit")
+                await asyncio.wait_for(self.process.wait(), 15)
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()

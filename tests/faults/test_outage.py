@@ -1,0 +1,370 @@
+"""Store outages: the failure modes, the deadline, recovery, nothing lost.
+
+The database is reached through a proxy the test controls: `pause()` drops
+packets (a hang: nothing is refused, nothing answers), `cut()` refuses
+connections. The limiter under test is never restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+
+from llmquota.api.app import create_app
+from llmquota.errors import RateLimited, StoreUnavailable
+from llmquota.limiter import Limiter
+from llmquota.outage import OutageEntry, OutageJournal, is_outage_id
+from llmquota.store import AdmitRequest
+from tests.faults.conftest import Worker, count, fault_settings, layer, put
+from tests.faults.proxy import PgProxy
+
+ADMIN_KEY = "lq_fault_admin_key_0123456789"
+DEADLINE_MS = 250
+# The bound a hung decision must answer within: the deadline plus scheduling
+# slack on a shared 2-core machine (an order of magnitude below a hang).
+ANSWER_BOUND_SECONDS = DEADLINE_MS / 1000 + 0.5
+
+
+async def wait_until_recorded(limiter: Limiter, timeout_seconds: float = 10.0) -> None:
+    """Wait for the limiter's own recovery to empty its outage journal."""
+    deadline = time.monotonic() + timeout_seconds
+    while len(limiter.journal):
+        assert time.monotonic() < deadline, f"{len(limiter.journal)} entries still pending"
+        await asyncio.sleep(0.05)
+
+
+def metric(limiter: Limiter, name: str, **labels: str) -> float:
+    value = limiter.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+@pytest.fixture
+async def app_client(
+    proxy: PgProxy, database_dsn: str
+) -> AsyncIterator[tuple[httpx.AsyncClient, Limiter]]:
+    """The REST app on the proxied database, with a tenant key for acme."""
+    settings = fault_settings(admin_key=ADMIN_KEY, decision_deadline_ms=DEADLINE_MS)
+    app = create_app(settings, dsn=proxy.dsn)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as client:
+            yield client, app.state.limiter
+
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+BODY = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 50, "max_tokens": 50}
+
+
+async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
+    app_client: tuple[httpx.AsyncClient, Limiter], proxy: PgProxy, db: asyncpg.Connection
+) -> None:
+    client, limiter = app_client
+    r = await client.put(
+        "/v1/tenants/acme/policy", json={"tokens_per_minute": 60_000}, headers=ADMIN
+    )
+    assert r.status_code == 200 and r.json()["failure_mode"] == "closed"
+    await limiter.refresh_policies()
+    assert (await client.post("/v1/admit", json=BODY, headers=ADMIN)).status_code == 201
+
+    proxy.pause()  # packets dropped: nothing refuses, nothing answers
+    started = time.perf_counter()
+    responses = await asyncio.gather(
+        *(client.post("/v1/admit", json=BODY, headers=ADMIN) for _ in range(10))
+    )
+    took = time.perf_counter() - started
+    assert [r.status_code for r in responses] == [503] * 10
+    assert all(r.json()["error"]["type"] == "limiter_unavailable" for r in responses)
+    assert all(r.json()["type"] == "error" for r in responses)
+    assert took < ANSWER_BOUND_SECONDS, f"10 hung decisions took {took:.3f}s"
+    assert metric(limiter, "llmquota_fallback_decisions_total", mode="closed", decision="refused")
+    assert metric(limiter, "llmquota_store_errors_total", operation="admit", kind="timeout") == 10
+    assert (
+        metric(
+            limiter,
+            "llmquota_policy_denials_total",
+            limit="tokens",
+            scope="tenant",
+            reason="rate_limited",
+        )
+        == 0
+    )
+
+    proxy.resume()  # the service recovers by itself: no restart
+    r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+    assert r.status_code == 201 and "llmquota-fallback" not in r.headers
+    assert await count(db, "reservations") == 2  # the refused ones left nothing behind
+
+
+async def test_open_mode_admits_during_outage_and_records_exactly_once(
+    proxy: PgProxy, database_dsn: str, db: asyncpg.Connection
+) -> None:
+    limiter = await Limiter.connect(proxy.dsn, fault_settings())
+    try:
+        await put(
+            limiter,
+            "tenant",
+            "acme",
+            tokens_per_minute=1,
+            token_burst=1_000_000,
+            failure_mode="open",
+        )
+        await limiter.refresh_policies()
+        await proxy.cut()  # connections refused
+
+        held = [
+            await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=100, max_tokens=400)
+            for _ in range(20)
+        ]
+        assert all(is_outage_id(r.reservation_id) for r in held)
+        assert len(limiter.journal) == 20
+        settled = held[:10]
+        for i, r in enumerate(settled):
+            s = await r.settle(input_tokens=100, output_tokens=i * 10)
+            assert (s.charged_tokens, s.refunded_tokens, s.late) == (
+                100 + i * 10,
+                400 - i * 10,
+                False,
+            )
+            # the same settle again is a replay, not a second charge
+            again = await limiter.settle(r.reservation_id, input_tokens=100, output_tokens=i * 10)
+            assert again == s
+        for r in held[10:13]:
+            await r.release()
+        assert (
+            metric(limiter, "llmquota_fallback_decisions_total", mode="open", decision="admitted")
+            == 20
+        )
+
+        await proxy.restore()
+        await wait_until_recorded(limiter)
+
+        assert await count(db, "reservations", "outage_mode = 'open'") == 20
+        assert await count(db, "reservations", "state = 'settled'") == 10
+        assert await count(db, "reservations", "state = 'released'") == 3
+        assert await count(db, "reservations", "state = 'active'") == 7
+        ledger = await db.fetch(
+            "SELECT reservation_id, input_tokens, output_tokens FROM usage_ledger"
+        )
+        assert sorted((row["input_tokens"], row["output_tokens"]) for row in ledger) == [
+            (100, i * 10) for i in range(10)
+        ]
+        # The 7 still active settle through the store like any reservation.
+        for r in held[13:]:
+            s = await r.settle(input_tokens=100, output_tokens=100)
+            assert (s.charged_tokens, s.late) == (200, False)
+        assert await count(db, "usage_ledger") == 17
+
+        # A second replay of the same journal (a crash after the commit, or a
+        # spool replayed twice) records nothing more.
+        duplicate = OutageJournal(max_entries=100)
+        for r in held:
+            duplicate.add(
+                OutageEntry(
+                    reservation_id=r.reservation_id,
+                    request=AdmitRequest("acme", None, "gpt-4o", 100, 400, False, None, None, None),
+                    mode="open",
+                    policy_version=1,
+                )
+            )
+        report = await duplicate.flush(limiter.store, batch_size=7, deadline_seconds=5)
+        assert report.admissions_recorded == 20  # sent ...
+        assert await count(db, "reservations") == 20  # ... and nothing doubled
+        assert await count(db, "usage_ledger") == 17
+        charged = sum(100 + i * 10 for i in range(10)) + 7 * 200
+        row = await layer(db, "acme")
+        # Each outage admission debited what it reserved when recorded; the
+        # settles refunded the rest: the bucket paid exactly what was used.
+        assert 1_000_000 - charged <= row["tokens"] <= 1_000_000 - charged + 1
+        assert row["in_flight"] == 0
+    finally:
+        await limiter.close()
+
+
+async def test_open_mode_hang_admits_within_deadline(
+    app_client: tuple[httpx.AsyncClient, Limiter], proxy: PgProxy, db: asyncpg.Connection
+) -> None:
+    client, limiter = app_client
+    policy = {"tokens_per_minute": 60_000, "failure_mode": "open"}
+    assert (await client.put("/v1/tenants/acme/policy", json=policy, headers=ADMIN)).is_success
+    await limiter.refresh_policies()
+    proxy.pause()
+    started = time.perf_counter()
+    r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+    took = time.perf_counter() - started
+    assert r.status_code == 201, r.text
+    assert r.headers["llmquota-fallback"] == "open"
+    assert took < ANSWER_BOUND_SECONDS
+    reservation_id = r.json()["reservation_id"]
+    settle = await client.post(
+        f"/v1/reservations/{reservation_id}/settle",
+        json={"input_tokens": 50, "output_tokens": 7},
+        headers=ADMIN,
+    )
+    assert settle.json() == {"charged_tokens": 57, "refunded_tokens": 43, "late": False}
+    proxy.resume()
+    await wait_until_recorded(limiter)
+    row = await db.fetchrow(
+        "SELECT state, charged_tokens, outage_mode FROM reservations WHERE reservation_id = $1",
+        uuid.UUID(reservation_id),
+    )
+    assert dict(row) == {"state": "settled", "charged_tokens": 57, "outage_mode": "open"}
+    assert await count(db, "usage_ledger", "output_tokens = 7") == 1
+
+
+async def test_local_mode_admits_a_fraction_of_the_limits(
+    proxy: PgProxy, db: asyncpg.Connection
+) -> None:
+    limiter = await Limiter.connect(proxy.dsn, fault_settings(outage_local_fraction=0.5))
+    try:
+        # 1,000 tokens of capacity, 10 a second, 6 in flight; locally: 500, 5/s, 3.
+        await put(
+            limiter,
+            "tenant",
+            "acme",
+            tokens_per_minute=600,
+            token_burst=1_000,
+            max_in_flight=6,
+            failure_mode="local",
+        )
+        await put(
+            limiter,
+            "tenant",
+            "beta",
+            tokens_per_minute=600,
+            token_burst=1_000,
+            failure_mode="local",
+        )
+        await limiter.refresh_policies()
+        await proxy.cut()
+
+        acme = [
+            await limiter.admit(tenant="acme", model="m", input_tokens=0, max_tokens=100)
+            for _ in range(3)
+        ]
+        with pytest.raises(RateLimited) as refused:
+            await limiter.admit(tenant="acme", model="m", input_tokens=0, max_tokens=100)
+        assert (refused.value.limit, refused.value.scope) == ("concurrency", "tenant")
+        await acme[0].release()  # gives its permit and 100 tokens back locally
+        acme.append(await limiter.admit(tenant="acme", model="m", input_tokens=0, max_tokens=100))
+
+        beta = [
+            await limiter.admit(tenant="beta", model="m", input_tokens=0, max_tokens=100)
+            for _ in range(5)
+        ]
+        with pytest.raises(RateLimited) as refused:
+            await limiter.admit(tenant="beta", model="m", input_tokens=0, max_tokens=100)
+        assert (refused.value.limit, refused.value.scope) == ("tokens", "tenant")
+        # 100 short at 5 tokens/s: about 20 s, never a 503 and never the real limit's 10 s
+        assert 19_000 <= refused.value.retry_after_ms <= 20_000
+        assert (
+            metric(limiter, "llmquota_fallback_decisions_total", mode="local", decision="refused")
+            == 2
+        )
+
+        await proxy.restore()
+        await wait_until_recorded(limiter)
+        assert await count(db, "reservations", "outage_mode = 'local'") == 3 + 1 + 5
+        assert await count(db, "reservations", "state = 'released'") == 1
+        assert (await layer(db, "acme"))["in_flight"] == 3
+        assert (await layer(db, "beta"))["in_flight"] == 5
+        for r in acme[1:] + beta:
+            await r.settle(input_tokens=0, output_tokens=10)
+        assert await count(db, "usage_ledger") == 8
+    finally:
+        await limiter.close()
+
+
+async def test_cached_policies_rule_during_outage_and_refresh_after(
+    proxy: PgProxy, database_dsn: str
+) -> None:
+    admin = await Limiter.connect(database_dsn, fault_settings())
+    limiter = await Limiter.connect(proxy.dsn, fault_settings(policy_cache_refresh_seconds=0.2))
+    try:
+        await put(admin, "tenant", "acme", tokens_per_minute=60_000, failure_mode="open")
+        await limiter.refresh_policies()
+        version = limiter.policies.version
+        await proxy.cut()
+        r = await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
+        assert is_outage_id(r.reservation_id)  # the last valid rules: open
+        # The rules change while this worker cannot see the store.
+        await put(admin, "tenant", "acme", tokens_per_minute=60_000, failure_mode="closed")
+        await proxy.restore()
+        await wait_until_recorded(limiter)
+        await asyncio.sleep(0.25)
+        await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
+        deadline = time.monotonic() + 5
+        while limiter.policies.version == version:
+            assert time.monotonic() < deadline, "policies were not refreshed"
+            await asyncio.sleep(0.05)
+        await proxy.cut()
+        with pytest.raises(StoreUnavailable, match="closed"):
+            await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
+        await proxy.restore()
+    finally:
+        await limiter.close()
+        await admin.close()
+
+
+async def test_expired_policy_cache_counts_as_closed(proxy: PgProxy) -> None:
+    limiter = await Limiter.connect(proxy.dsn, fault_settings(policy_cache_max_stale_seconds=0.3))
+    try:
+        await put(limiter, "tenant", "acme", tokens_per_minute=60_000, failure_mode="open")
+        await limiter.refresh_policies()
+        await proxy.cut()
+        await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
+        await asyncio.sleep(0.4)
+        with pytest.raises(StoreUnavailable, match="no current cached policy"):
+            await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
+        await proxy.restore()
+        await wait_until_recorded(limiter)
+    finally:
+        await limiter.close()
+
+
+async def test_spooled_outage_admissions_survive_a_killed_worker(
+    proxy: PgProxy, database_dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    admin = await Limiter.connect(database_dsn, fault_settings())
+    await put(admin, "tenant", "acme", tokens_per_minute=60_000, failure_mode="open")
+    await admin.close()
+    worker = await Worker.start(
+        proxy.dsn, LLMQUOTA_OUTAGE_SPOOL_DIR=str(spool), LLMQUOTA_DECISION_DEADLINE_MS="250"
+    )
+    try:
+        await proxy.cut()
+        result = await worker.call(
+            op="admit", tenant="acme", model="m", input_tokens=10, max_tokens=90, count=12
+        )
+        ids = [a["reservation_id"] for a in result["admitted"]]
+        assert len(ids) == 12
+        for i, reservation_id in enumerate(ids[:5]):
+            answer = await worker.call(
+                op="settle", reservation_id=reservation_id, input_tokens=10, output_tokens=i
+            )
+            assert answer == {"charged_tokens": 10 + i, "late": False}
+        worker.process.kill()  # -9: the worker's memory is gone, its spool file is not
+        await worker.process.wait()
+    finally:
+        await worker.stop()
+    await proxy.restore()
+
+    survivor = await Limiter.connect(proxy.dsn, fault_settings(outage_spool_dir=str(spool)))
+    try:
+        await wait_until_recorded(survivor)
+        assert await count(db, "reservations", "outage_mode = 'open'") == 12
+        rows = await db.fetch("SELECT output_tokens FROM usage_ledger ORDER BY output_tokens")
+        assert [row["output_tokens"] for row in rows] == [0, 1, 2, 3, 4]
+        assert await count(db, "reservations", "state = 'active'") == 7
+        for reservation_id in ids[5:]:
+            await survivor.release(uuid.UUID(reservation_id))
+    finally:
+        await survivor.close()
+    assert list(spool.glob("spool-*.jsonl")) == []  # nothing left to replay
