@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from llmquota.api.auth import Caller, key_digest, new_key
 from llmquota.api.headers import rate_limit_headers
@@ -40,6 +40,7 @@ from llmquota.policy import NAME_PATTERN, LayerScope, Policy
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI entries for error statuses, all in the one error shape."""
     descriptions = {
+        400: "the body could not be parsed at all",
         401: "missing or invalid API key",
         403: "the key may not act on this tenant or endpoint",
         404: "no such tenant or reservation (another tenant's looks the same)",
@@ -52,8 +53,8 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}
 
 
-# Every endpoint may answer these: authentication, body size, validation, outage.
-router = APIRouter(responses=_errors(401, 403, 404, 413, 422, 503))
+# Every endpoint may answer these: parsing, authentication, body size, validation, outage.
+router = APIRouter(responses=_errors(400, 401, 403, 404, 413, 422, 503))
 
 TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
 RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]
@@ -83,7 +84,7 @@ async def healthz(limiter: LimiterDep) -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/metrics", tags=["operations"])
+@router.get("/metrics", tags=["operations"], response_class=PlainTextResponse)
 async def metrics(limiter: LimiterDep) -> Response:
     """Prometheus metrics of this worker."""
     return Response(limiter.metrics.render(), media_type="text/plain; version=0.0.4")
