@@ -40,13 +40,21 @@ async def databases(server_dsn: str, template_database: str) -> AsyncIterator[di
 
 async def _script(worker: Worker, dsn: str) -> dict[str, Any]:
     """The same requests, in the same order; the answers, normalised."""
-    admitted = await worker.call(op="admit", tenant="acme", model="m", input_tokens=0,
-                                 max_tokens=100, lease_seconds=LEASE_SECONDS, count=12)
+    admitted = await worker.call(
+        op="admit",
+        tenant="acme",
+        model="m",
+        input_tokens=0,
+        max_tokens=100,
+        lease_seconds=LEASE_SECONDS,
+        count=12,
+    )
     ids = [a["reservation_id"] for a in admitted["admitted"]]
     swept = await worker.call(op="sweep")
     beat = await worker.call(op="heartbeat", reservation_id=ids[0])
-    settled = await worker.call(op="settle", reservation_id=ids[1], input_tokens=0,
-                                output_tokens=40)
+    settled = await worker.call(
+        op="settle", reservation_id=ids[1], input_tokens=0, output_tokens=40
+    )
     clock = await worker.call(op="clock")
     connection = await asyncpg.connect(dsn)
     try:

@@ -26,12 +26,17 @@ SLACK_SECONDS = 1.0
 async def test_paused_worker_cannot_heartbeat_and_its_settle_is_late_and_counted_once(
     limiter: Limiter, database_dsn: str, db: asyncpg.Connection
 ) -> None:
-    await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=100_000,
-              max_in_flight=1)
+    await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=100_000, max_in_flight=1)
     worker = await Worker.start(database_dsn)
     try:
-        held = await worker.call(op="admit", tenant="acme", model="m", input_tokens=100,
-                                 max_tokens=900, lease_seconds=LEASE_SECONDS)
+        held = await worker.call(
+            op="admit",
+            tenant="acme",
+            model="m",
+            input_tokens=100,
+            max_tokens=900,
+            lease_seconds=LEASE_SECONDS,
+        )
         reservation_id = held["admitted"][0]["reservation_id"]
 
         os.kill(worker.pid, signal.SIGSTOP)  # a long GC pause, a frozen VM
@@ -39,18 +44,19 @@ async def test_paused_worker_cannot_heartbeat_and_its_settle_is_late_and_counted
         report = await limiter.sweep()
         assert report.expired == 1
         # The permit is free again and somebody else takes it.
-        successor = await limiter.admit(tenant="acme", model="m", input_tokens=1,
-                                        max_tokens=1)
+        successor = await limiter.admit(tenant="acme", model="m", input_tokens=1, max_tokens=1)
         os.kill(worker.pid, signal.SIGCONT)
 
         beat = await worker.call(op="heartbeat", reservation_id=reservation_id)
         assert beat["error"] == "ReservationConflict"
         assert "expired" in beat["message"]
-        settled = await worker.call(op="settle", reservation_id=reservation_id,
-                                    input_tokens=100, output_tokens=300)
+        settled = await worker.call(
+            op="settle", reservation_id=reservation_id, input_tokens=100, output_tokens=300
+        )
         assert settled == {"charged_tokens": 400, "late": True}
-        again = await worker.call(op="settle", reservation_id=reservation_id,
-                                  input_tokens=100, output_tokens=300)
+        again = await worker.call(
+            op="settle", reservation_id=reservation_id, input_tokens=100, output_tokens=300
+        )
         assert again == settled
     finally:
         await worker.stop()
@@ -80,22 +86,36 @@ async def test_killed_worker_leases_are_reclaimed_after_ttl_exactly_once(
     limiter: Limiter, database_dsn: str, db: asyncpg.Connection
 ) -> None:
     capacity = 100_000
-    await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=capacity,
-              max_in_flight=60)
+    await put(
+        limiter, "tenant", "acme", tokens_per_minute=1, token_burst=capacity, max_in_flight=60
+    )
     # The test itself holds 40,000 tokens, so that a double refund could not
     # hide behind the clamp at capacity.
-    pinned = await limiter.admit(tenant="acme", model="m", input_tokens=0, max_tokens=40_000,
-                                 lease_seconds=600)
+    pinned = await limiter.admit(
+        tenant="acme", model="m", input_tokens=0, max_tokens=40_000, lease_seconds=600
+    )
     worker = await Worker.start(database_dsn)
-    held = await worker.call(op="admit", tenant="acme", model="m", input_tokens=100,
-                             max_tokens=900, lease_seconds=LEASE_SECONDS + 1, count=50)
+    held = await worker.call(
+        op="admit",
+        tenant="acme",
+        model="m",
+        input_tokens=100,
+        max_tokens=900,
+        lease_seconds=LEASE_SECONDS + 1,
+        count=50,
+    )
     assert len(held["admitted"]) == 50
     worker.process.kill()  # -9: no settle, no release, no goodbye
     await worker.process.wait()
     assert (await layer(db, "acme"))["in_flight"] == 51
 
     sweeper = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "llmquota.cli", "sweep", "--loop", str(SWEEP_INTERVAL_SECONDS),
+        PYTHON,
+        "-m",
+        "llmquota.cli",
+        "sweep",
+        "--loop",
+        str(SWEEP_INTERVAL_SECONDS),
         env=worker_env(LLMQUOTA_DATABASE_URL=database_dsn),
         stdout=asyncio.subprocess.DEVNULL,
     )
@@ -150,8 +170,15 @@ async def test_connection_lost_mid_admit_leaves_nothing_and_is_retryable(
         database_dsn, fault_settings(decision_deadline_ms=30_000, lock_timeout_ms=30_000)
     )
     try:
-        await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=10_000,
-                  requests_per_minute=1, request_burst=100)
+        await put(
+            limiter,
+            "tenant",
+            "acme",
+            tokens_per_minute=1,
+            token_burst=10_000,
+            requests_per_minute=1,
+            request_burst=100,
+        )
         before = await layer(db, "acme")
         locker = await asyncpg.connect(database_dsn)
         try:
@@ -171,7 +198,10 @@ async def test_connection_lost_mid_admit_leaves_nothing_and_is_retryable(
         assert await count(db, "reservations") == 0
         after = await layer(db, "acme")
         assert (after["tokens"], after["requests"], after["in_flight"]) == (
-            before["tokens"], before["requests"], 0)
+            before["tokens"],
+            before["requests"],
+            0,
+        )
         # Retryable: the same call now succeeds on a fresh connection.
         r = await limiter.admit(tenant="acme", model="m", input_tokens=10, max_tokens=90)
         assert r.reserved_tokens == 100

@@ -123,17 +123,32 @@ async def test_valid_json_just_over_the_limit_is_refused_unparsed(
     body = json.dumps({"tenant": "acme", "model": "m", "input_tokens": 1, "max_tokens": 1})
     padded = body[:-1] + " " * (MIB + 1 - len(body)) + "}"
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server}") as c:
-        too_big = await c.post("/v1/admit", content=padded, headers={
-            **ADMIN, "content-type": "application/json"})
-        fits = await c.post("/v1/admit", content=body, headers={
-            **ADMIN, "content-type": "application/json"})
+        too_big = await c.post(
+            "/v1/admit", content=padded, headers={**ADMIN, "content-type": "application/json"}
+        )
+        fits = await c.post(
+            "/v1/admit", content=body, headers={**ADMIN, "content-type": "application/json"}
+        )
     assert too_big.status_code == 413
     assert fits.status_code == 201  # the same request, small enough, is admitted
     assert await count(db, "reservations") == 1
 
 
-DISHONEST_COUNTS = ["-1", "1.5", "1.0", "NaN", "Infinity", "-Infinity", "1e400", "10000001",
-                    '"100"', "true", "null", "[]", "99999999999999999999999"]
+DISHONEST_COUNTS = [
+    "-1",
+    "1.5",
+    "1.0",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1e400",
+    "10000001",
+    '"100"',
+    "true",
+    "null",
+    "[]",
+    "99999999999999999999999",
+]
 
 
 @pytest.mark.parametrize("value", DISHONEST_COUNTS)
@@ -141,20 +156,33 @@ async def test_token_counts_must_be_honest_integers(
     client: httpx.AsyncClient, db: asyncpg.Connection, value: str
 ) -> None:
     acme = await tenant(client, "acme")
-    held = (await client.post("/v1/admit", headers=acme, json={
-        "tenant": "acme", "model": "m", "input_tokens": 10, "max_tokens": 10})).json()
+    held = (
+        await client.post(
+            "/v1/admit",
+            headers=acme,
+            json={"tenant": "acme", "model": "m", "input_tokens": 10, "max_tokens": 10},
+        )
+    ).json()
     before = await layer(db, "acme")
     ledger_before = await count(db, "usage_ledger")
     headers = {**acme, "content-type": "application/json"}
     attempts = [
-        ("/v1/admit", f'{{"tenant": "acme", "model": "m", "input_tokens": 1, '
-                      f'"max_tokens": {value}}}'),
-        ("/v1/admit", f'{{"tenant": "acme", "model": "m", "input_tokens": {value}, '
-                      f'"max_tokens": 1}}'),
-        (f"/v1/reservations/{held['reservation_id']}/settle",
-         f'{{"input_tokens": {value}, "output_tokens": 1}}'),
-        (f"/v1/reservations/{held['reservation_id']}/settle",
-         f'{{"input_tokens": 1, "output_tokens": {value}}}'),
+        (
+            "/v1/admit",
+            f'{{"tenant": "acme", "model": "m", "input_tokens": 1, "max_tokens": {value}}}',
+        ),
+        (
+            "/v1/admit",
+            f'{{"tenant": "acme", "model": "m", "input_tokens": {value}, "max_tokens": 1}}',
+        ),
+        (
+            f"/v1/reservations/{held['reservation_id']}/settle",
+            f'{{"input_tokens": {value}, "output_tokens": 1}}',
+        ),
+        (
+            f"/v1/reservations/{held['reservation_id']}/settle",
+            f'{{"input_tokens": 1, "output_tokens": {value}}}',
+        ),
     ]
     for path, raw in attempts:
         response = await client.post(path, content=raw, headers=headers)
@@ -184,32 +212,46 @@ async def test_another_tenants_key_gets_404_and_changes_nothing(
     client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
     acme, rival = await tenant(client, "acme"), await tenant(client, "rival")
-    held = (await client.post("/v1/admit", headers=acme, json={
-        "tenant": "acme", "model": "m", "input_tokens": 10, "max_tokens": 10})).json()
+    held = (
+        await client.post(
+            "/v1/admit",
+            headers=acme,
+            json={"tenant": "acme", "model": "m", "input_tokens": 10, "max_tokens": 10},
+        )
+    ).json()
     rid = held["reservation_id"]
     before = await db.fetchrow("SELECT * FROM reservations")
     unknown = str(uuid.uuid4())
-    for action, body in (("settle", {"input_tokens": 1, "output_tokens": 1}),
-                         ("release", None), ("heartbeat", {})):
+    for action, body in (
+        ("settle", {"input_tokens": 1, "output_tokens": 1}),
+        ("release", None),
+        ("heartbeat", {}),
+    ):
         theirs = await client.post(f"/v1/reservations/{rid}/{action}", json=body, headers=rival)
-        nobodys = await client.post(f"/v1/reservations/{unknown}/{action}", json=body,
-                                    headers=rival)
+        nobodys = await client.post(
+            f"/v1/reservations/{unknown}/{action}", json=body, headers=rival
+        )
         assert theirs.status_code == nobodys.status_code == 404, action
         # Indistinguishable from a reservation that does not exist.
         assert theirs.json()["error"]["type"] == nobodys.json()["error"]["type"]
         assert theirs.json()["error"]["message"].replace(rid, "X") == (
-            nobodys.json()["error"]["message"].replace(unknown, "X"))
+            nobodys.json()["error"]["message"].replace(unknown, "X")
+        )
     assert dict(await db.fetchrow("SELECT * FROM reservations")) == dict(before)
     assert await count(db, "usage_ledger") == 0
     assert (await layer(db, "acme"))["in_flight"] == 1
     for path in ("/v1/tenants/acme/status", "/v1/tenants/acme/usage"):
         assert (await client.get(path, headers=rival)).status_code == 403
-    refused = await client.post("/v1/admit", headers=rival, json={
-        "tenant": "acme", "model": "m", "input_tokens": 1, "max_tokens": 1})
+    refused = await client.post(
+        "/v1/admit",
+        headers=rival,
+        json={"tenant": "acme", "model": "m", "input_tokens": 1, "max_tokens": 1},
+    )
     assert refused.status_code == 403
     assert await count(db, "reservations") == 1
-    ok = await client.post(f"/v1/reservations/{rid}/settle", headers=acme,
-                           json={"input_tokens": 1, "output_tokens": 1})
+    ok = await client.post(
+        f"/v1/reservations/{rid}/settle", headers=acme, json={"input_tokens": 1, "output_tokens": 1}
+    )
     assert ok.status_code == 200
 
 
@@ -238,7 +280,9 @@ async def test_keys_are_stored_hashed_and_a_wrong_key_gets_no_hint(
         bodies.add(response.text)
     assert len(bodies) == 1  # the same answer whatever was wrong
     assert json.loads(bodies.pop())["error"] == {
-        "type": "authentication_error", "message": "missing or invalid API key"}
+        "type": "authentication_error",
+        "message": "missing or invalid API key",
+    }
 
 
 async def test_idempotency_keys_are_per_tenant_refuse_another_body_and_live_24h(
@@ -246,36 +290,42 @@ async def test_idempotency_keys_are_per_tenant_refuse_another_body_and_live_24h(
 ) -> None:
     acme, rival = await tenant(client, "acme"), await tenant(client, "rival")
     body = {"model": "m", "input_tokens": 5, "max_tokens": 5, "idempotency_key": "order-42"}
-    first = (await client.post("/v1/admit", headers=acme, json={"tenant": "acme", **body}))
-    again = (await client.post("/v1/admit", headers=acme, json={"tenant": "acme", **body}))
-    other = (await client.post("/v1/admit", headers=rival, json={"tenant": "rival", **body}))
+    first = await client.post("/v1/admit", headers=acme, json={"tenant": "acme", **body})
+    again = await client.post("/v1/admit", headers=acme, json={"tenant": "acme", **body})
+    other = await client.post("/v1/admit", headers=rival, json={"tenant": "rival", **body})
     assert first.status_code == again.status_code == other.status_code == 201
     assert first.json()["reservation_id"] == again.json()["reservation_id"]
     assert other.json()["reservation_id"] != first.json()["reservation_id"]
-    changed = await client.post("/v1/admit", headers=acme,
-                                json={"tenant": "acme", **body, "max_tokens": 6})
+    changed = await client.post(
+        "/v1/admit", headers=acme, json={"tenant": "acme", **body, "max_tokens": 6}
+    )
     assert changed.status_code == 422
     assert changed.json()["error"]["type"] == "idempotency_conflict"
     assert await count(db, "reservations") == 2
 
     rid = first.json()["reservation_id"]
-    await client.post(f"/v1/reservations/{rid}/settle", headers=acme,
-                      json={"input_tokens": 5, "output_tokens": 1})
+    await client.post(
+        f"/v1/reservations/{rid}/settle", headers=acme, json={"input_tokens": 5, "output_tokens": 1}
+    )
     with pytest.raises(pydantic.ValidationError):
         Settings(retention_seconds=86_399, _env_file=None)  # type: ignore[call-arg]
     limiter = await Limiter.connect(database_dsn, fault_settings(retention_seconds=86_400))
     try:
         # 23 h 59 min after it finished, the key still answers with its reservation.
-        await db.execute("UPDATE reservations SET finished_at = clock_timestamp() "
-                         "- interval '23 hours 59 minutes' WHERE reservation_id = $1",
-                         uuid.UUID(rid))
+        await db.execute(
+            "UPDATE reservations SET finished_at = clock_timestamp() "
+            "- interval '23 hours 59 minutes' WHERE reservation_id = $1",
+            uuid.UUID(rid),
+        )
         assert (await limiter.sweep()).purged == 0
         replay = await client.post("/v1/admit", headers=acme, json={"tenant": "acme", **body})
         assert replay.json()["reservation_id"] == rid
         # Past 24 h it may go (its ledger row stays).
-        await db.execute("UPDATE reservations SET finished_at = clock_timestamp() "
-                         "- interval '24 hours 1 minute' WHERE reservation_id = $1",
-                         uuid.UUID(rid))
+        await db.execute(
+            "UPDATE reservations SET finished_at = clock_timestamp() "
+            "- interval '24 hours 1 minute' WHERE reservation_id = $1",
+            uuid.UUID(rid),
+        )
         assert (await limiter.sweep()).purged == 1
         assert await count(db, "usage_ledger", "reservation_id = $1", uuid.UUID(rid)) == 1
     finally:

@@ -104,11 +104,29 @@ class AdmissionMachine(RuleBasedStateMachine):
     def policies(self) -> None:
         # A token a second; 1,000 tokens and 20 requests of capacity, 4 in flight;
         # the route "chat" tighter still.
-        self.run(put(self.limiter, "tenant", "acme", tokens_per_minute=60,
-                     token_burst=TENANT_BURST, requests_per_minute=60,
-                     request_burst=REQUEST_BURST, max_in_flight=TENANT_IN_FLIGHT))
-        self.run(put(self.limiter, "route", "acme", "chat", tokens_per_minute=60,
-                     token_burst=ROUTE_BURST, max_in_flight=ROUTE_IN_FLIGHT))
+        self.run(
+            put(
+                self.limiter,
+                "tenant",
+                "acme",
+                tokens_per_minute=60,
+                token_burst=TENANT_BURST,
+                requests_per_minute=60,
+                request_burst=REQUEST_BURST,
+                max_in_flight=TENANT_IN_FLIGHT,
+            )
+        )
+        self.run(
+            put(
+                self.limiter,
+                "route",
+                "acme",
+                "chat",
+                tokens_per_minute=60,
+                token_burst=ROUTE_BURST,
+                max_in_flight=ROUTE_IN_FLIGHT,
+            )
+        )
 
     # -- helpers ------------------------------------------------------------
 
@@ -151,9 +169,16 @@ class AdmissionMachine(RuleBasedStateMachine):
         before = self.run(self._balances())
         cost = input_tokens + max_tokens
         try:
-            r = self.run(self.limiter.admit(tenant="acme", route=route, model="m",
-                                            input_tokens=input_tokens, max_tokens=max_tokens,
-                                            lease_seconds=lease_seconds))
+            r = self.run(
+                self.limiter.admit(
+                    tenant="acme",
+                    route=route,
+                    model="m",
+                    input_tokens=input_tokens,
+                    max_tokens=max_tokens,
+                    lease_seconds=lease_seconds,
+                )
+            )
         except (RateLimited, RequestTooLarge) as refusal:
             event(f"admit: {getattr(refusal, 'limit', '')} {type(refusal).__name__}")
             after = self.run(self._balances())
@@ -183,8 +208,10 @@ class AdmissionMachine(RuleBasedStateMachine):
             a = after[name]
             assert a["in_flight"] == b["in_flight"]
             seconds = (a["now"] - b["now"]).total_seconds()
-            for kind, burst in (("tokens", TENANT_BURST if name == "-" else ROUTE_BURST),
-                                ("requests", REQUEST_BURST)):
+            for kind, burst in (
+                ("tokens", TENANT_BURST if name == "-" else ROUTE_BURST),
+                ("requests", REQUEST_BURST),
+            ):
                 if b[kind] is None:
                     continue
                 expected = min(float(burst), b[kind] + seconds * 1.0)
@@ -201,8 +228,11 @@ class AdmissionMachine(RuleBasedStateMachine):
             return
         charged = input_tokens + output_tokens
         try:
-            s = self.run(self.limiter.settle(reservation_id, input_tokens=input_tokens,
-                                             output_tokens=output_tokens))
+            s = self.run(
+                self.limiter.settle(
+                    reservation_id, input_tokens=input_tokens, output_tokens=output_tokens
+                )
+            )
         except ReservationConflict:
             # Released, or settled before with other figures.
             assert r.state == "released" or (r.charged is not None and r.charged != charged)
@@ -265,16 +295,20 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(steps=st.integers(1, 20))
     def advance_clock(self, steps: int) -> None:
         seconds = steps * STEP_SECONDS
-        self.run(self.db.execute(
-            "UPDATE limit_layers SET refilled_at = refilled_at - make_interval(secs => $1)",
-            seconds,
-        ))
-        self.run(self.db.execute(
-            """UPDATE reservations
+        self.run(
+            self.db.execute(
+                "UPDATE limit_layers SET refilled_at = refilled_at - make_interval(secs => $1)",
+                seconds,
+            )
+        )
+        self.run(
+            self.db.execute(
+                """UPDATE reservations
                   SET lease_expires_at = lease_expires_at - make_interval(secs => $1)
                 WHERE state = 'active'""",
-            seconds,
-        ))
+                seconds,
+            )
+        )
         for r in self.model.values():
             if r.state == "active":
                 r.lease_left_seconds -= seconds
@@ -286,19 +320,23 @@ class AdmissionMachine(RuleBasedStateMachine):
         if not hasattr(self, "db"):
             return
         AdmissionMachine.tally["steps checked"] += 1
-        layers = self.run(self.db.fetch(
-            "SELECT coalesce(route, '-') AS layer, tokens, token_burst, in_flight "
-            "FROM limit_layers WHERE tenant = 'acme'"
-        ))
+        layers = self.run(
+            self.db.fetch(
+                "SELECT coalesce(route, '-') AS layer, tokens, token_burst, in_flight "
+                "FROM limit_layers WHERE tenant = 'acme'"
+            )
+        )
         for layer in layers:
             if layer["tokens"] is not None:
                 assert -self.debt_allowed - 1e-6 <= layer["tokens"] <= layer["token_burst"]
             active = self._active(None if layer["layer"] == "-" else layer["layer"])
             assert layer["in_flight"] == active, (layer["layer"], layer["in_flight"], active)
-        rows = self.run(self.db.fetch(
-            "SELECT reservation_id, state, reserved_tokens, charged_tokens, refunded_tokens, "
-            "late FROM reservations"
-        ))
+        rows = self.run(
+            self.db.fetch(
+                "SELECT reservation_id, state, reserved_tokens, charged_tokens, refunded_tokens, "
+                "late FROM reservations"
+            )
+        )
         assert len(rows) == len(self.model)
         for row in rows:
             r = self.model[row["reservation_id"]]

@@ -80,8 +80,15 @@ async def test_racing_transitions_end_in_exactly_one_final_state(
 
 
 async def _race(limiter: Limiter, db: asyncpg.Connection) -> None:
-    await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=CAPACITY,
-              requests_per_minute=1, request_burst=CAPACITY)
+    await put(
+        limiter,
+        "tenant",
+        "acme",
+        tokens_per_minute=1,
+        token_burst=CAPACITY,
+        requests_per_minute=1,
+        request_burst=CAPACITY,
+    )
     outcomes: collections.Counter[str] = collections.Counter()
     answers_seen: collections.Counter[str] = collections.Counter()
     for _ in range(ROUNDS):

@@ -52,8 +52,10 @@ def live_api(server_dsn: str, template_database: str) -> Iterator[dict[str, Any]
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield {"schema": schemathesis.openapi.from_dict(app.openapi()),
-           "url": f"http://127.0.0.1:{port}"}
+    yield {
+        "schema": schemathesis.openapi.from_dict(app.openapi()),
+        "url": f"http://127.0.0.1:{port}",
+    }
     server.should_exit = True
     thread.join(timeout=30)
     assert asyncio.run(audit_findings(dsn)) == []
