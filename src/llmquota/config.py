@@ -82,6 +82,18 @@ class Settings(BaseSettings):
         description="oldest cached policies a worker decides by during an outage",
     )
     policy_cache_max_layers: int = Field(default=100_000, ge=1, le=10_000_000)
+    tenant_max_in_progress: int = Field(
+        default=4,
+        ge=1,
+        le=10_000,
+        description="requests of one tenant a worker serves at once; the rest queue",
+    )
+    tenant_max_waiting: int = Field(
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="requests of one tenant queued per worker before 429",
+    )
     retention_seconds: int = Field(
         default=7 * 86_400,
         ge=86_400,

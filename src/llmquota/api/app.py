@@ -15,9 +15,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from llmquota.api.auth import AuthenticationFailed, Authenticator, Forbidden
 from llmquota.api.bodylimit import BodySizeLimit
+from llmquota.api.fairness import TenantFairShare
 from llmquota.api.routes import router
 from llmquota.config import Settings
 from llmquota.errors import (
@@ -103,6 +105,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
 
 
+def _tenant_of(scope: Scope) -> str | None:
+    """The tenant of a request's key, if this worker knows it already (no I/O)."""
+    authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
+    if authenticator is None:
+        return None
+    for name, value in scope.get("headers", []):
+        if name == b"authorization":
+            return authenticator.cached_tenant(value.decode("latin-1"))
+    return None
+
+
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
     """Build the app; the database is `dsn`, else settings.database_url."""
     settings = settings or Settings()
@@ -127,6 +140,12 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         lifespan=lifespan,
     )
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        TenantFairShare,
+        tenant_of=_tenant_of,
+        max_in_progress=settings.tenant_max_in_progress,
+        max_waiting=settings.tenant_max_waiting,
+    )
     _install_error_handlers(app)
     app.include_router(router)
     return app

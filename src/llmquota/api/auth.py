@@ -80,6 +80,21 @@ class Authenticator:
         self._admin_digest = key_digest(admin_key) if admin_key else None
         self._cache: dict[bytes, tuple[float, Caller]] = {}
 
+    def cached_tenant(self, authorization: str | None) -> str | None:
+        """The tenant of a key this worker has seen lately; None for admins and unknowns.
+
+        No database round trip: used to put a request in its tenant's queue
+        before anything else is done with it.
+        """
+        try:
+            digest = key_digest(bearer_token(authorization))
+        except AuthenticationFailed:
+            return None
+        cached = self._cache.get(digest)
+        if cached is None or cached[0] <= time.monotonic():
+            return None
+        return cached[1].tenant
+
     async def caller(self, authorization: str | None) -> Caller:
         """The caller for a header, or AuthenticationFailed."""
         digest = key_digest(bearer_token(authorization))

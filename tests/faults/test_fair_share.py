@@ -1,0 +1,118 @@
+"""A tenant whose requests are stuck cannot starve another tenant.
+
+The noisy tenant's layer row is locked from outside, so every admission of
+that tenant hangs inside PostgreSQL holding a pooled connection. With the
+per-tenant fair share, at most `tenant_max_in_progress` of them hold a
+connection and the rest wait in the noisy tenant's own queue (or are turned
+away once it is full): the quiet tenant is admitted at once. With the fair
+share turned off, the same flood takes every connection of the pool and the
+quiet tenant waits until the noisy tenant is unstuck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import httpx
+import pytest
+
+from llmquota.api.app import create_app
+from tests.faults.conftest import fault_settings
+
+ADMIN_KEY = "lq_fair_admin_key_0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+POOL = 6
+FLOOD = 12
+# Long enough for an admission with a free connection; the noisy ones are
+# stuck for as long as the test holds the lock.
+QUIET_WAIT_SECONDS = 2.0
+
+
+async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[httpx.AsyncClient]:
+    settings = fault_settings(
+        admin_key=ADMIN_KEY,
+        pool_max_size=POOL,
+        tenant_max_in_progress=max_in_progress,
+        tenant_max_waiting=8,
+        decision_deadline_ms=30_000,
+        lock_timeout_ms=30_000,
+    )
+    app = create_app(settings, dsn=database_dsn)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
+            yield c
+
+
+async def _flood_while_stuck(
+    client: httpx.AsyncClient, database_dsn: str
+) -> tuple[bool, list[int]]:
+    keys = {}
+    for tenant in ("noisy", "quiet"):
+        policy = {"tokens_per_minute": 60_000}
+        assert (
+            await client.put(f"/v1/tenants/{tenant}/policy", json=policy, headers=ADMIN)
+        ).is_success
+        key = (await client.post(f"/v1/tenants/{tenant}/keys", headers=ADMIN)).json()["key"]
+        keys[tenant] = {"Authorization": f"Bearer {key}"}
+        # One request each, so the worker knows whose key it is.
+        assert (await client.get(f"/v1/tenants/{tenant}/status", headers=keys[tenant])).is_success
+    body = {"model": "m", "input_tokens": 1, "max_tokens": 1}
+    locker = await asyncpg.connect(database_dsn)
+    try:
+        tx = locker.transaction()
+        await tx.start()
+        await locker.execute("SELECT 1 FROM limit_layers WHERE tenant = 'noisy' FOR UPDATE")
+        flood = [
+            asyncio.ensure_future(
+                client.post("/v1/admit", headers=keys["noisy"], json={"tenant": "noisy", **body})
+            )
+            for _ in range(FLOOD)
+        ]
+        await asyncio.sleep(0.3)  # the flood is in: stuck in the database or queued
+        quiet = asyncio.ensure_future(
+            client.post("/v1/admit", headers=keys["quiet"], json={"tenant": "quiet", **body})
+        )
+        # Does the quiet tenant get through while the noisy one is stuck?
+        done, _ = await asyncio.wait({quiet}, timeout=QUIET_WAIT_SECONDS)
+        served_while_stuck = bool(done)
+        await tx.rollback()
+        answers = await asyncio.gather(*flood)
+        quiet_answer = await quiet
+    finally:
+        await locker.close()
+    assert quiet_answer.status_code == 201, quiet_answer.text
+    return served_while_stuck, sorted(r.status_code for r in answers)
+
+
+@pytest.fixture
+async def fair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in _client(database_dsn, max_in_progress=2):
+        yield c
+
+
+@pytest.fixture
+async def unfair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in _client(database_dsn, max_in_progress=10_000):
+        yield c
+
+
+async def test_stuck_tenant_cannot_starve_another(
+    fair: httpx.AsyncClient, database_dsn: str, db: asyncpg.Connection
+) -> None:
+    served_while_stuck, statuses = await _flood_while_stuck(fair, database_dsn)
+    assert served_while_stuck
+    # 2 in progress and 8 queued were served once the lock went; the rest of
+    # the flood was turned away at once, its tenant's queue being full.
+    assert statuses == [201] * 10 + [429] * 2
+    assert await db.fetchval("SELECT count(*) FROM reservations WHERE tenant = 'noisy'") == 10
+
+
+async def test_without_the_fair_share_the_flood_takes_every_connection(
+    unfair: httpx.AsyncClient, database_dsn: str
+) -> None:
+    served_while_stuck, statuses = await _flood_while_stuck(unfair, database_dsn)
+    assert not served_while_stuck  # it waited for a connection the flood held
+    assert statuses == [201] * FLOOD
