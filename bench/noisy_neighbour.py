@@ -171,8 +171,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flooder.start()
             time.sleep(1.0)  # let the flood reach full speed
             crowded = asyncio.run(quiet_tenant(base, keys["quiet"], args.seconds, args.rate))
-            tally = results.get(timeout=args.seconds + 60)
-            flooder.join()
+            flooder.join(timeout=args.seconds + 120)
+            tally = results.get(timeout=5) if not results.empty() else {}
+            if flooder.is_alive():
+                flooder.terminate()
         finally:
             server.terminate()
             server.wait(timeout=30)

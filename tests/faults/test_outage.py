@@ -83,6 +83,7 @@ async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
     assert all(r.json()["error"]["type"] == "limiter_unavailable" for r in responses)
     assert all(r.json()["type"] == "error" for r in responses)
     assert took < ANSWER_BOUND_SECONDS, f"10 hung decisions took {took:.3f}s"
+    print(f"FIGURE outage closed: 10 concurrent admits on a hung store answered 503 in {took:.3f}s")
     assert metric(limiter, "llmquota_fallback_decisions_total", mode="closed", decision="refused")
     assert metric(limiter, "llmquota_store_errors_total", operation="admit", kind="timeout") == 10
     assert (
@@ -201,6 +202,7 @@ async def test_open_mode_hang_admits_within_deadline(
     assert r.status_code == 201, r.text
     assert r.headers["llmquota-fallback"] == "open"
     assert took < ANSWER_BOUND_SECONDS
+    print(f"FIGURE outage open: admit on a hung store answered 201 (open) in {took:.3f}s")
     reservation_id = r.json()["reservation_id"]
     settle = await client.post(
         f"/v1/reservations/{reservation_id}/settle",
