@@ -91,13 +91,22 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     """Expire reservations whose lease ran out; once, or every --loop seconds."""
+    from llmquota.errors import StoreUnavailable
     from llmquota.limiter import Limiter
 
     async def run(dsn: str) -> None:
         limiter = await Limiter.connect(dsn, settings)
         try:
             while True:
-                report = await limiter.sweep(args.batch_size, args.max_batches)
+                try:
+                    report = await limiter.sweep(args.batch_size, args.max_batches)
+                except StoreUnavailable as exc:
+                    if not args.loop:
+                        raise
+                    # A sweeper loop outlives an outage: try again next round.
+                    print(f"sweep skipped: {exc}", flush=True)
+                    await asyncio.sleep(args.loop)
+                    continue
                 print(
                     f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
                     f"batches={report.batches} purged={report.purged}",

@@ -438,6 +438,12 @@ class Limiter:
                 self._store_failed("record_outage", exc)
                 await asyncio.sleep(self.settings.outage_probe_seconds)
                 continue
+            except Exception:
+                # Not an outage: a bug or a refused statement. Say so loudly and
+                # keep the journal for the next attempt rather than drop it.
+                log.exception("recording the outage journal failed; will retry")
+                await asyncio.sleep(self.settings.outage_probe_seconds)
+                continue
             with contextlib.suppress(StoreUnavailable):
                 await self.refresh_policies()
 
@@ -736,8 +742,9 @@ class Limiter:
         batch_size = batch_size or self.settings.sweep_batch_size
         max_batches = max_batches or self.settings.sweep_max_batches
         expired = tokens = batches = 0
+        deadline = self.settings.statement_timeout_ms / 1000.0 + 1.0
         for _ in range(max_batches):
-            count, returned = await self.store.sweep(batch_size)
+            count, returned = await self.store.sweep(batch_size, deadline_seconds=deadline)
             batches += 1
             expired += count
             tokens += returned

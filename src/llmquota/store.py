@@ -422,9 +422,9 @@ class Store:
             for row in rows
         ]
 
-    async def sweep(self, limit: int) -> tuple[int, int]:
+    async def sweep(self, limit: int, *, deadline_seconds: float | None = None) -> tuple[int, int]:
         """Expire up to `limit` lapsed reservations: (count, tokens returned)."""
-        rows = await self._fetch("sweep", limit)
+        rows = await self._fetch("sweep", limit, deadline_seconds=deadline_seconds)
         return int(rows[0]["expired"]), int(rows[0]["tokens_returned"])
 
     async def heartbeat(

@@ -97,9 +97,13 @@ async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
         == 0
     )
 
+    health = await client.get("/healthz")
+    assert health.status_code == 503 and health.json()["error"]["type"] == "limiter_unavailable"
+
     proxy.resume()  # the service recovers by itself: no restart
     r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
     assert r.status_code == 201 and "llmquota-fallback" not in r.headers
+    assert (await client.get("/healthz")).status_code == 200
     assert await count(db, "reservations") == 2  # the refused ones left nothing behind
 
 

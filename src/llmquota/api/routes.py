@@ -79,8 +79,8 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 @router.get("/healthz", tags=["operations"])
 async def healthz(limiter: LimiterDep) -> dict[str, str]:
-    """Liveness plus a database round trip."""
-    await limiter.store.tenant_exists("healthz")
+    """Liveness plus a database round trip, within the decision deadline (else 503)."""
+    await limiter.store.ping(deadline_seconds=limiter.deadline_seconds)
     return {"status": "ok"}
 
 
