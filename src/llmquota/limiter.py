@@ -374,6 +374,9 @@ class Limiter:
         if decision.status == "admitted":
             self.metrics.admits.inc()
         elif decision.status in ("rate_limited", "too_large"):
+            self.metrics.denials.labels(
+                decision.limit_kind, decision.limit_scope, decision.status
+            ).inc()
             if decision.limit_kind == "concurrency":
                 self.metrics.concurrency_denials.labels(decision.limit_scope).inc()
             else:

@@ -33,6 +33,12 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.admits = Counter("llmquota_admits", "Admissions granted", registry=self.registry)
+        self.denials = Counter(
+            "llmquota_denials",
+            "Every admission refused by the store, by the limit and scope that bound",
+            ["limit", "scope", "reason"],
+            registry=self.registry,
+        )
         self.policy_denials = Counter(
             "llmquota_policy_denials",
             "Admissions the store refused for tokens or requests, by limit and scope",
