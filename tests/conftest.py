@@ -55,7 +55,9 @@ def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def template_database(server_dsn: str) -> Iterator[str]:
     """Name of a database migrated to head, used as the template for each test."""
     name = f"llmquota_template_{os.getpid()}"
-    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"'))
+    asyncio.run(
+        _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"')
+    )
     migrate.upgrade(dsn_with_database(server_dsn, name))
     yield name
     asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
