@@ -8,11 +8,17 @@ Settings and pass it down.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # A single token count above this is refused as absurd (and as a likely bug).
 MAX_TOKEN_COUNT = 10_000_000
+# A tokenizer estimate is off by a factor, not by orders of magnitude.
+MAX_ESTIMATE_FACTOR = 10.0
+
+EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
 class Settings(BaseSettings):
@@ -29,7 +35,7 @@ class Settings(BaseSettings):
     admin_key: str | None = Field(
         default=None, description="admin API key; unset: `serve` generates one on first start"
     )
-    estimate_factors: dict[str, float] = Field(
+    estimate_factors: dict[str, EstimateFactor] = Field(
         default_factory=dict,
         description="per-model factor on o200k counts for models without a published "
         'tokenizer, JSON such as {"claude-*": 1.25}; default 1.25',

@@ -60,6 +60,10 @@ class ReservationNotFound(LimiterError):
 class ReservationConflict(LimiterError):
     """The reservation is in a state that does not allow this action."""
 
+    def __init__(self, message: str, state: str | None = None) -> None:
+        super().__init__(message)
+        self.state = state
+
 
 class IdempotencyConflict(LimiterError):
     """The idempotency key was used before for a different request."""

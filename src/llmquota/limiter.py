@@ -272,6 +272,7 @@ class Limiter:
                 [route, model, max_tokens, lease_seconds, input_tokens, messages],
                 sort_keys=True,
                 separators=(",", ":"),
+                default=repr,
             )
             request_hash = hashlib.sha256(canonical.encode()).hexdigest()
         return AdmitRequest(
@@ -325,7 +326,13 @@ class Limiter:
             yield held
         finally:
             if not held.finished:
-                await asyncio.shield(self.release(held.reservation_id))
+                try:
+                    await asyncio.shield(self.release(held.reservation_id))
+                except ReservationConflict as exc:
+                    # The lease ran out inside the block: the expiry already
+                    # returned the capacity, so there is nothing left to release.
+                    if exc.state != "expired":
+                        raise
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
@@ -359,7 +366,8 @@ class Limiter:
             raise ReservationConflict(
                 "reservation was released; it cannot be settled"
                 if result.state == "released"
-                else "reservation was settled before with different figures"
+                else "reservation was settled before with different figures",
+                state=result.state,
             )
         settlement = Settlement(
             charged_tokens=int(result.charged_tokens or 0),
@@ -375,7 +383,9 @@ class Limiter:
         """Return a reservation unused; idempotent."""
         result = await self._finish_one(FinishRequest(reservation_id, "release", caller))
         if result.status == "conflict":
-            raise ReservationConflict(f"reservation is {result.state}; it cannot be released")
+            raise ReservationConflict(
+                f"reservation is {result.state}; it cannot be released", state=result.state
+            )
         if result.status == "released":
             self.metrics.releases.inc()
 
@@ -397,8 +407,15 @@ class Limiter:
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
-            state = "expired (lease ran out)" if result.state == "active" else result.state
-            raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
+            # 'active' here means the lease ran out, or a settle won the race.
+            state = (
+                "no longer active (its lease ran out, or it was just settled)"
+                if result.state == "active"
+                else result.state
+            )
+            raise ReservationConflict(
+                f"reservation is {state}; its lease cannot be extended", state=result.state
+            )
         return result
 
     async def sweep(
@@ -416,7 +433,12 @@ class Limiter:
             if count < batch_size:
                 break
         self.metrics.sweeper_reclaims.inc(expired)
-        purged = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+        purged = 0
+        for _ in range(max_batches):
+            deleted = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+            purged += deleted
+            if deleted < batch_size:
+                break
         return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
 
 

@@ -218,7 +218,7 @@ async def test_purge_deletes_finished_reservations_past_retention_and_keeps_the_
     assert (await limiter.sweep()).purged == 0
 
 
-async def test_purge_removes_at_most_batch_size_per_run(
+async def test_purge_works_in_batches_bounded_by_max_batches(
     limiter: Limiter, db: asyncpg.Connection, settings: Settings
 ) -> None:
     await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=BURST)
@@ -227,9 +227,10 @@ async def test_purge_removes_at_most_batch_size_per_run(
         await limiter.release(rid)
     await _age_finished(db, ids, settings.retention_seconds + 1)
 
-    assert (await limiter.sweep(batch_size=2)).purged == 2
-    assert (await limiter.sweep(batch_size=2)).purged == 2
-    assert (await limiter.sweep(batch_size=2)).purged == 1
+    # Two statements of two rows each per run: 4 purged, then the last one.
+    assert (await limiter.sweep(batch_size=2, max_batches=2)).purged == 4
+    assert await count(db, "reservations") == 1
+    assert (await limiter.sweep(batch_size=2, max_batches=2)).purged == 1
     assert await count(db, "reservations") == 0
 
 
