@@ -156,6 +156,13 @@ def pgdata(tmp_path: Path) -> Iterator[Path]:
         psutil.Process(pid).kill()
 
 
+@pytest.fixture(autouse=True)
+def _no_configured_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the embedded server: a configured URL (CI's
+    PostgreSQL 15 leg sets one) would win over the data directory."""
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+
+
 def test_two_processes_share_one_server_and_the_last_stops_it(pgdata: Path) -> None:
     first = Child(pgdata)
     second = Child(pgdata)
