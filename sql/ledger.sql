@@ -121,14 +121,24 @@ END
 $$;
 
 
--- Make sure the partitions of this month and the next p_months_ahead exist.
--- The migrations call it, and so does every sweeper run, so a month's
--- partition exists long before its first row. p_at shifts "now" (tests,
--- back-filling); NULL is the database clock.
+-- Make sure the partitions of the p_months_ahead months after this one
+-- exist. Every sweeper run calls this, so a month's partition exists long
+-- before its first row. p_at shifts "now" (tests, back-filling); NULL is the
+-- database clock.
+--
+-- Never the current month, nor a month starting within the next hour: ATTACH
+-- of a month that is receiving rows would race them. A row routed to the
+-- DEFAULT partition while the new partition is being attached fails its
+-- partition check ("new row ... violates partition constraint"), and a
+-- settlement must never fail. Such a month stays in the DEFAULT partition
+-- (nothing is lost; see docs/operations.md). The migrations create the
+-- current month themselves, while nobody can write to the new table.
 --
 -- Sweepers on several hosts may run this at once: one takes the advisory
 -- lock and does the work, the others skip it (nothing is left undone: the
 -- one holding the lock creates every missing month).
+--
+-- status per month: exists | created | default_holds_rows | busy | too_close
 CREATE OR REPLACE FUNCTION lq_ensure_ledger_partitions(
     p_months_ahead integer,
     p_at           timestamptz DEFAULT NULL
@@ -138,24 +148,85 @@ SECURITY DEFINER
 SET search_path = pg_catalog, public
 AS $$
 DECLARE
-    first_month date := date_trunc('month', coalesce(p_at, clock_timestamp()) AT TIME ZONE 'UTC')::date;
+    this_month  date := date_trunc('month', coalesce(p_at, clock_timestamp()) AT TIME ZONE 'UTC')::date;
     month       date;
     -- A named limit: partitions further ahead than this are a typo.
     max_months_ahead constant integer := 120;
+    -- A month starting sooner than this may see rows while we attach it.
+    attach_margin constant interval := interval '1 hour';
 BEGIN
-    IF p_months_ahead IS NULL OR p_months_ahead NOT BETWEEN 0 AND max_months_ahead THEN
-        RAISE EXCEPTION 'months ahead must be between 0 and %, not %', max_months_ahead, p_months_ahead
+    IF p_months_ahead IS NULL OR p_months_ahead NOT BETWEEN 1 AND max_months_ahead THEN
+        RAISE EXCEPTION 'months ahead must be between 1 and %, not %', max_months_ahead, p_months_ahead
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
     IF NOT pg_try_advisory_xact_lock(hashtextextended('llmquota.usage_ledger.partitions', 0)) THEN
         RETURN;
     END IF;
-    FOR i IN 0 .. p_months_ahead LOOP
-        month := (first_month + make_interval(months => i))::date;
+    FOR i IN 1 .. p_months_ahead LOOP
+        month := (this_month + make_interval(months => i))::date;
         partition_name := 'usage_ledger_' || to_char(month, 'YYYY_MM');
-        status := lq_create_ledger_partition(month);
+        IF month::timestamp AT TIME ZONE 'UTC' < clock_timestamp() + attach_margin
+           AND to_regclass('public.' || quote_ident(partition_name)) IS NULL THEN
+            status := 'too_close';
+        ELSE
+            status := lq_create_ledger_partition(month);
+        END IF;
         RETURN NEXT;
     END LOOP;
+END
+$$;
+
+
+-- Detach one past month's partition for archival (then pg_dump and drop it;
+-- see docs/operations.md). Only the table's owner can: the service role
+-- cannot ALTER the ledger. Refused for this month or a later one, and, unless
+-- p_require_exported is false, while any of its rows has no export id yet (a
+-- billing consumer would never see it).
+--
+-- The DEFAULT partition rules out DETACH ... CONCURRENTLY, so this takes an
+-- ACCESS EXCLUSIVE lock on usage_ledger for the few milliseconds the catalog
+-- change needs. lock_timeout bounds how long settlements could queue behind
+-- it if a long report holds the table: it gives up after 1 s, to be retried.
+-- The admission tables are not touched.
+CREATE OR REPLACE FUNCTION lq_detach_ledger_partition(
+    p_month            date,
+    p_require_exported boolean DEFAULT true
+) RETURNS text
+LANGUAGE plpgsql
+SET search_path = pg_catalog, public
+SET lock_timeout = '1s'
+AS $$
+DECLARE
+    month_start timestamptz := date_trunc('month', p_month)::timestamp AT TIME ZONE 'UTC';
+    month_end   timestamptz := (date_trunc('month', p_month) + interval '1 month')::timestamp
+                               AT TIME ZONE 'UTC';
+    part        text := 'usage_ledger_' || to_char(p_month, 'YYYY_MM');
+    unexported  bigint;
+BEGIN
+    IF month_end > clock_timestamp() THEN
+        RAISE EXCEPTION '% is not in the past: only finished months can be archived', part
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT EXISTS (SELECT 1
+                     FROM pg_inherits AS i
+                     JOIN pg_class AS c ON c.oid = i.inhrelid
+                    WHERE i.inhparent = 'public.usage_ledger'::regclass
+                      AND c.relname = part) THEN
+        RAISE EXCEPTION 'no attached partition %', part USING ERRCODE = 'undefined_table';
+    END IF;
+    IF p_require_exported THEN
+        EXECUTE format('SELECT count(*) FROM public.%I AS l
+                         WHERE NOT EXISTS (SELECT 1 FROM ledger_export_positions AS p
+                                            WHERE p.entry_id = l.entry_id)', part)
+           INTO unexported;
+        IF unexported > 0 THEN
+            RAISE EXCEPTION '% has % rows the billing export has not numbered yet', part, unexported
+                USING ERRCODE = 'object_not_in_prerequisite_state',
+                      HINT = 'Run llmquota ledger export until it catches up, then retry.';
+        END IF;
+    END IF;
+    EXECUTE format('ALTER TABLE public.usage_ledger DETACH PARTITION public.%I', part);
+    RETURN part;
 END
 $$;
 

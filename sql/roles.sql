@@ -58,3 +58,6 @@ GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA reporting TO llmquota_reporting;
 -- The service may run the reports too (`llmquota report` with the service's
 -- database URL): it is a member of the reporting role.
 GRANT llmquota_reporting TO llmquota_app;
+
+-- Archiving is the owner's job, not the service's.
+REVOKE EXECUTE ON FUNCTION lq_detach_ledger_partition(date, boolean) FROM llmquota_app;

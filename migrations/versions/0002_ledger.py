@@ -124,10 +124,14 @@ INSERT INTO ledger_export_state DEFAULT VALUES;
 """
 
 CARRY_OVER = r"""
--- Partitions for every month the old rows cover, then the months ahead.
+-- Partitions for every month the old rows cover and for this month (safe
+-- here: nobody can write to a table this transaction has not committed),
+-- then the months ahead.
 SELECT lq_create_ledger_partition(month)
-  FROM (SELECT DISTINCT date_trunc('month', recorded_at AT TIME ZONE 'UTC')::date AS month
-          FROM usage_ledger_0001) AS m;
+  FROM (SELECT date_trunc('month', recorded_at AT TIME ZONE 'UTC')::date AS month
+          FROM usage_ledger_0001
+        UNION
+        SELECT date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')::date) AS m;
 SELECT * FROM lq_ensure_ledger_partitions({months_ahead});
 
 -- The old rows, ids and all (the receipts trigger writes their receipts).
@@ -184,7 +188,8 @@ SELECT setval(pg_get_serial_sequence('usage_ledger_0002', 'entry_id'), last_valu
 -- DROP TABLE is not an UPDATE or DELETE: the append-only triggers let it pass.
 DROP TABLE usage_ledger;
 DROP TABLE ledger_receipts, ledger_export_positions, ledger_export_state, model_prices;
-DROP FUNCTION lq_export_ledger, lq_ensure_ledger_partitions, lq_create_ledger_partition,
+DROP FUNCTION lq_export_ledger, lq_detach_ledger_partition, lq_ensure_ledger_partitions,
+              lq_create_ledger_partition,
               lq_ledger_receipt, lq_ledger_refuse_change;
 
 ALTER TABLE usage_ledger_0002 RENAME TO usage_ledger;
