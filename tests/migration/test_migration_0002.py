@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
-from alembic import command
 
 from llmquota import migrate
 from llmquota.config import Settings
@@ -92,8 +91,7 @@ async def test_upgrade_carries_old_rows_and_downgrade_brings_them_back(blank_dsn
             == max(r[0] for r in before) + 1
         )
 
-        config = migrate.alembic_config(blank_dsn)
-        await asyncio.to_thread(command.downgrade, config, "0001")
+        await asyncio.to_thread(migrate.downgrade, blank_dsn, "0001")
         back = [
             tuple(r) for r in await db.fetch(f"SELECT {OLD_COLUMNS} FROM usage_ledger ORDER BY 1")
         ]
