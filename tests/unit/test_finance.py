@@ -109,7 +109,7 @@ def test_render_keeps_decimals_exact_in_every_format() -> None:
     )
     assert render(columns, rows, "csv") == "day,route,cost_usd,requests\n2026-03-01,,0.0000010,3\n"
     assert render(columns, rows, "table").splitlines() == [
-        "day         route  cost_usd   requests",
+        "day         route   cost_usd  requests",
         "----------  -----  ---------  --------",
         "2026-03-01         0.0000010         3",
         "(1 row)",
