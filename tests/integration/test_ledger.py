@@ -183,6 +183,13 @@ async def test_the_app_role_appends_but_cannot_change_the_ledger(
             await store.adjust(tenant="nobody", tokens=3, reason="typo")
         exported = [e async for e in store.export(0, limit=None, page_rows=10, number_limit=10)]
         assert [e.export_id for e in exported] == [1, 2]
+        # It may run the reports too (it is a member of llmquota_reporting).
+        totals = await connection.fetchrow(
+            "SELECT sum(total_tokens) AS tokens, sum(requests) AS requests"
+            " FROM reporting.usage_daily((now() AT TIME ZONE 'UTC')::date - 1,"
+            " (now() AT TIME ZONE 'UTC')::date + 1)"
+        )
+        assert (totals["tokens"], totals["requests"]) == (9, 1)
         partition = await db.fetchval("SELECT min(tableoid::regclass::text) FROM usage_ledger")
 
         # ...but no statement that changes or removes a billed row.
