@@ -151,3 +151,8 @@ DELETE FROM reservations
           AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
         LIMIT $2::integer
           FOR UPDATE SKIP LOCKED)
+
+-- ensure_ledger_partitions --
+-- Create the ledger's monthly partitions for this month and $1 months ahead
+-- (see lq_ensure_ledger_partitions); one row per month with what was done.
+SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)

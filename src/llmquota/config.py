@@ -57,3 +57,25 @@ class Settings(BaseSettings):
         ge=86_400,
         description="how long finished reservations (and their idempotency keys) are kept",
     )
+    ledger_months_ahead: int = Field(
+        default=3,
+        ge=1,
+        le=24,
+        description="monthly ledger partitions each sweeper run keeps ready beyond this month",
+    )
+    reporting_database_url: str | None = Field(
+        default=None,
+        description="DSN for `llmquota report` (e.g. as llmquota_reporting); unset: DATABASE_URL",
+    )
+    report_statement_timeout_ms: int = Field(
+        default=120_000, ge=1_000, le=3_600_000, description="server-side cap on one report"
+    )
+    export_page_rows: int = Field(
+        default=1_000, ge=1, le=10_000, description="ledger rows per export round trip"
+    )
+    export_number_limit: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="ledger rows the export numbers (gives export ids) per round trip",
+    )

@@ -49,6 +49,10 @@ class UnknownTenant(LimiterError):
     """No such tenant is registered."""
 
 
+class UnknownReport(LimiterError):
+    """No report function of that name (that this database role may run)."""
+
+
 class InvalidRequest(LimiterError):
     """The request's values are out of range or of the wrong kind."""
 

@@ -186,6 +186,7 @@ class SweepReport:
     tokens_returned: int
     batches: int
     purged: int
+    partitions_created: int = 0
 
 
 class Limiter:
@@ -421,9 +422,16 @@ class Limiter:
     async def sweep(
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
-        """Expire lapsed reservations in bounded batches, then purge old finished ones."""
+        """Keep ledger partitions ahead, expire lapsed reservations in bounded
+        batches, then purge old finished ones.
+
+        The partitions come first, so that the month a run crosses into
+        already has one (a missing one would only send rows to the ledger's
+        DEFAULT partition, never fail them).
+        """
         batch_size = batch_size or self.settings.sweep_batch_size
         max_batches = max_batches or self.settings.sweep_max_batches
+        partitions = await self.store.ensure_ledger_partitions(self.settings.ledger_months_ahead)
         expired = tokens = batches = 0
         for _ in range(max_batches):
             count, returned = await self.store.sweep(batch_size)
@@ -439,7 +447,13 @@ class Limiter:
             purged += deleted
             if deleted < batch_size:
                 break
-        return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
+        return SweepReport(
+            expired=expired,
+            tokens_returned=tokens,
+            batches=batches,
+            purged=purged,
+            partitions_created=sum(status == "created" for status in partitions.values()),
+        )
 
 
 def seconds_until_full(
