@@ -158,6 +158,11 @@ DELETE FROM reservations
         LIMIT $2::integer
           FOR UPDATE SKIP LOCKED)
 
+-- ensure_ledger_partitions --
+-- Create the ledger's monthly partitions for this month and $1 months ahead
+-- (see lq_ensure_ledger_partitions); one row per month with what was done.
+SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)
+
 -- policy_snapshot --
 -- Every layer's policy, for the per-worker cache that outlives an outage. The
 -- snapshot version is (max policy_version, layer count): a policy change takes

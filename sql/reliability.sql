@@ -158,20 +158,26 @@ AS $$
                CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
          WHERE rs.state = 'active'
          GROUP BY l.layer_id
+    ), ledger AS (
+        -- The ledger rows of the reservations still on record, counted once
+        -- in one pass; no reservation is older than the oldest created_at,
+        -- so older ledger partitions are pruned rather than scanned.
+        SELECT g.reservation_id,
+               count(*) FILTER (WHERE g.entry_kind = 'usage') AS usage_rows,
+               count(*) FILTER (WHERE g.entry_kind = 'late') AS late_rows,
+               max(g.input_tokens) FILTER (WHERE g.entry_kind = 'usage') AS usage_input,
+               max(g.output_tokens) FILTER (WHERE g.entry_kind = 'usage') AS usage_output
+          FROM usage_ledger AS g
+         WHERE g.reservation_id IS NOT NULL
+           AND g.recorded_at >= (SELECT min(r.created_at) FROM reservations AS r)
+         GROUP BY g.reservation_id
     ), books AS (
         SELECT rs.*,
-               coalesce(c.usage_rows, 0) AS usage_rows,
-               coalesce(c.late_rows, 0) AS late_rows,
-               c.usage_input, c.usage_output
+               coalesce(l.usage_rows, 0) AS usage_rows,
+               coalesce(l.late_rows, 0) AS late_rows,
+               l.usage_input, l.usage_output
           FROM reservations AS rs
-               LEFT JOIN LATERAL (
-                   SELECT count(*) FILTER (WHERE g.entry_kind = 'usage') AS usage_rows,
-                          count(*) FILTER (WHERE g.entry_kind = 'late') AS late_rows,
-                          max(g.input_tokens) FILTER (WHERE g.entry_kind = 'usage') AS usage_input,
-                          max(g.output_tokens) FILTER (WHERE g.entry_kind = 'usage')
-                              AS usage_output
-                     FROM usage_ledger AS g
-                    WHERE g.reservation_id = rs.reservation_id) AS c ON true
+               LEFT JOIN ledger AS l ON l.reservation_id = rs.reservation_id
     )
     SELECT 'in_flight', format('layer %s (%s %s %s)', ll.layer_id, ll.scope,
                                coalesce(ll.tenant, '-'), coalesce(ll.route, '-')),

@@ -1,7 +1,7 @@
 """Reliability: per-layer failure modes, outage admissions, the audit function.
 
 Revision ID: 0003
-Revises: 0001
+Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -11,7 +11,7 @@ from llmquota.migration_support import execute_script
 from llmquota.sqlfiles import script
 
 revision = "0003"
-down_revision = "0001"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 

@@ -215,6 +215,7 @@ class SweepReport:
     tokens_returned: int
     batches: int
     purged: int
+    partitions_created: int = 0
 
 
 class Limiter:
@@ -253,8 +254,10 @@ class Limiter:
         limiter = cls(store, settings)
         try:
             await limiter.refresh_policies()
-        except StoreUnavailable:
-            log.warning("could not load policies at start; will retry")
+        except Exception:
+            # The cache only matters during an outage: without it every layer
+            # counts as closed, so a limiter that cannot load it still decides.
+            log.warning("could not load the policy cache at start; will retry", exc_info=True)
         if len(limiter.journal):
             limiter._ensure_recovery()  # entries adopted from a stopped worker's spool
         return limiter
@@ -336,6 +339,7 @@ class Limiter:
                 [route, model, max_tokens, lease_seconds, input_tokens, messages],
                 sort_keys=True,
                 separators=(",", ":"),
+                default=repr,
             )
             request_hash = hashlib.sha256(canonical.encode()).hexdigest()
         return AdmitRequest(
@@ -400,10 +404,13 @@ class Limiter:
             self._refreshing = asyncio.ensure_future(self._refresh_quietly())
 
     async def _refresh_quietly(self) -> None:
+        """A background refresh: whatever goes wrong, decisions carry on."""
         try:
             await self.refresh_policies()
         except StoreUnavailable as exc:
             self._store_failed("policy_snapshot", exc)
+        except Exception:
+            log.warning("refreshing the policy cache failed", exc_info=True)
 
     async def refresh_policies(self) -> None:
         """Load every layer's policy into this worker's cache (one row if unchanged)."""
@@ -447,8 +454,7 @@ class Limiter:
                 log.exception("recording the outage journal failed; will retry")
                 await asyncio.sleep(self.settings.outage_probe_seconds)
                 continue
-            with contextlib.suppress(StoreUnavailable):
-                await self.refresh_policies()
+            await self._refresh_quietly()
 
     async def flush_outage_journal(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
@@ -620,7 +626,13 @@ class Limiter:
             yield held
         finally:
             if not held.finished:
-                await asyncio.shield(self.release(held.reservation_id))
+                try:
+                    await asyncio.shield(self.release(held.reservation_id))
+                except ReservationConflict as exc:
+                    # The lease ran out inside the block: the expiry already
+                    # returned the capacity, so there is nothing left to release.
+                    if exc.state != "expired":
+                        raise
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
@@ -666,7 +678,8 @@ class Limiter:
             raise ReservationConflict(
                 "reservation was released; it cannot be settled"
                 if result.state == "released"
-                else "reservation was settled before with different figures"
+                else "reservation was settled before with different figures",
+                state=result.state,
             )
         settlement = Settlement(
             charged_tokens=int(result.charged_tokens or 0),
@@ -682,7 +695,9 @@ class Limiter:
         """Return a reservation unused; idempotent."""
         result = await self._finish_one(FinishRequest(reservation_id, "release", caller))
         if result.status == "conflict":
-            raise ReservationConflict(f"reservation is {result.state}; it cannot be released")
+            raise ReservationConflict(
+                f"reservation is {result.state}; it cannot be released", state=result.state
+            )
         if result.status == "released":
             self.metrics.releases.inc()
 
@@ -729,21 +744,40 @@ class Limiter:
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
-            if result.lease_live and lease_generation is not None:
+            if (
+                result.lease_live
+                and lease_generation is not None
+                and result.current_generation != lease_generation
+            ):
                 raise ReservationConflict(
                     f"stale lease generation {lease_generation}: the lease is at generation "
-                    f"{result.current_generation}; another holder extended it"
+                    f"{result.current_generation}; another holder extended it",
+                    state=result.state,
                 )
-            state = "expired (lease ran out)" if result.state == "active" else result.state
-            raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
+            # 'active' here means the lease ran out, or a settle won the race.
+            state = (
+                "no longer active (its lease ran out, or it was just settled)"
+                if result.state == "active"
+                else result.state
+            )
+            raise ReservationConflict(
+                f"reservation is {state}; its lease cannot be extended", state=result.state
+            )
         return result
 
     async def sweep(
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
-        """Expire lapsed reservations in bounded batches, then purge old finished ones."""
+        """Keep ledger partitions ahead, expire lapsed reservations in bounded
+        batches, then purge old finished ones.
+
+        The partitions come first, so that the month a run crosses into
+        already has one (a missing one would only send rows to the ledger's
+        DEFAULT partition, never fail them).
+        """
         batch_size = batch_size or self.settings.sweep_batch_size
         max_batches = max_batches or self.settings.sweep_max_batches
+        partitions = await self.store.ensure_ledger_partitions(self.settings.ledger_months_ahead)
         expired = tokens = batches = 0
         deadline = self.settings.statement_timeout_ms / 1000.0 + 1.0
         for _ in range(max_batches):
@@ -754,8 +788,19 @@ class Limiter:
             if count < batch_size:
                 break
         self.metrics.sweeper_reclaims.inc(expired)
-        purged = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
-        return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
+        purged = 0
+        for _ in range(max_batches):
+            deleted = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+            purged += deleted
+            if deleted < batch_size:
+                break
+        return SweepReport(
+            expired=expired,
+            tokens_returned=tokens,
+            batches=batches,
+            purged=purged,
+            partitions_created=sum(status == "created" for status in partitions.values()),
+        )
 
 
 def _figures(layers: Sequence[CachedLayer]) -> TenantFigures:

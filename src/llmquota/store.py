@@ -232,6 +232,26 @@ def _unavailable(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}")
 
 
+async def open_connection(
+    dsn: str,
+    *,
+    statement_timeout_ms: int,
+    lock_timeout_ms: int,
+    application_name: str = "llmquota",
+) -> asyncpg.Connection:
+    """One connection (for a CLI command) carrying the statement and lock timeouts."""
+    with translate_errors():
+        connection: asyncpg.Connection = await asyncpg.connect(
+            dsn,
+            server_settings={
+                "statement_timeout": str(statement_timeout_ms),
+                "lock_timeout": str(lock_timeout_ms),
+                "application_name": application_name,
+            },
+        )
+    return connection
+
+
 class Store:
     """Typed access to the named statements over an asyncpg pool."""
 
@@ -613,6 +633,11 @@ class Store:
             input_tokens=int(row["input_tokens"]),
             output_tokens=int(row["output_tokens"]),
         )
+
+    async def ensure_ledger_partitions(self, months_ahead: int) -> dict[str, str]:
+        """Make the ledger's monthly partitions exist; {partition: status}."""
+        rows = await self._fetch("ensure_ledger_partitions", months_ahead)
+        return {row["partition_name"]: row["status"] for row in rows}
 
     async def purge_finished(self, retention_seconds: int, limit: int) -> int:
         """Delete up to `limit` reservations finished before the retention window."""
