@@ -34,6 +34,9 @@ ALTER TABLE reservations
 def upgrade() -> None:
     execute_script(SCHEMA)
     execute_script(script("reliability.sql"))
+    # New functions: the privileges of roles.sql (re-run by every migration
+    # that adds functions) cover them too.
+    execute_script(script("roles.sql"))
 
 
 def downgrade() -> None:
