@@ -28,7 +28,9 @@ MIB = 1_048_576
 
 @pytest.fixture
 async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(fault_settings(admin_key=ADMIN_KEY), dsn=database_dsn)
+    app = create_app(
+        fault_settings(admin_key=ADMIN_KEY, decision_deadline_ms=30_000), dsn=database_dsn
+    )
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
@@ -38,7 +40,9 @@ async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 async def server(database_dsn: str) -> AsyncIterator[int]:
     """A real uvicorn server on a free loopback port; yields the port."""
-    app = create_app(fault_settings(admin_key=ADMIN_KEY), dsn=database_dsn)
+    app = create_app(
+        fault_settings(admin_key=ADMIN_KEY, decision_deadline_ms=30_000), dsn=database_dsn
+    )
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     srv = uvicorn.Server(config)
     task = asyncio.ensure_future(srv.serve())

@@ -42,7 +42,8 @@ def live_api(server_dsn: str, template_database: str) -> Iterator[dict[str, Any]
     name = f"llmquota_schemathesis_{time.time_ns()}"
     asyncio.run(_admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"'))
     dsn = dsn_with_database(server_dsn, name)
-    app = create_app(fault_settings(admin_key=ADMIN_KEY), dsn=dsn)
+    # Not an outage test: a busy machine must not turn a slow answer into a 503.
+    app = create_app(fault_settings(admin_key=ADMIN_KEY, decision_deadline_ms=30_000), dsn=dsn)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     )
