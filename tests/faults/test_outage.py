@@ -40,6 +40,17 @@ async def wait_until_recorded(limiter: Limiter, timeout_seconds: float = 10.0) -
         await asyncio.sleep(0.05)
 
 
+async def admit_once_healthy(client: httpx.AsyncClient) -> httpx.Response:
+    """POST /v1/admit until it is decided by the store (a busy machine may
+    time one attempt out); at most 5 s."""
+    deadline = time.monotonic() + 5
+    while True:
+        r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+        if r.status_code != 503 or time.monotonic() > deadline:
+            return r
+        await asyncio.sleep(0.1)
+
+
 def metric(limiter: Limiter, name: str, **labels: str) -> float:
     value = limiter.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -71,8 +82,12 @@ async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
     )
     assert r.status_code == 200 and r.json()["failure_mode"] == "closed"
     await limiter.refresh_policies()
-    assert (await client.post("/v1/admit", json=BODY, headers=ADMIN)).status_code == 201
+    assert (await admit_once_healthy(client)).status_code == 201
+    errors_before = metric(
+        limiter, "llmquota_store_errors_total", operation="admit", kind="timeout"
+    )
 
+    paused_at = await db.fetchval("SELECT clock_timestamp()")
     proxy.pause()  # packets dropped: nothing refuses, nothing answers
     started = time.perf_counter()
     responses = await asyncio.gather(
@@ -85,7 +100,11 @@ async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
     assert took < ANSWER_BOUND_SECONDS, f"10 hung decisions took {took:.3f}s"
     print(f"FIGURE outage closed: 10 concurrent admits on a hung store answered 503 in {took:.3f}s")
     assert metric(limiter, "llmquota_fallback_decisions_total", mode="closed", decision="refused")
-    assert metric(limiter, "llmquota_store_errors_total", operation="admit", kind="timeout") == 10
+    assert (
+        metric(limiter, "llmquota_store_errors_total", operation="admit", kind="timeout")
+        - errors_before
+        == 10
+    )
     assert (
         metric(
             limiter,
@@ -100,11 +119,15 @@ async def test_closed_mode_hang_answers_503_within_deadline_and_recovers(
     health = await client.get("/healthz")
     assert health.status_code == 503 and health.json()["error"]["type"] == "limiter_unavailable"
 
+    resumed_at = await db.fetchval("SELECT clock_timestamp()")
     proxy.resume()  # the service recovers by itself: no restart
-    r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+    r = await admit_once_healthy(client)
     assert r.status_code == 201 and "llmquota-fallback" not in r.headers
     assert (await client.get("/healthz")).status_code == 200
-    assert await count(db, "reservations") == 2  # the refused ones left nothing behind
+    # The refused ones left nothing behind.
+    assert (
+        await count(db, "reservations", "created_at BETWEEN $1 AND $2", paused_at, resumed_at) == 0
+    )
 
 
 async def test_open_mode_admits_during_outage_and_records_exactly_once(
@@ -342,7 +365,7 @@ async def test_spooled_outage_admissions_survive_a_killed_worker(
     await put(admin, "tenant", "acme", tokens_per_minute=60_000, failure_mode="open")
     await admin.close()
     worker = await Worker.start(
-        proxy.dsn, LLMQUOTA_OUTAGE_SPOOL_DIR=str(spool), LLMQUOTA_DECISION_DEADLINE_MS="250"
+        proxy.dsn, LLMQUOTA_OUTAGE_SPOOL_DIR=str(spool), LLMQUOTA_DECISION_DEADLINE_MS="1000"
     )
     try:
         await proxy.cut()
