@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,29 +42,23 @@ from llmquota.errors import (
     StoreUnavailable,
     UnknownTenant,
 )
-from llmquota.local_bucket import LocalLayer, admit_locally, give_back_locally
+from llmquota.fallback import Fallback
 from llmquota.metrics import Metrics
 from llmquota.outage import (
     FlushReport,
-    JournalFull,
-    OutageEntry,
     OutageJournal,
     OutageMode,
     is_outage_id,
-    new_outage_id,
 )
 from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
-from llmquota.policy_cache import LayerKey, PolicyCache
+from llmquota.policy_cache import PolicyCache
 from llmquota.store import (
     AdmitDecision,
     AdmitRequest,
-    CachedLayer,
     FinishRequest,
     FinishResult,
-    FinishStatus,
     HeartbeatResult,
     Store,
-    TenantFigures,
 )
 from llmquota.tokens import TokenCountError, count_messages
 
@@ -231,10 +225,12 @@ class Limiter:
         )
         spool = Path(settings.outage_spool_dir) if settings.outage_spool_dir else None
         self.journal = OutageJournal(settings.outage_journal_max_entries, spool)
-        # Worker-local limits of `local` layers, with the policy version they copy.
-        self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
-        # The local layers each locally admitted reservation holds a permit on.
-        self._local_holds: dict[uuid.UUID, list[LocalLayer]] = {}
+        self.fallback = Fallback(
+            self.policies,
+            self.journal,
+            settings.outage_local_fraction,
+            settings.concurrency_retry_ms,
+        )
         self._refreshing: asyncio.Task[None] | None = None
         self._recovering: asyncio.Task[None] | None = None
         self.metrics.outage_journal_pending.set_function(lambda: len(self.journal))
@@ -366,13 +362,27 @@ class Limiter:
         except StoreUnavailable as exc:
             self._store_failed("admit", exc)
             try:
-                return self._decide_offline(request, exc)
+                return self._decide_by_failure_mode(request, exc)
             finally:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self._store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self._count_decision(decision)
         return Admission(decision, request.input_tokens, request.input_estimated)
+
+    def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
+        """The store did not decide in time: the layers' failure modes do (see fallback.py)."""
+        fallback = self.fallback.decide(request, time.monotonic())
+        offline = fallback.decision
+        status = offline.status if offline is not None else "refused"
+        if status != "replayed":
+            outcome = "admitted" if status == "admitted" else "refused"
+            self.metrics.fallback_decisions.labels(fallback.mode, outcome).inc()
+        if offline is None or fallback.mode == "closed":
+            raise StoreUnavailable(f"{cause}; {fallback.reason}") from cause
+        if status == "admitted":
+            self._ensure_recovery()  # record it as soon as the store answers
+        return Admission(offline, request.input_tokens, request.input_estimated, fallback.mode)
 
     def _count_decision(self, decision: AdmitDecision) -> None:
         if decision.status == "admitted":
@@ -463,146 +473,10 @@ class Limiter:
             self.settings.outage_flush_batch_size,
             deadline_seconds=self.settings.statement_timeout_ms / 1000.0,
         )
-        for entry in report.forgotten:
-            # The store holds its permit from now on; the local copy lets go.
-            held = self._local_holds.pop(entry.reservation_id, None)
-            if held:
-                give_back_locally(held, 0.0, 0.0, time.monotonic())
+        self.fallback.recorded(report.forgotten, time.monotonic())
         self.metrics.outage_recorded.labels("admission").inc(report.admissions_recorded)
         self.metrics.outage_recorded.labels("finish").inc(report.finishes_recorded)
         return report
-
-    def _local_layer(self, layer: CachedLayer, now: float) -> LocalLayer:
-        key: LayerKey = (layer.scope, layer.tenant, layer.route)
-        held = self._local.get(key)
-        if held is None or held[0] != layer.policy_version:
-            local = LocalLayer.from_policy(
-                layer.scope, layer.policy, self.settings.outage_local_fraction, now
-            )
-            held = (layer.policy_version, local)
-            self._local[key] = held
-        return held[1]
-
-    def _decide_offline(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
-        """Decide by the failure modes of the request's layers, from the cached policies."""
-        now = time.monotonic()
-        layers = self.policies.layers_for(request.tenant, request.route)
-        if layers is None or not self.policies.usable(now):
-            self.metrics.fallback_decisions.labels("closed", "refused").inc()
-            raise StoreUnavailable(f"{cause}; no current cached policy for this tenant")
-        limiting = [layer for layer in layers if layer.policy.has_limits]
-        if any(layer.policy.failure_mode == "closed" for layer in limiting):
-            self.metrics.fallback_decisions.labels("closed", "refused").inc()
-            raise StoreUnavailable(f"{cause}; failure mode is closed")
-        local = [layer for layer in limiting if layer.policy.failure_mode == "local"]
-        mode: OutageMode = "local" if local else "open"
-        if request.idempotency_key is not None:
-            prior = self.journal.by_idempotency_key(request.tenant, request.idempotency_key)
-            if prior is not None:
-                return self._offline_replay(request, prior, mode)
-        cost = request.input_tokens + request.max_tokens
-        too_large = min(
-            (
-                layer
-                for layer in limiting
-                if layer.policy.effective_token_burst is not None
-                and cost > layer.policy.effective_token_burst
-            ),
-            key=lambda layer: layer.policy.effective_token_burst or 0,
-            default=None,
-        )
-        tenant_figures = _figures(layers)
-        if too_large is not None:
-            decision = _offline_decision(
-                "too_large",
-                tenant_figures,
-                reserved_tokens=cost,
-                limit_kind="tokens",
-                limit_scope=too_large.scope,
-                capacity=too_large.policy.effective_token_burst,
-            )
-            self.metrics.fallback_decisions.labels(mode, "refused").inc()
-            return Admission(decision, request.input_tokens, request.input_estimated, mode)
-        local_layers = [self._local_layer(layer, now) for layer in local]
-        refusal = admit_locally(local_layers, cost, now, self.settings.concurrency_retry_ms)
-        if refusal is not None:
-            decision = _offline_decision(
-                "rate_limited",
-                tenant_figures,
-                reserved_tokens=cost,
-                limit_kind=refusal.limit,
-                limit_scope=refusal.scope,
-                retry_after_ms=refusal.retry_after_ms,
-            )
-            self.metrics.fallback_decisions.labels(mode, "refused").inc()
-            return Admission(decision, request.input_tokens, request.input_estimated, mode)
-        entry = OutageEntry(
-            reservation_id=new_outage_id(),
-            request=request,
-            mode=mode,
-            policy_version=max(layer.policy_version for layer in layers),
-        )
-        try:
-            self.journal.add(entry)
-        except JournalFull as exc:
-            give_back_locally(local_layers, cost, 1.0, now)
-            self.metrics.fallback_decisions.labels(mode, "refused").inc()
-            raise StoreUnavailable(f"{cause}; {exc}") from exc
-        if local_layers:
-            self._local_holds[entry.reservation_id] = local_layers
-        self._ensure_recovery()
-        self.metrics.fallback_decisions.labels(mode, "admitted").inc()
-        lease = request.lease_seconds or layers[-1].policy.lease_seconds
-        decision = _offline_decision(
-            "admitted",
-            tenant_figures,
-            reservation_id=entry.reservation_id,
-            reserved_tokens=cost,
-            lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
-            lease_generation=1,
-            remaining=_local_remaining(local_layers),
-        )
-        return Admission(decision, request.input_tokens, request.input_estimated, mode)
-
-    def _offline_replay(
-        self, request: AdmitRequest, prior: OutageEntry, mode: OutageMode
-    ) -> Admission:
-        if prior.request.request_hash != request.request_hash:
-            decision = _offline_decision("idempotency_conflict", _figures([]))
-        else:
-            decision = _offline_decision(
-                "replayed",
-                _figures([]),
-                reservation_id=prior.reservation_id,
-                reserved_tokens=prior.reserved_tokens,
-                lease_expires_at=datetime.now(UTC),
-                lease_generation=1,
-            )
-        return Admission(decision, request.input_tokens, request.input_estimated, mode)
-
-    def _finish_offline(self, request: FinishRequest) -> FinishResult | None:
-        """Settle or release a reservation still in the outage journal; None if it is not.
-
-        Synchronous on purpose: between looking the entry up and journaling
-        the finish there is no await, so a flush cannot forget it midway.
-        """
-        entry = self.journal.get(request.reservation_id)
-        if entry is None:
-            return None  # recorded already (or never ours): the store has it
-        if request.caller is not None and request.caller != entry.tenant:
-            raise ReservationNotFound(f"no reservation {request.reservation_id}")
-        result = _journal_finish(entry, request)
-        if result.status in ("settled", "released"):
-            self.journal.set_finish(entry, request)
-            held = self._local_holds.pop(entry.reservation_id, None)
-            if held:
-                if request.action == "release":
-                    credit, requests = float(entry.reserved_tokens), 1.0
-                else:
-                    credit = float(entry.reserved_tokens - (result.charged_tokens or 0))
-                    requests = 0.0
-                give_back_locally(held, credit, requests, time.monotonic())
-        return result
 
     async def admit(self, **request: Any) -> Reservation:
         """Reserve capacity for one request, or raise why not.
@@ -637,7 +511,7 @@ class Limiter:
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
         if is_outage_id(request.reservation_id):
-            offline = self._finish_offline(request)
+            offline = self.fallback.finish(request, time.monotonic())
             if offline is not None:
                 self._ensure_recovery()
                 return offline
@@ -726,9 +600,10 @@ class Limiter:
             or lease_generation < 1
         ):
             raise InvalidRequest("lease_generation must be a positive integer")
-        entry = self.journal.get(reservation_id) if is_outage_id(reservation_id) else None
-        if entry is not None:
-            return _journal_heartbeat(entry, caller, lease_seconds)
+        if is_outage_id(reservation_id):
+            offline = self.fallback.heartbeat(reservation_id, caller, lease_seconds)
+            if offline is not None:
+                return offline
         try:
             result = await self.store.heartbeat(
                 reservation_id,
@@ -801,110 +676,6 @@ class Limiter:
             purged=purged,
             partitions_created=sum(status == "created" for status in partitions.values()),
         )
-
-
-def _figures(layers: Sequence[CachedLayer]) -> TenantFigures:
-    """The tenant layer's policy for headers; balances are unknown offline."""
-    tenant = next((layer for layer in layers if layer.scope == "tenant"), None)
-    policy = tenant.policy.resolved() if tenant is not None else None
-    return TenantFigures(
-        tokens_per_minute=policy.tokens_per_minute if policy else None,
-        token_burst=policy.token_burst if policy else None,
-        tokens=None,
-        requests_per_minute=policy.requests_per_minute if policy else None,
-        request_burst=policy.request_burst if policy else None,
-        requests=None,
-    )
-
-
-def _local_remaining(layers: Sequence[LocalLayer]) -> tuple[int | None, int | None, int | None]:
-    tokens = [math.floor(x.tokens.balance) for x in layers if x.tokens is not None]
-    requests = [math.floor(x.requests.balance) for x in layers if x.requests is not None]
-    permits = [x.max_in_flight - x.in_flight for x in layers if x.max_in_flight is not None]
-    return (
-        min(tokens) if tokens else None,
-        min(requests) if requests else None,
-        min(permits) if permits else None,
-    )
-
-
-def _offline_decision(
-    status: Any,
-    tenant: TenantFigures,
-    *,
-    reservation_id: uuid.UUID | None = None,
-    reserved_tokens: int | None = None,
-    lease_expires_at: datetime | None = None,
-    lease_generation: int | None = None,
-    limit_kind: str | None = None,
-    limit_scope: str | None = None,
-    retry_after_ms: int | None = None,
-    capacity: int | None = None,
-    remaining: tuple[int | None, int | None, int | None] = (None, None, None),
-) -> AdmitDecision:
-    return AdmitDecision(
-        status=status,
-        reservation_id=reservation_id,
-        reserved_tokens=reserved_tokens,
-        lease_expires_at=lease_expires_at,
-        lease_generation=lease_generation,
-        limit_kind=limit_kind,
-        limit_scope=limit_scope,
-        retry_after_ms=retry_after_ms,
-        capacity=capacity,
-        remaining_tokens=remaining[0],
-        remaining_requests=remaining[1],
-        remaining_in_flight=remaining[2],
-        tenant=tenant,
-    )
-
-
-def _journal_finish(entry: OutageEntry, request: FinishRequest) -> FinishResult:
-    """What lq_finish will answer for this journaled reservation, decided now.
-
-    The store records the reservation with a fresh lease just before it
-    replays this settle, so an on-time settle is what it will see.
-    """
-    prior = entry.finish
-    reserved = entry.reserved_tokens
-    status: FinishStatus
-    if prior is None:
-        if request.action == "release":
-            return FinishResult("released", "released", entry.tenant, None, None, False)
-        charged = int(request.input_tokens or 0) + int(request.output_tokens or 0)
-        refunded = max(reserved - charged, 0)
-        return FinishResult("settled", "settled", entry.tenant, charged, refunded, False)
-    if prior.action == "release":
-        status = "replayed" if request.action == "release" else "conflict"
-        return FinishResult(status, "released", entry.tenant, None, None, False)
-    charged = int(prior.input_tokens or 0) + int(prior.output_tokens or 0)
-    same = (prior.input_tokens, prior.output_tokens, prior.outcome) == (
-        request.input_tokens,
-        request.output_tokens,
-        request.outcome,
-    )
-    status = "replayed" if request.action == "settle" and same else "conflict"
-    return FinishResult(status, "settled", entry.tenant, charged, max(reserved - charged, 0), False)
-
-
-def _journal_heartbeat(
-    entry: OutageEntry, caller: str | None, lease_seconds: int | None
-) -> HeartbeatResult:
-    if caller is not None and caller != entry.tenant:
-        raise ReservationNotFound(f"no reservation {entry.reservation_id}")
-    if entry.finish is not None:
-        state = "released" if entry.finish.action == "release" else "settled"
-        raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
-    # The lease starts on the database clock when the store records it; until
-    # then the worker only estimates it.
-    lease = lease_seconds or entry.request.lease_seconds or 120
-    return HeartbeatResult(
-        state="active",
-        lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
-        lease_generation=1,
-        lease_live=True,
-        current_generation=1,
-    )
 
 
 def seconds_until_full(

@@ -1,0 +1,321 @@
+"""What a worker decides on its own while the store cannot answer in time.
+
+Each layer's failure mode, read from the worker's cached policies, decides
+for that layer, and a request passes every layer that limits it:
+
+- a `closed` layer refuses (the caller gets StoreUnavailable, a 503, never a
+  429: an outage must not look like a tenant over its limit);
+- a `local` layer admits against its worker-local bucket (a fraction of its
+  limits, see local_bucket.py), all such layers or none;
+- an `open` layer lets the request through.
+
+No cached policy (an unknown tenant, or a copy past its expiry) counts as
+closed. What is admitted goes into the outage journal before the caller
+hears yes; settles and releases of journaled reservations are journaled too.
+The Limiter calls this only after the store failed, counts the outcome in
+its metrics, and records the journal when the store is back.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+
+from llmquota.errors import ReservationConflict, ReservationNotFound
+from llmquota.local_bucket import LocalLayer, admit_locally, give_back_locally
+from llmquota.outage import JournalFull, OutageEntry, OutageJournal, OutageMode, new_outage_id
+from llmquota.policy_cache import LayerKey, PolicyCache
+from llmquota.store import (
+    AdmitDecision,
+    AdmitRequest,
+    AdmitStatus,
+    CachedLayer,
+    FinishRequest,
+    FinishResult,
+    FinishStatus,
+    HeartbeatResult,
+    TenantFigures,
+)
+
+FallbackMode = Literal["closed", "open", "local"]
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackDecision:
+    """The failure mode that decided, and its decision (None: closed, refuse with 503)."""
+
+    mode: FallbackMode
+    decision: AdmitDecision | None
+    reason: str = ""
+
+
+class Fallback:
+    """One worker's decisions while the store is away."""
+
+    def __init__(
+        self,
+        policies: PolicyCache,
+        journal: OutageJournal,
+        local_fraction: float,
+        concurrency_retry_ms: int,
+    ) -> None:
+        self.policies = policies
+        self.journal = journal
+        self.local_fraction = local_fraction
+        self.concurrency_retry_ms = concurrency_retry_ms
+        # Worker-local limits of `local` layers, with the policy version they copy.
+        self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
+        # The local layers each locally admitted reservation holds a permit on.
+        self._holds: dict[uuid.UUID, list[LocalLayer]] = {}
+
+    def decide(self, request: AdmitRequest, now: float) -> FallbackDecision:
+        """Decide by the failure modes of the request's layers, from the cached policies."""
+        layers = self.policies.layers_for(request.tenant, request.route)
+        if layers is None or not self.policies.usable(now):
+            return FallbackDecision("closed", None, "no current cached policy for this tenant")
+        limiting = [layer for layer in layers if layer.policy.has_limits]
+        if any(layer.policy.failure_mode == "closed" for layer in limiting):
+            return FallbackDecision("closed", None, "failure mode is closed")
+        local = [layer for layer in limiting if layer.policy.failure_mode == "local"]
+        mode: OutageMode = "local" if local else "open"
+        if request.idempotency_key is not None:
+            prior = self.journal.by_idempotency_key(request.tenant, request.idempotency_key)
+            if prior is not None:
+                return FallbackDecision(mode, _replay(request, prior))
+        cost = request.input_tokens + request.max_tokens
+        figures = _figures(layers)
+        too_large = _too_large(limiting, cost)
+        if too_large is not None:
+            return FallbackDecision(
+                mode,
+                _decision(
+                    "too_large",
+                    figures,
+                    reserved_tokens=cost,
+                    limit_kind="tokens",
+                    limit_scope=too_large.scope,
+                    capacity=too_large.policy.effective_token_burst,
+                ),
+            )
+        local_layers = [self._local_layer(layer, now) for layer in local]
+        refusal = admit_locally(local_layers, cost, now, self.concurrency_retry_ms)
+        if refusal is not None:
+            return FallbackDecision(
+                mode,
+                _decision(
+                    "rate_limited",
+                    figures,
+                    reserved_tokens=cost,
+                    limit_kind=refusal.limit,
+                    limit_scope=refusal.scope,
+                    retry_after_ms=refusal.retry_after_ms,
+                ),
+            )
+        entry = OutageEntry(
+            reservation_id=new_outage_id(),
+            request=request,
+            mode=mode,
+            policy_version=max(layer.policy_version for layer in layers),
+        )
+        try:
+            self.journal.add(entry)
+        except JournalFull as exc:
+            # It could not be counted, so it is not admitted.
+            give_back_locally(local_layers, cost, 1.0, now)
+            return FallbackDecision("closed", None, str(exc))
+        if local_layers:
+            self._holds[entry.reservation_id] = local_layers
+        lease = request.lease_seconds or layers[-1].policy.lease_seconds
+        return FallbackDecision(
+            mode,
+            _decision(
+                "admitted",
+                figures,
+                reservation_id=entry.reservation_id,
+                reserved_tokens=cost,
+                # The lease starts on the database clock when the store records
+                # the reservation; until then this is the worker's estimate.
+                lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
+                lease_generation=1,
+                remaining=_local_remaining(local_layers),
+            ),
+        )
+
+    def finish(self, request: FinishRequest, now: float) -> FinishResult | None:
+        """Settle or release a reservation still in the outage journal; None if it is not.
+
+        Synchronous on purpose: between looking the entry up and journaling
+        the finish there is no await, so a flush cannot forget it midway.
+        """
+        entry = self.journal.get(request.reservation_id)
+        if entry is None:
+            return None  # recorded already (or never ours): the store has it
+        if request.caller is not None and request.caller != entry.tenant:
+            raise ReservationNotFound(f"no reservation {request.reservation_id}")
+        result = _journal_finish(entry, request)
+        if result.status in ("settled", "released"):
+            self.journal.set_finish(entry, request)
+            held = self._holds.pop(entry.reservation_id, None)
+            if held:
+                if request.action == "release":
+                    credit, requests = float(entry.reserved_tokens), 1.0
+                else:
+                    credit = float(entry.reserved_tokens - (result.charged_tokens or 0))
+                    requests = 0.0
+                give_back_locally(held, credit, requests, now)
+        return result
+
+    def heartbeat(
+        self, reservation_id: uuid.UUID, caller: str | None, lease_seconds: int | None
+    ) -> HeartbeatResult | None:
+        """Answer a heartbeat for a journaled reservation; None if it is not journaled."""
+        entry = self.journal.get(reservation_id)
+        if entry is None:
+            return None
+        if caller is not None and caller != entry.tenant:
+            raise ReservationNotFound(f"no reservation {entry.reservation_id}")
+        if entry.finish is not None:
+            state = "released" if entry.finish.action == "release" else "settled"
+            raise ReservationConflict(
+                f"reservation is {state}; its lease cannot be extended", state=state
+            )
+        lease = lease_seconds or entry.request.lease_seconds or 120
+        return HeartbeatResult(
+            state="active",
+            lease_expires_at=datetime.now(UTC) + timedelta(seconds=lease),
+            lease_generation=1,
+            lease_live=True,
+            current_generation=1,
+        )
+
+    def recorded(self, entries: Sequence[OutageEntry], now: float) -> None:
+        """The store holds these now, permits included: the local copies let go."""
+        for entry in entries:
+            held = self._holds.pop(entry.reservation_id, None)
+            if held:
+                give_back_locally(held, 0.0, 0.0, now)
+
+    def _local_layer(self, layer: CachedLayer, now: float) -> LocalLayer:
+        key: LayerKey = (layer.scope, layer.tenant, layer.route)
+        held = self._local.get(key)
+        if held is None or held[0] != layer.policy_version:
+            local = LocalLayer.from_policy(layer.scope, layer.policy, self.local_fraction, now)
+            held = (layer.policy_version, local)
+            self._local[key] = held
+        return held[1]
+
+
+def _too_large(layers: Sequence[CachedLayer], cost: int) -> CachedLayer | None:
+    """The layer with the smallest token capacity that `cost` exceeds, if any."""
+    return min(
+        (
+            layer
+            for layer in layers
+            if layer.policy.effective_token_burst is not None
+            and cost > layer.policy.effective_token_burst
+        ),
+        key=lambda layer: layer.policy.effective_token_burst or 0,
+        default=None,
+    )
+
+
+def _replay(request: AdmitRequest, prior: OutageEntry) -> AdmitDecision:
+    """A repeated idempotency key during the outage: the same reservation, or a conflict."""
+    if prior.request.request_hash != request.request_hash:
+        return _decision("idempotency_conflict", _figures([]))
+    return _decision(
+        "replayed",
+        _figures([]),
+        reservation_id=prior.reservation_id,
+        reserved_tokens=prior.reserved_tokens,
+        lease_expires_at=datetime.now(UTC),
+        lease_generation=1,
+    )
+
+
+def _figures(layers: Sequence[CachedLayer]) -> TenantFigures:
+    """The tenant layer's policy for headers; balances are unknown offline."""
+    tenant = next((layer for layer in layers if layer.scope == "tenant"), None)
+    policy = tenant.policy.resolved() if tenant is not None else None
+    return TenantFigures(
+        tokens_per_minute=policy.tokens_per_minute if policy else None,
+        token_burst=policy.token_burst if policy else None,
+        tokens=None,
+        requests_per_minute=policy.requests_per_minute if policy else None,
+        request_burst=policy.request_burst if policy else None,
+        requests=None,
+    )
+
+
+def _local_remaining(layers: Sequence[LocalLayer]) -> tuple[int | None, int | None, int | None]:
+    tokens = [math.floor(x.tokens.balance) for x in layers if x.tokens is not None]
+    requests = [math.floor(x.requests.balance) for x in layers if x.requests is not None]
+    permits = [x.max_in_flight - x.in_flight for x in layers if x.max_in_flight is not None]
+    return (
+        min(tokens) if tokens else None,
+        min(requests) if requests else None,
+        min(permits) if permits else None,
+    )
+
+
+def _decision(
+    status: AdmitStatus,
+    tenant: TenantFigures,
+    *,
+    reservation_id: uuid.UUID | None = None,
+    reserved_tokens: int | None = None,
+    lease_expires_at: datetime | None = None,
+    lease_generation: int | None = None,
+    limit_kind: str | None = None,
+    limit_scope: str | None = None,
+    retry_after_ms: int | None = None,
+    capacity: int | None = None,
+    remaining: tuple[int | None, int | None, int | None] = (None, None, None),
+) -> AdmitDecision:
+    return AdmitDecision(
+        status=status,
+        reservation_id=reservation_id,
+        reserved_tokens=reserved_tokens,
+        lease_expires_at=lease_expires_at,
+        lease_generation=lease_generation,
+        limit_kind=limit_kind,
+        limit_scope=limit_scope,
+        retry_after_ms=retry_after_ms,
+        capacity=capacity,
+        remaining_tokens=remaining[0],
+        remaining_requests=remaining[1],
+        remaining_in_flight=remaining[2],
+        tenant=tenant,
+    )
+
+
+def _journal_finish(entry: OutageEntry, request: FinishRequest) -> FinishResult:
+    """What lq_finish will answer for this journaled reservation, decided now.
+
+    The store records the reservation with a fresh lease just before it
+    replays this settle, so an on-time settle is what it will see.
+    """
+    prior = entry.finish
+    reserved = entry.reserved_tokens
+    status: FinishStatus
+    if prior is None:
+        if request.action == "release":
+            return FinishResult("released", "released", entry.tenant, None, None, False)
+        charged = int(request.input_tokens or 0) + int(request.output_tokens or 0)
+        refunded = max(reserved - charged, 0)
+        return FinishResult("settled", "settled", entry.tenant, charged, refunded, False)
+    if prior.action == "release":
+        status = "replayed" if request.action == "release" else "conflict"
+        return FinishResult(status, "released", entry.tenant, None, None, False)
+    charged = int(prior.input_tokens or 0) + int(prior.output_tokens or 0)
+    same = (prior.input_tokens, prior.output_tokens, prior.outcome) == (
+        request.input_tokens,
+        request.output_tokens,
+        request.outcome,
+    )
+    status = "replayed" if request.action == "settle" and same else "conflict"
+    return FinishResult(status, "settled", entry.tenant, charged, max(reserved - charged, 0), False)
