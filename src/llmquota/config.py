@@ -89,7 +89,9 @@ class Settings(BaseSettings):
     )
     policy_cache_max_layers: int = Field(default=100_000, ge=1, le=10_000_000)
     tenant_max_in_progress: int = Field(
-        default=4,
+        # High enough that one busy tenant's admissions still share batches
+        # (group admission); low enough that a flood queues in its own line.
+        default=32,
         ge=1,
         le=10_000,
         description="requests of one tenant a worker serves at once; the rest queue",
