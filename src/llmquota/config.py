@@ -1,7 +1,7 @@
 """Settings, read from LLMQUOTA_* environment variables.
 
 Every limit the service itself lives by is here and named: pool sizes,
-timeouts, body size, sweeper batches. Nothing reads the environment
+timeouts, body size, sweeper batches, admission batches. Nothing reads the environment
 elsewhere, and nothing holds settings in a module global: callers build a
 Settings and pass it down.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmquota.batching import MAX_BATCH_SIZE, MAX_IN_FLIGHT, MAX_WINDOW_SECONDS
 
 # A single token count above this is refused as absurd (and as a likely bug).
 MAX_TOKEN_COUNT = 10_000_000
@@ -46,6 +48,34 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1_048_576, ge=1_024, le=64 * 1_048_576)
     sweep_batch_size: int = Field(default=500, ge=1, le=10_000)
     sweep_max_batches: int = Field(default=100, ge=1, le=100_000)
+    batching: bool = Field(
+        default=True,
+        description="coalesce concurrent admissions (and settlements) of one process into "
+        "one statement per batch; false: one statement per request",
+    )
+    batch_max_size: int = Field(
+        default=256, ge=1, le=MAX_BATCH_SIZE, description="requests decided by one statement"
+    )
+    batch_window_ms: float = Field(
+        default=1.0,
+        ge=0,
+        le=MAX_WINDOW_SECONDS * 1_000,
+        description="how long a request may wait for others while a batch is already in "
+        "flight; a request arriving when nothing is in flight goes at once",
+    )
+    batch_max_in_flight: int = Field(
+        default=2,
+        ge=1,
+        le=MAX_IN_FLIGHT,
+        description="batch statements of each kind (admit, finish) running at once; each "
+        "holds a pooled connection",
+    )
+    admission_synchronous_commit: bool = Field(
+        default=True,
+        description="false: admission statements commit without waiting for the WAL flush "
+        "(settlement and the ledger always wait); a crash may then forget the admissions "
+        "of its last few hundred milliseconds, see BENCHMARKS.md",
+    )
     retention_seconds: int = Field(
         default=7 * 86_400,
         ge=86_400,

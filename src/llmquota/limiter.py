@@ -3,6 +3,11 @@
 It validates and counts a request (pure code), hands the decision to the
 store (one statement), and turns the answer into a Reservation or a typed
 error. It holds no balances of its own: every figure comes from PostgreSQL.
+
+Concurrent admissions of one process are coalesced into batch statements
+(batching.py), and so are settlements and releases, which share one batch:
+the SQL decides a batch exactly as it would decide its requests one by one
+in arrival order, so callers see the same answers, only sooner.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from llmquota.batching import Coalescer
 from llmquota.config import MAX_TOKEN_COUNT, Settings
 from llmquota.errors import (
     IdempotencyConflict,
@@ -195,6 +201,25 @@ class Limiter:
         self.store = store
         self.settings = settings
         self.metrics = metrics or Metrics()
+        self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
+        self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
+        if settings.batching:
+            window_seconds = settings.batch_window_ms / 1_000.0
+            self._admissions = Coalescer(
+                self._admit_batch,
+                max_batch_size=settings.batch_max_size,
+                window_seconds=window_seconds,
+                max_in_flight=settings.batch_max_in_flight,
+                on_orphan=self._release_orphan,
+            )
+            self._finishes = Coalescer(
+                self._finish_batch,
+                max_batch_size=settings.batch_max_size,
+                window_seconds=window_seconds,
+                max_in_flight=settings.batch_max_in_flight,
+            )
+        # Releases of admissions whose caller was cancelled mid-batch.
+        self._orphan_releases: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, dsn: str, settings: Settings | None = None) -> Limiter:
@@ -207,11 +232,18 @@ class Limiter:
             statement_timeout_ms=settings.statement_timeout_ms,
             lock_timeout_ms=settings.lock_timeout_ms,
             concurrency_retry_ms=settings.concurrency_retry_ms,
+            admission_synchronous_commit=settings.admission_synchronous_commit,
         )
         return cls(store, settings)
 
     async def close(self) -> None:
-        """Close the pool."""
+        """Let gathered batches finish, then close the pool."""
+        if self._admissions is not None:
+            await self._admissions.close()
+        while self._orphan_releases:
+            await asyncio.wait(set(self._orphan_releases))
+        if self._finishes is not None:
+            await self._finishes.close()
         await self.store.close()
 
     async def __aenter__(self) -> Limiter:
@@ -286,11 +318,45 @@ class Limiter:
             request_hash=request_hash,
         )
 
+    async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
+        self.metrics.batch_size.labels("admit").observe(len(requests))
+        return await self.store.admit(requests)
+
+    async def _finish_batch(self, requests: list[FinishRequest]) -> list[FinishResult]:
+        self.metrics.batch_size.labels("finish").observe(len(requests))
+        return await self.store.finish(requests)
+
+    def _release_orphan(self, request: AdmitRequest, decision: AdmitDecision) -> None:
+        """Give back an admission whose caller was cancelled before it heard of it.
+
+        Nobody holds its id, so nobody can call the provider with it: without
+        this it would hold its tokens and permit until the sweeper expired it.
+        A replayed admission belongs to whoever made it first and is left alone.
+        """
+        if decision.status != "admitted" or decision.reservation_id is None:
+            return
+        reservation_id = decision.reservation_id
+
+        async def release() -> None:
+            with contextlib.suppress(StoreUnavailable, ReservationNotFound, ReservationConflict):
+                await self.release(reservation_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._orphan_releases.add(task)
+        task.add_done_callback(self._orphan_releases.discard)
+
     async def decide(self, request: AdmitRequest) -> Admission:
-        """One admission decision; refusals are returned, not raised."""
+        """One admission decision; refusals are returned, not raised.
+
+        Concurrent calls share one statement (see batching.py); the answer is
+        the one deciding the requests one by one in arrival order would give.
+        """
         started = time.perf_counter()
         try:
-            (decision,) = await self.store.admit([request])
+            if self._admissions is not None:
+                decision = await self._admissions.submit(request)
+            else:
+                (decision,) = await self._admit_batch([request])
         except StoreUnavailable:
             self.metrics.store_errors.labels("admit").inc()
             raise
@@ -329,8 +395,12 @@ class Limiter:
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
+        """Settle or release one reservation, in a batch shared with concurrent callers."""
         try:
-            (result,) = await self.store.finish([request])
+            if self._finishes is not None:
+                result = await self._finishes.submit(request)
+            else:
+                (result,) = await self._finish_batch([request])
         except StoreUnavailable:
             self.metrics.store_errors.labels(request.action).inc()
             raise

@@ -159,10 +159,16 @@ def translate_errors() -> Any:
 class Store:
     """Typed access to the named statements over an asyncpg pool."""
 
-    def __init__(self, pool: asyncpg.Pool, concurrency_retry_ms: int = 1_000) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        concurrency_retry_ms: int = 1_000,
+        admission_synchronous_commit: bool = True,
+    ) -> None:
         self._pool = pool
         self._sql = queries()
         self._concurrency_retry_ms = concurrency_retry_ms
+        self._admit_statement = "admit" if admission_synchronous_commit else "admit_without_flush"
 
     @classmethod
     async def connect(
@@ -174,6 +180,7 @@ class Store:
         statement_timeout_ms: int = 5_000,
         lock_timeout_ms: int = 2_000,
         concurrency_retry_ms: int = 1_000,
+        admission_synchronous_commit: bool = True,
     ) -> Store:
         """Open a pool whose sessions carry the statement and lock timeouts."""
         with translate_errors():
@@ -187,7 +194,11 @@ class Store:
                     "application_name": "llmquota",
                 },
             )
-        return cls(pool, concurrency_retry_ms=concurrency_retry_ms)
+        return cls(
+            pool,
+            concurrency_retry_ms=concurrency_retry_ms,
+            admission_synchronous_commit=admission_synchronous_commit,
+        )
 
     async def close(self) -> None:
         """Close every connection of the pool."""
@@ -207,7 +218,7 @@ class Store:
     async def admit(self, requests: Sequence[AdmitRequest]) -> list[AdmitDecision]:
         """Decide a batch of admissions in order, in one statement."""
         rows = await self._fetch(
-            "admit",
+            self._admit_statement,
             [r.tenant for r in requests],
             [r.route for r in requests],
             [r.model for r in requests],
