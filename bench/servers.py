@@ -95,7 +95,11 @@ def _pg15() -> Iterator[Postgres]:
     )
     subprocess.run(
         _as_postgres_user(
-            [str(PG15_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-w", "start"]
+            # -l: with no log file the server would hold our output pipe open.
+            [
+                str(PG15_BIN / "pg_ctl"),
+                *("-D", str(data), "-o", options, "-l", str(work / "log"), "-w", "start"),
+            ]
         ),
         check=True,
         capture_output=True,
