@@ -173,7 +173,8 @@ def measure(
     """Warm a started server up, then measure each workload; always stop it."""
     process, port = start
     try:
-        run_wrk(port, system=system, workload="warm-up", tenants=2, connections=8, seconds=1)
+        # Both workers load their token encodings and open their pools before measuring.
+        run_wrk(port, system=system, workload="warm-up", tenants=2, connections=64, seconds=3)
         return [
             run_wrk(
                 port,

@@ -76,52 +76,74 @@ def postgres(kind: str) -> Iterator[Postgres]:
             yield pg
 
 
-@contextlib.contextmanager
-def _pg15() -> Iterator[Postgres]:
-    work = Path(tempfile.mkdtemp(prefix="llmquota-bench-pg15."))
-    if os.geteuid() == 0:
-        shutil.chown(work, "postgres")
-    data = work / "data"
-    port = free_port()
-    subprocess.run(
-        _as_postgres_user(
-            [str(PG15_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust"]
-        ),
-        check=True,
-        capture_output=True,
-    )
-    options = (
-        f"-c listen_addresses=127.0.0.1 -p {port} -k {work} -c max_connections={MAX_CONNECTIONS}"
-        " -c shared_buffers=256MB"
-    )
-    subprocess.run(
-        _as_postgres_user(
-            # -l: with no log file the server would hold our output pipe open.
-            [
-                str(PG15_BIN / "pg_ctl"),
-                *("-D", str(data), "-o", options, "-l", str(work / "log"), "-w", "start"),
-            ]
-        ),
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield Postgres(
-            dsn=f"postgresql://postgres@127.0.0.1:{port}/postgres",
+class Pg15Cluster:
+    """A throwaway Debian PostgreSQL 15 cluster in a temporary directory."""
+
+    def __init__(self) -> None:
+        self.work = Path(tempfile.mkdtemp(prefix="llmquota-bench-pg15."))
+        if os.geteuid() == 0:
+            shutil.chown(self.work, "postgres")
+        self.data = self.work / "data"
+        self.port = free_port()
+        subprocess.run(
+            _as_postgres_user(
+                [str(PG15_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "--auth=trust"]
+            ),
+            check=True,
+            capture_output=True,
+        )
+
+    @property
+    def postgres(self) -> Postgres:
+        return Postgres(
+            dsn=f"postgresql://postgres@127.0.0.1:{self.port}/postgres",
             description=f"{postgres_server_version(PG15_BIN)} (Debian), TCP loopback, "
             "synchronous_commit on, fsync on, shared_buffers 256MB",
             host="127.0.0.1",
-            port=port,
+            port=self.port,
         )
-    finally:
+
+    def start(self) -> None:
+        options = (
+            f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.work}"
+            f" -c max_connections={MAX_CONNECTIONS} -c shared_buffers=256MB"
+        )
         subprocess.run(
             _as_postgres_user(
-                [str(PG15_BIN / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]
+                # -l: with no log file the server would hold our output pipe open.
+                [
+                    str(PG15_BIN / "pg_ctl"),
+                    *("-D", str(self.data), "-o", options, "-l", str(self.work / "log")),
+                    *("-w", "start"),
+                ]
+            ),
+            check=True,
+            capture_output=True,
+        )
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server; mode "immediate" kills every process unflushed, like a crash."""
+        subprocess.run(
+            _as_postgres_user(
+                [str(PG15_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"]
             ),
             check=False,
             capture_output=True,
         )
-        shutil.rmtree(work, ignore_errors=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _pg15() -> Iterator[Postgres]:
+    cluster = Pg15Cluster()
+    try:
+        cluster.start()
+        yield cluster.postgres
+    finally:
+        cluster.stop()
+        cluster.remove()
 
 
 @contextlib.contextmanager
