@@ -107,7 +107,7 @@ def grid_chart(cells: Sequence[Cell], path: Path) -> None:
     ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_xlabel("request rate (requests / s)")
     ax.set_ylabel("completion length (tokens)")
-    ax.set_title("which limit refuses first")
+    ax.set_title("which limit binds (refuses the most requests)")
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)

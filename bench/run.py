@@ -516,17 +516,19 @@ async def compare_grid(pg: servers.Postgres, plan: Plan, report: Report) -> None
             cells.append(cell)
             report.line(
                 f"  {rate:4}/s x {length:5} tokens: binds {cell.binding:11} "
-                f"refused {dict(cell.refused)} of {cell.sent}"
+                f"(first refusal: {cell.first_refusal}) refused {dict(cell.refused)} of {cell.sent}"
             )
     path, link = report.chart("grid.png")
     charts.grid_chart(cells, path)
     counts = Counter(c.binding for c in cells)
-    line = "grid: " + ", ".join(f"{kind} binds first in {counts[kind]}" for kind in grid.KINDS)
+    line = "grid: cells where each limit binds: " + ", ".join(
+        f"{kind} {counts[kind]}" for kind in grid.KINDS
+    )
     p = grid.POLICY
     report.sections.append(
         "\n".join(
             [
-                "## 5. The two-axis grid: which limit binds first",
+                "## 5. The two-axis grid: which limit binds",
                 "",
                 "Seed 004's load test with both axes. Each cell is an open-loop run of",
                 f"{plan.grid_s:g} s through the limiter and the fake provider (first token",
@@ -536,7 +538,7 @@ async def compare_grid(pg: servers.Postgres, plan: Plan, report: Report) -> None
                 f"with {p.tokens_per_minute:,} tokens/min (burst {p.token_burst:,}), "
                 f"{p.requests_per_minute:,} requests/min (burst {p.request_burst}) and "
                 f"{p.max_in_flight} in flight; {grid.INPUT_TOKENS} input tokens per request.",
-                "A cell names the limit of the first refusal.",
+                "A cell names the limit that refused the most requests in it.",
                 "",
                 f"![binding limit per cell]({link})",
                 "",
