@@ -182,6 +182,8 @@ async def compare_library(
 
     crash_rows = await measure_crashes(plan, report)
 
+    ended_load = common.machine_load()
+
     def find(system: str, workload: str, callers: int) -> library.Point | None:
         for p in points:
             if (p.system, p.workload, p.callers) == (system, workload, callers):
@@ -219,7 +221,8 @@ async def compare_library(
                 "`bench/token_bucket.lua`, the seeds' script over the tenant and global keys).",
                 "Every request passes a tenant layer and the global layer; buckets are large",
                 "enough that nothing is refused, so this measures the cost of deciding.",
-                f"Each point runs {plan.library_s:g} s after a warm-up; {load} at the start.",
+                f"Each point runs {plan.library_s:g} s after a warm-up; {load} at the start,",
+                f"{ended_load} at the end.",
                 "",
                 *rows,
                 "",
@@ -347,7 +350,8 @@ def compare_http(
                 "with tiktoken and authenticate a bearer key; the load generator is wrk",
                 f"(1 thread, {HTTP_CONNECTIONS} connections, {plan.http_s:g} s per run, "
                 "POST /v1/admit with a JSON body). "
-                f"llmquota answers 201 with a journalled reservation. {load}.",
+                f"llmquota answers 201 with a journalled reservation. At the start {load};",
+                f"at the end {common.machine_load()}.",
                 "",
                 *rows,
                 "",

@@ -25,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmquota.api.app import create_app
 from llmquota.config import Settings
 from llmquota.limiter import Limiter
 from llmquota.policy import Policy
@@ -613,3 +615,36 @@ async def test_concurrent_batches_over_overlapping_tenants_never_deadlock(
         if row["requests"] is not None:
             expected = row["request_burst"] - row["active"] - row["settled"]
             assert abs(row["requests"] - expected) <= tolerance
+
+
+# -- over HTTP: one server worker's concurrent requests share batches ---------------------
+
+
+async def test_concurrent_http_admits_share_batches_and_admit_exactly_k(
+    database_dsn: str, db: asyncpg.Connection
+) -> None:
+    admin_key = "lq_test_admin_key_for_batching"
+    settings = Settings(admin_key=admin_key, pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    app = create_app(settings, dsn=database_dsn)
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    k, requests = 17, 120
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as client:
+            policy = {"tokens_per_minute": SLOW_RATE, "token_burst": k * 1_000}
+            response = await client.put("/v1/tenants/acme/policy", json=policy, headers=headers)
+            assert response.status_code == 200, response.text
+            body = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 400, "max_tokens": 600}
+            responses = await asyncio.gather(
+                *(client.post("/v1/admit", json=body, headers=headers) for _ in range(requests))
+            )
+            metrics = (await client.get("/metrics")).text
+
+    assert Counter(r.status_code for r in responses) == {201: k, 429: requests - k}
+    assert await db.fetchval("SELECT count(*) FROM reservations") == k
+    (statements,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith('llmquota_batch_size_count{operation="admit"}')
+    ]
+    assert statements < requests / 4
