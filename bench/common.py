@@ -83,10 +83,13 @@ async def seed_tenants(
 
 
 async def reset_state(dsn: str) -> None:
-    """Forget reservations and refill every bucket, so each point starts alike."""
+    """Forget reservations and refill every bucket, so each point starts alike.
+
+    The ledger is append-only and keeps its rows.
+    """
     connection = await asyncpg.connect(dsn)
     try:
-        await connection.execute("TRUNCATE reservations, usage_ledger")
+        await connection.execute("TRUNCATE reservations")
         await connection.execute(
             "UPDATE limit_layers SET tokens = token_burst, requests = request_burst, in_flight = 0"
         )

@@ -659,8 +659,12 @@ BEGIN
      WHERE rs.reservation_id = u.reservation_id
        AND changed[u.ordinality::integer];
 
-    -- (6) Append the ledger rows; UNIQUE (reservation_id, entry_kind) makes a
-    -- second row for the same event impossible, not merely unlikely.
+    -- (6) Append the ledger rows, stamped with now_ts (the month partition is
+    -- picked from it; the DEFAULT partition takes a month with none). The
+    -- ledger's receipt trigger writes (reservation_id, entry_kind) into
+    -- ledger_receipts in this same statement, and its primary key makes a
+    -- second row for the same event impossible, not merely unlikely: the
+    -- whole call would fail and roll back (see ledger.sql).
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
                               policy_version, recorded_at)

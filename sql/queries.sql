@@ -12,8 +12,8 @@ SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::big
 -- The same batch decision, committed without waiting for the WAL flush
 -- (LLMQUOTA_ADMISSION_SYNCHRONOUS_COMMIT=false). set_config(..., true) lasts
 -- until the end of this statement's own transaction and synchronous_commit is
--- read only at its commit, so where in the plan it runs does not matter;
--- settlement and the ledger are other statements and always wait. A crash can
+-- read only at its commit, so where in the plan it runs does not matter.
+-- Settlement and the ledger are other statements and always wait. A crash can
 -- forget the last admissions (their debits and reservations), never a ledger row.
 SELECT a.*
   FROM (SELECT set_config('synchronous_commit', 'off', true)) AS unflushed,
@@ -163,3 +163,8 @@ DELETE FROM reservations
           AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
         LIMIT $2::integer
           FOR UPDATE SKIP LOCKED)
+
+-- ensure_ledger_partitions --
+-- Create the ledger's monthly partitions for this month and $1 months ahead
+-- (see lq_ensure_ledger_partitions); one row per month with what was done.
+SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -43,19 +45,32 @@ async def _admin(dsn: str, *statements: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def server_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A DSN to the test server's maintenance database."""
+def server_dsn() -> Iterator[str]:
+    """A DSN to the test server's maintenance database.
+
+    The embedded server's directory is our own, not pytest's tmp_path: pytest
+    prunes old basetemp directories, including those of a concurrent session.
+    """
     url = os.environ.get("LLMQUOTA_DATABASE_URL")
-    data_dir: Path | None = None if url else tmp_path_factory.mktemp("pg") / "data"
-    with open_database(database_url=url, data_dir=data_dir) as handle:
-        yield handle.dsn
+    if url:
+        with open_database(database_url=url) as handle:
+            yield handle.dsn
+        return
+    root = Path(tempfile.mkdtemp(prefix="llmquota-test-pg-"))
+    try:
+        with open_database(data_dir=root / "data") as handle:
+            yield handle.dsn
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def template_database(server_dsn: str) -> Iterator[str]:
     """Name of a database migrated to head, used as the template for each test."""
     name = f"llmquota_template_{os.getpid()}"
-    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"'))
+    asyncio.run(
+        _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"')
+    )
     migrate.upgrade(dsn_with_database(server_dsn, name))
     yield name
     asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

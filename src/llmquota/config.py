@@ -8,6 +8,8 @@ Settings and pass it down.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -15,6 +17,10 @@ from llmquota.batching import MAX_BATCH_SIZE, MAX_IN_FLIGHT, MAX_WINDOW_SECONDS
 
 # A single token count above this is refused as absurd (and as a likely bug).
 MAX_TOKEN_COUNT = 10_000_000
+# A tokenizer estimate is off by a factor, not by orders of magnitude.
+MAX_ESTIMATE_FACTOR = 10.0
+
+EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
 class Settings(BaseSettings):
@@ -31,7 +37,7 @@ class Settings(BaseSettings):
     admin_key: str | None = Field(
         default=None, description="admin API key; unset: `serve` generates one on first start"
     )
-    estimate_factors: dict[str, float] = Field(
+    estimate_factors: dict[str, EstimateFactor] = Field(
         default_factory=dict,
         description="per-model factor on o200k counts for models without a published "
         'tokenizer, JSON such as {"claude-*": 1.25}; default 1.25',
@@ -80,4 +86,26 @@ class Settings(BaseSettings):
         default=7 * 86_400,
         ge=86_400,
         description="how long finished reservations (and their idempotency keys) are kept",
+    )
+    ledger_months_ahead: int = Field(
+        default=3,
+        ge=1,
+        le=24,
+        description="monthly ledger partitions each sweeper run keeps ready beyond this month",
+    )
+    reporting_database_url: str | None = Field(
+        default=None,
+        description="DSN for `llmquota report` (e.g. as llmquota_reporting); unset: DATABASE_URL",
+    )
+    report_statement_timeout_ms: int = Field(
+        default=120_000, ge=1_000, le=3_600_000, description="server-side cap on one report"
+    )
+    export_page_rows: int = Field(
+        default=1_000, ge=1, le=10_000, description="ledger rows per export round trip"
+    )
+    export_number_limit: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="ledger rows the export numbers (gives export ids) per round trip",
     )

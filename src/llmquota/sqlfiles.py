@@ -7,8 +7,9 @@
     SELECT ...;
 
 They are split once at import into a dict; a test checks every name the
-store uses exists. Other files (function definitions) are whole scripts that
-the migrations execute.
+store uses exists. `finance_queries.sql` holds the ledger's finance side in
+the same form. Other files (function definitions, roles, the reports of
+sql/reports/) are whole scripts that the migrations execute.
 """
 
 from __future__ import annotations
@@ -37,11 +38,22 @@ def parse_queries(text: str) -> dict[str, str]:
 
 
 @functools.cache
+def named_queries(filename: str) -> dict[str, str]:
+    """The named queries of one file in sql/."""
+    return parse_queries((sql_dir() / filename).read_text(encoding="utf-8"))
+
+
 def queries() -> dict[str, str]:
-    """The named queries of sql/queries.sql."""
-    return parse_queries((sql_dir() / "queries.sql").read_text(encoding="utf-8"))
+    """The named queries of sql/queries.sql (the admission service's)."""
+    return named_queries("queries.sql")
 
 
 def script(name: str) -> str:
     """A whole SQL script from sql/, e.g. the admission functions."""
     return (sql_dir() / name).read_text(encoding="utf-8")
+
+
+def report_scripts() -> list[str]:
+    """The scripts of sql/reports/, in file name order (the base views first)."""
+    paths = sorted((sql_dir() / "reports").glob("*.sql"))
+    return [path.read_text(encoding="utf-8") for path in paths]

@@ -156,6 +156,26 @@ def translate_errors() -> Any:
         raise StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}") from exc
 
 
+async def open_connection(
+    dsn: str,
+    *,
+    statement_timeout_ms: int,
+    lock_timeout_ms: int,
+    application_name: str = "llmquota",
+) -> asyncpg.Connection:
+    """One connection (for a CLI command) carrying the statement and lock timeouts."""
+    with translate_errors():
+        connection: asyncpg.Connection = await asyncpg.connect(
+            dsn,
+            server_settings={
+                "statement_timeout": str(statement_timeout_ms),
+                "lock_timeout": str(lock_timeout_ms),
+                "application_name": application_name,
+            },
+        )
+    return connection
+
+
 class Store:
     """Typed access to the named statements over an asyncpg pool."""
 
@@ -168,7 +188,7 @@ class Store:
         self._pool = pool
         self._sql = queries()
         self._concurrency_retry_ms = concurrency_retry_ms
-        self._admit_statement = "admit" if admission_synchronous_commit else "admit_without_flush"
+        self._admission_synchronous_commit = admission_synchronous_commit
 
     @classmethod
     async def connect(
@@ -216,9 +236,12 @@ class Store:
             return rows
 
     async def admit(self, requests: Sequence[AdmitRequest]) -> list[AdmitDecision]:
-        """Decide a batch of admissions in order, in one statement."""
-        rows = await self._fetch(
-            self._admit_statement,
+        """Decide a batch of admissions in order, in one statement.
+
+        With admission_synchronous_commit off, the statement's commit does not
+        wait for the WAL flush (see admit_without_flush in queries.sql).
+        """
+        arrays = (
             [r.tenant for r in requests],
             [r.route for r in requests],
             [r.model for r in requests],
@@ -228,8 +251,11 @@ class Store:
             [r.lease_seconds for r in requests],
             [r.idempotency_key for r in requests],
             [r.request_hash for r in requests],
-            self._concurrency_retry_ms,
         )
+        if self._admission_synchronous_commit:
+            rows = await self._fetch("admit", *arrays, self._concurrency_retry_ms)
+        else:
+            rows = await self._fetch("admit_without_flush", *arrays, self._concurrency_retry_ms)
         return [
             AdmitDecision(
                 status=row["status"],
@@ -377,6 +403,11 @@ class Store:
             input_tokens=int(row["input_tokens"]),
             output_tokens=int(row["output_tokens"]),
         )
+
+    async def ensure_ledger_partitions(self, months_ahead: int) -> dict[str, str]:
+        """Make the ledger's monthly partitions exist; {partition: status}."""
+        rows = await self._fetch("ensure_ledger_partitions", months_ahead)
+        return {row["partition_name"]: row["status"] for row in rows}
 
     async def purge_finished(self, retention_seconds: int, limit: int) -> int:
         """Delete up to `limit` reservations finished before the retention window."""

@@ -7,14 +7,16 @@ time and a corrupted file fails loudly instead of miscounting.
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
+from tiktoken.model import encoding_name_for_model
 
 from llmquota.resources import encodings_dir
 
@@ -60,22 +62,6 @@ TOKENS_PER_MESSAGE = 3
 TOKENS_PER_NAME = 1
 TOKENS_REPLY_PRIMING = 3
 
-# Model-name prefixes in the order they are tried: longest and most specific first.
-_EXACT_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("gpt-4o", "o200k_base"),
-    ("gpt-4.1", "o200k_base"),
-    ("gpt-4.5", "o200k_base"),
-    ("gpt-5", "o200k_base"),
-    ("chatgpt-4o", "o200k_base"),
-    ("o1", "o200k_base"),
-    ("o3", "o200k_base"),
-    ("o4", "o200k_base"),
-    ("gpt-4", "cl100k_base"),
-    ("gpt-3.5", "cl100k_base"),
-    ("text-embedding-3", "cl100k_base"),
-    ("text-embedding-ada-002", "cl100k_base"),
-)
-
 DEFAULT_ESTIMATE_FACTOR = 1.25
 
 
@@ -94,11 +80,24 @@ class TokenCount:
 
 @functools.cache
 def get_encoding(name: str) -> tiktoken.Encoding:
-    """Load one of the shipped encodings, verifying its hash; cached per process."""
+    """Load one of the shipped encodings, verifying its hash; cached per process.
+
+    The file is read and hashed here rather than through tiktoken's loader,
+    which would copy it into a cache directory and trust that copy afterwards.
+    """
     if name not in _EXPECTED_SHA256:
         raise KeyError(f"unknown encoding {name!r}")
-    path = encodings_dir() / f"{name}.tiktoken"
-    ranks = load_tiktoken_bpe(str(path), expected_hash=_EXPECTED_SHA256[name])
+    contents = (encodings_dir() / f"{name}.tiktoken").read_bytes()
+    digest = hashlib.sha256(contents).hexdigest()
+    if digest != _EXPECTED_SHA256[name]:
+        raise ValueError(
+            f"{name}.tiktoken has SHA-256 {digest}, expected {_EXPECTED_SHA256[name]}: "
+            "the shipped rank file is corrupt"
+        )
+    ranks = {
+        base64.b64decode(token): int(rank)
+        for token, rank in (line.split() for line in contents.splitlines() if line)
+    }
     return tiktoken.Encoding(
         name=name,
         pat_str=_PATTERNS[name],
@@ -110,13 +109,16 @@ def get_encoding(name: str) -> tiktoken.Encoding:
 def encoding_for_model(model: str) -> tuple[str, bool]:
     """The encoding used to count `model`, and whether the count is exact.
 
-    OpenAI models have a published tokenizer; anything else (claude-*, open
-    models) is counted with o200k_base and scaled, so the figure is an estimate.
+    tiktoken's own model table decides (fine-tunes and Azure names included)
+    where it names an encoding we ship; anything else (claude-*, open models)
+    is counted with o200k_base and scaled, so the figure is an estimate.
     """
-    lowered = model.lower()
-    for prefix, encoding in _EXACT_PREFIXES:
-        if lowered.startswith(prefix):
-            return encoding, True
+    try:
+        name = encoding_name_for_model(model.lower())
+    except KeyError:
+        return "o200k_base", False
+    if name in _EXPECTED_SHA256:
+        return name, True
     return "o200k_base", False
 
 

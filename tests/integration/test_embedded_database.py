@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import psutil  # type: ignore[import-untyped]
+import psutil
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -130,7 +130,8 @@ def wait_for_no_postmaster(pgdata: Path, timeout: float = STOP_TIMEOUT) -> list[
 
 
 def users_register(pgdata: Path) -> dict[str, float]:
-    return json.loads((pgdata / ".llmquota-users.json").read_text())
+    register: dict[str, float] = json.loads((pgdata / ".llmquota-users.json").read_text())
+    return register
 
 
 async def postmaster_start_time(dsn: str) -> float:
@@ -153,6 +154,13 @@ def pgdata(tmp_path: Path) -> Iterator[Path]:
             child.kill()
     for pid in postmasters(path):
         psutil.Process(pid).kill()
+
+
+@pytest.fixture(autouse=True)
+def _no_configured_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the embedded server: a configured URL (CI's
+    PostgreSQL 15 leg sets one) would win over the data directory."""
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
 
 
 def test_two_processes_share_one_server_and_the_last_stops_it(pgdata: Path) -> None:
@@ -211,6 +219,35 @@ def test_ctrl_c_stops_the_server(pgdata: Path) -> None:
     assert child.wait() == -signal.SIGINT  # Python re-raises an uncaught KeyboardInterrupt
     assert "KeyboardInterrupt" in child.stderr
     assert wait_for_no_postmaster(pgdata) == []
+
+
+def test_sigterm_during_startup_is_held_until_the_server_can_be_released(pgdata: Path) -> None:
+    # Between starting the server and registering as its user, an exit would
+    # orphan the server; open_database holds such a signal back and acts on
+    # it once the use is recorded, which stops the just-started server.
+    env = {k: v for k, v in os.environ.items() if k != DATABASE_URL_ENV}
+    child = subprocess.Popen(
+        [sys.executable, "-W", "error", "-c", CHILD, str(pgdata), "wait"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while not pgdata.exists() and time.monotonic() < deadline:  # initdb is starting
+        time.sleep(0.005)
+    assert pgdata.exists()
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=STARTUP_TIMEOUT)
+
+    assert child.returncode == 128 + signal.SIGTERM, err
+    assert out == ""  # it never got to use the database
+    log = (pgdata / "log").read_text()
+    assert "database system is ready to accept connections" in log
+    assert "database system is shut down" in log
+    assert wait_for_no_postmaster(pgdata) == []
+    assert users_register(pgdata) == {}
 
 
 def test_kill_9_of_one_user_does_not_keep_the_server_alive(pgdata: Path) -> None:

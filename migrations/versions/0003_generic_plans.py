@@ -5,8 +5,8 @@ a sequential scan of limit_layers; `SET plan_cache_mode = force_generic_plan`
 on lq_admit, lq_finish and lq_credit_layers keeps them on index probes and
 saves re-planning on every call. The function bodies are unchanged.
 
-Revision ID: 0002
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -15,8 +15,8 @@ from alembic import op
 from llmquota.migration_support import execute_script
 from llmquota.sqlfiles import script
 
-revision = "0002"
-down_revision = "0001"
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,41 @@
+"""Fixtures for the REST API: the real app on a fresh database, over ASGI."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from llmquota.api.app import create_app
+from llmquota.config import Settings
+
+ADMIN_KEY = "lq_test_admin_key_0123456789"
+
+
+@pytest.fixture
+async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for an app whose lifespan (pool, authenticator) is running."""
+    settings = Settings(admin_key=ADMIN_KEY, pool_min_size=1, pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    app = create_app(settings, dsn=database_dsn)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
+            yield c
+
+
+@pytest.fixture
+def admin() -> dict[str, str]:
+    """Headers of the admin."""
+    return {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+async def make_tenant(
+    client: httpx.AsyncClient, admin: dict[str, str], tenant: str, **policy: int
+) -> dict[str, str]:
+    """Give `tenant` a policy and a key; returns the tenant's auth headers."""
+    response = await client.put(f"/v1/tenants/{tenant}/policy", json=policy, headers=admin)
+    assert response.status_code == 200, response.text
+    response = await client.post(f"/v1/tenants/{tenant}/keys", headers=admin)
+    assert response.status_code == 201, response.text
+    return {"Authorization": f"Bearer {response.json()['key']}"}

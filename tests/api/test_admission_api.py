@@ -1,0 +1,243 @@
+"""POST /v1/admit and the reservation endpoints, through the real app and database."""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+import httpx
+
+from tests.api.conftest import make_tenant
+
+MESSAGES = [{"role": "user", "content": "Summarise the attached contract."}]
+
+
+async def admit(
+    client: httpx.AsyncClient, headers: dict[str, str], **body: object
+) -> httpx.Response:
+    payload: dict[str, object] = {"tenant": "acme", "model": "gpt-4o", "max_tokens": 100}
+    payload.update(body)
+    return await client.post("/v1/admit", json=payload, headers=headers)
+
+
+async def test_admit_returns_reservation_with_counted_input_and_headers(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    acme = await make_tenant(
+        client,
+        admin,
+        "acme",
+        tokens_per_minute=60_000,
+        token_burst=10_000,
+        requests_per_minute=600,
+    )
+    response = await admit(client, acme, messages=MESSAGES, max_tokens=500)
+    assert response.status_code == 201, response.text
+    body = response.json()
+    # 3 priming + 3 framing + "user" (1) + the content counted with o200k_base.
+    assert body["input_tokens"] > 7
+    assert body["input_estimated"] is False
+    assert body["reserved_tokens"] == body["input_tokens"] + 500
+    assert body["remaining"]["tokens"] == 10_000 - body["reserved_tokens"]
+    assert body["remaining"]["requests"] == 599
+    assert body["remaining"]["in_flight"] is None
+    uuid.UUID(body["reservation_id"])
+    h = response.headers
+    assert h["x-ratelimit-limit-tokens"] == "60000"
+    assert h["x-ratelimit-remaining-tokens"] == str(10_000 - body["reserved_tokens"])
+    assert h["x-ratelimit-limit-requests"] == "600"
+    assert h["x-ratelimit-remaining-requests"] == "599"
+    assert h["ratelimit-policy"] == '"tokens";q=60000;w=60, "requests";q=600;w=60'
+    assert h["ratelimit"].startswith(f'"tokens";r={10_000 - body["reserved_tokens"]};t=')
+    assert h["x-ratelimit-reset-tokens"].endswith("s")
+
+
+async def test_claude_input_is_an_estimate(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    response = await admit(client, acme, model="claude-sonnet-4", messages=MESSAGES)
+    assert response.status_code == 201
+    assert response.json()["input_estimated"] is True
+
+
+async def test_refusal_names_limit_scope_and_retry(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    # 6,000 tokens a minute = 100 a second; capacity 1,000.
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=6_000, token_burst=1_000)
+    first = await admit(client, acme, input_tokens=100, max_tokens=700)
+    assert first.status_code == 201
+    refused = await admit(client, acme, input_tokens=100, max_tokens=700)
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert refused.json()["type"] == "error"
+    assert error["type"] == "rate_limit_error"
+    assert error["limit"] == "tokens"
+    assert error["scope"] == "tenant"
+    # Deficit 600 tokens at 100/s: about 6 s (a little less: refill since the first admit).
+    assert 5_000 < error["retry_after_ms"] <= 6_000
+    assert refused.headers["retry-after"] == "6"
+    assert refused.headers["retry-after-ms"] == str(error["retry_after_ms"])
+    assert "x-ratelimit-remaining-tokens" in refused.headers
+
+
+async def test_route_and_concurrency_refusals(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=100_000, max_in_flight=5)
+    response = await client.put(
+        "/v1/tenants/acme/routes/export/policy", json={"max_in_flight": 1}, headers=admin
+    )
+    assert response.status_code == 200
+    assert (await admit(client, acme, route="export", input_tokens=1)).status_code == 201
+    refused = await admit(client, acme, route="export", input_tokens=1)
+    assert refused.status_code == 429
+    assert refused.json()["error"]["limit"] == "concurrency"
+    assert refused.json()["error"]["scope"] == "route"
+    # Another route of the same tenant is not bound by the export route's cap.
+    assert (await admit(client, acme, route="chat", input_tokens=1)).status_code == 201
+
+
+async def test_too_large_is_413_and_debits_nothing(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=6_000, token_burst=1_000)
+    response = await admit(client, acme, input_tokens=400, max_tokens=5_000)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error == {
+        "type": "request_too_large",
+        "limit": "tokens",
+        "scope": "tenant",
+        "requested": 5_400,
+        "capacity": 1_000,
+        "message": error["message"],
+    }
+    assert "5400" in error["message"] and "1000" in error["message"]
+    assert await db.fetchval("SELECT count(*) FROM reservations") == 0
+    assert await db.fetchval("SELECT tokens FROM limit_layers WHERE tenant = 'acme'") == 1_000
+
+
+async def test_settle_refunds_and_is_idempotent(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60, token_burst=10_000)
+    reservation = (await admit(client, acme, input_tokens=200, max_tokens=800)).json()
+    url = f"/v1/reservations/{reservation['reservation_id']}/settle"
+    body = {"input_tokens": 200, "output_tokens": 100, "outcome": "ok"}
+    first = await client.post(url, json=body, headers=acme)
+    assert first.status_code == 200
+    assert first.json() == {"charged_tokens": 300, "refunded_tokens": 700, "late": False}
+    again = await client.post(url, json=body, headers=acme)
+    assert again.status_code == 200
+    assert again.json() == first.json()
+    different = await client.post(url, json={**body, "output_tokens": 101}, headers=acme)
+    assert different.status_code == 409
+    assert different.json()["error"]["type"] == "conflict_error"
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 1
+    balance = await db.fetchval("SELECT tokens FROM limit_layers WHERE tenant = 'acme'")
+    assert 9_700 <= balance <= 9_701  # 10,000 - 300 charged, plus at most a second of refill
+
+
+async def test_release_and_heartbeat(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60_000, max_in_flight=1)
+    reservation = (await admit(client, acme, input_tokens=10, lease_seconds=30)).json()
+    rid = reservation["reservation_id"]
+    beat = await client.post(
+        f"/v1/reservations/{rid}/heartbeat", json={"lease_seconds": 300}, headers=acme
+    )
+    assert beat.status_code == 200
+    assert beat.json()["lease_generation"] == 2
+    assert beat.json()["lease_expires_at"] > reservation["lease_expires_at"]
+    assert (await client.post(f"/v1/reservations/{rid}/release", headers=acme)).status_code == 200
+    # The permit is free again.
+    assert (await admit(client, acme, input_tokens=10)).status_code == 201
+    late_beat = await client.post(f"/v1/reservations/{rid}/heartbeat", headers=acme)
+    assert late_beat.status_code == 409
+    settle = await client.post(
+        f"/v1/reservations/{rid}/settle",
+        json={"input_tokens": 1, "output_tokens": 1},
+        headers=acme,
+    )
+    assert settle.status_code == 409
+
+
+async def test_unknown_reservation_is_404(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    rid = uuid.uuid4()
+    for action, body in (
+        ("settle", {"input_tokens": 1, "output_tokens": 1}),
+        ("release", None),
+        ("heartbeat", None),
+    ):
+        response = await client.post(f"/v1/reservations/{rid}/{action}", json=body, headers=acme)
+        assert response.status_code == 404, (action, response.text)
+        assert response.json()["error"]["type"] == "not_found_error"
+
+
+async def test_idempotency_key_replays_and_conflicts(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60, token_burst=10_000)
+    first = await admit(client, acme, input_tokens=10, idempotency_key="job-7")
+    replay = await admit(client, acme, input_tokens=10, idempotency_key="job-7")
+    assert first.status_code == replay.status_code == 201
+    assert replay.json()["reservation_id"] == first.json()["reservation_id"]
+    conflict = await admit(client, acme, input_tokens=11, idempotency_key="job-7")
+    assert conflict.status_code == 422
+    assert conflict.json()["error"]["type"] == "idempotency_conflict"
+    assert await db.fetchval("SELECT count(*) FROM reservations") == 1
+    balance = await db.fetchval("SELECT tokens FROM limit_layers WHERE tenant = 'acme'")
+    assert 9_890 <= balance <= 9_891
+
+
+async def test_status_and_usage(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=6_000, token_burst=1_000)
+    await client.put("/v1/policies/global", json={"requests_per_minute": 1_000}, headers=admin)
+    reservation = (await admit(client, acme, input_tokens=50, max_tokens=150)).json()
+    await client.post(
+        f"/v1/reservations/{reservation['reservation_id']}/settle",
+        json={"input_tokens": 50, "output_tokens": 70},
+        headers=acme,
+    )
+    status = await client.get("/v1/tenants/acme/status", headers=acme)
+    assert status.status_code == 200
+    layers = {layer["scope"]: layer for layer in status.json()["layers"]}
+    assert set(layers) == {"global", "tenant"}
+    tenant = layers["tenant"]
+    assert tenant["limits"]["token_burst"] == 1_000
+    assert 880 <= tenant["remaining_tokens"] <= 1_000
+    assert tenant["in_flight"] == 0
+    assert 0 <= tenant["tokens_full_in_seconds"] <= 1.3  # 120 tokens at 100/s
+    assert layers["global"]["remaining_requests"] == 999
+    usage = await client.get("/v1/tenants/acme/usage", headers=acme)
+    assert usage.status_code == 200
+    assert usage.json()["requests"] == 1
+    assert usage.json()["input_tokens"] == 50
+    assert usage.json()["output_tokens"] == 70
+    empty = await client.get(
+        "/v1/tenants/acme/usage",
+        params={"from": "2020-01-01T00:00:00Z", "to": "2020-02-01T00:00:00Z"},
+        headers=acme,
+    )
+    assert empty.json()["requests"] == 0
+
+
+async def test_unknown_tenant_is_404(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
+    response = await admit(client, admin, tenant="ghost", input_tokens=1)
+    assert response.status_code == 404
+    assert "ghost" in response.json()["error"]["message"]
+
+
+async def test_health_metrics_and_docs(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=6_000, token_burst=100)
+    await admit(client, acme, input_tokens=10, max_tokens=10)
+    await admit(client, acme, input_tokens=100, max_tokens=10)
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    metrics = (await client.get("/metrics")).text
+    assert "llmquota_admits_total 1.0" in metrics
+    assert 'llmquota_denials_total{limit="tokens",reason="too_large",scope="tenant"} 1.0' in metrics
+    assert "llmquota_decision_seconds_bucket" in metrics
+    assert (await client.get("/docs")).status_code == 200
+    assert "/v1/admit" in (await client.get("/openapi.json")).json()["paths"]

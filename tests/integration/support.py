@@ -1,0 +1,110 @@
+"""Helpers for the admission, settlement and sweeper tests: policies, balances
+read back from PostgreSQL, and time shifted in the database itself."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+
+from llmquota.errors import LimiterError
+from llmquota.limiter import Limiter, Reservation
+from llmquota.policy import LayerScope, Policy
+from llmquota.store import LayerStatus
+
+
+async def put(
+    limiter: Limiter,
+    scope: LayerScope,
+    tenant: str | None = None,
+    route: str | None = None,
+    **policy: Any,
+) -> None:
+    """Create or replace one layer's policy."""
+    await limiter.store.put_policy(scope, tenant, route, Policy(**policy))
+
+
+async def status(
+    limiter: Limiter, tenant: str, scope: LayerScope = "tenant", route: str | None = None
+) -> LayerStatus:
+    """One layer as layer_status reports it, refilled to now."""
+    for layer in await limiter.store.layer_status(tenant):
+        if layer.scope == scope and layer.route == route:
+            return layer
+    raise LookupError(f"no {scope} layer for {tenant}/{route}")
+
+
+async def tokens(
+    limiter: Limiter, tenant: str, scope: LayerScope = "tenant", route: str | None = None
+) -> float:
+    layer = await status(limiter, tenant, scope, route)
+    assert layer.tokens is not None
+    return layer.tokens
+
+
+async def raw_layer(
+    db: asyncpg.Connection, scope: str, tenant: str | None = None, route: str | None = None
+) -> asyncpg.Record:
+    """The stored row, without refill: tokens, requests, in_flight, refilled_at."""
+    row = await db.fetchrow(
+        """SELECT tokens, requests, in_flight, refilled_at, token_burst
+             FROM limit_layers
+            WHERE scope = $1 AND tenant IS NOT DISTINCT FROM $2
+              AND route IS NOT DISTINCT FROM $3""",
+        scope,
+        tenant,
+        route,
+    )
+    assert row is not None
+    return row
+
+
+async def shift_refill(db: asyncpg.Connection, seconds: float, tenant: str | None = None) -> None:
+    """Pretend `seconds` passed since the last refill of every layer (of a tenant)."""
+    await db.execute(
+        """UPDATE limit_layers
+              SET refilled_at = refilled_at - make_interval(secs => $1)
+            WHERE $2::text IS NULL OR tenant = $2""",
+        seconds,
+        tenant,
+    )
+
+
+async def expire_leases(db: asyncpg.Connection, ids: list[uuid.UUID] | None = None) -> int:
+    """Move active leases 1 s into the past (all of them, or the given ones)."""
+    result: str = await db.execute(
+        """UPDATE reservations
+              SET lease_expires_at = clock_timestamp() - interval '1 second'
+            WHERE state = 'active' AND ($1::uuid[] IS NULL OR reservation_id = ANY ($1))""",
+        ids,
+    )
+    return int(result.rsplit(maxsplit=1)[-1])
+
+
+async def count(db: asyncpg.Connection, table: str, where: str = "true", *args: Any) -> int:
+    value = await db.fetchval(f"SELECT count(*) FROM {table} WHERE {where}", *args)
+    return int(value)
+
+
+async def attempt(limiter: Limiter, **request: Any) -> Reservation | LimiterError:
+    """Admit, returning the refusal instead of raising it."""
+    try:
+        return await limiter.admit(**request)
+    except LimiterError as exc:
+        return exc
+
+
+class Clock:
+    """Wall time since creation, to bound refill drift in assertions."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def refill(self, per_minute: float) -> float:
+        """The most a bucket can have refilled since the clock started (plus slack)."""
+        return (self.elapsed() + 0.05) * per_minute / 60.0

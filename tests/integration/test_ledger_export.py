@@ -1,0 +1,80 @@
+"""The billing export never skips a row that commits out of entry_id order."""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+
+from llmquota.ledger import LedgerEntry, LedgerStore
+from llmquota.limiter import Limiter
+
+SETTLE = (
+    "SELECT status FROM lq_finish(ARRAY[$1::uuid], ARRAY['settle'], ARRAY[NULL::text],"
+    " ARRAY[$2::bigint], ARRAY[$3::bigint], ARRAY['ok'])"
+)
+
+
+async def _export(store: LedgerStore, after: int) -> list[LedgerEntry]:
+    return [e async for e in store.export(after, limit=None, page_rows=2, number_limit=2)]
+
+
+async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order(
+    limiter: Limiter, database_dsn: str, db: asyncpg.Connection
+) -> None:
+    # One tenant each: settlements of one tenant queue on its layer's row lock.
+    for tenant in ("acme", "beta", "gamma"):
+        await limiter.store.ensure_tenant(tenant)
+    held = [
+        await limiter.admit(tenant=tenant, model="gpt-4o", input_tokens=1, max_tokens=10)
+        for tenant in ("acme", "beta", "gamma")
+    ]
+    older = await asyncpg.connect(database_dsn)
+    younger = await asyncpg.connect(database_dsn)
+    store = LedgerStore(db)
+    try:
+        # `older` takes its transaction id first; `younger` then writes the
+        # lower entry_id and stays open while `older` writes a higher one and
+        # commits. By entry_id the committed row comes after an invisible one;
+        # by transaction it comes before. A cursor on entry_id would move past
+        # the open row and never return to it.
+        older_tx = older.transaction()
+        await older_tx.start()
+        await older.fetchval("SELECT pg_current_xact_id()")
+        younger_tx = younger.transaction()
+        await younger_tx.start()
+        assert await younger.fetchval(SETTLE, held[0].reservation_id, 1, 2) == "settled"
+        assert await older.fetchval(SETTLE, held[1].reservation_id, 1, 3) == "settled"
+        await older_tx.commit()
+        first_id = await db.fetchval("SELECT max(entry_id) FROM usage_ledger")
+
+        first = await _export(store, 0)
+        assert [(e.export_id, e.entry_id) for e in first] == [(1, first_id)]
+
+        # Committed later while `younger` is still open: held back, not skipped.
+        await held[2].settle(input_tokens=1, output_tokens=4)
+        assert await _export(store, 1) == []
+
+        await younger_tx.commit()
+        second = await _export(store, 1)
+        second_id = await db.fetchval(
+            "SELECT entry_id FROM usage_ledger WHERE reservation_id = $1", held[0].reservation_id
+        )
+        assert second_id < first_id  # the lower entry_id, exported after the higher one
+    finally:
+        await older.close()
+        await younger.close()
+
+    exported = first + second
+    assert [e.export_id for e in exported] == [1, 2, 3]
+    assert sorted(e.entry_id for e in exported) == sorted(
+        r["entry_id"] for r in await db.fetch("SELECT entry_id FROM usage_ledger")
+    )
+    assert {e.reservation_id for e in exported} == {h.reservation_id for h in held}
+    # Asking again from any cursor gives the same rows with the same ids.
+    again = await _export(store, 0)
+    assert [(e.export_id, e.entry_id) for e in again] == [
+        (e.export_id, e.entry_id) for e in exported
+    ]
+    assert isinstance(again[0].reservation_id, uuid.UUID)
+    assert again[0].to_json()["id"] == 1

@@ -1,0 +1,83 @@
+"""The migrations: up from nothing, down to nothing, and up again to the same schema."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+from alembic.script import ScriptDirectory
+
+from llmquota import migrate
+from tests.conftest import _admin, dsn_with_database
+
+SCHEMA_SNAPSHOT = """
+SELECT 'column' AS kind, table_schema || '.' || table_name || '.' || column_name AS name,
+       data_type || coalesce(' default ' || column_default, '') || ' ' || is_nullable AS detail
+  FROM information_schema.columns
+ WHERE table_schema NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'index', schemaname || '.' || indexname, indexdef
+  FROM pg_indexes
+ WHERE schemaname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'constraint', conrelid::regclass::text || '.' || conname, pg_get_constraintdef(oid)
+  FROM pg_constraint
+ WHERE connamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
+UNION ALL
+SELECT 'function', p.oid::regprocedure::text, md5(pg_get_functiondef(p.oid))
+  FROM pg_proc AS p
+ WHERE p.pronamespace NOT IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace)
+UNION ALL
+SELECT 'trigger', tgrelid::regclass::text || '.' || tgname, pg_get_triggerdef(oid)
+  FROM pg_trigger
+ WHERE NOT tgisinternal
+UNION ALL
+SELECT 'view', schemaname || '.' || viewname, md5(definition)
+  FROM pg_views
+ WHERE schemaname NOT IN ('pg_catalog', 'information_schema')
+ORDER BY 1, 2, 3
+"""
+
+
+async def _snapshot(dsn: str) -> list[tuple[str, str, str]]:
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(SCHEMA_SNAPSHOT)
+    finally:
+        await connection.close()
+    return [(r["kind"], r["name"], r["detail"]) for r in rows]
+
+
+@pytest.fixture
+def empty_dsn(server_dsn: str) -> Iterator[str]:
+    name = f"llmquota_migration_{os.getpid()}"
+    asyncio.run(
+        _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"')
+    )
+    yield dsn_with_database(server_dsn, name)
+    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def test_revisions_form_one_line(server_dsn: str) -> None:
+    script = ScriptDirectory.from_config(migrate.alembic_config(server_dsn))
+    assert len(script.get_heads()) == 1
+    assert len(script.get_bases()) == 1
+
+
+def test_downgrade_to_nothing_and_upgrade_again_gives_the_same_schema(empty_dsn: str) -> None:
+    migrate.upgrade(empty_dsn)
+    first = asyncio.run(_snapshot(empty_dsn))
+    assert (
+        "function",
+        "lq_admit(text[],text[],text[],bigint[],bigint[],boolean[],integer[],text[],text[],integer)",
+    ) in {(kind, name) for kind, name, _ in first}
+
+    migrate.downgrade(empty_dsn, "base")
+    leftover = [row for row in asyncio.run(_snapshot(empty_dsn)) if "alembic_version" not in row[1]]
+    assert leftover == []
+
+    migrate.upgrade(empty_dsn)
+    assert asyncio.run(_snapshot(empty_dsn)) == first

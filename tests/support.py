@@ -1,0 +1,43 @@
+"""Helpers shared by the ledger, report and CLI tests (no fixtures here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+APP_ROLE = "llmquota_app"
+REPORTING_ROLE = "llmquota_reporting"
+CLI_TIMEOUT_SECONDS = 60
+
+
+def dsn_as(dsn: str, user: str) -> str:
+    """The same database as another role (the test servers trust local users)."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+def run_cli(
+    *args: str, dsn: str, env: Mapping[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run `llmquota ARGS` as a real subprocess against `dsn`."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("LLMQUOTA_")}
+    environment["LLMQUOTA_DATABASE_URL"] = dsn
+    environment.update(env or {})
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "llmquota.cli", *args],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=CLI_TIMEOUT_SECONDS,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"llmquota {' '.join(args)} exited {result.returncode}\n"
+            f"stdout: {result.stdout}\nstderr: {result.stderr}"
+        )
+    return result

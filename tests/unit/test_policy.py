@@ -1,0 +1,174 @@
+"""Policy validation: what a layer may be configured with, before it is stored."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from llmquota.policy import (
+    DEFAULT_LEASE_SECONDS,
+    MAX_IN_FLIGHT,
+    MAX_LEASE_SECONDS,
+    MAX_REQUESTS_PER_MINUTE,
+    MAX_TOKENS_PER_MINUTE,
+    Policy,
+)
+
+FIELDS = [
+    "tokens_per_minute",
+    "token_burst",
+    "requests_per_minute",
+    "request_burst",
+    "max_in_flight",
+    "lease_seconds",
+]
+
+# The rate each burst needs beside it, so that only the value under test is wrong.
+COMPANION = {
+    "token_burst": {"tokens_per_minute": 100},
+    "request_burst": {"requests_per_minute": 10},
+}
+
+MAXIMUM = {
+    "tokens_per_minute": MAX_TOKENS_PER_MINUTE,
+    "token_burst": MAX_TOKENS_PER_MINUTE,
+    "requests_per_minute": MAX_REQUESTS_PER_MINUTE,
+    "request_burst": MAX_REQUESTS_PER_MINUTE,
+    "max_in_flight": MAX_IN_FLIGHT,
+    "lease_seconds": MAX_LEASE_SECONDS,
+}
+
+
+def _policy(field: str, value: Any) -> Policy:
+    return Policy(**{**COMPANION.get(field, {}), field: value})
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize(
+    "value",
+    [
+        -1,
+        0,
+        1.0,
+        1.5,
+        math.nan,
+        math.inf,
+        True,
+        False,
+        "100",
+        [100],
+        2**63,
+    ],
+    ids=[
+        "negative",
+        "zero",
+        "float",
+        "fraction",
+        "nan",
+        "inf",
+        "true",
+        "false",
+        "str",
+        "list",
+        "2^63",
+    ],
+)
+def test_bad_values_are_rejected(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError):
+        _policy(field, value)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_one_above_each_ceiling_is_rejected(field: str) -> None:
+    with pytest.raises(ValidationError):
+        _policy(field, MAXIMUM[field] + 1)
+
+
+@pytest.mark.parametrize("field", FIELDS)
+def test_each_ceiling_and_one_are_accepted(field: str) -> None:
+    assert getattr(_policy(field, MAXIMUM[field]), field) == MAXIMUM[field]
+    assert getattr(_policy(field, 1), field) == 1
+
+
+def test_ceilings_are_the_documented_figures() -> None:
+    assert MAX_TOKENS_PER_MINUTE == 10_000_000_000
+    assert MAX_REQUESTS_PER_MINUTE == 100_000_000
+    assert MAX_IN_FLIGHT == 1_000_000
+    assert MAX_LEASE_SECONDS == 86_400
+
+
+def test_token_burst_without_a_rate_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="token_burst needs tokens_per_minute"):
+        Policy(token_burst=1_000)
+
+
+def test_request_burst_without_a_rate_is_rejected() -> None:
+    with pytest.raises(ValidationError, match="request_burst needs requests_per_minute"):
+        Policy(request_burst=10)
+
+
+@pytest.mark.parametrize("extra", ["tokens_per_second", "burst", "capacity", "max_tokens"])
+def test_unknown_fields_are_rejected(extra: str) -> None:
+    with pytest.raises(ValidationError):
+        Policy(**{"tokens_per_minute": 100, extra: 5})
+
+
+def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
+    policy = Policy()
+    assert policy.model_dump() == {
+        "tokens_per_minute": None,
+        "token_burst": None,
+        "requests_per_minute": None,
+        "request_burst": None,
+        "max_in_flight": None,
+        "lease_seconds": 120,
+    }
+    assert DEFAULT_LEASE_SECONDS == 120
+    assert policy.resolved() == policy
+
+
+def test_bursts_default_to_one_minute_of_refill_when_resolved() -> None:
+    policy = Policy(tokens_per_minute=100_000, requests_per_minute=4_000)
+    assert policy.token_burst is None
+    assert policy.request_burst is None
+    resolved = policy.resolved()
+    assert resolved.token_burst == 100_000
+    assert resolved.request_burst == 4_000
+    assert resolved.tokens_per_minute == 100_000
+    assert resolved.requests_per_minute == 4_000
+    assert policy.effective_token_burst == 100_000
+    assert policy.effective_request_burst == 4_000
+
+
+def test_explicit_bursts_are_kept_whether_smaller_or_larger_than_the_rate() -> None:
+    policy = Policy(
+        tokens_per_minute=100_000, token_burst=250_000, requests_per_minute=60, request_burst=5
+    )
+    resolved = policy.resolved()
+    assert (resolved.token_burst, resolved.request_burst) == (250_000, 5)
+
+
+def test_resolved_policy_is_still_valid_and_idempotent() -> None:
+    resolved = Policy(tokens_per_minute=7, max_in_flight=3, lease_seconds=30).resolved()
+    assert Policy.model_validate(resolved.model_dump()) == resolved
+    assert resolved.resolved() == resolved
+    assert (resolved.max_in_flight, resolved.lease_seconds) == (3, 30)
+
+
+def test_policy_is_frozen() -> None:
+    policy = Policy(tokens_per_minute=100)
+    with pytest.raises(ValidationError):
+        policy.tokens_per_minute = 200  # type: ignore[misc]
+
+
+def test_json_with_floats_or_strings_is_rejected() -> None:
+    with pytest.raises(ValidationError):
+        Policy.model_validate_json('{"tokens_per_minute": 100.0}')
+    with pytest.raises(ValidationError):
+        Policy.model_validate_json('{"tokens_per_minute": "100"}')
+    with pytest.raises(ValidationError):
+        Policy.model_validate_json('{"tokens_per_minute": NaN}')
+    assert Policy.model_validate_json('{"tokens_per_minute": 100}').tokens_per_minute == 100
