@@ -8,6 +8,18 @@
 SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
                        $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer)
 
+-- admit_without_flush --
+-- The same batch decision, committed without waiting for the WAL flush
+-- (LLMQUOTA_ADMISSION_SYNCHRONOUS_COMMIT=false). set_config(..., true) lasts
+-- until the end of this statement's own transaction and synchronous_commit is
+-- read only at its commit, so where in the plan it runs does not matter.
+-- Settlement and the ledger are other statements and always wait. A crash can
+-- forget the last admissions (their debits and reservations), never a ledger row.
+SELECT a.*
+  FROM (SELECT set_config('synchronous_commit', 'off', true)) AS unflushed,
+       lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
+                $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer) AS a
+
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish).
 SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[])

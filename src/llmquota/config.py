@@ -1,7 +1,7 @@
 """Settings, read from LLMQUOTA_* environment variables.
 
 Every limit the service itself lives by is here and named: pool sizes,
-timeouts, body size, sweeper batches. Nothing reads the environment
+timeouts, body size, sweeper batches, admission batches. Nothing reads the environment
 elsewhere, and nothing holds settings in a module global: callers build a
 Settings and pass it down.
 """
@@ -12,6 +12,8 @@ from typing import Annotated
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from llmquota.batching import MAX_BATCH_SIZE, MAX_IN_FLIGHT, MAX_WINDOW_SECONDS
 
 # A single token count above this is refused as absurd (and as a likely bug).
 MAX_TOKEN_COUNT = 10_000_000
@@ -101,6 +103,34 @@ class Settings(BaseSettings):
         ge=0,
         le=1_000_000,
         description="requests of one tenant queued per worker before 429",
+    )
+    batching: bool = Field(
+        default=True,
+        description="coalesce concurrent admissions (and settlements) of one process into "
+        "one statement per batch; false: one statement per request",
+    )
+    batch_max_size: int = Field(
+        default=256, ge=1, le=MAX_BATCH_SIZE, description="requests decided by one statement"
+    )
+    batch_window_ms: float = Field(
+        default=1.0,
+        ge=0,
+        le=MAX_WINDOW_SECONDS * 1_000,
+        description="how long a request may wait for others while a batch is already in "
+        "flight; a request arriving when nothing is in flight goes at once",
+    )
+    batch_max_in_flight: int = Field(
+        default=2,
+        ge=1,
+        le=MAX_IN_FLIGHT,
+        description="batch statements of each kind (admit, finish) running at once; each "
+        "holds a pooled connection",
+    )
+    admission_synchronous_commit: bool = Field(
+        default=True,
+        description="false: admission statements commit without waiting for the WAL flush "
+        "(settlement and the ledger always wait); a crash may then forget the admissions "
+        "of its last few hundred milliseconds, see BENCHMARKS.md",
     )
     retention_seconds: int = Field(
         default=7 * 86_400,

@@ -11,6 +11,13 @@ failure mode decides, from this worker's cached policies: `closed` refuses
 worker-local fraction of the layer's limits. What is admitted that way goes
 into the outage journal and is written to the store, exactly once, as soon as
 it answers again; no restart is needed.
+
+error. It holds no balances of its own: every figure comes from PostgreSQL.
+
+Concurrent admissions of one process are coalesced into batch statements
+(batching.py), and so are settlements and releases, which share one batch:
+the SQL decides a batch exactly as it would decide its requests one by one
+in arrival order, so callers see the same answers, only sooner.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from llmquota.batching import Coalescer
 from llmquota.config import MAX_TOKEN_COUNT, Settings
 from llmquota.errors import (
     IdempotencyConflict,
@@ -234,6 +242,25 @@ class Limiter:
         self._refreshing: asyncio.Task[None] | None = None
         self._recovering: asyncio.Task[None] | None = None
         self.metrics.outage_journal_pending.set_function(lambda: len(self.journal))
+        self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
+        self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
+        if settings.batching:
+            window_seconds = settings.batch_window_ms / 1_000.0
+            self._admissions = Coalescer(
+                self._admit_batch,
+                max_batch_size=settings.batch_max_size,
+                window_seconds=window_seconds,
+                max_in_flight=settings.batch_max_in_flight,
+                on_orphan=self._release_orphan,
+            )
+            self._finishes = Coalescer(
+                self._finish_batch,
+                max_batch_size=settings.batch_max_size,
+                window_seconds=window_seconds,
+                max_in_flight=settings.batch_max_in_flight,
+            )
+        # Releases of admissions whose caller was cancelled mid-batch.
+        self._orphan_releases: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, dsn: str, settings: Settings | None = None) -> Limiter:
@@ -246,6 +273,7 @@ class Limiter:
             statement_timeout_ms=settings.statement_timeout_ms,
             lock_timeout_ms=settings.lock_timeout_ms,
             concurrency_retry_ms=settings.concurrency_retry_ms,
+            admission_synchronous_commit=settings.admission_synchronous_commit,
         )
         limiter = cls(store, settings)
         try:
@@ -259,7 +287,14 @@ class Limiter:
         return limiter
 
     async def close(self) -> None:
-        """Record what the journal holds if the store answers, then close the pool."""
+        """Let gathered batches finish, record the outage journal if the store
+        answers, then close the pool."""
+        if self._admissions is not None:
+            await self._admissions.close()
+        while self._orphan_releases:
+            await asyncio.wait(set(self._orphan_releases))
+        if self._finishes is not None:
+            await self._finishes.close()
         for task in (self._refreshing, self._recovering):
             if task is not None and not task.done():
                 task.cancel()
@@ -350,15 +385,61 @@ class Limiter:
             request_hash=request_hash,
         )
 
+    async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
+        self.metrics.batch_size.labels("admit").observe(len(requests))
+        return await self.store.admit(requests, deadline_seconds=self.deadline_seconds)
+
+    async def _finish_batch(self, requests: list[FinishRequest]) -> list[FinishResult]:
+        self.metrics.batch_size.labels("finish").observe(len(requests))
+        return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
+
+    async def _store_decision(self, request: AdmitRequest) -> AdmitDecision:
+        """The store's decision within the deadline, waiting for a batch included.
+
+        A caller that gives up while its batch is in flight loses nothing: an
+        admission nobody heard of is released (see _release_orphan).
+        """
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                if self._admissions is not None:
+                    return await self._admissions.submit(request)
+                (decision,) = await self._admit_batch([request])
+                return decision
+        except TimeoutError:
+            raise StoreTimeout(
+                f"database gave no decision within {self.deadline_seconds * 1000:.0f} ms"
+            ) from None
+
+    def _release_orphan(self, request: AdmitRequest, decision: AdmitDecision) -> None:
+        """Give back an admission whose caller was cancelled before it heard of it.
+
+        Nobody holds its id, so nobody can call the provider with it: without
+        this it would hold its tokens and permit until the sweeper expired it.
+        A replayed admission belongs to whoever made it first and is left alone.
+        """
+        if decision.status != "admitted" or decision.reservation_id is None:
+            return
+        reservation_id = decision.reservation_id
+
+        async def release() -> None:
+            with contextlib.suppress(StoreUnavailable, ReservationNotFound, ReservationConflict):
+                await self.release(reservation_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._orphan_releases.add(task)
+        task.add_done_callback(self._orphan_releases.discard)
+
     async def decide(self, request: AdmitRequest) -> Admission:
         """One admission decision; refusals are returned, not raised.
 
+        Concurrent calls share one statement (see batching.py); the answer is
+        the one deciding the requests one by one in arrival order would give.
         Raises StoreUnavailable only when the store cannot decide in time and
         the failure mode of some layer is `closed` (or nothing is cached).
         """
         started = time.perf_counter()
         try:
-            (decision,) = await self.store.admit([request], deadline_seconds=self.deadline_seconds)
+            decision = await self._store_decision(request)
         except StoreUnavailable as exc:
             self._store_failed("admit", exc)
             try:
@@ -510,13 +591,22 @@ class Limiter:
                 held.released = True
 
     async def _finish_one(self, request: FinishRequest) -> FinishResult:
+        """Settle or release one reservation, in a batch shared with concurrent callers."""
         if is_outage_id(request.reservation_id):
             offline = self.fallback.finish(request, time.monotonic())
             if offline is not None:
                 self._ensure_recovery()
                 return offline
         try:
-            (result,) = await self.store.finish([request], deadline_seconds=self.deadline_seconds)
+            async with asyncio.timeout(self.deadline_seconds):
+                if self._finishes is not None:
+                    result = await self._finishes.submit(request)
+                else:
+                    (result,) = await self._finish_batch([request])
+        except TimeoutError:
+            timeout = StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms")
+            self._store_failed(request.action, timeout)
+            raise timeout from None
         except StoreUnavailable as exc:
             self._store_failed(request.action, exc)
             raise

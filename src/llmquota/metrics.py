@@ -26,6 +26,8 @@ DECISION_BUCKETS_SECONDS = (
     2.5,
 )
 
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
 
 class Metrics:
     """The counters and histograms the limiter and API update."""
@@ -93,6 +95,14 @@ class Metrics:
             "llmquota_decision_seconds",
             "Admission decision latency",
             buckets=DECISION_BUCKETS_SECONDS,
+            registry=self.registry,
+        )
+
+        self.batch_size = Histogram(
+            "llmquota_batch_size",
+            "Requests decided by one batch statement",
+            ["operation"],
+            buckets=BATCH_SIZE_BUCKETS,
             registry=self.registry,
         )
 

@@ -255,12 +255,18 @@ async def open_connection(
 class Store:
     """Typed access to the named statements over an asyncpg pool."""
 
-    def __init__(self, pool: asyncpg.Pool, concurrency_retry_ms: int = 1_000) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        concurrency_retry_ms: int = 1_000,
+        admission_synchronous_commit: bool = True,
+    ) -> None:
         self._pool = pool
         self._sql = queries()
         self._concurrency_retry_ms = concurrency_retry_ms
         # Statements whose caller stopped waiting; kept referenced until done.
         self._abandoned: set[asyncio.Task[None]] = set()
+        self._admission_synchronous_commit = admission_synchronous_commit
 
     @classmethod
     async def connect(
@@ -272,6 +278,7 @@ class Store:
         statement_timeout_ms: int = 5_000,
         lock_timeout_ms: int = 2_000,
         concurrency_retry_ms: int = 1_000,
+        admission_synchronous_commit: bool = True,
     ) -> Store:
         """Open a pool whose sessions carry the statement and lock timeouts."""
         with translate_errors():
@@ -286,7 +293,11 @@ class Store:
                     "application_name": "llmquota",
                 },
             )
-        return cls(pool, concurrency_retry_ms=concurrency_retry_ms)
+        return cls(
+            pool,
+            concurrency_retry_ms=concurrency_retry_ms,
+            admission_synchronous_commit=admission_synchronous_commit,
+        )
 
     async def close(self) -> None:
         """Close every connection of the pool; cut them if the server does not answer."""
@@ -375,9 +386,12 @@ class Store:
     async def admit(
         self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
     ) -> list[AdmitDecision]:
-        """Decide a batch of admissions in order, in one statement."""
-        rows = await self._fetch(
-            "admit",
+        """Decide a batch of admissions in order, in one statement.
+
+        With admission_synchronous_commit off, the statement's commit does not
+        wait for the WAL flush (see admit_without_flush in queries.sql).
+        """
+        arrays = (
             [r.tenant for r in requests],
             [r.route for r in requests],
             [r.model for r in requests],
@@ -387,9 +401,14 @@ class Store:
             [r.lease_seconds for r in requests],
             [r.idempotency_key for r in requests],
             [r.request_hash for r in requests],
-            self._concurrency_retry_ms,
-            deadline_seconds=deadline_seconds,
         )
+        args = (*arrays, self._concurrency_retry_ms)
+        if self._admission_synchronous_commit:
+            rows = await self._fetch("admit", *args, deadline_seconds=deadline_seconds)
+        else:
+            rows = await self._fetch(
+                "admit_without_flush", *args, deadline_seconds=deadline_seconds
+            )
         return [
             AdmitDecision(
                 status=row["status"],

@@ -38,6 +38,11 @@ async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[http
         tenant_max_waiting=8,
         decision_deadline_ms=30_000,
         lock_timeout_ms=30_000,
+        # Group admission shares statements between tenants: a batch that holds
+        # a stuck tenant's request waits for it, and so do the others in it
+        # (bounded in production by lock_timeout and the decision deadline;
+        # see RELIABILITY.md). The fair share is about one statement per request.
+        batching=False,
     )
     app = create_app(settings, dsn=database_dsn)
     async with app.router.lifespan_context(app):

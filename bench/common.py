@@ -1,0 +1,168 @@
+"""What every comparison shares: databases, seeding, closed-loop load, percentiles."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from llmquota import migrate
+
+# Policies large enough that a throughput run never runs dry: the bench
+# measures the cost of deciding, and refusals are measured by comparisons 4-5.
+UNLIMITED_TOKENS_PER_MINUTE = 10_000_000_000
+
+
+def with_database(dsn: str, database: str) -> str:
+    """The same server, another database."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+async def fresh_database(server_dsn: str, name: str) -> str:
+    """Create and migrate a database; returns its DSN."""
+    connection = await asyncpg.connect(server_dsn)
+    try:
+        await connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await connection.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await connection.close()
+    dsn = with_database(server_dsn, name)
+    await asyncio.to_thread(migrate.upgrade, dsn)
+    return dsn
+
+
+async def seed_tenants(
+    dsn: str,
+    count: int,
+    *,
+    prefix: str = "t",
+    tokens_per_minute: int = UNLIMITED_TOKENS_PER_MINUTE,
+    global_tokens_per_minute: int | None = UNLIMITED_TOKENS_PER_MINUTE,
+) -> list[str]:
+    """Register `count` tenants with a token policy, and the global layer, in bulk.
+
+    Bench set-up only: one INSERT ... SELECT instead of `count` policy calls,
+    writing the same rows `put_policy` would (tenant row, tenant layer, full bucket).
+    """
+    connection = await asyncpg.connect(dsn)
+    try:
+        if global_tokens_per_minute is not None:
+            await connection.execute(
+                """INSERT INTO limit_layers (scope, tokens_per_minute, token_burst, tokens)
+                   VALUES ('global', $1::bigint, $1::bigint, $1::bigint)
+                   ON CONFLICT (scope, tenant, route) DO NOTHING""",
+                global_tokens_per_minute,
+            )
+        await connection.execute(
+            """INSERT INTO tenants (tenant)
+               SELECT $1::text || g FROM generate_series(0, $2::integer - 1) AS g
+               ON CONFLICT DO NOTHING""",
+            prefix,
+            count,
+        )
+        await connection.execute(
+            """INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)
+               SELECT 'tenant', $1::text || g, $3::bigint, $3::bigint, $3::bigint
+                 FROM generate_series(0, $2::integer - 1) AS g
+               ON CONFLICT (scope, tenant, route) DO NOTHING""",
+            prefix,
+            count,
+            tokens_per_minute,
+        )
+        await connection.execute("ANALYZE")
+    finally:
+        await connection.close()
+    return [f"{prefix}{i}" for i in range(count)]
+
+
+async def reset_state(dsn: str) -> None:
+    """Forget reservations and refill every bucket, so each point starts alike.
+
+    The ledger is append-only and keeps its rows.
+    """
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute("TRUNCATE reservations")
+        await connection.execute(
+            "UPDATE limit_layers SET tokens = token_burst, requests = request_burst, in_flight = 0"
+        )
+        await connection.execute("VACUUM ANALYZE limit_layers")
+    finally:
+        await connection.close()
+
+
+def percentile(sorted_values: Sequence[float], fraction: float) -> float:
+    """Nearest-rank percentile of sorted values."""
+    if not sorted_values:
+        return math.nan
+    index = min(len(sorted_values) - 1, max(0, math.ceil(fraction * len(sorted_values)) - 1))
+    return sorted_values[index]
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Completed calls per second over the measured window, and their latency."""
+
+    calls: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    failures: int
+
+    @property
+    def per_second(self) -> float:
+        return self.calls / self.seconds if self.seconds else 0.0
+
+
+async def closed_loop(
+    call: Callable[[int], Awaitable[bool]],
+    callers: int,
+    seconds: float,
+    warmup_s: float,
+) -> LoadResult:
+    """`callers` tasks calling back to back; only calls inside the window are counted.
+
+    `call(caller_index)` returns False for a refusal (counted as a failure,
+    still a decision).
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time() + warmup_s
+    end = start + seconds
+    latencies: list[float] = []
+    failures = 0
+
+    async def caller(index: int) -> None:
+        nonlocal failures
+        while True:
+            t0 = time.perf_counter()
+            began = loop.time()
+            ok = await call(index)
+            finished = loop.time()
+            if finished > end:
+                return
+            if began >= start:
+                latencies.append(time.perf_counter() - t0)
+                failures += not ok
+
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    latencies.sort()
+    return LoadResult(
+        calls=len(latencies),
+        seconds=seconds,
+        p50_ms=percentile(latencies, 0.50) * 1_000,
+        p99_ms=percentile(latencies, 0.99) * 1_000,
+        failures=failures,
+    )
+
+
+def machine_load() -> str:
+    """The load average when a measurement starts: the machine is shared."""
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"

@@ -1,0 +1,190 @@
+"""Comparison 2: HTTP admission end to end, `llmquota serve` vs FastAPI + Redis-Lua.
+
+Both servers run 2 uvicorn workers on loopback and take the same request
+(the same JSON body, messages counted with tiktoken, the same bearer key),
+driven by the same load generator, wrk, at the same number of connections.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.servers import free_port, wait_for_port
+
+ROOT = Path(__file__).resolve().parent.parent
+WRK = shutil.which("wrk")
+WORKERS = 2
+ADMIN_KEY = "lq_bench_admin_key_0123456789abcdef"
+SERVER_START_TIMEOUT_S = 60.0
+
+# wrk script: POST /v1/admit, the tenant fixed (hot) or uniform over N tenants.
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
+local tenants = {tenants}
+local body1 = '{{"tenant": "t'
+local body2 = '", "model": "gpt-4o", "max_tokens": 2000, "messages": [{{"role": "user", ' ..
+  '"content": "Summarise this contract and list every liability clause."}}]}}'
+request = function()
+  local t = 0
+  if tenants > 1 then t = math.random(0, tenants - 1) end
+  return wrk.format(nil, "/v1/admit", nil, body1 .. t .. body2)
+end
+"""
+
+
+@dataclass(frozen=True)
+class HttpResult:
+    system: str
+    workload: str
+    connections: int
+    per_second: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+
+
+def wrk_available() -> bool:
+    return WRK is not None
+
+
+def _start(command: list[str], env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for_port("127.0.0.1", port, SERVER_START_TIMEOUT_S)
+        time.sleep(1.0)  # both workers up, not only the first
+    except BaseException:
+        _stop(process)
+        raise
+    return process
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    # uvicorn's supervisor stops its workers on SIGINT; it leads its own session.
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def start_llmquota(dsn: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "LLMQUOTA_DATABASE_URL": dsn,
+        "LLMQUOTA_ADMIN_KEY": ADMIN_KEY,
+        "LLMQUOTA_LOG_LEVEL": "warning",
+    }
+    command = [
+        str(Path(sys.executable).with_name("llmquota")),
+        *("serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(WORKERS)),
+    ]
+    return _start(command, env, port), port
+
+
+def start_baseline(redis_host: str, redis_port: int) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "BENCH_REDIS_HOST": redis_host,
+        "BENCH_REDIS_PORT": str(redis_port),
+        "BENCH_ADMIN_KEY": ADMIN_KEY,
+    }
+    command = [
+        sys.executable,
+        *("-m", "uvicorn", "bench.baseline_app:app", "--host", "127.0.0.1"),
+        *("--port", str(port), "--workers", str(WORKERS), "--log-level", "warning"),
+    ]
+    return _start(command, env, port), port
+
+
+_DURATION_UNITS_MS = {"us": 0.001, "ms": 1.0, "s": 1_000.0, "m": 60_000.0}
+
+
+def _ms(text: str) -> float:
+    number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text.strip()).groups()  # type: ignore[union-attr]
+    return float(number) * _DURATION_UNITS_MS[unit]
+
+
+def run_wrk(
+    port: int, *, system: str, workload: str, tenants: int, connections: int, seconds: float
+) -> HttpResult:
+    """One wrk run (1 thread, so the servers keep the cores); parse its report."""
+    assert WRK is not None
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_SCRIPT.format(key=ADMIN_KEY, tenants=tenants))
+    try:
+        out = subprocess.run(
+            [
+                WRK,
+                *("-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency"),
+                *("-s", script.name, f"http://127.0.0.1:{port}/v1/admit"),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 60,
+        ).stdout
+    finally:
+        Path(script.name).unlink()
+    per_second = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"\s99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    non_2xx_match = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return HttpResult(
+        system=system,
+        workload=workload,
+        connections=connections,
+        per_second=per_second,
+        p50_ms=p50,
+        p99_ms=p99,
+        non_2xx=int(non_2xx_match.group(1)) if non_2xx_match else 0,
+    )
+
+
+def measure(
+    start: tuple[subprocess.Popen[bytes], int],
+    *,
+    system: str,
+    workloads: dict[str, int],
+    connections: int,
+    seconds: float,
+) -> list[HttpResult]:
+    """Warm a started server up, then measure each workload; always stop it."""
+    process, port = start
+    try:
+        # Both workers load their token encodings and open their pools before measuring.
+        run_wrk(port, system=system, workload="warm-up", tenants=2, connections=64, seconds=3)
+        return [
+            run_wrk(
+                port,
+                system=system,
+                workload=name,
+                tenants=count,
+                connections=connections,
+                seconds=seconds,
+            )
+            for name, count in workloads.items()
+        ]
+    finally:
+        _stop(process)

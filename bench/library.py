@@ -1,0 +1,131 @@
+"""Comparison 1: library admissions per second, llmquota vs the Redis + Lua bucket.
+
+Both are driven from this one Python process by the same closed-loop callers:
+`await limiter.admit(...)` (validation, one batched statement, a Reservation)
+against `await bucket.reserve(...)` (one EVALSHA). One hot tenant, or a
+random tenant out of 10,000 per call; the global layer is on in both.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from bench.common import (
+    UNLIMITED_TOKENS_PER_MINUTE,
+    LoadResult,
+    closed_loop,
+    reset_state,
+)
+from bench.redis_lua import RedisTokenBucket
+from llmquota import Limiter, RateLimited, Settings
+
+INPUT_TOKENS = 300
+MAX_TOKENS = 2_000
+# Pool sizes: the batched limiter needs few connections; one statement per
+# request needs one per caller to be at its best.
+BATCHED_POOL_SIZE = 10
+UNBATCHED_POOL_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Point:
+    system: str
+    workload: str
+    callers: int
+    result: LoadResult
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of llmquota."""
+
+    name: str
+    batching: bool = True
+    synchronous_commit: bool = True
+
+    def settings(self) -> Settings:
+        return Settings(
+            batching=self.batching,
+            admission_synchronous_commit=self.synchronous_commit,
+            pool_min_size=2,
+            pool_max_size=BATCHED_POOL_SIZE if self.batching else UNBATCHED_POOL_SIZE,
+            _env_file=None,  # type: ignore[call-arg]
+        )
+
+
+LLMQUOTA = Variant("llmquota")
+VARIANTS_AT_64 = (
+    Variant("llmquota, one statement per request", batching=False),
+    Variant("llmquota, synchronous_commit off for admission", synchronous_commit=False),
+    Variant(
+        "llmquota, one statement per request, synchronous_commit off",
+        batching=False,
+        synchronous_commit=False,
+    ),
+)
+
+
+def tenant_picker(workload: str, tenants: list[str], seed: int) -> list[str]:
+    """Per-caller sequence source: the hot tenant, or uniform over all tenants."""
+    if workload == "hot":
+        return [tenants[0]]
+    rng = random.Random(seed)
+    return [rng.choice(tenants) for _ in range(4_096)]
+
+
+async def llmquota_point(
+    dsn: str, variant: Variant, *, workload: str, tenants: list[str], callers: int, seconds: float
+) -> Point:
+    await reset_state(dsn)
+    limiter = await Limiter.connect(dsn, variant.settings())
+    picks = [tenant_picker(workload, tenants, seed) for seed in range(callers)]
+    counters = [0] * callers
+
+    async def call(index: int) -> bool:
+        sequence = picks[index]
+        counters[index] += 1
+        tenant = sequence[counters[index] % len(sequence)]
+        try:
+            await limiter.admit(
+                tenant=tenant, model="gpt-4o", input_tokens=INPUT_TOKENS, max_tokens=MAX_TOKENS
+            )
+        except RateLimited:
+            return False
+        return True
+
+    try:
+        result = await closed_loop(call, callers, seconds, warmup_s=min(1.0, seconds / 3))
+    finally:
+        await limiter.close()
+    return Point(variant.name, workload, callers, result)
+
+
+async def redis_point(
+    host: str, port: int, *, workload: str, tenants: list[str], callers: int, seconds: float
+) -> Point:
+    bucket = RedisTokenBucket.connect(
+        host,
+        port,
+        tenant_capacity=UNLIMITED_TOKENS_PER_MINUTE,
+        tenant_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
+        global_capacity=UNLIMITED_TOKENS_PER_MINUTE,
+        global_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
+    )
+    await bucket.flush()
+    picks = [tenant_picker(workload, tenants, seed) for seed in range(callers)]
+    counters = [0] * callers
+
+    async def call(index: int) -> bool:
+        sequence = picks[index]
+        counters[index] += 1
+        allowed, _ = await bucket.reserve(
+            sequence[counters[index] % len(sequence)], INPUT_TOKENS + MAX_TOKENS
+        )
+        return allowed
+
+    try:
+        result = await closed_loop(call, callers, seconds, warmup_s=min(1.0, seconds / 3))
+    finally:
+        await bucket.close()
+    return Point("redis-lua", workload, callers, result)

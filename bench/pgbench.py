@@ -1,0 +1,93 @@
+"""Comparison 3: the SQL ceiling, pgbench running the project's own admit statement.
+
+pgbench (C, no Python in the way) calls lq_admit exactly as the store does:
+one request per statement, then 64 requests per statement (what group
+admission sends). Its decisions per second bound what any client of this
+database can get, so the report can say how close the service comes.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.servers import Postgres
+
+PGBENCH = shutil.which("pgbench") or "/usr/bin/pgbench"
+BATCH = 64
+
+# One request per statement: the tenant is :t.
+SINGLE = """\\set t random(0, {last})
+SELECT * FROM lq_admit(ARRAY['t' || {tenant}], ARRAY[NULL]::text[], ARRAY['gpt-4o'],
+    ARRAY[300]::bigint[], ARRAY[2000]::bigint[], ARRAY[false], ARRAY[NULL]::integer[],
+    ARRAY[NULL]::text[], ARRAY[NULL]::text[], 1000);
+"""
+
+# BATCH requests per statement, each for a random tenant (or all the hot one).
+BATCHED = """SELECT * FROM lq_admit(
+    ARRAY(SELECT 't' || {tenant} FROM generate_series(1, {batch})),
+    array_fill(NULL::text, ARRAY[{batch}]), array_fill('gpt-4o'::text, ARRAY[{batch}]),
+    array_fill(300::bigint, ARRAY[{batch}]), array_fill(2000::bigint, ARRAY[{batch}]),
+    array_fill(false, ARRAY[{batch}]), array_fill(NULL::integer, ARRAY[{batch}]),
+    array_fill(NULL::text, ARRAY[{batch}]), array_fill(NULL::text, ARRAY[{batch}]), 1000);
+"""
+
+
+@dataclass(frozen=True)
+class PgbenchResult:
+    workload: str
+    requests_per_statement: int
+    clients: int
+    statements_per_second: float
+    latency_ms: float
+
+    @property
+    def decisions_per_second(self) -> float:
+        return self.statements_per_second * self.requests_per_statement
+
+
+def pgbench_available() -> bool:
+    return Path(PGBENCH).exists()
+
+
+def script(tenants: int, batch: int) -> str:
+    if batch == 1:
+        tenant = ":t" if tenants > 1 else "0"
+        return SINGLE.format(last=max(0, tenants - 1), tenant=tenant)
+    tenant = f"floor(random() * {tenants})::int" if tenants > 1 else "0"
+    return BATCHED.format(tenant=tenant, batch=batch)
+
+
+def run(
+    pg: Postgres,
+    database: str,
+    *,
+    workload: str,
+    tenants: int,
+    batch: int,
+    clients: int,
+    seconds: float,
+) -> PgbenchResult:
+    with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as f:
+        f.write(script(tenants, batch))
+    try:
+        command = [
+            PGBENCH,
+            *("-n", "-M", "prepared", "-f", f.name, "-c", str(clients)),
+            *("-j", "2", "-T", str(max(1, round(seconds))), "-U", "postgres"),
+        ]
+        if pg.host:
+            command += ["-h", pg.host, "-p", str(pg.port)]
+        command.append(database)
+        out = subprocess.run(
+            command, capture_output=True, text=True, check=True, timeout=seconds + 120
+        ).stdout
+    finally:
+        Path(f.name).unlink()
+    tps = float(re.search(r"tps = ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    latency = float(re.search(r"latency average = ([\d.]+) ms", out).group(1))  # type: ignore[union-attr]
+    return PgbenchResult(workload, batch, clients, tps, latency)

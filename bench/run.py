@@ -1,0 +1,739 @@
+"""The benchmark lab: `python bench/run.py` (`--quick` for a run under two minutes).
+
+Starts what it needs on loopback (PostgreSQL, redis-server), runs every
+comparison side by side in this one run, prints one summary line per
+comparison, and writes BENCHMARKS.md with PNG charts. A full run writes the
+committed report (BENCHMARKS.md, docs/bench/*.png); --quick writes to
+bench/results/ (git-ignored) so it never overwrites measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Run as a script, Python puts bench/ first on the path; the repository root
+# instead lets `bench.*` import as a package and never shadows the stdlib.
+sys.path[0] = str(ROOT)
+
+from bench import (  # noqa: E402
+    burst,
+    charts,
+    common,
+    crash,
+    grid,
+    growth,
+    http_admission,
+    library,
+    pgbench,
+    servers,
+)
+
+COMMAND_FULL = "python bench/run.py"
+COMMAND_QUICK = "python bench/run.py --quick"
+TENANTS = 10_000
+CALLERS = (1, 16, 64, 256)
+HTTP_CONNECTIONS = 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each measurement runs; --quick shrinks everything."""
+
+    quick: bool
+    library_s: float
+    http_s: float
+    pgbench_s: float
+    burst_window_s: float
+    burst_speedup: float
+    grid_rates: tuple[int, ...]
+    grid_lengths: tuple[int, ...]
+    grid_s: float
+    growth: growth.Sizes
+    growth_s: float
+    crash_load_s: float
+
+
+FULL = Plan(
+    quick=False,
+    library_s=5.0,
+    http_s=10.0,
+    pgbench_s=10.0,
+    burst_window_s=10.0,
+    burst_speedup=10.0,
+    grid_rates=(25, 50, 100, 200, 400),
+    grid_lengths=(10, 100, 300, 1_000, 3_000),
+    grid_s=2.0,
+    growth=growth.FULL,
+    growth_s=3.0,
+    crash_load_s=3.0,
+)
+QUICK = Plan(
+    quick=True,
+    library_s=0.8,
+    http_s=2.0,
+    pgbench_s=2.0,
+    burst_window_s=4.0,
+    burst_speedup=25.0,
+    grid_rates=(25, 100, 400),
+    grid_lengths=(10, 300, 3_000),
+    grid_s=0.8,
+    growth=growth.QUICK,
+    growth_s=1.0,
+    crash_load_s=1.0,
+)
+
+
+class Report:
+    """Collects markdown sections and prints summary lines as they come."""
+
+    def __init__(self, charts_dir: Path, markdown_path: Path) -> None:
+        self.charts_dir = charts_dir
+        self.markdown_path = markdown_path
+        self.sections: list[str] = []
+        self.summary: list[str] = []
+
+    def line(self, text: str, *, summary: bool = False) -> None:
+        print(text, flush=True)
+        if summary:
+            self.summary.append(text)
+
+    def chart(self, name: str) -> tuple[Path, str]:
+        """Where to write a chart, and how the markdown links it."""
+        path = self.charts_dir / name
+        return path, path.relative_to(self.markdown_path.parent).as_posix()
+
+
+def ms(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# -- 1 -----------------------------------------------------------------------------------
+
+
+async def compare_library(
+    pg: servers.Postgres, redis: servers.Redis | None, plan: Plan, report: Report
+) -> float:
+    """Returns llmquota's admissions/s at 10,000 tenants and 64 callers."""
+    report.line("== 1. library admissions: llmquota vs Redis + Lua, one process")
+    dsn = await common.fresh_database(pg.dsn, "bench_library")
+    tenants = await common.seed_tenants(dsn, TENANTS)
+    points: list[library.Point] = []
+    load = common.machine_load()
+    for workload in ("hot", "10k"):
+        for callers in CALLERS:
+            runs = [
+                library.llmquota_point(
+                    dsn,
+                    library.LLMQUOTA,
+                    workload=workload,
+                    tenants=tenants,
+                    callers=callers,
+                    seconds=plan.library_s,
+                )
+            ]
+            if redis is not None:
+                runs.append(
+                    library.redis_point(
+                        redis.host,
+                        redis.port,
+                        workload=workload,
+                        tenants=tenants,
+                        callers=callers,
+                        seconds=plan.library_s,
+                    )
+                )
+            for run in runs:
+                point = await run
+                points.append(point)
+                report.line(
+                    f"  {point.system:9} {workload:3} {callers:3} callers: "
+                    f"{point.result.per_second:8.0f}/s  p50 {ms(point.result.p50_ms)} ms  "
+                    f"p99 {ms(point.result.p99_ms)} ms"
+                )
+    for workload in ("hot", "10k"):
+        for variant in library.VARIANTS_AT_64:
+            point = await library.llmquota_point(
+                dsn,
+                variant,
+                workload=workload,
+                tenants=tenants,
+                callers=64,
+                seconds=plan.library_s,
+            )
+            points.append(point)
+            report.line(
+                f"  {point.system} {workload} 64 callers: {point.result.per_second:.0f}/s  "
+                f"p99 {ms(point.result.p99_ms)} ms"
+            )
+
+    crash_rows = await measure_crashes(plan, report)
+
+    ended_load = common.machine_load()
+
+    def find(system: str, workload: str, callers: int) -> library.Point | None:
+        for p in points:
+            if (p.system, p.workload, p.callers) == (system, workload, callers):
+                return p
+        return None
+
+    rows = [
+        "| system | tenants | callers | admissions/s | p50 ms | p99 ms |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for p in points:
+        rows.append(
+            f"| {p.system} | {'1 hot' if p.workload == 'hot' else '10,000'} | {p.callers} "
+            f"| {p.result.per_second:,.0f} | {ms(p.result.p50_ms)} | {ms(p.result.p99_ms)} |"
+        )
+    path, link = report.chart("library.png")
+    charts.library_chart(points, path)
+    ours = find("llmquota", "10k", 64)
+    theirs = find("redis-lua", "10k", 64)
+    hot = find("llmquota", "hot", 64)
+    assert ours is not None and hot is not None
+    if theirs is not None:
+        value = ratio(ours.result.per_second, theirs.result.per_second)
+        last = f"admission ratio llmquota/redis-lua: {value:.2f} (10k tenants, 64 callers)"
+    else:
+        last = "admission ratio llmquota/redis-lua: skipped (redis-server not installed)"
+    report.sections.append(
+        "\n".join(
+            [
+                "## 1. Library admissions: llmquota vs the seeds' Redis + Lua token bucket",
+                "",
+                "Closed-loop callers in one Python process, each awaiting one admission after",
+                "another: `await limiter.admit(...)` (validation, group admission, a Reservation",
+                "journalled in PostgreSQL) against `await bucket.reserve(...)` (one EVALSHA of",
+                "`bench/token_bucket.lua`, the seeds' script over the tenant and global keys).",
+                "Every request passes a tenant layer and the global layer; buckets are large",
+                "enough that nothing is refused, so this measures the cost of deciding.",
+                f"Each point runs {plan.library_s:g} s after a warm-up; {load} at the start,",
+                f"{ended_load} at the end.",
+                "",
+                *rows,
+                "",
+                f"![admissions per second and p99 against callers]({link})",
+                "",
+                f"One hot tenant, 64 callers: {hot.result.per_second:,.0f} admissions/s, "
+                f"p99 {ms(hot.result.p99_ms)} ms.",
+                "",
+                *crash_section(crash_rows),
+                f"`{last}`",
+            ]
+        )
+    )
+    report.line(last, summary=True)
+    return ours.result.per_second
+
+
+async def measure_crashes(plan: Plan, report: Report) -> list[str]:
+    """Table rows: admissions lost by a crash, synchronous_commit off and on."""
+    if not servers.pg15_available():
+        return []
+    rows = [
+        "| synchronous_commit for admission | admissions acknowledged before the crash "
+        "| lost after recovery |",
+        "| --- | ---: | ---: |",
+    ]
+    for synchronous_commit in (False, True):
+        outcome = await crash.measure(synchronous_commit, load_s=plan.crash_load_s)
+        setting = "on" if synchronous_commit else "off"
+        rows.append(f"| {setting} | {outcome.acknowledged:,} | {outcome.lost:,} |")
+        report.line(
+            f"  crash with synchronous_commit {setting}: {outcome.lost} of "
+            f"{outcome.acknowledged} acknowledged admissions lost"
+        )
+    return rows
+
+
+def crash_section(rows: list[str]) -> list[str]:
+    if not rows:
+        return ["(The crash measurement needs Debian's PostgreSQL 15; skipped.)", ""]
+    return [
+        "### synchronous_commit off for admission: what a crash loses",
+        "",
+        "The rows above with `synchronous_commit off` show the gain. The cost, measured:",
+        "64 callers admit against a throwaway PostgreSQL 15 cluster, which is then killed",
+        "with `pg_ctl stop -m immediate` (no process writes anything further) and",
+        "restarted; admissions acknowledged before the kill and missing after recovery",
+        "are lost. See the trade-off discussion at the top of this file.",
+        "",
+        *rows,
+        "",
+    ]
+
+
+# -- 2 -----------------------------------------------------------------------------------
+
+
+async def prepare_http_database(pg: servers.Postgres) -> str:
+    dsn = await common.fresh_database(pg.dsn, "bench_http")
+    await common.seed_tenants(dsn, TENANTS)
+    return dsn
+
+
+def compare_http(
+    pg: servers.Postgres, redis: servers.Redis | None, plan: Plan, report: Report
+) -> None:
+    report.line("== 2. HTTP admission: llmquota serve vs FastAPI + Redis-Lua middleware")
+    if not http_admission.wrk_available():
+        skipped = "http: skipped (wrk not installed: apt-get install wrk)"
+        report.sections.append(f"## 2. HTTP admission\n\nSkipped: {skipped}.")
+        report.line(skipped, summary=True)
+        return
+    dsn = asyncio.run(prepare_http_database(pg))
+    workloads = {"hot": 1, "10k": TENANTS}
+    load = common.machine_load()
+    results = http_admission.measure(
+        http_admission.start_llmquota(dsn),
+        system="llmquota serve",
+        workloads=workloads,
+        connections=HTTP_CONNECTIONS,
+        seconds=plan.http_s,
+    )
+    if redis is not None:
+        results += http_admission.measure(
+            http_admission.start_baseline(redis.host, redis.port),
+            system="FastAPI + Redis-Lua",
+            workloads=workloads,
+            connections=HTTP_CONNECTIONS,
+            seconds=plan.http_s,
+        )
+    rows = [
+        "| server | tenants | admissions/s | p50 ms | p99 ms | non-2xx |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        report.line(
+            f"  {r.system:20} {r.workload:3}: {r.per_second:8.0f}/s  p50 {ms(r.p50_ms)} ms  "
+            f"p99 {ms(r.p99_ms)} ms  non-2xx {r.non_2xx}"
+        )
+        rows.append(
+            f"| {r.system} | {'1 hot' if r.workload == 'hot' else '10,000'} "
+            f"| {r.per_second:,.0f} | {ms(r.p50_ms)} | {ms(r.p99_ms)} | {r.non_2xx} |"
+        )
+    path, link = report.chart("http.png")
+    charts.http_chart(results, path)
+    by = {(r.system, r.workload): r for r in results}
+    ours = by[("llmquota serve", "10k")]
+    theirs = by.get(("FastAPI + Redis-Lua", "10k"))
+    if theirs is not None:
+        line = (
+            f"http ratio llmquota/fastapi-redis-lua: "
+            f"{ratio(ours.per_second, theirs.per_second):.2f} (10k tenants, {WORKERS_TEXT}, "
+            f"{HTTP_CONNECTIONS} connections); p99 {ms(ours.p99_ms)} ms vs {ms(theirs.p99_ms)} ms"
+        )
+    else:
+        line = f"http llmquota: {ours.per_second:.0f}/s p99 {ms(ours.p99_ms)} ms (no redis)"
+    report.sections.append(
+        "\n".join(
+            [
+                "## 2. HTTP admission end to end",
+                "",
+                "`llmquota serve --workers 2` against `bench/baseline_app.py` (FastAPI, an HTTP",
+                "middleware in seed 001's shape calling the same Lua script through",
+                "redis.asyncio) under `uvicorn --workers 2`. Both count the same messages",
+                "with tiktoken and authenticate a bearer key; the load generator is wrk",
+                f"(1 thread, {HTTP_CONNECTIONS} connections, {plan.http_s:g} s per run, "
+                "POST /v1/admit with a JSON body). "
+                f"llmquota answers 201 with a journalled reservation. At the start {load};",
+                f"at the end {common.machine_load()}.",
+                "",
+                *rows,
+                "",
+                f"![HTTP admissions per second and p99]({link})",
+                "",
+                f"`{line}`",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
+WORKERS_TEXT = f"{http_admission.WORKERS} workers"
+
+
+# -- 3 -----------------------------------------------------------------------------------
+
+
+def compare_sql_ceiling(
+    pg: servers.Postgres, library_dsn_name: str, plan: Plan, report: Report, service: float
+) -> None:
+    report.line("== 3. SQL ceiling: pgbench running lq_admit")
+    if not pgbench.pgbench_available():
+        skipped = "sql ceiling: skipped (pgbench not installed)"
+        report.sections.append(f"## 3. SQL ceiling\n\n{skipped}.")
+        report.line(skipped, summary=True)
+        return
+    asyncio.run(common.reset_state(common.with_database(pg.dsn, library_dsn_name)))
+    runs = [
+        ("hot", 1, 1, 64),
+        ("10k", TENANTS, 1, 64),
+        ("hot", 1, pgbench.BATCH, 4),
+        ("10k", TENANTS, pgbench.BATCH, 4),
+    ]
+    results = []
+    for workload, tenants, batch, clients in runs:
+        result = pgbench.run(
+            pg,
+            library_dsn_name,
+            workload=workload,
+            tenants=tenants,
+            batch=batch,
+            clients=clients,
+            seconds=plan.pgbench_s,
+        )
+        results.append(result)
+        report.line(
+            f"  pgbench {workload:3} {batch:2} per statement, {clients} clients: "
+            f"{result.decisions_per_second:8.0f} decisions/s ({result.latency_ms:.2f} ms/stmt)"
+        )
+    rows = [
+        "| tenants | requests per statement | clients | decisions/s | ms per statement |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {'1 hot' if r.workload == 'hot' else '10,000'} | {r.requests_per_statement} "
+            f"| {r.clients} | {r.decisions_per_second:,.0f} | {r.latency_ms:.2f} |"
+        )
+    single_hot, single_10k, batch_hot, batch_10k = (r.decisions_per_second for r in results)
+    line = (
+        f"sql ceiling (pgbench lq_admit, decisions/s): one per statement hot {single_hot:.0f} "
+        f"/ 10k {single_10k:.0f}; {pgbench.BATCH} per statement hot {batch_hot:.0f} / 10k "
+        f"{batch_10k:.0f}; library reaches {100 * ratio(service, batch_10k):.0f}% of the "
+        "batched 10k ceiling"
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "## 3. The SQL ceiling: pgbench running lq_admit",
+                "",
+                "pgbench (C, prepared statements, no Python) calls the project's own",
+                "`lq_admit` the way the store does, first with one request per statement",
+                f"({'64'} clients), then {pgbench.BATCH} requests per statement (4 clients).",
+                "The global layer is on, so every statement locks the global row.",
+                "",
+                *rows,
+                "",
+                f"The library (comparison 1, 10,000 tenants, 64 callers) decides "
+                f"{service:,.0f}/s: {100 * ratio(service, batch_10k):.0f}% of the batched "
+                "ceiling, measured on the same database in the same run.",
+                "",
+                f"`{line}`",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
+# -- 4 -----------------------------------------------------------------------------------
+
+
+async def compare_burst(pg: servers.Postgres, plan: Plan, report: Report) -> None:
+    report.line("== 4. accuracy under a burst (the 09:14 incident, scaled down)")
+    dsn = await common.fresh_database(pg.dsn, "bench_burst")
+    results = []
+    for strategy in burst.STRATEGIES:
+        result = await burst.run_strategy(
+            dsn, strategy, window_s=plan.burst_window_s, speedup=plan.burst_speedup
+        )
+        results.append(result)
+        report.line(
+            f"  {strategy:18}: {result.admitted:3} admitted, {result.tokens_admitted:7,} tokens "
+            f"= {result.overshoot:.2f}x budget ({result.budget:,.0f})"
+        )
+    path, link = report.chart("burst.png")
+    charts.burst_chart(results, path)
+    rows = [
+        "| strategy | admitted | tokens admitted | budget | x budget | beyond budget |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        rows.append(
+            f"| {r.strategy} | {r.admitted} | {r.tokens_admitted:,} | {r.budget:,.0f} "
+            f"| {r.overshoot:.2f} | {r.beyond_budget:,} |"
+        )
+    by = {r.strategy: r for r in results}
+    strict = by["reserve-max-tokens"].beyond_budget + by["reserve + refund"].beyond_budget
+    line = (
+        "burst overshoot (x budget): "
+        + ", ".join(f"{r.strategy} {r.overshoot:.2f}" for r in results)
+        + f"; tokens beyond capacity + refill with reservations: {strict}"
+    )
+    latency = burst.FakeProvider(0.3, burst.SEED_TOKENS_PER_SECOND * plan.burst_speedup)
+    report.sections.append(
+        "\n".join(
+            [
+                "## 4. Accuracy under a burst",
+                "",
+                f"The seeds' 09:14 incident, scaled down: a {burst.CAPACITY_TOKENS:,}-token bucket",
+                f"({burst.TOKENS_PER_MINUTE:,} a minute), {burst.REQUESTS} requests inside",
+                f"{burst.BURST_SPREAD_S * 1000:.0f} ms, each {burst.INPUT_TOKENS} input tokens "
+                "with",
+                f"max_tokens {burst.MAX_TOKENS:,}, generating {burst.OUTPUT_RANGE[0]:,}-"
+                f"{burst.OUTPUT_RANGE[1]:,} tokens. The fake provider streams "
+                f"{plan.burst_speedup:g}x faster than the seed's 63 tokens/s",
+                f"(a 2,000-token answer takes {latency.latency_s(2_000):.1f} s instead of 32 s) so",
+                "the run takes seconds. Refused requests retry after their hint until the",
+                f"{plan.burst_window_s:g} s window closes. Tokens admitted = the real usage of",
+                "the requests admitted in the window; budget = capacity + refill over it.",
+                "All three strategies run on llmquota's own statements:",
+                "debit-on-response reserves nothing and debits at settlement (bench only),",
+                "reserve-max-tokens keeps the whole reservation, reserve + refund is the product.",
+                "",
+                *rows,
+                "",
+                f"![tokens admitted over time]({link})",
+                "",
+                f"`{line}`",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
+# -- 5 -----------------------------------------------------------------------------------
+
+
+async def compare_grid(pg: servers.Postgres, plan: Plan, report: Report) -> None:
+    report.line("== 5. the two-axis grid: request rate x completion length")
+    dsn = await common.fresh_database(pg.dsn, "bench_grid")
+    cells = []
+    for length in plan.grid_lengths:
+        for rate in plan.grid_rates:
+            cell = await grid.run_cell(dsn, rate, length, plan.grid_s)
+            cells.append(cell)
+            report.line(
+                f"  {rate:4}/s x {length:5} tokens: binds {cell.binding:11} "
+                f"(first refusal: {cell.first_refusal}) refused {dict(cell.refused)} of {cell.sent}"
+            )
+    path, link = report.chart("grid.png")
+    charts.grid_chart(cells, path)
+    counts = Counter(c.binding for c in cells)
+    line = "grid: cells where each limit binds: " + ", ".join(
+        f"{kind} {counts[kind]}" for kind in grid.KINDS
+    )
+    p = grid.POLICY
+    report.sections.append(
+        "\n".join(
+            [
+                "## 5. The two-axis grid: which limit binds",
+                "",
+                "Seed 004's load test with both axes. Each cell is an open-loop run of",
+                f"{plan.grid_s:g} s through the limiter and the fake provider (first token",
+                f"{grid.PROVIDER.first_token_s * 1000:.0f} ms, "
+                f"{grid.PROVIDER.tokens_per_second:,.0f} tokens/s, so long completions also hold",
+                "permits longer) against one tenant",
+                f"with {p.tokens_per_minute:,} tokens/min (burst {p.token_burst:,}), "
+                f"{p.requests_per_minute:,} requests/min (burst {p.request_burst}) and "
+                f"{p.max_in_flight} in flight; {grid.INPUT_TOKENS} input tokens per request.",
+                "A cell names the limit that refused the most requests in it.",
+                "",
+                f"![binding limit per cell]({link})",
+                "",
+                f"`{line}`",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
+# -- 6 -----------------------------------------------------------------------------------
+
+
+async def compare_growth(pg: servers.Postgres, plan: Plan, report: Report) -> None:
+    report.line("== 6. cost growth")
+    dsn = await common.fresh_database(pg.dsn, "bench_growth")
+    small_tenants = await common.seed_tenants(dsn, 100, prefix="s")
+    before = await growth.snapshot(
+        dsn, "100 tenants, empty ledger", small_tenants, 0, plan.growth_s
+    )
+    started = time.perf_counter()
+    tenants = await growth.grow(dsn, plan.growth)
+    grow_s = time.perf_counter() - started
+    grown = f"{plan.growth.tenants:,} tenants, {plan.growth.ledger_rows:,} ledger rows"
+    # The same 100 tenants first (only the tables grew), then callers spread
+    # over every tenant (more distinct rows per batch to lock).
+    after = await growth.snapshot(
+        dsn, f"{grown}, the same 100 tenants", small_tenants, plan.growth.ledger_rows, plan.growth_s
+    )
+    spread = await growth.snapshot(
+        dsn, f"{grown}, all tenants", tenants, plan.growth.ledger_rows, plan.growth_s
+    )
+    sweep = await growth.sweep_backlog(dsn, tenants, plan.growth.leases)
+    rows = [
+        "| database | size MB | 1 caller p50 ms | 1 caller p99 ms | 64 callers /s "
+        "| 64 callers p99 ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for s in (before, after, spread):
+        report.line(
+            f"  {s.label}: {s.database_mb:.0f} MB, 1 caller p50 {ms(s.one_caller.p50_ms)} ms "
+            f"p99 {ms(s.one_caller.p99_ms)} ms, 64 callers {s.callers_64.per_second:.0f}/s "
+            f"p99 {ms(s.callers_64.p99_ms)} ms"
+        )
+        rows.append(
+            f"| {s.label} | {s.database_mb:,.0f} | {ms(s.one_caller.p50_ms)} "
+            f"| {ms(s.one_caller.p99_ms)} | {s.callers_64.per_second:,.0f} "
+            f"| {ms(s.callers_64.p99_ms)} |"
+        )
+    rate = sweep.expired / sweep.seconds if sweep.seconds else 0.0
+    report.line(
+        f"  sweeper: {sweep.expired:,} of {sweep.leases:,} expired leases in {sweep.seconds:.2f} s "
+        f"({sweep.batches} batches, {rate:,.0f}/s)"
+    )
+    sizes_note = " (--quick: smaller sizes)" if plan.quick else ""
+    line = (
+        f"cost growth{sizes_note}: admit p99 {ms(before.one_caller.p99_ms)} -> "
+        f"{ms(after.one_caller.p99_ms)} ms (1 caller), {before.callers_64.per_second:.0f} -> "
+        f"{after.callers_64.per_second:.0f}/s (64 callers, same tenants; "
+        f"{spread.callers_64.per_second:.0f}/s spread over all) after "
+        f"{plan.growth.ledger_rows:,} ledger rows and {plan.growth.tenants:,} tenants; db "
+        f"{before.database_mb:.0f} -> {spread.database_mb:.0f} MB; sweeper {sweep.expired:,} "
+        f"leases in {sweep.seconds:.1f} s"
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "## 6. Cost growth",
+                "",
+                "Admission on a small database, then after growing it: tenants with real",
+                "layers, plus finished reservations with one ledger row each (bulk-inserted, "
+                f"{grow_s:.0f} s). Callers pick a random tenant per admission.",
+                "",
+                *rows,
+                "",
+                f"Sweeper: {sweep.expired:,} of {sweep.leases:,} expired leases reclaimed by one "
+                f"`limiter.sweep()` run in {sweep.seconds:.2f} s ({sweep.batches} statements of up "
+                f"to {growth.SWEEP_BATCH:,}, {rate:,.0f} leases/s).",
+                "",
+                f"`{line}`",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
+# -- the run ---------------------------------------------------------------------------
+
+
+def header(plan: Plan, pg: servers.Postgres, redis: servers.Redis | None, load: str) -> str:
+    command = COMMAND_QUICK if plan.quick else COMMAND_FULL
+    redis_text = redis.description if redis else "not installed: Redis columns skipped"
+    return "\n".join(
+        [
+            "## How this run was measured",
+            "",
+            f"Measured with `{command}` on "
+            f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC. Everything runs",
+            "side by side in that one run, so every ratio compares numbers taken minutes",
+            "apart on the same machine.",
+            "",
+            f"- Machine: {platform.machine()}, {load} when the run started (the machine",
+            "  is shared with other work, which shows as noise).",
+            f"- PostgreSQL: {pg.description}.",
+            f"- Redis: {redis_text}.",
+            f"- Python {platform.python_version()}, asyncpg, redis-py (asyncio), the default "
+            "asyncio event loop.",
+        ]
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a run under two minutes")
+    parser.add_argument(
+        "--postgres",
+        choices=("pg15", "embedded"),
+        default="pg15" if servers.pg15_available() else "embedded",
+        help="Debian's PostgreSQL 15 (default when installed) or the embedded one",
+    )
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="*",
+        choices=range(1, 7),
+        help="run only these comparisons (1-6)",
+    )
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    plan = QUICK if args.quick else FULL
+    results_dir = ROOT / "bench" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    if plan.quick:
+        report = Report(results_dir, results_dir / "BENCHMARKS.md")
+    else:
+        (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
+        report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
+    wanted = set(args.only or range(1, 7))
+    started = time.monotonic()
+    load = common.machine_load()
+    with contextlib.ExitStack() as stack:
+        pg = stack.enter_context(servers.postgres(args.postgres))
+        redis = stack.enter_context(servers.redis()) if servers.redis_available() else None
+        print(f"PostgreSQL: {pg.description}")
+        print(f"Redis: {redis.description if redis else 'redis-server not installed: skipped'}")
+        service_10k_64 = 0.0
+        if 1 in wanted:
+            service_10k_64 = asyncio.run(compare_library(pg, redis, plan, report))
+        if 2 in wanted:
+            compare_http(pg, redis, plan, report)
+        if 3 in wanted:
+            if 1 not in wanted:
+                asyncio.run(_library_database(pg))
+            compare_sql_ceiling(pg, "bench_library", plan, report, service_10k_64)
+        if 4 in wanted:
+            asyncio.run(compare_burst(pg, plan, report))
+        if 5 in wanted:
+            asyncio.run(compare_grid(pg, plan, report))
+        if 6 in wanted:
+            asyncio.run(compare_growth(pg, plan, report))
+    elapsed = time.monotonic() - started
+    footer = f"Run time: {elapsed:.0f} s."
+    text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
+    write_markdown(report.markdown_path, text)
+    print(
+        f"wrote {report.markdown_path.relative_to(ROOT)} and charts in "
+        f"{report.charts_dir.relative_to(ROOT)} ({elapsed:.0f} s)"
+    )
+    return 0
+
+
+MARKER = "<!-- Everything below this line is written by bench/run.py. -->"
+
+
+def write_markdown(path: Path, generated: str) -> None:
+    """Replace the generated part of the report; keep what was written above MARKER."""
+    kept = "# Benchmarks\n\n"
+    if path.exists():
+        text = path.read_text()
+        if MARKER in text:
+            kept = text[: text.index(MARKER)]
+    path.write_text(f"{kept}{MARKER}\n\n{generated}")
+
+
+async def _library_database(pg: servers.Postgres) -> None:
+    dsn = await common.fresh_database(pg.dsn, "bench_library")
+    await common.seed_tenants(dsn, TENANTS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
