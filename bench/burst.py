@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from bench.common import reset_state
+from bench.common import BENCH_DECISION_DEADLINE_MS, reset_state
 from bench.fake_provider import FakeProvider, output_lengths
 from llmquota import Limiter, Policy, RateLimited, Settings
 
@@ -66,7 +66,9 @@ class BurstResult:
 async def run_strategy(dsn: str, strategy: str, *, window_s: float, speedup: float) -> BurstResult:
     """One strategy: the same 200 requests, the same fake provider."""
     await reset_state(dsn)
-    settings = Settings(pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(
+        pool_max_size=10, decision_deadline_ms=BENCH_DECISION_DEADLINE_MS, _env_file=None
+    )  # type: ignore[call-arg]
     limiter = await Limiter.connect(dsn, settings)
     await limiter.store.put_policy(
         "tenant",

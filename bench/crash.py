@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from bench.common import fresh_database, seed_tenants
+from bench.common import BENCH_DECISION_DEADLINE_MS, fresh_database, seed_tenants
 from bench.servers import Pg15Cluster
 from llmquota import Limiter, LimiterError, Settings
 
@@ -53,6 +53,7 @@ async def measure(synchronous_commit: bool, load_s: float) -> CrashResult:
             admission_synchronous_commit=synchronous_commit,
             pool_max_size=10,
             statement_timeout_ms=5_000,
+            decision_deadline_ms=BENCH_DECISION_DEADLINE_MS,
             _env_file=None,  # type: ignore[call-arg]
         )
         limiter = await Limiter.connect(dsn, settings)

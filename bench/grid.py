@@ -15,7 +15,7 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass
 
-from bench.common import reset_state
+from bench.common import BENCH_DECISION_DEADLINE_MS, reset_state
 from bench.fake_provider import FakeProvider
 from llmquota import Limiter, Policy, RateLimited, Settings
 
@@ -53,7 +53,9 @@ class Cell:
 
 async def run_cell(dsn: str, rate_per_s: int, completion_tokens: int, seconds: float) -> Cell:
     await reset_state(dsn)
-    settings = Settings(pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(
+        pool_max_size=10, decision_deadline_ms=BENCH_DECISION_DEADLINE_MS, _env_file=None
+    )  # type: ignore[call-arg]
     limiter = await Limiter.connect(dsn, settings)
     await limiter.store.put_policy("tenant", TENANT, None, POLICY)
     refused: Counter[str] = Counter()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from bench.common import LoadResult, closed_loop, seed_tenants
+from bench.common import BENCH_DECISION_DEADLINE_MS, LoadResult, closed_loop, seed_tenants
 from llmquota import Limiter, Settings
 from llmquota.store import AdmitRequest
 
@@ -58,6 +58,7 @@ class SweepResult:
 def settings() -> Settings:
     return Settings(
         pool_max_size=10,
+        decision_deadline_ms=BENCH_DECISION_DEADLINE_MS,
         sweep_batch_size=SWEEP_BATCH,
         sweep_max_batches=100_000,
         _env_file=None,  # type: ignore[call-arg]

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 from bench.common import (
+    BENCH_DECISION_DEADLINE_MS,
     UNLIMITED_TOKENS_PER_MINUTE,
     LoadResult,
     closed_loop,
@@ -49,6 +50,7 @@ class Variant:
             batching=self.batching,
             admission_synchronous_commit=self.synchronous_commit,
             pool_min_size=2,
+            decision_deadline_ms=BENCH_DECISION_DEADLINE_MS,
             pool_max_size=BATCHED_POOL_SIZE if self.batching else UNBATCHED_POOL_SIZE,
             _env_file=None,  # type: ignore[call-arg]
         )
