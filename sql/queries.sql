@@ -161,14 +161,18 @@ SELECT count(DISTINCT reservation_id) AS requests,
 -- purge_finished --
 -- Delete up to $2 reservations finished longer ago than $1 seconds (their
 -- ledger rows stay); idempotency keys live as long as their reservation.
-DELETE FROM reservations
- WHERE reservation_id IN (
-       SELECT reservation_id
-         FROM reservations
-        WHERE state <> 'active'
-          AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
-        LIMIT $2::integer
-          FOR UPDATE SKIP LOCKED)
+WITH purged AS (
+    DELETE FROM reservations
+     WHERE reservation_id IN (
+           SELECT reservation_id
+             FROM reservations
+            WHERE state <> 'active'
+              AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
+            LIMIT $2::integer
+              FOR UPDATE SKIP LOCKED)
+    RETURNING 1
+)
+SELECT count(*) AS purged FROM purged
 
 -- ensure_ledger_partitions --
 -- Create the ledger's monthly partitions for this month and $1 months ahead

@@ -755,7 +755,9 @@ class Limiter:
         self.metrics.sweeper_reclaims.inc(expired)
         purged = 0
         for _ in range(max_batches):
-            deleted = await self.store.purge_finished(self.settings.retention_seconds, batch_size)
+            deleted = await self.store.purge_finished(
+                self.settings.retention_seconds, batch_size, deadline_seconds=deadline
+            )
             purged += deleted
             if deleted < batch_size:
                 break

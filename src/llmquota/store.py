@@ -658,13 +658,14 @@ class Store:
         rows = await self._fetch("ensure_ledger_partitions", months_ahead)
         return {row["partition_name"]: row["status"] for row in rows}
 
-    async def purge_finished(self, retention_seconds: int, limit: int) -> int:
+    async def purge_finished(
+        self, retention_seconds: int, limit: int, *, deadline_seconds: float | None = None
+    ) -> int:
         """Delete up to `limit` reservations finished before the retention window."""
-        async with self._connection() as connection:
-            status: str = await connection.execute(
-                self._sql["purge_finished"], retention_seconds, limit
-            )
-        return int(status.rsplit(maxsplit=1)[-1])
+        rows = await self._fetch(
+            "purge_finished", retention_seconds, limit, deadline_seconds=deadline_seconds
+        )
+        return int(rows[0]["purged"])
 
 
 def _policy_from_row(row: asyncpg.Record) -> Policy:
