@@ -16,7 +16,15 @@ ADMIN_KEY = "lq_test_admin_key_0123456789"
 @pytest.fixture
 async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
     """An HTTP client for an app whose lifespan (pool, authenticator) is running."""
-    settings = Settings(admin_key=ADMIN_KEY, pool_min_size=1, pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(  # type: ignore[call-arg]
+        admin_key=ADMIN_KEY,
+        pool_min_size=1,
+        pool_max_size=10,
+        # The API's outage answers are tested in tests/faults; here a slow
+        # moment on a shared machine must not turn into a 503.
+        decision_deadline_ms=60_000,
+        _env_file=None,
+    )
     app = create_app(settings, dsn=database_dsn)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)

@@ -526,7 +526,14 @@ async def test_a_caller_cancelled_mid_batch_has_its_admission_released(
 async def test_without_batching_every_request_is_its_own_statement(
     database_dsn: str, db: asyncpg.Connection
 ) -> None:
-    settings_off = Settings(batching=False, pool_max_size=20, _env_file=None)  # type: ignore[call-arg]
+    # One statement per request queues on the hot row: keep the decision
+    # deadline (an outage behaviour, tested in tests/faults) out of the way.
+    settings_off = Settings(
+        batching=False,
+        pool_max_size=20,
+        decision_deadline_ms=60_000,
+        _env_file=None,  # type: ignore[call-arg]
+    )
     async with await Limiter.connect(database_dsn, settings_off) as limiter:
         await limiter.store.put_policy("tenant", "acme", None, Policy(max_in_flight=9))
         results = await asyncio.gather(
@@ -631,7 +638,12 @@ async def test_concurrent_http_admits_share_batches_and_admit_exactly_k(
     database_dsn: str, db: asyncpg.Connection
 ) -> None:
     admin_key = "lq_test_admin_key_for_batching"
-    settings = Settings(admin_key=admin_key, pool_max_size=10, _env_file=None)  # type: ignore[call-arg]
+    settings = Settings(
+        admin_key=admin_key,
+        pool_max_size=10,
+        decision_deadline_ms=60_000,
+        _env_file=None,  # type: ignore[call-arg]
+    )
     app = create_app(settings, dsn=database_dsn)
     headers = {"Authorization": f"Bearer {admin_key}"}
     k, requests = 17, 120
