@@ -89,6 +89,22 @@ END
 $$;
 
 
+-- Take the transaction-scoped advisory lock of every (tenant, idempotency key)
+-- in a batch, in hash order: two transactions sharing keys wait for each
+-- other instead of both deciding the same key, and never deadlock. Called
+-- first, before any row lock (the first class of the locking order above).
+CREATE OR REPLACE FUNCTION lq_lock_idempotency_keys(p_tenants text[], p_keys text[])
+RETURNS void
+LANGUAGE sql
+AS $$
+    SELECT pg_advisory_xact_lock(h)
+      FROM (SELECT DISTINCT hashtextextended(u.t || '/' || u.k, 0) AS h
+              FROM unnest(p_tenants, p_keys) AS u(t, k)
+             WHERE u.k IS NOT NULL) AS keys
+     ORDER BY h;
+$$;
+
+
 -- Decide a batch of admission requests, exactly as if they were applied one
 -- by one in array order, and debit every layer of each admitted request.
 --
@@ -216,11 +232,7 @@ BEGIN
 
     -- (1) Serialize requests that share an idempotency key, so that the
     -- second one sees the first one's committed reservation below.
-    PERFORM pg_advisory_xact_lock(h)
-       FROM (SELECT DISTINCT hashtextextended(u.t || '/' || u.k, 0) AS h
-               FROM unnest(p_tenants, p_idempotency_keys) AS u(t, k)
-              WHERE u.k IS NOT NULL) AS keys
-      ORDER BY h;
+    PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
 
     -- (2) Lock every layer any request touches, in layer_id order. FOR UPDATE
     -- re-reads a row changed by a transaction we waited for, so the balances
@@ -569,7 +581,8 @@ BEGIN
                 r_status[k] := 'expired';
             END IF;
         ELSIF p_actions[k] = 'expire' THEN
-            r_status[k] := 'not_due';
+            -- A live lease is not due yet; a finished reservation has nothing to expire.
+            r_status[k] := CASE WHEN rec.state = 'active' THEN 'not_due' ELSE 'conflict' END;
         END IF;
 
         -- (3) The action itself.

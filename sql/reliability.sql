@@ -51,11 +51,7 @@ BEGIN
 
     -- (1) The idempotency keys, locked exactly as lq_admit locks them, so no
     -- admission can take a key between our check below and our insert.
-    PERFORM pg_advisory_xact_lock(h)
-       FROM (SELECT DISTINCT hashtextextended(u.t || '/' || u.k, 0) AS h
-               FROM unnest(p_tenants, p_idempotency_keys) AS u(t, k)
-              WHERE u.k IS NOT NULL) AS keys
-      ORDER BY h;
+    PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
 
     now_ts := clock_timestamp();
 

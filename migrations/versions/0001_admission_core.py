@@ -134,7 +134,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute(
-        "DROP FUNCTION IF EXISTS lq_admit, lq_finish, lq_sweep, lq_credit_layers, lq_refilled"
+        "DROP FUNCTION IF EXISTS lq_admit, lq_finish, lq_sweep, lq_credit_layers, lq_refilled, "
+        "lq_lock_idempotency_keys"
     )
     for table in ("api_keys", "usage_ledger", "reservations", "limit_layers", "tenants"):
         op.execute(f"DROP TABLE IF EXISTS {table} CASCADE")
