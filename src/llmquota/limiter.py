@@ -96,6 +96,14 @@ def check_token_count(name: str, value: object) -> int:
     return value
 
 
+def check_lease_seconds(value: object) -> None:
+    """A lease length, when given: an integer number of seconds within the ceiling."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LEASE_SECONDS:
+        raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+
+
 @dataclass(frozen=True, slots=True)
 class Admission:
     """A decision with what the limiter counted to reach it."""
@@ -339,12 +347,7 @@ class Limiter:
                 f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters"
             )
         check_token_count("max_tokens", max_tokens)
-        if lease_seconds is not None and (
-            isinstance(lease_seconds, bool)
-            or not isinstance(lease_seconds, int)
-            or not 1 <= lease_seconds <= MAX_LEASE_SECONDS
-        ):
-            raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+        check_lease_seconds(lease_seconds)
         if idempotency_key is not None and (
             not isinstance(idempotency_key, str)
             or not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS
@@ -678,12 +681,7 @@ class Limiter:
         (from the admission or its last heartbeat): a stale one is refused, so
         a worker that was paused while another took over cannot extend it.
         """
-        if lease_seconds is not None and (
-            isinstance(lease_seconds, bool)
-            or not isinstance(lease_seconds, int)
-            or not 1 <= lease_seconds <= MAX_LEASE_SECONDS
-        ):
-            raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
+        check_lease_seconds(lease_seconds)
         if lease_generation is not None and (
             isinstance(lease_generation, bool)
             or not isinstance(lease_generation, int)
