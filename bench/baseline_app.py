@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 
 from bench.common import UNLIMITED_TOKENS_PER_MINUTE
 from bench.redis_lua import RedisTokenBucket
-from llmquota.tokens import count_messages
+from llmquota.domain.tokens import count_messages
 
 app = FastAPI(title="FastAPI + Redis-Lua baseline")
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from llmquota import migrate
+from llmquota.store import migrate
 
 # Policies large enough that a throughput run never runs dry: the bench
 # measures the cost of deciding, and refusals are measured by comparisons 4-5.

@@ -19,7 +19,7 @@ import asyncpg
 
 from bench.common import BENCH_DECISION_DEADLINE_MS, LoadResult, closed_loop, seed_tenants
 from llmquota import Limiter, Settings
-from llmquota.store import AdmitRequest
+from llmquota.domain.records import AdmitRequest
 
 LEASE_S = 1
 ADMIT_CHUNK = 1_000

@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from llmquota import migrate
-from llmquota.database import open_database
+from llmquota.store import migrate
+from llmquota.store.database import open_database
 
 ADMIN_KEY = "lq_bench_admin_key_0123456789"
 

@@ -148,7 +148,7 @@ def _pg15() -> Iterator[Postgres]:
 
 @contextlib.contextmanager
 def _embedded() -> Iterator[Postgres]:
-    from llmquota.database import open_database
+    from llmquota.store.database import open_database
 
     work = Path(tempfile.mkdtemp(prefix="llmquota-bench-embedded."))
     try:

@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from llmquota.database import sqlalchemy_url
+from llmquota.store.database import sqlalchemy_url
 
 
 def _url() -> str:

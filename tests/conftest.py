@@ -21,10 +21,10 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
-from llmquota import migrate
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.database import open_database
-from llmquota.limiter import Limiter
+from llmquota.store import migrate
+from llmquota.store.database import open_database
 
 _counter = itertools.count()
 

@@ -7,8 +7,8 @@ Create Date: 2026-11-30
 
 from alembic import op
 
-from llmquota.migration_support import execute_script
-from llmquota.sqlfiles import script
+from llmquota.store.migration_support import execute_script
+from llmquota.store.sqlfiles import script
 
 revision = "0001"
 down_revision = None

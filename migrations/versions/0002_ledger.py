@@ -8,8 +8,8 @@ Revises: 0001
 Create Date: 2026-11-30
 """
 
-from llmquota.migration_support import execute_script
-from llmquota.sqlfiles import report_scripts, script
+from llmquota.store.migration_support import execute_script
+from llmquota.store.sqlfiles import report_scripts, script
 
 revision = "0002"
 down_revision = "0001"

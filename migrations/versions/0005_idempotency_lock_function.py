@@ -10,8 +10,8 @@ Revises: 0004
 Create Date: 2026-11-30
 """
 
-from llmquota.migration_support import execute_script
-from llmquota.sqlfiles import script
+from llmquota.store.migration_support import execute_script
+from llmquota.store.sqlfiles import script
 
 revision = "0005"
 down_revision = "0004"

@@ -4,8 +4,11 @@ Reserve before the request leaves, settle with what it really cost, and keep
 every tenant inside its token, request and concurrency limits.
 """
 
+from llmquota.admin.sweeper import SweepReport
+from llmquota.admission.limiter import Limiter
+from llmquota.admission.reservation import Reservation, Settlement
 from llmquota.config import Settings
-from llmquota.errors import (
+from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
     LimiterError,
@@ -16,8 +19,7 @@ from llmquota.errors import (
     StoreUnavailable,
     UnknownTenant,
 )
-from llmquota.limiter import Limiter, Reservation, Settlement, SweepReport
-from llmquota.policy import Policy
+from llmquota.domain.policy import Policy
 
 __all__ = [
     "IdempotencyConflict",

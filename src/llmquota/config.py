@@ -13,12 +13,14 @@ from typing import Annotated
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from llmquota.batching import MAX_BATCH_SIZE, MAX_IN_FLIGHT, MAX_WINDOW_SECONDS
+from llmquota.domain.validation import MAX_ESTIMATE_FACTOR
 
-# A single token count above this is refused as absurd (and as a likely bug).
-MAX_TOKEN_COUNT = 10_000_000
-# A tokenizer estimate is off by a factor, not by orders of magnitude.
-MAX_ESTIMATE_FACTOR = 10.0
+# Bounds on the batching settings, so a typo cannot make a batch unbounded or
+# a window a minute long (the Coalescer checks them too).
+MAX_BATCH_SIZE = 10_000
+MAX_BATCH_WINDOW_SECONDS = 1.0
+MAX_BATCHES_IN_FLIGHT = 1_000
+
 
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
@@ -115,14 +117,14 @@ class Settings(BaseSettings):
     batch_window_ms: float = Field(
         default=1.0,
         ge=0,
-        le=MAX_WINDOW_SECONDS * 1_000,
+        le=MAX_BATCH_WINDOW_SECONDS * 1_000,
         description="how long a request may wait for others while a batch is already in "
         "flight; a request arriving when nothing is in flight goes at once",
     )
     batch_max_in_flight: int = Field(
         default=2,
         ge=1,
-        le=MAX_IN_FLIGHT,
+        le=MAX_BATCHES_IN_FLIGHT,
         description="batch statements of each kind (admit, finish) running at once; each "
         "holds a pooled connection",
     )

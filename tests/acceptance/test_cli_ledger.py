@@ -11,7 +11,7 @@ from typing import Any
 
 import asyncpg
 
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
 from tests.support import run_cli
 
 ADJUSTMENTS = 60

@@ -20,10 +20,11 @@ from typing import Any
 import asyncpg
 import pytest
 
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
-from llmquota.policy import LayerScope, Policy
-from llmquota.store import Store
+from llmquota.domain.policy import Policy
+from llmquota.domain.vocabulary import Scope
+from llmquota.store.store import Store
 from tests.faults.proxy import PgProxy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,7 +75,7 @@ async def proxy(database_dsn: str) -> AsyncIterator[PgProxy]:
 
 async def put(
     limiter: Limiter,
-    scope: LayerScope,
+    scope: Scope,
     tenant: str | None = None,
     route: str | None = None,
     **policy: Any,

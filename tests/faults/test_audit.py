@@ -6,7 +6,7 @@ import asyncio
 
 import asyncpg
 
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
 from tests.faults.conftest import PYTHON, put, worker_env
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
 from tests.conftest import _admin, dsn_with_database
 from tests.faults.conftest import Worker, audit_findings, fault_settings, put
 

@@ -12,8 +12,8 @@ import uuid
 import asyncpg
 import pytest
 
-from llmquota.errors import ReservationConflict, StoreUnavailable
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
+from llmquota.domain.errors import ReservationConflict, StoreUnavailable
 from tests.faults.conftest import PYTHON, Worker, count, fault_settings, layer, put, worker_env
 
 LEASE_SECONDS = 2

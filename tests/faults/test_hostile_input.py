@@ -16,9 +16,9 @@ import pydantic
 import pytest
 import uvicorn
 
+from llmquota.admission.limiter import Limiter
 from llmquota.api.app import create_app
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
 from tests.faults.conftest import count, fault_settings, layer
 
 ADMIN_KEY = "lq_hostile_admin_key_0123456789"

@@ -37,8 +37,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from llmquota.errors import RateLimited, RequestTooLarge, ReservationConflict
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
+from llmquota.domain.errors import RateLimited, RequestTooLarge, ReservationConflict
 from tests.conftest import _admin, dsn_with_database
 from tests.faults.conftest import audit_findings, fault_settings, put
 

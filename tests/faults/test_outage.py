@@ -17,11 +17,11 @@ import asyncpg
 import httpx
 import pytest
 
+from llmquota.admission.limiter import Limiter
+from llmquota.admission.outage import OutageEntry, OutageJournal, is_outage_id
 from llmquota.api.app import create_app
-from llmquota.errors import RateLimited, StoreUnavailable
-from llmquota.limiter import Limiter
-from llmquota.outage import OutageEntry, OutageJournal, is_outage_id
-from llmquota.store import AdmitRequest
+from llmquota.domain.errors import RateLimited, StoreUnavailable
+from llmquota.domain.records import AdmitRequest
 from tests.faults.conftest import Worker, count, fault_settings, layer, put
 from tests.faults.proxy import PgProxy
 

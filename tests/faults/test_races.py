@@ -17,9 +17,9 @@ import uuid
 
 import asyncpg
 
-from llmquota.errors import ReservationConflict
-from llmquota.limiter import Limiter
-from llmquota.store import FinishRequest
+from llmquota.admission.limiter import Limiter
+from llmquota.domain.errors import ReservationConflict
+from llmquota.domain.records import FinishRequest
 from tests.faults.conftest import count, fault_settings, layer, put
 
 ROUNDS = 20

@@ -19,9 +19,9 @@ import uuid
 from datetime import datetime
 from typing import Any
 
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.errors import LimiterError, RateLimited
-from llmquota.limiter import Limiter
+from llmquota.domain.errors import LimiterError, RateLimited
 
 
 def _json(value: Any) -> Any:

@@ -9,15 +9,16 @@ from typing import Any
 
 import asyncpg
 
-from llmquota.errors import LimiterError
-from llmquota.limiter import Limiter, Reservation
-from llmquota.policy import LayerScope, Policy
-from llmquota.store import LayerStatus
+from llmquota.admission.limiter import Limiter, Reservation
+from llmquota.domain.errors import LimiterError
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import LayerStatus
+from llmquota.domain.vocabulary import Scope
 
 
 async def put(
     limiter: Limiter,
-    scope: LayerScope,
+    scope: Scope,
     tenant: str | None = None,
     route: str | None = None,
     **policy: Any,
@@ -27,7 +28,7 @@ async def put(
 
 
 async def status(
-    limiter: Limiter, tenant: str, scope: LayerScope = "tenant", route: str | None = None
+    limiter: Limiter, tenant: str, scope: Scope = "tenant", route: str | None = None
 ) -> LayerStatus:
     """One layer as layer_status reports it, refilled to now."""
     for layer in await limiter.store.layer_status(tenant):
@@ -37,7 +38,7 @@ async def status(
 
 
 async def tokens(
-    limiter: Limiter, tenant: str, scope: LayerScope = "tenant", route: str | None = None
+    limiter: Limiter, tenant: str, scope: Scope = "tenant", route: str | None = None
 ) -> float:
     layer = await status(limiter, tenant, scope, route)
     assert layer.tokens is not None

@@ -15,15 +15,15 @@ from typing import Any
 import asyncpg
 import pytest
 
-from llmquota.errors import (
+from llmquota.admission.limiter import Limiter, Reservation
+from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
     RateLimited,
     RequestTooLarge,
     UnknownTenant,
 )
-from llmquota.limiter import Limiter, Reservation
-from llmquota.tokens import get_encoding
+from llmquota.domain.tokens import get_encoding
 
 from .support import Clock, attempt, count, put, raw_layer, shift_refill, status, tokens
 

@@ -26,7 +26,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from llmquota.database import (
+from llmquota.store.database import (
     DATA_DIR_ENV,
     DATABASE_URL_ENV,
     default_data_dir,
@@ -40,7 +40,7 @@ from llmquota.database import (
 CHILD = r"""
 import asyncio, json, os, sys
 import asyncpg
-from llmquota.database import open_database
+from llmquota.store.database import open_database
 
 async def start_time(dsn):
     conn = await asyncpg.connect(dsn)

@@ -30,11 +30,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmquota.admission.limiter import Limiter
 from llmquota.api.app import create_app
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
-from llmquota.policy import Policy
-from llmquota.store import AdmitDecision, AdmitRequest, FinishRequest, FinishResult, Store
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
+from llmquota.store.store import Store
 from tests.conftest import _admin, dsn_with_database
 
 TENANTS = ("t0", "t1", "t2")

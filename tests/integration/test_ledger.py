@@ -12,10 +12,10 @@ import uuid
 import asyncpg
 import pytest
 
+from llmquota.admission.limiter import Limiter, Reservation, Settlement
 from llmquota.config import Settings
-from llmquota.errors import UnknownTenant
-from llmquota.ledger import LedgerStore
-from llmquota.limiter import Limiter, Reservation, Settlement
+from llmquota.domain.errors import UnknownTenant
+from llmquota.finance.ledger import LedgerStore
 from tests.support import APP_ROLE, dsn_as
 
 RESERVATIONS = 200

@@ -6,8 +6,8 @@ import uuid
 
 import asyncpg
 
-from llmquota.ledger import LedgerEntry, LedgerStore
-from llmquota.limiter import Limiter
+from llmquota.admission.limiter import Limiter
+from llmquota.finance.ledger import LedgerEntry, LedgerStore
 
 SETTLE = (
     "SELECT status FROM lq_finish(ARRAY[$1::uuid], ARRAY['settle'], ARRAY[NULL::text],"

@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 import asyncpg
 import pytest
 
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
 
 # The statement lq_finish uses to append a row, with recorded_at given, so a
 # test can stand on either side of a month boundary.

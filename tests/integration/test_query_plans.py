@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncpg
 
-from llmquota.sqlfiles import queries
+from llmquota.store.sqlfiles import queries
 
 TENANT_COUNT = 10_000
 BATCH = 256

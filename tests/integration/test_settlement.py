@@ -10,13 +10,13 @@ from typing import Any
 import asyncpg
 import pytest
 
-from llmquota.errors import (
+from llmquota.admission.limiter import Limiter, Reservation, Settlement
+from llmquota.domain.errors import (
     InvalidRequest,
     RateLimited,
     ReservationConflict,
     ReservationNotFound,
 )
-from llmquota.limiter import Limiter, Reservation, Settlement
 
 from .support import Clock, count, expire_leases, put, raw_layer, shift_refill, status, tokens
 

@@ -9,8 +9,8 @@ import uuid
 import asyncpg
 import pytest
 
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
 
 from .support import count, expire_leases, put, raw_layer
 

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from llmquota import migrate
+from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.limiter import Limiter
+from llmquota.store import migrate
 from tests.conftest import dsn_with_database
 
 OLD_COLUMNS = (

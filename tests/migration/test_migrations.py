@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 from alembic.script import ScriptDirectory
 
-from llmquota import migrate
+from llmquota.store import migrate
 from tests.conftest import _admin, dsn_with_database
 
 SCHEMA_SNAPSHOT = """

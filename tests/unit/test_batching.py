@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from llmquota.batching import Coalescer
+from llmquota.admission.batching import Coalescer
 
 
 class Recorder:

@@ -11,18 +11,18 @@ from decimal import Decimal
 
 import pytest
 
-from llmquota import ledger, reports
-from llmquota.errors import InvalidRequest
-from llmquota.ledger import (
+from llmquota.cli.tabular import render
+from llmquota.domain.errors import InvalidRequest
+from llmquota.finance import ledger, reports
+from llmquota.finance.ledger import (
     MAX_ADJUSTMENT_TOKENS,
     check_adjustment_tokens,
     check_reason,
     parse_effective_from,
     parse_price,
 )
-from llmquota.reports import MAX_REPORT_DAYS, normalize_name, parse_period
-from llmquota.sqlfiles import named_queries, report_scripts
-from llmquota.tabular import render
+from llmquota.finance.reports import MAX_REPORT_DAYS, normalize_name, parse_period
+from llmquota.store.sqlfiles import named_queries, report_scripts
 
 
 def _names_used() -> set[str]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llmquota.local_bucket import (
+from llmquota.domain.local_bucket import (
     Bucket,
     LocalLayer,
     admit_locally,
     give_back_locally,
 )
-from llmquota.policy import Policy
+from llmquota.domain.policy import Policy
 
 
 def test_bucket_refills_continuously_up_to_capacity_and_never_backwards() -> None:

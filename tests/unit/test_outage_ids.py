@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import uuid
 
-from llmquota.outage import is_outage_id, new_outage_id
-from llmquota.policy import Policy
-from llmquota.policy_cache import PolicyCache
-from llmquota.store import CachedLayer
+from llmquota.admission.outage import is_outage_id, new_outage_id
+from llmquota.admission.policy_cache import PolicyCache
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import CachedLayer
 
 
 def test_outage_ids_are_version_8_and_postgres_ids_are_not() -> None:

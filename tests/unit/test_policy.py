@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from llmquota.policy import (
+from llmquota.domain.policy import (
     DEFAULT_LEASE_SECONDS,
     MAX_IN_FLIGHT,
     MAX_LEASE_SECONDS,

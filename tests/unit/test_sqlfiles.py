@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from llmquota import store
 from llmquota.resources import sql_dir
-from llmquota.sqlfiles import parse_queries, queries, script
+from llmquota.store import store
+from llmquota.store.sqlfiles import parse_queries, queries, script
 
 
 def _names_the_store_runs() -> set[str]:

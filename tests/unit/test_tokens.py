@@ -21,10 +21,9 @@ import tiktoken_ext.openai_public
 from pydantic import ValidationError
 from tiktoken.load import load_tiktoken_bpe
 
-from llmquota import tokens
 from llmquota.config import Settings
-from llmquota.resources import encodings_dir
-from llmquota.tokens import (
+from llmquota.domain import tokens
+from llmquota.domain.tokens import (
     DEFAULT_ESTIMATE_FACTOR,
     TokenCountError,
     count_messages,
@@ -33,6 +32,7 @@ from llmquota.tokens import (
     estimate_factor,
     get_encoding,
 )
+from llmquota.resources import encodings_dir
 
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"

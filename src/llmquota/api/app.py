@@ -17,12 +17,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
+from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import AuthenticationFailed, Authenticator, Forbidden
 from llmquota.api.bodylimit import BodySizeLimit
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.routes import router
 from llmquota.config import Settings
-from llmquota.errors import (
+from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
     ReservationConflict,
@@ -30,7 +31,6 @@ from llmquota.errors import (
     StoreUnavailable,
     UnknownTenant,
 )
-from llmquota.limiter import Limiter
 
 
 def error_response(

@@ -13,7 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from llmquota.store import Store
+from llmquota.store.store import Store
 
 KEY_PREFIX = "lq_"
 KEY_CACHE_SECONDS = 30.0

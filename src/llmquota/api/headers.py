@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
-from llmquota.limiter import seconds_until_full
-from llmquota.store import TenantFigures
+from llmquota.domain.records import TenantFigures
+from llmquota.domain.refusals import seconds_until_full
 
 WINDOW_SECONDS = 60
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Caller, key_digest, new_key
 from llmquota.api.headers import rate_limit_headers
 from llmquota.api.schemas import (
@@ -32,9 +33,10 @@ from llmquota.api.schemas import (
     StatusResponse,
     UsageResponse,
 )
-from llmquota.errors import InvalidRequest, UnknownTenant
-from llmquota.limiter import Limiter, ceil_seconds, refusal_message, seconds_until_full
-from llmquota.policy import NAME_PATTERN, LayerScope, Policy
+from llmquota.domain.errors import InvalidRequest, UnknownTenant
+from llmquota.domain.policy import NAME_PATTERN, Policy
+from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
+from llmquota.domain.vocabulary import Scope
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -245,7 +247,7 @@ def _policy_response(policy: Policy, version: int) -> PolicyResponse:
 
 
 async def _put(
-    limiter: Limiter, scope: LayerScope, tenant: str | None, route: str | None, body: PolicyBody
+    limiter: Limiter, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
 ) -> PolicyResponse:
     policy = _policy(body)
     if scope == "route" and tenant is not None and not await limiter.store.tenant_exists(tenant):
@@ -255,7 +257,7 @@ async def _put(
 
 
 async def _get(
-    limiter: Limiter, scope: LayerScope, tenant: str | None, route: str | None
+    limiter: Limiter, scope: Scope, tenant: str | None, route: str | None
 ) -> PolicyResponse:
     found = await limiter.store.get_policy(scope, tenant, route)
     if found is None:

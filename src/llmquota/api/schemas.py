@@ -11,9 +11,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from llmquota.config import MAX_TOKEN_COUNT
-from llmquota.limiter import MAX_IDEMPOTENCY_KEY_CHARS, MAX_MODEL_NAME_CHARS
-from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN, FailureMode
+from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.domain.validation import (
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_MODEL_NAME_CHARS,
+    MAX_TOKEN_COUNT,
+)
+from llmquota.domain.vocabulary import FailureMode
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]

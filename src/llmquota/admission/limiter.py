@@ -1,18 +1,16 @@
 """The Limiter: the library a Python gateway uses, and what the API wraps.
 
-It validates and counts a request (pure code), hands the decision to the
-store (one statement), and turns the answer into a Reservation or a typed
-error. While the store answers it holds no balances of its own: every figure
-comes from PostgreSQL.
+It validates and counts a request (pure code, domain/admit_request.py),
+hands the decision to the store (one statement), and turns the answer into
+a Reservation or a typed error. While the store answers it holds no
+balances of its own: every figure comes from PostgreSQL.
 
 When the store does not answer within the decision deadline, each layer's
 failure mode decides, from this worker's cached policies: `closed` refuses
 (StoreUnavailable, a 503), `open` admits, `local` admits against a
 worker-local fraction of the layer's limits. What is admitted that way goes
 into the outage journal and is written to the store, exactly once, as soon as
-it answers again; no restart is needed.
-
-error. It holds no balances of its own: every figure comes from PostgreSQL.
+it answers again; no restart is needed (recovery.py).
 
 Concurrent admissions of one process are coalesced into batch statements
 (batching.py), and so are settlements and releases, which share one batch:
@@ -24,208 +22,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from llmquota.batching import Coalescer
-from llmquota.config import MAX_TOKEN_COUNT, Settings
-from llmquota.errors import (
-    IdempotencyConflict,
+from llmquota.admin.sweeper import Sweeper, SweepReport
+from llmquota.admission.batching import Coalescer
+from llmquota.admission.outage import FlushReport, is_outage_id
+from llmquota.admission.recovery import OutageRecovery
+from llmquota.admission.reservation import Admission, Reservation, Settlement
+from llmquota.config import Settings
+from llmquota.domain.admit_request import prepare_admit_request
+from llmquota.domain.errors import (
     InvalidRequest,
-    RateLimited,
-    RequestTooLarge,
     ReservationConflict,
     ReservationNotFound,
     StoreTimeout,
     StoreUnavailable,
-    UnknownTenant,
 )
-from llmquota.fallback import Fallback
-from llmquota.metrics import Metrics
-from llmquota.outage import (
-    FlushReport,
-    OutageJournal,
-    OutageMode,
-    is_outage_id,
-)
-from llmquota.policy import MAX_LEASE_SECONDS, NAME_PATTERN
-from llmquota.policy_cache import PolicyCache
-from llmquota.store import (
+from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
     FinishRequest,
     FinishResult,
     HeartbeatResult,
-    Store,
 )
-from llmquota.tokens import TokenCountError, count_messages
+from llmquota.domain.validation import check_lease_seconds, check_token_count
+from llmquota.domain.vocabulary import OUTCOMES
+from llmquota.metrics import Metrics
+from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
 
-Outcome = Literal["ok", "error", "cancelled"]
-OUTCOMES: frozenset[str] = frozenset({"ok", "error", "cancelled"})
-MAX_MODEL_NAME_CHARS = 200
-MAX_IDEMPOTENCY_KEY_CHARS = 255
-
-_NAME = re.compile(NAME_PATTERN)
-
-
-def check_name(kind: str, value: object) -> str:
-    """A tenant or route name, or InvalidRequest."""
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise InvalidRequest(f"{kind} must match {NAME_PATTERN}")
-    return value
-
-
-def check_token_count(name: str, value: object) -> int:
-    """A token count: an integer in [0, MAX_TOKEN_COUNT], never a float or bool."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an integer")
-    if value < 0 or value > MAX_TOKEN_COUNT:
-        raise InvalidRequest(f"{name} must be between 0 and {MAX_TOKEN_COUNT}")
-    return value
-
-
-def check_lease_seconds(value: object) -> None:
-    """A lease length, when given: an integer number of seconds within the ceiling."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LEASE_SECONDS:
-        raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """A decision with what the limiter counted to reach it."""
-
-    decision: AdmitDecision
-    input_tokens: int
-    input_estimated: bool
-    # The failure mode that admitted or refused it while the store was away.
-    fallback: OutageMode | None = None
-
-    def raise_for_refusal(self, tenant: str) -> None:
-        """Raise the typed error for anything but an admission (or its replay)."""
-        d = self.decision
-        if d.status in ("admitted", "replayed"):
-            return
-        if d.status == "rate_limited":
-            raise RateLimited(
-                limit=d.limit_kind,  # type: ignore[arg-type]
-                scope=d.limit_scope,  # type: ignore[arg-type]
-                retry_after_ms=int(d.retry_after_ms or 0),
-                message=refusal_message(tenant, d),
-            )
-        if d.status == "too_large":
-            raise RequestTooLarge(
-                scope=d.limit_scope,  # type: ignore[arg-type]
-                requested=int(d.reserved_tokens or 0),
-                capacity=int(d.capacity or 0),
-                message=refusal_message(tenant, d),
-            )
-        if d.status == "unknown_tenant":
-            raise UnknownTenant(f"unknown tenant {tenant!r}")
-        raise IdempotencyConflict(
-            "idempotency_key was already used for a different request by this tenant"
-        )
-
-
-def refusal_message(tenant: str, d: AdmitDecision) -> str:
-    """A sentence a developer can act on: what bound, and what to do."""
-    if d.status == "too_large":
-        return (
-            f"Request reserves {d.reserved_tokens} tokens but the {d.limit_scope} token "
-            f"capacity for tenant {tenant} is {d.capacity}; it can never fit. Lower "
-            f"max_tokens or split the input."
-        )
-    retry_s = (d.retry_after_ms or 0) / 1000.0
-    what = {
-        "tokens": f"has too few tokens for {d.reserved_tokens}",
-        "requests": "is out of requests",
-        "concurrency": "has no free concurrency permit",
-    }.get(d.limit_kind or "", "refused")
-    return (
-        f"The {d.limit_scope} {d.limit_kind} limit for tenant {tenant} {what}; "
-        f"retry in {retry_s:.3f}s."
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What settling charged and gave back."""
-
-    charged_tokens: int
-    refunded_tokens: int
-    late: bool
-
-
-class Reservation:
-    """Admitted capacity held until settled, released or expired."""
-
-    def __init__(self, limiter: Limiter, tenant: str, admission: Admission) -> None:
-        d = admission.decision
-        if d.reservation_id is None or d.lease_expires_at is None:
-            raise RuntimeError("a reservation needs an admitted decision")
-        self._limiter = limiter
-        self.tenant = tenant
-        self.reservation_id: uuid.UUID = d.reservation_id
-        self.reserved_tokens = int(d.reserved_tokens or 0)
-        self.input_tokens = admission.input_tokens
-        self.input_estimated = admission.input_estimated
-        self.lease_expires_at: datetime = d.lease_expires_at
-        self.replayed = d.status == "replayed"
-        self.settlement: Settlement | None = None
-        self.released = False
-
-    @property
-    def finished(self) -> bool:
-        """Settled or released by this object."""
-        return self.settlement is not None or self.released
-
-    async def settle(
-        self, *, input_tokens: int, output_tokens: int, outcome: Outcome = "ok"
-    ) -> Settlement:
-        """Charge what the provider reported; refund (or debit) the difference."""
-        self.settlement = await self._limiter.settle(
-            self.reservation_id,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            outcome=outcome,
-        )
-        return self.settlement
-
-    async def release(self) -> None:
-        """Give everything back: the provider was never called."""
-        await self._limiter.release(self.reservation_id)
-        self.released = True
-
-    async def heartbeat(self, lease_seconds: int | None = None) -> datetime:
-        """Extend the lease while the work is healthy."""
-        result = await self._limiter.heartbeat(self.reservation_id, lease_seconds=lease_seconds)
-        assert result.lease_expires_at is not None
-        self.lease_expires_at = result.lease_expires_at
-        return self.lease_expires_at
-
-
-@dataclass(frozen=True, slots=True)
-class SweepReport:
-    """What one sweeper run did."""
-
-    expired: int
-    tokens_returned: int
-    batches: int
-    purged: int
-    partitions_created: int = 0
+__all__ = ["Admission", "Limiter", "Reservation", "Settlement", "SweepReport"]
 
 
 class Limiter:
@@ -236,20 +67,11 @@ class Limiter:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.deadline_seconds = settings.decision_deadline_ms / 1000.0
-        self.policies = PolicyCache(
-            settings.policy_cache_refresh_seconds, settings.policy_cache_max_stale_seconds
-        )
-        spool = Path(settings.outage_spool_dir) if settings.outage_spool_dir else None
-        self.journal = OutageJournal(settings.outage_journal_max_entries, spool)
-        self.fallback = Fallback(
-            self.policies,
-            self.journal,
-            settings.outage_local_fraction,
-            settings.concurrency_retry_ms,
-        )
-        self._refreshing: asyncio.Task[None] | None = None
-        self._recovering: asyncio.Task[None] | None = None
-        self.metrics.outage_journal_pending.set_function(lambda: len(self.journal))
+        self.outage = OutageRecovery(store, settings, self.metrics)
+        self.policies = self.outage.policies
+        self.journal = self.outage.journal
+        self.fallback = self.outage.fallback
+        self._sweeper = Sweeper(store, settings, self.metrics)
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
         if settings.batching:
@@ -291,7 +113,7 @@ class Limiter:
             # counts as closed, so a limiter that cannot load it still decides.
             log.warning("could not load the policy cache at start; will retry", exc_info=True)
         if len(limiter.journal):
-            limiter._ensure_recovery()  # entries adopted from a stopped worker's spool
+            limiter.outage.ensure_recovery()  # entries adopted from a stopped worker's spool
         return limiter
 
     async def close(self) -> None:
@@ -303,21 +125,7 @@ class Limiter:
             await asyncio.wait(set(self._orphan_releases))
         if self._finishes is not None:
             await self._finishes.close()
-        for task in (self._refreshing, self._recovering):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):
-                    await task
-        if len(self.journal):
-            try:
-                await self.flush_outage_journal()
-            except StoreUnavailable:
-                log.error(
-                    "closing with %d outage admissions not recorded%s",
-                    len(self.journal),
-                    "" if self.settings.outage_spool_dir else " (no spool dir: they are lost)",
-                )
-        self.journal.close()
+        await self.outage.close()
         await self.store.close()
 
     async def __aenter__(self) -> Limiter:
@@ -339,53 +147,16 @@ class Limiter:
         idempotency_key: str | None = None,
     ) -> AdmitRequest:
         """Validate and count a request; pure, raises InvalidRequest."""
-        check_name("tenant", tenant)
-        if route is not None:
-            check_name("route", route)
-        if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
-            raise InvalidRequest(
-                f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters"
-            )
-        check_token_count("max_tokens", max_tokens)
-        check_lease_seconds(lease_seconds)
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str)
-            or not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_CHARS
-        ):
-            raise InvalidRequest(
-                f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters"
-            )
-        if (messages is None) == (input_tokens is None):
-            raise InvalidRequest("give exactly one of messages or input_tokens")
-        if input_tokens is not None:
-            counted, estimated = check_token_count("input_tokens", input_tokens), False
-        else:
-            try:
-                count = count_messages(messages or [], model, self.settings.estimate_factors)
-            except TokenCountError as exc:
-                raise InvalidRequest(str(exc)) from exc
-            counted, estimated = count.tokens, count.estimated
-            if counted > MAX_TOKEN_COUNT:
-                raise InvalidRequest(f"messages hold more than {MAX_TOKEN_COUNT} tokens")
-        request_hash = None
-        if idempotency_key is not None:
-            canonical = json.dumps(
-                [route, model, max_tokens, lease_seconds, input_tokens, messages],
-                sort_keys=True,
-                separators=(",", ":"),
-                default=repr,
-            )
-            request_hash = hashlib.sha256(canonical.encode()).hexdigest()
-        return AdmitRequest(
+        return prepare_admit_request(
             tenant=tenant,
-            route=route,
             model=model,
-            input_tokens=counted,
             max_tokens=max_tokens,
-            input_estimated=estimated,
+            estimate_factors=self.settings.estimate_factors,
+            messages=messages,
+            input_tokens=input_tokens,
+            route=route,
             lease_seconds=lease_seconds,
             idempotency_key=idempotency_key,
-            request_hash=request_hash,
         )
 
     async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
@@ -444,12 +215,12 @@ class Limiter:
         try:
             decision = await self._store_decision(request)
         except StoreUnavailable as exc:
-            self._store_failed("admit", exc)
+            self.outage.store_failed("admit", exc)
             try:
                 return self._decide_by_failure_mode(request, exc)
             finally:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self._store_answered()
+        self.outage.store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self._count_decision(decision)
         return Admission(decision, request.input_tokens, request.input_estimated)
@@ -465,7 +236,7 @@ class Limiter:
         if offline is None or fallback.mode == "closed":
             raise StoreUnavailable(f"{cause}; {fallback.reason}") from cause
         if status == "admitted":
-            self._ensure_recovery()  # record it as soon as the store answers
+            self.outage.ensure_recovery()  # record it as soon as the store answers
         return Admission(offline, request.input_tokens, request.input_estimated, fallback.mode)
 
     def _count_decision(self, decision: AdmitDecision) -> None:
@@ -483,84 +254,13 @@ class Limiter:
                 ).inc()
 
     # -- while the store is away -------------------------------------------
-
-    def _store_failed(self, operation: str, exc: StoreUnavailable) -> None:
-        kind = "timeout" if isinstance(exc, StoreTimeout) else "unavailable"
-        self.metrics.store_errors.labels(operation, kind).inc()
-
-    def _store_answered(self) -> None:
-        """The store answered: record the outage journal and refresh policies if due."""
-        if len(self.journal):
-            self._ensure_recovery()
-        if self.policies.due(time.monotonic()) and (
-            self._refreshing is None or self._refreshing.done()
-        ):
-            self._refreshing = asyncio.ensure_future(self._refresh_quietly())
-
-    async def _refresh_quietly(self) -> None:
-        """A background refresh: whatever goes wrong, decisions carry on."""
-        try:
-            await self.refresh_policies()
-        except StoreUnavailable as exc:
-            self._store_failed("policy_snapshot", exc)
-        except Exception:
-            log.warning("refreshing the policy cache failed", exc_info=True)
-
     async def refresh_policies(self) -> None:
         """Load every layer's policy into this worker's cache (one row if unchanged)."""
-        snapshot = await self.store.policy_snapshot(
-            self.policies.version,
-            self.settings.policy_cache_max_layers,
-            deadline_seconds=self.settings.statement_timeout_ms / 1000.0,
-        )
-        now = time.monotonic()
-        if snapshot.layers is None:
-            self.policies.confirm(now)
-            return
-        self.policies.replace(snapshot.version, snapshot.layers, now)
-        if not self.policies.complete:
-            log.warning(
-                "policy cache holds %d of %d layers (policy_cache_max_layers); the rest "
-                "count as closed during an outage",
-                len(self.policies),
-                snapshot.version[1],
-            )
-
-    def _ensure_recovery(self) -> None:
-        if self._recovering is None or self._recovering.done():
-            self._recovering = asyncio.ensure_future(self._recover())
-
-    async def _recover(self) -> None:
-        """Until the journal is empty: try to record it, wait, try again."""
-        while len(self.journal):
-            try:
-                # A cheap probe first, within the decision deadline: while the
-                # store hangs, no flush sits on a statement for long.
-                await self.store.ping(deadline_seconds=self.deadline_seconds)
-                await self.flush_outage_journal()
-            except StoreUnavailable as exc:
-                self._store_failed("record_outage", exc)
-                await asyncio.sleep(self.settings.outage_probe_seconds)
-                continue
-            except Exception:
-                # Not an outage: a bug or a refused statement. Say so loudly and
-                # keep the journal for the next attempt rather than drop it.
-                log.exception("recording the outage journal failed; will retry")
-                await asyncio.sleep(self.settings.outage_probe_seconds)
-                continue
-            await self._refresh_quietly()
+        await self.outage.refresh_policies()
 
     async def flush_outage_journal(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
-        report = await self.journal.flush(
-            self.store,
-            self.settings.outage_flush_batch_size,
-            deadline_seconds=self.settings.statement_timeout_ms / 1000.0,
-        )
-        self.fallback.recorded(report.forgotten, time.monotonic())
-        self.metrics.outage_recorded.labels("admission").inc(report.admissions_recorded)
-        self.metrics.outage_recorded.labels("finish").inc(report.finishes_recorded)
-        return report
+        return await self.outage.flush()
 
     async def admit(self, **request: Any) -> Reservation:
         """Reserve capacity for one request, or raise why not.
@@ -598,7 +298,7 @@ class Limiter:
         if is_outage_id(request.reservation_id):
             offline = self.fallback.finish(request, time.monotonic())
             if offline is not None:
-                self._ensure_recovery()
+                self.outage.ensure_recovery()
                 return offline
         try:
             async with asyncio.timeout(self.deadline_seconds):
@@ -608,12 +308,12 @@ class Limiter:
                     (result,) = await self._finish_batch([request])
         except TimeoutError:
             timeout = StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms")
-            self._store_failed(request.action, timeout)
+            self.outage.store_failed(request.action, timeout)
             raise timeout from None
         except StoreUnavailable as exc:
-            self._store_failed(request.action, exc)
+            self.outage.store_failed(request.action, exc)
             raise
-        self._store_answered()
+        self.outage.store_answered()
         if result.status == "not_found":
             if is_outage_id(request.reservation_id):
                 # Admitted during an outage by a worker that has not recorded it yet.
@@ -701,9 +401,9 @@ class Limiter:
                 deadline_seconds=self.deadline_seconds,
             )
         except StoreUnavailable as exc:
-            self._store_failed("heartbeat", exc)
+            self.outage.store_failed("heartbeat", exc)
             raise
-        self._store_answered()
+        self.outage.store_answered()
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
@@ -731,52 +431,5 @@ class Limiter:
     async def sweep(
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
-        """Keep ledger partitions ahead, expire lapsed reservations in bounded
-        batches, then purge old finished ones.
-
-        The partitions come first, so that the month a run crosses into
-        already has one (a missing one would only send rows to the ledger's
-        DEFAULT partition, never fail them).
-        """
-        batch_size = batch_size or self.settings.sweep_batch_size
-        max_batches = max_batches or self.settings.sweep_max_batches
-        partitions = await self.store.ensure_ledger_partitions(self.settings.ledger_months_ahead)
-        expired = tokens = batches = 0
-        deadline = self.settings.statement_timeout_ms / 1000.0 + 1.0
-        for _ in range(max_batches):
-            count, returned = await self.store.sweep(batch_size, deadline_seconds=deadline)
-            batches += 1
-            expired += count
-            tokens += returned
-            if count < batch_size:
-                break
-        self.metrics.sweeper_reclaims.inc(expired)
-        purged = 0
-        for _ in range(max_batches):
-            deleted = await self.store.purge_finished(
-                self.settings.retention_seconds, batch_size, deadline_seconds=deadline
-            )
-            purged += deleted
-            if deleted < batch_size:
-                break
-        return SweepReport(
-            expired=expired,
-            tokens_returned=tokens,
-            batches=batches,
-            purged=purged,
-            partitions_created=sum(status == "created" for status in partitions.values()),
-        )
-
-
-def seconds_until_full(
-    balance: float | None, burst: int | None, per_minute: int | None
-) -> float | None:
-    """How long a bucket takes to refill completely; None where there is no limit."""
-    if balance is None or burst is None or not per_minute:
-        return None
-    return max(0.0, (burst - balance) * 60.0 / per_minute)
-
-
-def ceil_seconds(milliseconds: int) -> int:
-    """Whole seconds, rounded up, for a Retry-After header."""
-    return max(1, math.ceil(milliseconds / 1000))
+        """One sweeper run over this limiter's database (see admin/sweeper.py)."""
+        return await self._sweeper.sweep(batch_size, max_batches)

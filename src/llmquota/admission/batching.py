@@ -33,13 +33,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from llmquota.config import MAX_BATCH_SIZE, MAX_BATCH_WINDOW_SECONDS, MAX_BATCHES_IN_FLIGHT
+
 Req = TypeVar("Req")
 Res = TypeVar("Res")
-
-# Bounds on the settings, so a typo cannot make a batch unbounded or a window a minute long.
-MAX_BATCH_SIZE = 10_000
-MAX_WINDOW_SECONDS = 1.0
-MAX_IN_FLIGHT = 1_000
 
 
 @dataclass(slots=True)
@@ -68,10 +65,10 @@ class Coalescer(Generic[Req, Res]):
     ) -> None:
         if not 1 <= max_batch_size <= MAX_BATCH_SIZE:
             raise ValueError(f"max_batch_size must be from 1 to {MAX_BATCH_SIZE}")
-        if not 0 <= window_seconds <= MAX_WINDOW_SECONDS:
-            raise ValueError(f"window_seconds must be from 0 to {MAX_WINDOW_SECONDS}")
-        if not 1 <= max_in_flight <= MAX_IN_FLIGHT:
-            raise ValueError(f"max_in_flight must be from 1 to {MAX_IN_FLIGHT}")
+        if not 0 <= window_seconds <= MAX_BATCH_WINDOW_SECONDS:
+            raise ValueError(f"window_seconds must be from 0 to {MAX_BATCH_WINDOW_SECONDS}")
+        if not 1 <= max_in_flight <= MAX_BATCHES_IN_FLIGHT:
+            raise ValueError(f"max_in_flight must be from 1 to {MAX_BATCHES_IN_FLIGHT}")
         self._run = run
         self._max_batch_size = max_batch_size
         self._window_seconds = window_seconds

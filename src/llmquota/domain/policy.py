@@ -5,9 +5,11 @@ Pure code. A policy field left out means no limit of that kind at that layer.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+from llmquota.domain.vocabulary import DEFAULT_FAILURE_MODE, FailureMode
 
 # Ceilings on every configurable number, so a typo cannot store a value the
 # arithmetic downstream was never meant to see.
@@ -18,16 +20,6 @@ MAX_LEASE_SECONDS = 86_400
 DEFAULT_LEASE_SECONDS = 120
 
 NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-
-LayerScope = Literal["global", "tenant", "route"]
-
-# What a layer does when the store cannot decide within the deadline:
-#   closed  refuse (503 limiter_unavailable, never a 429);
-#   open    admit, and record the admission when the store is back;
-#   local   admit against a worker-local fraction of this layer's limits.
-FailureMode = Literal["closed", "open", "local"]
-FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
-DEFAULT_FAILURE_MODE: FailureMode = "closed"
 
 TokenRate = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
 RequestRate = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]

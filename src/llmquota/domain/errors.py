@@ -7,10 +7,7 @@ mistake (the rest).
 
 from __future__ import annotations
 
-from typing import Literal
-
-LimitKind = Literal["tokens", "requests", "concurrency"]
-Scope = Literal["global", "tenant", "route"]
+from llmquota.domain.vocabulary import LimitKind, Scope
 
 
 class LimiterError(Exception):

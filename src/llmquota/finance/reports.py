@@ -16,10 +16,10 @@ from typing import Any
 
 import asyncpg
 
-from llmquota.errors import InvalidRequest, UnknownReport
-from llmquota.limiter import check_name
-from llmquota.sqlfiles import named_queries
-from llmquota.store import translate_errors
+from llmquota.domain.errors import InvalidRequest, UnknownReport
+from llmquota.domain.validation import check_name
+from llmquota.store.sqlfiles import named_queries
+from llmquota.store.store import translate_errors
 
 # A period longer than this is a typo (or a report that would run for hours).
 MAX_REPORT_DAYS = 3_660

@@ -8,8 +8,8 @@ import concurrent.futures
 from alembic import command
 from alembic.config import Config
 
-from llmquota.database import sqlalchemy_url
 from llmquota.resources import migrations_dir
+from llmquota.store.database import sqlalchemy_url
 
 
 def alembic_config(dsn: str) -> Config:

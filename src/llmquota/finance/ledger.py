@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 import asyncpg
 
-from llmquota.errors import InvalidRequest, UnknownTenant
-from llmquota.limiter import MAX_MODEL_NAME_CHARS, check_name
-from llmquota.sqlfiles import named_queries
-from llmquota.store import translate_errors
+from llmquota.domain.errors import InvalidRequest, UnknownTenant
+from llmquota.domain.validation import check_model, check_name
+from llmquota.store.sqlfiles import named_queries
+from llmquota.store.store import translate_errors
 
 TokenType = Literal["input", "output"]
 TOKEN_TYPES: tuple[TokenType, ...] = ("input", "output")
@@ -135,13 +135,6 @@ def check_reason(reason: object) -> str:
     if len(reason) > MAX_REASON_CHARS:
         raise InvalidRequest(f"reason must be at most {MAX_REASON_CHARS} characters")
     return reason
-
-
-def check_model(model: object) -> str:
-    """A model name as the limiter accepts it."""
-    if not isinstance(model, str) or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
-        raise InvalidRequest(f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
-    return model
 
 
 def parse_price(name: str, text: str) -> Decimal:

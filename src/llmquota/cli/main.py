@@ -22,8 +22,8 @@ from typing import Any
 import asyncpg
 
 from llmquota.config import Settings
-from llmquota.database import open_database
-from llmquota.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
+from llmquota.domain.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
+from llmquota.store.database import open_database
 
 log = logging.getLogger("llmquota")
 
@@ -67,7 +67,7 @@ def _flag(
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     """Apply the alembic migrations."""
-    from llmquota import migrate
+    from llmquota.store import migrate
 
     with open_database(settings.database_url, settings.data_dir) as db:
         migrate.upgrade(db.dsn)
@@ -78,7 +78,7 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
     """Create and return an admin key on first start, when none is configured."""
     from llmquota.api.auth import key_digest, new_key
-    from llmquota.store import Store
+    from llmquota.store.store import Store
 
     if settings.admin_key:
         return None
@@ -94,7 +94,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """Run the REST API (migrating an embedded database first)."""
     import uvicorn
 
-    from llmquota import migrate
+    from llmquota.store import migrate
 
     with open_database(settings.database_url, settings.data_dir) as db:
         if db.embedded or args.migrate:
@@ -122,15 +122,24 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     """Expire reservations whose lease ran out; once, or every --loop seconds."""
-    from llmquota.errors import StoreUnavailable
-    from llmquota.limiter import Limiter
+    from llmquota.admin.sweeper import Sweeper
+    from llmquota.domain.errors import StoreUnavailable
+    from llmquota.store.store import Store
 
     async def run(dsn: str) -> None:
-        limiter = await Limiter.connect(dsn, settings)
+        # One statement at a time: a pool of one is all the sweeper needs.
+        store = await Store.connect(
+            dsn,
+            min_size=1,
+            max_size=1,
+            statement_timeout_ms=settings.statement_timeout_ms,
+            lock_timeout_ms=settings.lock_timeout_ms,
+        )
+        sweeper = Sweeper(store, settings)
         try:
             while True:
                 try:
-                    report = await limiter.sweep(args.batch_size, args.max_batches)
+                    report = await sweeper.sweep(args.batch_size, args.max_batches)
                 except StoreUnavailable as exc:
                     if not args.loop:
                         raise
@@ -153,7 +162,7 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
                     return
                 await asyncio.sleep(args.loop)
         finally:
-            await limiter.close()
+            await store.close()
 
     with open_database(settings.database_url, settings.data_dir) as db:
         try:
@@ -165,7 +174,7 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     """Recompute in-flight counts and ledger rows from the journal; exit 1 on drift."""
-    from llmquota.store import Store
+    from llmquota.store.store import Store
 
     async def run(dsn: str) -> int:
         store = await Store.connect(dsn, min_size=1, max_size=1)
@@ -190,7 +199,7 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_tokens(args: argparse.Namespace, settings: Settings) -> int:
     """Count the tokens of stdin as `model` would see them."""
-    from llmquota.tokens import count_text
+    from llmquota.domain.tokens import count_text
 
     count = count_text(sys.stdin.read(), args.model, settings.estimate_factors)
     suffix = f" (estimated, {count.encoding})" if count.estimated else f" ({count.encoding})"
@@ -210,7 +219,7 @@ def _run_on_connection(
     Reports use LLMQUOTA_REPORTING_DATABASE_URL when it is set (e.g. as the
     read-only llmquota_reporting role), otherwise the service's database.
     """
-    from llmquota.store import open_connection
+    from llmquota.store.store import open_connection
 
     url = (settings.reporting_database_url if reporting else None) or settings.database_url
     timeout_ms = (
@@ -248,7 +257,7 @@ def _print_line(text: str) -> None:
 
 def cmd_ledger_export(args: argparse.Namespace, settings: Settings) -> int:
     """Stream ledger rows after --after-id as JSON lines, in export id order."""
-    from llmquota.ledger import LedgerStore
+    from llmquota.finance.ledger import LedgerStore
 
     if args.after_id < 0:
         print("llmquota: error: --after-id must be 0 or more", file=sys.stderr)
@@ -280,7 +289,7 @@ def cmd_ledger_export(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_ledger_adjust(args: argparse.Namespace, settings: Settings) -> int:
     """Append a signed adjustment row for a tenant."""
-    from llmquota.ledger import LedgerStore
+    from llmquota.finance.ledger import LedgerStore
 
     async def adjust(connection: asyncpg.Connection) -> int:
         adjustment = await LedgerStore(connection).adjust(
@@ -299,7 +308,7 @@ def cmd_ledger_adjust(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
     """Set a model's prices per million tokens from a date on."""
-    from llmquota.ledger import LedgerStore, parse_effective_from, parse_price
+    from llmquota.finance.ledger import LedgerStore, parse_effective_from, parse_price
 
     async def set_price(connection: asyncpg.Connection) -> int:
         price, replaced = await LedgerStore(connection).set_price(
@@ -323,8 +332,8 @@ def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
     """Show model prices."""
-    from llmquota.ledger import LedgerStore
-    from llmquota.tabular import render
+    from llmquota.cli.tabular import render
+    from llmquota.finance.ledger import LedgerStore
 
     async def list_prices(connection: asyncpg.Connection) -> int:
         prices = await LedgerStore(connection).prices(args.model)
@@ -341,8 +350,8 @@ def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     """Run a finance report (a function of the reporting schema), or list them."""
-    from llmquota.reports import ReportStore, parse_period
-    from llmquota.tabular import render
+    from llmquota.cli.tabular import render
+    from llmquota.finance.reports import ReportStore, parse_period
 
     if not args.list and not args.name:
         print("llmquota: error: name a report, or use --list", file=sys.stderr)
@@ -368,7 +377,7 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _add_ledger_commands(commands: Any) -> None:
-    from llmquota.ledger import TOKEN_TYPES
+    from llmquota.finance.ledger import TOKEN_TYPES
 
     ledger = commands.add_parser("ledger", help="the usage ledger: billing export, adjustments")
     actions = ledger.add_subparsers(dest="ledger_command", required=True)
@@ -433,7 +442,7 @@ def _add_ledger_commands(commands: Any) -> None:
 
 
 def _add_price_commands(commands: Any) -> None:
-    from llmquota.tabular import FORMATS
+    from llmquota.cli.tabular import FORMATS
 
     prices = commands.add_parser("prices", help="model prices per million tokens")
     actions = prices.add_subparsers(dest="prices_command", required=True)
@@ -475,7 +484,7 @@ def _add_price_commands(commands: Any) -> None:
 
 
 def _add_report_command(commands: Any) -> None:
-    from llmquota.tabular import FORMATS
+    from llmquota.cli.tabular import FORMATS
 
     report = commands.add_parser(
         "report",
@@ -598,7 +607,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings()
     func: Callable[[argparse.Namespace, Settings], int] = args.func
     return func(args, settings)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

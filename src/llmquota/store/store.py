@@ -21,15 +21,30 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 import asyncpg
 
-from llmquota.errors import StoreTimeout, StoreUnavailable
-from llmquota.policy import LayerScope, Policy
-from llmquota.sqlfiles import queries
+from llmquota.domain.errors import StoreTimeout, StoreUnavailable
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import (
+    AdmitDecision,
+    AdmitRequest,
+    AuditFinding,
+    AuditSummary,
+    CachedLayer,
+    FinishRequest,
+    FinishResult,
+    HeartbeatResult,
+    LayerStatus,
+    OutageAdmissionRecord,
+    PolicySnapshotRows,
+    TenantFigures,
+    UsageTotals,
+)
+from llmquota.domain.vocabulary import Scope
+from llmquota.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
 
@@ -41,169 +56,6 @@ RELEASE_TIMEOUT_SECONDS = 1.0
 # How often a backend checks, during a long statement, that its client is still
 # there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
 CLIENT_CONNECTION_CHECK_MS = 1_000
-
-AdmitStatus = Literal[
-    "admitted", "replayed", "rate_limited", "too_large", "unknown_tenant", "idempotency_conflict"
-]
-FinishAction = Literal["settle", "release", "expire"]
-FinishStatus = Literal[
-    "settled", "released", "expired", "replayed", "conflict", "not_found", "not_due"
-]
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitRequest:
-    """One admission, already counted and validated."""
-
-    tenant: str
-    route: str | None
-    model: str
-    input_tokens: int
-    max_tokens: int
-    input_estimated: bool
-    lease_seconds: int | None
-    idempotency_key: str | None
-    request_hash: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class TenantFigures:
-    """The tenant layer after a decision, for rate-limit headers."""
-
-    tokens_per_minute: int | None
-    token_burst: int | None
-    tokens: float | None
-    requests_per_minute: int | None
-    request_burst: int | None
-    requests: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitDecision:
-    """What lq_admit decided for one request."""
-
-    status: AdmitStatus
-    reservation_id: uuid.UUID | None
-    reserved_tokens: int | None
-    lease_expires_at: datetime | None
-    lease_generation: int | None
-    limit_kind: str | None
-    limit_scope: str | None
-    retry_after_ms: int | None
-    capacity: int | None
-    remaining_tokens: int | None
-    remaining_requests: int | None
-    remaining_in_flight: int | None
-    tenant: TenantFigures
-
-
-@dataclass(frozen=True, slots=True)
-class FinishRequest:
-    """One settle, release or expire."""
-
-    reservation_id: uuid.UUID
-    action: FinishAction
-    caller: str | None = None
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    outcome: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FinishResult:
-    """What lq_finish did to one reservation."""
-
-    status: FinishStatus
-    state: str | None
-    tenant: str | None
-    charged_tokens: int | None
-    refunded_tokens: int | None
-    late: bool | None
-
-
-@dataclass(frozen=True, slots=True)
-class HeartbeatResult:
-    """A heartbeat's answer: the new expiry, or the state that refused it."""
-
-    state: str
-    lease_expires_at: datetime | None
-    lease_generation: int | None
-    lease_live: bool = False
-    current_generation: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CachedLayer:
-    """One layer's policy as the policy snapshot returns it."""
-
-    scope: LayerScope
-    tenant: str | None
-    route: str | None
-    policy: Policy
-    policy_version: int
-
-
-@dataclass(frozen=True, slots=True)
-class PolicySnapshotRows:
-    """The snapshot version, and the layers when it changed (None: unchanged)."""
-
-    version: tuple[int, int]
-    layers: list[CachedLayer] | None
-
-
-@dataclass(frozen=True, slots=True)
-class OutageAdmissionRecord:
-    """A reservation a worker admitted during an outage, to record exactly once."""
-
-    reservation_id: uuid.UUID
-    request: AdmitRequest
-    policy_version: int
-    mode: str
-
-
-@dataclass(frozen=True, slots=True)
-class AuditFinding:
-    """One discrepancy lq_audit found between a counter and the journal."""
-
-    check_name: str
-    subject: str
-    expected: int | None
-    actual: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class AuditSummary:
-    """What the journal holds."""
-
-    active: int
-    reserved_tokens: int
-    finished: int
-    outage_admissions: int
-    ledger_rows: int
-
-
-@dataclass(frozen=True, slots=True)
-class LayerStatus:
-    """One layer's policy and balances, refilled to now."""
-
-    scope: LayerScope
-    tenant: str | None
-    route: str | None
-    policy: Policy
-    policy_version: int
-    tokens: float | None
-    requests: float | None
-    in_flight: int
-
-
-@dataclass(frozen=True, slots=True)
-class UsageTotals:
-    """Ledger totals for a tenant over a period."""
-
-    requests: int
-    input_tokens: int
-    output_tokens: int
-
 
 # Errors that say the database did not answer, as opposed to refusing a statement.
 _UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -573,7 +425,7 @@ class Store:
         )
 
     async def put_policy(
-        self, scope: LayerScope, tenant: str | None, route: str | None, policy: Policy
+        self, scope: Scope, tenant: str | None, route: str | None, policy: Policy
     ) -> int:
         """Create or replace a layer's policy; returns its policy version."""
         p = policy.resolved()
@@ -593,7 +445,7 @@ class Store:
         return int(rows[0]["policy_version"])
 
     async def get_policy(
-        self, scope: LayerScope, tenant: str | None, route: str | None
+        self, scope: Scope, tenant: str | None, route: str | None
     ) -> tuple[Policy, int] | None:
         """A layer's policy and version, or None when the layer has none."""
         rows = await self._fetch("get_policy", scope, tenant, route)

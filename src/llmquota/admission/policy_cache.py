@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llmquota.policy import LayerScope
-from llmquota.store import CachedLayer
+from llmquota.domain.records import CachedLayer
+from llmquota.domain.vocabulary import Scope
 
-LayerKey = tuple[LayerScope, str | None, str | None]
+LayerKey = tuple[Scope, str | None, str | None]
 
 
 class PolicyCache:

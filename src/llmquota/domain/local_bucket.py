@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmquota.errors import LimitKind, Scope
-from llmquota.policy import Policy
+from llmquota.domain.policy import Policy
+from llmquota.domain.vocabulary import LimitKind, Scope
 
 # The wait reported for a bucket that cannot refill (about 24 days).
 NEVER_MS = 2**31 - 1

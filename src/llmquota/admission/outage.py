@@ -31,14 +31,15 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
-from llmquota.errors import LimiterError
-from llmquota.store import AdmitRequest, FinishRequest, OutageAdmissionRecord, Store
+from llmquota.domain.errors import LimiterError
+from llmquota.domain.records import AdmitRequest, FinishRequest, OutageAdmissionRecord
+from llmquota.domain.vocabulary import FailureMode
+from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
 
-OutageMode = Literal["open", "local"]
 OUTAGE_ID_VERSION = 8
 SPOOL_GLOB = "spool-*.jsonl"
 
@@ -66,7 +67,7 @@ class OutageEntry:
 
     reservation_id: uuid.UUID
     request: AdmitRequest
-    mode: OutageMode
+    mode: FailureMode
     policy_version: int
     finish: FinishRequest | None = None
     recorded: bool = False

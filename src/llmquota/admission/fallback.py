@@ -23,32 +23,28 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
 
-from llmquota.errors import ReservationConflict, ReservationNotFound
-from llmquota.local_bucket import LocalLayer, admit_locally, give_back_locally
-from llmquota.outage import JournalFull, OutageEntry, OutageJournal, OutageMode, new_outage_id
-from llmquota.policy_cache import LayerKey, PolicyCache
-from llmquota.store import (
+from llmquota.admission.outage import JournalFull, OutageEntry, OutageJournal, new_outage_id
+from llmquota.admission.policy_cache import LayerKey, PolicyCache
+from llmquota.domain.errors import ReservationConflict, ReservationNotFound
+from llmquota.domain.local_bucket import LocalLayer, admit_locally, give_back_locally
+from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
-    AdmitStatus,
     CachedLayer,
     FinishRequest,
     FinishResult,
-    FinishStatus,
     HeartbeatResult,
     TenantFigures,
 )
-
-FallbackMode = Literal["closed", "open", "local"]
+from llmquota.domain.vocabulary import AdmitStatus, FailureMode, FinishStatus, LimitKind, Scope
 
 
 @dataclass(frozen=True, slots=True)
 class FallbackDecision:
     """The failure mode that decided, and its decision (None: closed, refuse with 503)."""
 
-    mode: FallbackMode
+    mode: FailureMode
     decision: AdmitDecision | None
     reason: str = ""
 
@@ -81,7 +77,7 @@ class Fallback:
         if any(layer.policy.failure_mode == "closed" for layer in limiting):
             return FallbackDecision("closed", None, "failure mode is closed")
         local = [layer for layer in limiting if layer.policy.failure_mode == "local"]
-        mode: OutageMode = "local" if local else "open"
+        mode: FailureMode = "local" if local else "open"
         if request.idempotency_key is not None:
             prior = self.journal.by_idempotency_key(request.tenant, request.idempotency_key)
             if prior is not None:
@@ -270,8 +266,8 @@ def _decision(
     reserved_tokens: int | None = None,
     lease_expires_at: datetime | None = None,
     lease_generation: int | None = None,
-    limit_kind: str | None = None,
-    limit_scope: str | None = None,
+    limit_kind: LimitKind | None = None,
+    limit_scope: Scope | None = None,
     retry_after_ms: int | None = None,
     capacity: int | None = None,
     remaining: tuple[int | None, int | None, int | None] = (None, None, None),

@@ -1,0 +1,124 @@
+"""What an admission gives the caller: the decision, and the reservation it holds.
+
+An Admission is the store's (or the failure mode's) answer with what was
+counted to reach it; refusals stay data until a caller asks for them as
+exceptions. A Reservation is the handle a library caller settles, releases
+or heartbeats; it only forwards to the Limiter, which owns every transition.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from llmquota.domain.errors import (
+    IdempotencyConflict,
+    RateLimited,
+    RequestTooLarge,
+    UnknownTenant,
+)
+from llmquota.domain.records import AdmitDecision
+from llmquota.domain.refusals import refusal_message
+from llmquota.domain.vocabulary import FailureMode, Outcome
+
+if TYPE_CHECKING:
+    from llmquota.admission.limiter import Limiter
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A decision with what the limiter counted to reach it."""
+
+    decision: AdmitDecision
+    input_tokens: int
+    input_estimated: bool
+    # The failure mode that admitted or refused it while the store was away.
+    fallback: FailureMode | None = None
+
+    def raise_for_refusal(self, tenant: str) -> None:
+        """Raise the typed error for anything but an admission (or its replay)."""
+        d = self.decision
+        if d.status in ("admitted", "replayed"):
+            return
+        if d.status == "rate_limited" and d.limit_kind and d.limit_scope:
+            raise RateLimited(
+                limit=d.limit_kind,
+                scope=d.limit_scope,
+                retry_after_ms=int(d.retry_after_ms or 0),
+                message=refusal_message(tenant, d),
+            )
+        if d.status == "too_large" and d.limit_scope:
+            raise RequestTooLarge(
+                scope=d.limit_scope,
+                requested=int(d.reserved_tokens or 0),
+                capacity=int(d.capacity or 0),
+                message=refusal_message(tenant, d),
+            )
+        if d.status == "unknown_tenant":
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        if d.status == "idempotency_conflict":
+            raise IdempotencyConflict(
+                "idempotency_key was already used for a different request by this tenant"
+            )
+        # lq_admit names the limit and scope of every refusal; a row without
+        # them is a broken contract, not a caller's mistake.
+        raise RuntimeError(f"refusal {d.status!r} without the limit that bound it")
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """What settling charged and gave back."""
+
+    charged_tokens: int
+    refunded_tokens: int
+    late: bool
+
+
+class Reservation:
+    """Admitted capacity held until settled, released or expired."""
+
+    def __init__(self, limiter: Limiter, tenant: str, admission: Admission) -> None:
+        d = admission.decision
+        if d.reservation_id is None or d.lease_expires_at is None:
+            raise RuntimeError("a reservation needs an admitted decision")
+        self._limiter = limiter
+        self.tenant = tenant
+        self.reservation_id: uuid.UUID = d.reservation_id
+        self.reserved_tokens = int(d.reserved_tokens or 0)
+        self.input_tokens = admission.input_tokens
+        self.input_estimated = admission.input_estimated
+        self.lease_expires_at: datetime = d.lease_expires_at
+        self.replayed = d.status == "replayed"
+        self.settlement: Settlement | None = None
+        self.released = False
+
+    @property
+    def finished(self) -> bool:
+        """Settled or released by this object."""
+        return self.settlement is not None or self.released
+
+    async def settle(
+        self, *, input_tokens: int, output_tokens: int, outcome: Outcome = "ok"
+    ) -> Settlement:
+        """Charge what the provider reported; refund (or debit) the difference."""
+        self.settlement = await self._limiter.settle(
+            self.reservation_id,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            outcome=outcome,
+        )
+        return self.settlement
+
+    async def release(self) -> None:
+        """Give everything back: the provider was never called."""
+        await self._limiter.release(self.reservation_id)
+        self.released = True
+
+    async def heartbeat(self, lease_seconds: int | None = None) -> datetime:
+        """Extend the lease while the work is healthy."""
+        result = await self._limiter.heartbeat(self.reservation_id, lease_seconds=lease_seconds)
+        assert result.lease_expires_at is not None
+        self.lease_expires_at = result.lease_expires_at
+        return self.lease_expires_at

@@ -1,0 +1,88 @@
+"""Turning what a caller asks for into an AdmitRequest: validated and counted.
+
+Pure. The library, the REST endpoint and the CLI hand their arguments here,
+so every path refuses the same values with the same words and counts input
+tokens the same way before anything reaches the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.records import AdmitRequest
+from llmquota.domain.tokens import TokenCountError, count_messages
+from llmquota.domain.validation import (
+    MAX_TOKEN_COUNT,
+    check_idempotency_key,
+    check_lease_seconds,
+    check_model,
+    check_name,
+    check_token_count,
+)
+
+
+def prepare_admit_request(
+    *,
+    tenant: str,
+    model: str,
+    max_tokens: int,
+    estimate_factors: Mapping[str, float],
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    input_tokens: int | None = None,
+    route: str | None = None,
+    lease_seconds: int | None = None,
+    idempotency_key: str | None = None,
+) -> AdmitRequest:
+    """Validate and count a request; raises InvalidRequest."""
+    check_name("tenant", tenant)
+    if route is not None:
+        check_name("route", route)
+    check_model(model)
+    check_token_count("max_tokens", max_tokens)
+    check_lease_seconds(lease_seconds)
+    check_idempotency_key(idempotency_key)
+    if (messages is None) == (input_tokens is None):
+        raise InvalidRequest("give exactly one of messages or input_tokens")
+    if input_tokens is not None:
+        counted, estimated = check_token_count("input_tokens", input_tokens), False
+    else:
+        counted, estimated = _count(messages or [], model, estimate_factors)
+    request_hash = None
+    if idempotency_key is not None:
+        request_hash = _request_hash(
+            [route, model, max_tokens, lease_seconds, input_tokens, messages]
+        )
+    return AdmitRequest(
+        tenant=tenant,
+        route=route,
+        model=model,
+        input_tokens=counted,
+        max_tokens=max_tokens,
+        input_estimated=estimated,
+        lease_seconds=lease_seconds,
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
+
+
+def _count(
+    messages: Sequence[Mapping[str, Any]], model: str, estimate_factors: Mapping[str, float]
+) -> tuple[int, bool]:
+    """(input tokens, whether estimated) of chat messages, within MAX_TOKEN_COUNT."""
+    try:
+        count = count_messages(messages, model, estimate_factors)
+    except TokenCountError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    if count.tokens > MAX_TOKEN_COUNT:
+        raise InvalidRequest(f"messages hold more than {MAX_TOKEN_COUNT} tokens")
+    return count.tokens, count.estimated
+
+
+def _request_hash(fields: list[Any]) -> str:
+    """A digest of what an idempotent request asked for, to tell a replay from a reuse."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(canonical.encode()).hexdigest()

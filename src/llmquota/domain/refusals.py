@@ -1,0 +1,45 @@
+"""How a refusal reads: the sentence, the retry hint, the time to a full bucket.
+
+Pure. The library's exceptions, the REST bodies and the rate-limit headers
+all say the same thing in the same words, because they all come from here.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llmquota.domain.records import AdmitDecision
+
+
+def refusal_message(tenant: str, d: AdmitDecision) -> str:
+    """A sentence a developer can act on: what bound, and what to do."""
+    if d.status == "too_large":
+        return (
+            f"Request reserves {d.reserved_tokens} tokens but the {d.limit_scope} token "
+            f"capacity for tenant {tenant} is {d.capacity}; it can never fit. Lower "
+            f"max_tokens or split the input."
+        )
+    retry_s = (d.retry_after_ms or 0) / 1000.0
+    what = {
+        "tokens": f"has too few tokens for {d.reserved_tokens}",
+        "requests": "is out of requests",
+        "concurrency": "has no free concurrency permit",
+    }.get(d.limit_kind or "", "refused")
+    return (
+        f"The {d.limit_scope} {d.limit_kind} limit for tenant {tenant} {what}; "
+        f"retry in {retry_s:.3f}s."
+    )
+
+
+def seconds_until_full(
+    balance: float | None, burst: int | None, per_minute: int | None
+) -> float | None:
+    """How long a bucket takes to refill completely; None where there is no limit."""
+    if balance is None or burst is None or not per_minute:
+        return None
+    return max(0.0, (burst - balance) * 60.0 / per_minute)
+
+
+def ceil_seconds(milliseconds: int) -> int:
+    """Whole seconds, rounded up, for a Retry-After header."""
+    return max(1, math.ceil(milliseconds / 1000))

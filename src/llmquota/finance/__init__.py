@@ -1,0 +1,1 @@
+"""Finance: the usage ledger, model prices and the reports built on them."""
