@@ -219,7 +219,7 @@ def _run_on_connection(
     Reports use LLMQUOTA_REPORTING_DATABASE_URL when it is set (e.g. as the
     read-only llmquota_reporting role), otherwise the service's database.
     """
-    from llmquota.store.store import open_connection
+    from llmquota.store.connection import open_connection
 
     url = (settings.reporting_database_url if reporting else None) or settings.database_url
     timeout_ms = (

@@ -17,12 +17,10 @@ from datetime import UTC, date, datetime, time
 from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
-import asyncpg
-
 from llmquota.domain.errors import InvalidRequest, UnknownTenant
 from llmquota.domain.validation import check_model, check_name
+from llmquota.store.connection import Connection, Row, translate_errors
 from llmquota.store.sqlfiles import named_queries
-from llmquota.store.store import translate_errors
 
 TokenType = Literal["input", "output"]
 TOKEN_TYPES: tuple[TokenType, ...] = ("input", "output")
@@ -171,13 +169,13 @@ def parse_effective_from(text: str) -> datetime:
 class LedgerStore:
     """The finance statements over one connection."""
 
-    def __init__(self, connection: asyncpg.Connection) -> None:
+    def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self._sql = named_queries("finance_queries.sql")
 
-    async def _fetch(self, name: str, *args: Any) -> list[asyncpg.Record]:
+    async def _fetch(self, name: str, *args: Any) -> list[Row]:
         with translate_errors():
-            rows: list[asyncpg.Record] = await self._connection.fetch(self._sql[name], *args)
+            rows: list[Row] = await self._connection.fetch(self._sql[name], *args)
         return rows
 
     async def adjust(
@@ -278,7 +276,7 @@ class LedgerStore:
         return [_price(row) for row in await self._fetch("list_prices", model)]
 
 
-def _price(row: asyncpg.Record) -> ModelPrice:
+def _price(row: Row) -> ModelPrice:
     return ModelPrice(
         model=row["model"],
         effective_from=row["effective_from"],

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Any
 
-import asyncpg
-
 from llmquota.domain.errors import InvalidRequest, UnknownReport
 from llmquota.domain.validation import check_name
+from llmquota.store.connection import Connection, Row, translate_errors
 from llmquota.store.sqlfiles import named_queries
-from llmquota.store.store import translate_errors
 
 # A period longer than this is a typo (or a report that would run for hours).
 MAX_REPORT_DAYS = 3_660
@@ -78,7 +76,7 @@ def normalize_name(name: str) -> str:
 class ReportStore:
     """Finds and runs report functions over one connection."""
 
-    def __init__(self, connection: asyncpg.Connection) -> None:
+    def __init__(self, connection: Connection) -> None:
         self._connection = connection
         self._sql = named_queries("finance_queries.sql")
 
@@ -106,7 +104,7 @@ class ReportStore:
         statement = self._sql["run_report"].format(report=f'"{wanted}"')
         with translate_errors():
             prepared = await self._connection.prepare(statement)
-            records: Sequence[asyncpg.Record] = await prepared.fetch(start, end, tenant)
+            records: Sequence[Row] = await prepared.fetch(start, end, tenant)
         columns = tuple(attribute.name for attribute in prepared.get_attributes())
         return ReportResult(
             name=wanted, columns=columns, rows=[tuple(record.values()) for record in records]

@@ -26,7 +26,7 @@ from typing import Any
 
 import asyncpg
 
-from llmquota.domain.errors import StoreTimeout, StoreUnavailable
+from llmquota.domain.errors import StoreTimeout
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import (
     AdmitDecision,
@@ -44,6 +44,7 @@ from llmquota.domain.records import (
     UsageTotals,
 )
 from llmquota.domain.vocabulary import Scope
+from llmquota.store.connection import UNAVAILABLE, translate_errors, unavailable
 from llmquota.store.sqlfiles import queries
 
 log = logging.getLogger(__name__)
@@ -56,52 +57,6 @@ RELEASE_TIMEOUT_SECONDS = 1.0
 # How often a backend checks, during a long statement, that its client is still
 # there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
 CLIENT_CONNECTION_CHECK_MS = 1_000
-
-# Errors that say the database did not answer, as opposed to refusing a statement.
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.exceptions.PostgresConnectionError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.QueryCanceledError,
-    asyncpg.exceptions.LockNotAvailableError,
-    asyncpg.exceptions.InterfaceError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-)
-
-
-@contextlib.contextmanager
-def translate_errors() -> Any:
-    """Turn driver errors that mean 'not answering' into StoreUnavailable."""
-    try:
-        yield
-    except _UNAVAILABLE as exc:
-        raise _unavailable(exc) from exc
-
-
-def _unavailable(exc: BaseException) -> StoreUnavailable:
-    return StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}")
-
-
-async def open_connection(
-    dsn: str,
-    *,
-    statement_timeout_ms: int,
-    lock_timeout_ms: int,
-    application_name: str = "llmquota",
-) -> asyncpg.Connection:
-    """One connection (for a CLI command) carrying the statement and lock timeouts."""
-    with translate_errors():
-        connection: asyncpg.Connection = await asyncpg.connect(
-            dsn,
-            server_settings={
-                "statement_timeout": str(statement_timeout_ms),
-                "lock_timeout": str(lock_timeout_ms),
-                "application_name": application_name,
-            },
-        )
-    return connection
 
 
 class Store:
@@ -211,18 +166,18 @@ class Store:
         """
         try:
             connection = await self._pool.acquire()
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             if not answer.done():
-                answer.set_exception(_unavailable(exc))
+                answer.set_exception(unavailable(exc))
             return
         try:
             rows: list[asyncpg.Record] = await connection.fetch(sql, *args)
         except asyncio.CancelledError:
             connection.terminate()
             raise
-        except _UNAVAILABLE as exc:
+        except UNAVAILABLE as exc:
             if not answer.done():
-                answer.set_exception(_unavailable(exc))
+                answer.set_exception(unavailable(exc))
         except Exception as exc:
             if not answer.done():
                 answer.set_exception(exc)
@@ -232,7 +187,7 @@ class Store:
         finally:
             try:
                 await self._pool.release(connection, timeout=RELEASE_TIMEOUT_SECONDS)
-            except (*_UNAVAILABLE, asyncpg.PostgresError):
+            except (*UNAVAILABLE, asyncpg.PostgresError):
                 connection.terminate()
 
     async def admit(
