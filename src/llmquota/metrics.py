@@ -9,6 +9,8 @@ series: a limiter doing its job and a broken dependency must never look alike.
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 DECISION_BUCKETS_SECONDS = (
@@ -34,76 +36,62 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.admits = Counter("llmquota_admits", "Admissions granted", registry=self.registry)
-        self.denials = Counter(
+        counter = functools.partial(Counter, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
+        self.admits = counter("llmquota_admits", "Admissions granted")
+        self.denials = counter(
             "llmquota_denials",
             "Every admission refused by the store, by the limit and scope that bound",
             ["limit", "scope", "reason"],
-            registry=self.registry,
         )
-        self.policy_denials = Counter(
+        self.policy_denials = counter(
             "llmquota_policy_denials",
             "Admissions the store refused for tokens or requests, by limit and scope",
             ["limit", "scope", "reason"],
-            registry=self.registry,
         )
-        self.concurrency_denials = Counter(
+        self.concurrency_denials = counter(
             "llmquota_concurrency_denials",
             "Admissions the store refused for want of a concurrency permit, by scope",
             ["scope"],
-            registry=self.registry,
         )
-        self.fallback_decisions = Counter(
+        self.fallback_decisions = counter(
             "llmquota_fallback_decisions",
             "Decisions made by a failure mode because the store did not answer in time",
             ["mode", "decision"],
-            registry=self.registry,
         )
         self.outage_journal_pending = Gauge(
             "llmquota_outage_journal_pending",
             "Outage admissions this worker holds that the store has not recorded yet",
             registry=self.registry,
         )
-        self.outage_recorded = Counter(
+        self.outage_recorded = counter(
             "llmquota_outage_recorded",
             "Outage admissions and their settlements written to the store on recovery",
             ["what"],
-            registry=self.registry,
         )
-        self.settlements = Counter(
-            "llmquota_settlements", "Reservations settled", ["late"], registry=self.registry
-        )
-        self.releases = Counter(
-            "llmquota_releases", "Reservations released unused", registry=self.registry
-        )
-        self.refunded_tokens = Counter(
-            "llmquota_refunded_tokens", "Tokens refunded at settlement", registry=self.registry
-        )
-        self.sweeper_reclaims = Counter(
+        self.settlements = counter("llmquota_settlements", "Reservations settled", ["late"])
+        self.releases = counter("llmquota_releases", "Reservations released unused")
+        self.refunded_tokens = counter("llmquota_refunded_tokens", "Tokens refunded at settlement")
+        self.sweeper_reclaims = counter(
             "llmquota_sweeper_reclaims",
             "Reservations expired by the sweeper",
-            registry=self.registry,
         )
-        self.store_errors = Counter(
+        self.store_errors = counter(
             "llmquota_store_errors",
             "Calls that failed because the database did not answer (timeout) or refused "
             "the connection (unavailable)",
             ["operation", "kind"],
-            registry=self.registry,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = histogram(
             "llmquota_decision_seconds",
             "Admission decision latency",
             buckets=DECISION_BUCKETS_SECONDS,
-            registry=self.registry,
         )
-
-        self.batch_size = Histogram(
+        self.batch_size = histogram(
             "llmquota_batch_size",
             "Requests decided by one batch statement",
             ["operation"],
             buckets=BATCH_SIZE_BUCKETS,
-            registry=self.registry,
         )
 
     def render(self) -> bytes:

@@ -111,6 +111,18 @@ class Fallback:
                     retry_after_ms=refusal.retry_after_ms,
                 ),
             )
+        return self._journal_admission(request, mode, layers, local_layers, now)
+
+    def _journal_admission(
+        self,
+        request: AdmitRequest,
+        mode: FailureMode,
+        layers: Sequence[CachedLayer],
+        local_layers: list[LocalLayer],
+        now: float,
+    ) -> FallbackDecision:
+        """Admit a request that passed every layer: journal it before saying yes."""
+        cost = request.input_tokens + request.max_tokens
         entry = OutageEntry(
             reservation_id=new_outage_id(),
             request=request,
@@ -130,7 +142,7 @@ class Fallback:
             mode,
             _decision(
                 "admitted",
-                figures,
+                _figures(layers),
                 reservation_id=entry.reservation_id,
                 reserved_tokens=cost,
                 # The lease starts on the database clock when the store records

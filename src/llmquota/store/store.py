@@ -6,27 +6,19 @@ records. No decision is made here and no row is read, changed in Python and
 written back: the statements do the atomic work. Driver errors that mean
 "the database is not answering" become StoreUnavailable.
 
-Decisions can carry a deadline. A database that stops answering (packets
-dropped, not refused) must not hold a request hostage, so the statement runs
-in a task of its own: the caller waits for its answer at most the deadline and
-then gets StoreTimeout, while the task is cancelled and its connection
-terminated (never reused: the statement's fate is unknown and the socket may
-be hung) in the background, without the caller waiting for that clean-up.
+Decisions can carry a deadline; pool.py says how a statement that outlives
+it is abandoned without holding the caller.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from llmquota.domain.errors import StoreTimeout
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import (
     AdmitDecision,
@@ -44,35 +36,23 @@ from llmquota.domain.records import (
     UsageTotals,
 )
 from llmquota.domain.vocabulary import Scope
-from llmquota.store.connection import UNAVAILABLE, translate_errors, unavailable
+from llmquota.store.connection import Row
+from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import queries
-
-log = logging.getLogger(__name__)
-
-# How long close() lets the pool shut down gracefully before cutting it.
-POOL_CLOSE_TIMEOUT_SECONDS = 5.0
-# How long a connection may take to reset on its way back to the pool before
-# it is terminated instead.
-RELEASE_TIMEOUT_SECONDS = 1.0
-# How often a backend checks, during a long statement, that its client is still
-# there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
-CLIENT_CONNECTION_CHECK_MS = 1_000
 
 
 class Store:
-    """Typed access to the named statements over an asyncpg pool."""
+    """Typed access to the named statements over a pool whose calls can carry a deadline."""
 
     def __init__(
         self,
-        pool: asyncpg.Pool,
+        pool: DeadlinePool,
         concurrency_retry_ms: int = 1_000,
         admission_synchronous_commit: bool = True,
     ) -> None:
         self._pool = pool
         self._sql = queries()
         self._concurrency_retry_ms = concurrency_retry_ms
-        # Statements whose caller stopped waiting; kept referenced until done.
-        self._abandoned: set[asyncio.Task[None]] = set()
         self._admission_synchronous_commit = admission_synchronous_commit
 
     @classmethod
@@ -88,18 +68,13 @@ class Store:
         admission_synchronous_commit: bool = True,
     ) -> Store:
         """Open a pool whose sessions carry the statement and lock timeouts."""
-        with translate_errors():
-            pool = await asyncpg.create_pool(
-                dsn,
-                min_size=min_size,
-                max_size=max_size,
-                server_settings={
-                    "statement_timeout": str(statement_timeout_ms),
-                    "lock_timeout": str(lock_timeout_ms),
-                    "client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS),
-                    "application_name": "llmquota",
-                },
-            )
+        pool = await DeadlinePool.connect(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            statement_timeout_ms=statement_timeout_ms,
+            lock_timeout_ms=lock_timeout_ms,
+        )
         return cls(
             pool,
             concurrency_retry_ms=concurrency_retry_ms,
@@ -108,87 +83,12 @@ class Store:
 
     async def close(self) -> None:
         """Close every connection of the pool; cut them if the server does not answer."""
-        if self._abandoned:
-            await asyncio.wait(set(self._abandoned), timeout=2 * RELEASE_TIMEOUT_SECONDS)
-        closing = asyncio.ensure_future(self._pool.close())
-        done, _ = await asyncio.wait({closing}, timeout=POOL_CLOSE_TIMEOUT_SECONDS)
-        if not done:
-            log.warning("database did not answer while closing; terminating connections")
-            closing.cancel()
-            self._pool.terminate()
-        elif closing.exception() is not None:
-            self._pool.terminate()
-
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
-        with translate_errors():
-            async with self._pool.acquire() as connection:
-                yield connection
+        await self._pool.close()
 
     async def _fetch(
         self, name: str, *args: Any, deadline_seconds: float | None = None
-    ) -> list[asyncpg.Record]:
-        if deadline_seconds is None:
-            async with self._connection() as connection:
-                rows: list[asyncpg.Record] = await connection.fetch(self._sql[name], *args)
-                return rows
-        return await self._fetch_within(deadline_seconds, self._sql[name], args)
-
-    async def _fetch_within(
-        self, deadline_seconds: float, sql: str, args: tuple[Any, ...]
-    ) -> list[asyncpg.Record]:
-        """Run a statement; its answer, or StoreTimeout once the deadline passes."""
-        answer: asyncio.Future[list[asyncpg.Record]] = asyncio.get_running_loop().create_future()
-        worker = asyncio.ensure_future(self._answer(answer, sql, args))
-        self._abandoned.add(worker)
-        worker.add_done_callback(self._abandoned.discard)
-        try:
-            return await asyncio.wait_for(asyncio.shield(answer), deadline_seconds)
-        except TimeoutError:
-            raise StoreTimeout(
-                f"database gave no answer within {deadline_seconds * 1000:.0f} ms"
-            ) from None
-        finally:
-            if not answer.done():
-                # Timed out or the caller was cancelled: stop the statement, and
-                # let nobody set an answer nobody will read.
-                answer.cancel()
-                worker.cancel()
-
-    async def _answer(
-        self, answer: asyncio.Future[list[asyncpg.Record]], sql: str, args: tuple[Any, ...]
-    ) -> None:
-        """Run `sql` and put its rows (or its error) into `answer` as soon as they exist.
-
-        The answer is set before the connection goes back to the pool, so a
-        hang during that clean-up cannot turn a decision that was made into
-        a timeout; the clean-up itself is bounded by RELEASE_TIMEOUT_SECONDS.
-        """
-        try:
-            connection = await self._pool.acquire()
-        except UNAVAILABLE as exc:
-            if not answer.done():
-                answer.set_exception(unavailable(exc))
-            return
-        try:
-            rows: list[asyncpg.Record] = await connection.fetch(sql, *args)
-        except asyncio.CancelledError:
-            connection.terminate()
-            raise
-        except UNAVAILABLE as exc:
-            if not answer.done():
-                answer.set_exception(unavailable(exc))
-        except Exception as exc:
-            if not answer.done():
-                answer.set_exception(exc)
-        else:
-            if not answer.done():
-                answer.set_result(rows)
-        finally:
-            try:
-                await self._pool.release(connection, timeout=RELEASE_TIMEOUT_SECONDS)
-            except (*UNAVAILABLE, asyncpg.PostgresError):
-                connection.terminate()
+    ) -> list[Row]:
+        return await self._pool.fetch(self._sql[name], args, deadline_seconds=deadline_seconds)
 
     async def admit(
         self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
@@ -304,7 +204,7 @@ class Store:
 
     async def ping(self, *, deadline_seconds: float) -> None:
         """One round trip, to learn whether the database answers again."""
-        await self._fetch_within(deadline_seconds, "SELECT 1", ())
+        await self._pool.fetch("SELECT 1", (), deadline_seconds=deadline_seconds)
 
     async def policy_snapshot(
         self,

@@ -1,0 +1,160 @@
+"""An asyncpg pool whose statements can carry a deadline.
+
+A database that stops answering (packets dropped, not refused) must not hold
+a request hostage, so a statement with a deadline runs in a task of its own:
+the caller waits for its answer at most the deadline and then gets
+StoreTimeout, while the task is cancelled and its connection terminated
+(never reused: the statement's fate is unknown and the socket may be hung)
+in the background, without the caller waiting for that clean-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+
+from llmquota.domain.errors import StoreTimeout
+from llmquota.store.connection import (
+    UNAVAILABLE,
+    Connection,
+    DatabaseError,
+    Row,
+    translate_errors,
+    unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# How long close() lets the pool shut down gracefully before cutting it.
+POOL_CLOSE_TIMEOUT_SECONDS = 5.0
+# How long a connection may take to reset on its way back to the pool before
+# it is terminated instead.
+RELEASE_TIMEOUT_SECONDS = 1.0
+# How often a backend checks, during a long statement, that its client is still
+# there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
+CLIENT_CONNECTION_CHECK_MS = 1_000
+
+
+class DeadlinePool:
+    """A pool of sessions carrying the statement and lock timeouts."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        # Statements whose caller stopped waiting; kept referenced until done.
+        self._abandoned: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int,
+        max_size: int,
+        statement_timeout_ms: int,
+        lock_timeout_ms: int,
+    ) -> DeadlinePool:
+        """Open the pool."""
+        with translate_errors():
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=min_size,
+                max_size=max_size,
+                server_settings={
+                    "statement_timeout": str(statement_timeout_ms),
+                    "lock_timeout": str(lock_timeout_ms),
+                    "client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS),
+                    "application_name": "llmquota",
+                },
+            )
+        return cls(pool)
+
+    async def close(self) -> None:
+        """Close every connection; cut them if the server does not answer."""
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned), timeout=2 * RELEASE_TIMEOUT_SECONDS)
+        closing = asyncio.ensure_future(self._pool.close())
+        done, _ = await asyncio.wait({closing}, timeout=POOL_CLOSE_TIMEOUT_SECONDS)
+        if not done:
+            log.warning("database did not answer while closing; terminating connections")
+            closing.cancel()
+            self._pool.terminate()
+        elif closing.exception() is not None:
+            self._pool.terminate()
+
+    @contextlib.asynccontextmanager
+    async def acquire(self) -> AsyncIterator[Connection]:
+        """A pooled connection for the block."""
+        with translate_errors():
+            async with self._pool.acquire() as connection:
+                yield connection
+
+    async def fetch(
+        self, sql: str, args: tuple[Any, ...], *, deadline_seconds: float | None = None
+    ) -> list[Row]:
+        """Run a statement; its rows, or StoreTimeout once the deadline (if any) passes."""
+        if deadline_seconds is None:
+            async with self.acquire() as connection:
+                rows: list[Row] = await connection.fetch(sql, *args)
+                return rows
+        return await self._fetch_within(deadline_seconds, sql, args)
+
+    async def _fetch_within(
+        self, deadline_seconds: float, sql: str, args: tuple[Any, ...]
+    ) -> list[Row]:
+        """Run a statement; its answer, or StoreTimeout once the deadline passes."""
+        answer: asyncio.Future[list[Row]] = asyncio.get_running_loop().create_future()
+        worker = asyncio.ensure_future(self._answer(answer, sql, args))
+        self._abandoned.add(worker)
+        worker.add_done_callback(self._abandoned.discard)
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), deadline_seconds)
+        except TimeoutError:
+            raise StoreTimeout(
+                f"database gave no answer within {deadline_seconds * 1000:.0f} ms"
+            ) from None
+        finally:
+            if not answer.done():
+                # Timed out or the caller was cancelled: stop the statement, and
+                # let nobody set an answer nobody will read.
+                answer.cancel()
+                worker.cancel()
+
+    async def _answer(
+        self, answer: asyncio.Future[list[Row]], sql: str, args: tuple[Any, ...]
+    ) -> None:
+        """Run `sql` and put its rows (or its error) into `answer` as soon as they exist.
+
+        The answer is set before the connection goes back to the pool, so a
+        hang during that clean-up cannot turn a decision that was made into
+        a timeout; the clean-up itself is bounded by RELEASE_TIMEOUT_SECONDS.
+        """
+        try:
+            connection = await self._pool.acquire()
+        except UNAVAILABLE as exc:
+            if not answer.done():
+                answer.set_exception(unavailable(exc))
+            return
+        try:
+            rows: list[Row] = await connection.fetch(sql, *args)
+        except asyncio.CancelledError:
+            connection.terminate()
+            raise
+        except UNAVAILABLE as exc:
+            if not answer.done():
+                answer.set_exception(unavailable(exc))
+        except Exception as exc:
+            if not answer.done():
+                answer.set_exception(exc)
+        else:
+            if not answer.done():
+                answer.set_result(rows)
+        finally:
+            try:
+                await self._pool.release(connection, timeout=RELEASE_TIMEOUT_SECONDS)
+            except (*UNAVAILABLE, DatabaseError):
+                connection.terminate()
