@@ -17,7 +17,10 @@ When a batch goes:
   `max_in_flight` statements are running (pipelining on a busy system);
 - when `max_batch_size` callers are waiting and a slot is free.
 
-A batch's failure is every one of its callers' failure. A caller cancelled
+A batch's failure is every one of its callers' failure; `run` may instead
+put an exception in the place of one request's result, and only that caller
+gets it (the limiter does, for a request whose data the database refused,
+so that one request cannot fail the others). A caller cancelled
 before its batch went is simply left out; one cancelled while its batch is in
 flight does not disturb the others, and its result is handed to `on_orphan`
 (the limiter releases an admission nobody will ever use).
@@ -56,7 +59,7 @@ class Coalescer(Generic[Req, Res]):
 
     def __init__(
         self,
-        run: Callable[[list[Req]], Awaitable[Sequence[Res]]],
+        run: Callable[[list[Req]], Awaitable[Sequence[Res | Exception]]],
         *,
         max_batch_size: int,
         window_seconds: float,
@@ -173,7 +176,10 @@ class Coalescer(Generic[Req, Res]):
                 raise
             return
         for waiter, result in zip(batch, results, strict=True):
-            if not waiter.future.done():
+            if isinstance(result, Exception):
+                if not waiter.future.done():
+                    waiter.future.set_exception(result)
+            elif not waiter.future.done():
                 waiter.future.set_result(result)
             elif self._on_orphan is not None:
                 self._on_orphan(waiter.request, result)
@@ -183,3 +189,34 @@ class Coalescer(Generic[Req, Res]):
             if handle is not None:
                 handle.cancel()
         self._timer = self._flush_soon = None
+
+
+async def isolating(
+    run: Callable[[list[Req]], Awaitable[Sequence[Res]]],
+    requests: list[Req],
+    isolate: type[Exception],
+) -> list[Res | Exception]:
+    """Run a batch; when it fails with `isolate` (an error tied to one request's
+    data, not to the database), run its halves apart, down to the requests at
+    fault, which alone get the error in place of a result.
+
+    The halves run one after the other in arrival order, so each request is
+    decided exactly as the whole batch would have decided it without the
+    requests at fault. A poisoned batch costs about 2 log2(n) statements.
+    """
+    try:
+        return list(await run(requests))
+    except isolate as exc:
+        if len(requests) == 1:
+            return [exc]
+    middle = len(requests) // 2
+    first = await isolating(run, requests[:middle], isolate)
+    return [*first, *await isolating(run, requests[middle:], isolate)]
+
+
+def single(results: Sequence[Res | Exception]) -> Res:
+    """The one result of a batch of one, raising the error put in its place."""
+    (result,) = results
+    if isinstance(result, Exception):
+        raise result
+    return result

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
-from llmquota.admission.batching import Coalescer
+from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.outage import FlushReport, is_outage_id
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.reservation import Admission, Reservation, Settlement
@@ -37,6 +37,7 @@ from llmquota.config import Settings
 from llmquota.domain.admit_request import prepare_admit_request
 from llmquota.domain.errors import (
     InvalidRequest,
+    RefusedValue,
     ReservationConflict,
     ReservationNotFound,
     StoreTimeout,
@@ -159,12 +160,21 @@ class Limiter:
             idempotency_key=idempotency_key,
         )
 
-    async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
+    async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision | Exception]:
+        """One admit statement for the batch; a request whose data the database
+        refuses gets that error alone (see batching.isolating)."""
         self.metrics.batch_size.labels("admit").observe(len(requests))
+        return await isolating(self._admit_statement, requests, RefusedValue)
+
+    async def _admit_statement(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
         return await self.store.admit(requests, deadline_seconds=self.deadline_seconds)
 
-    async def _finish_batch(self, requests: list[FinishRequest]) -> list[FinishResult]:
+    async def _finish_batch(self, requests: list[FinishRequest]) -> list[FinishResult | Exception]:
+        """One finish statement for the batch, isolating refused data like admissions."""
         self.metrics.batch_size.labels("finish").observe(len(requests))
+        return await isolating(self._finish_statement, requests, RefusedValue)
+
+    async def _finish_statement(self, requests: list[FinishRequest]) -> list[FinishResult]:
         return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
 
     async def _store_decision(self, request: AdmitRequest) -> AdmitDecision:
@@ -177,8 +187,7 @@ class Limiter:
             async with asyncio.timeout(self.deadline_seconds):
                 if self._admissions is not None:
                     return await self._admissions.submit(request)
-                (decision,) = await self._admit_batch([request])
-                return decision
+                return single(await self._admit_batch([request]))
         except TimeoutError:
             raise StoreTimeout(
                 f"database gave no decision within {self.deadline_seconds * 1000:.0f} ms"
@@ -305,7 +314,7 @@ class Limiter:
                 if self._finishes is not None:
                     result = await self._finishes.submit(request)
                 else:
-                    (result,) = await self._finish_batch([request])
+                    result = single(await self._finish_batch([request]))
         except TimeoutError:
             timeout = StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms")
             self.outage.store_failed(request.action, timeout)

@@ -54,6 +54,14 @@ class InvalidRequest(LimiterError):
     """The request's values are out of range or of the wrong kind."""
 
 
+class RefusedValue(InvalidRequest):
+    """The database refused a value the request carries, though our checks passed it.
+
+    Tied to one request's data (SQLSTATE class 22), never to the database's
+    health: the limiter decides the rest of a batch without that request.
+    """
+
+
 class ReservationNotFound(LimiterError):
     """No such reservation, or it belongs to another tenant."""
 

@@ -11,8 +11,9 @@ import base64
 import functools
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import tiktoken
@@ -64,9 +65,40 @@ TOKENS_REPLY_PRIMING = 3
 
 DEFAULT_ESTIMATE_FACTOR = 1.25
 
+# Text longer than this is encoded in pieces. tiktoken's pre-tokenizing regex
+# backtracks, and on a long enough run (a million spaces) it gives up with
+# "Max stack size exceeded"; pieces keep every call far below that. A piece
+# ends, where it can, just before a space that follows a non-space, which is
+# where the regex starts a new pre-token anyway, so the sum of the pieces is
+# the count of the whole; where it cannot (a run longer than a piece) the cut
+# may add a token or two, and the count is marked as an estimate.
+PIECE_CHARS = 8_192
+# No CPU limit unless the caller gives one.
+UNLIMITED_SECONDS = math.inf
+
 
 class TokenCountError(ValueError):
     """The messages cannot be counted: wrong shape or wrong types."""
+
+
+@dataclass(slots=True)
+class CpuBudget:
+    """The CPU time one count may spend before it estimates what is left.
+
+    Measured on the counting thread's own clock, so time the thread spends
+    waiting for a core does not count against the request.
+    """
+
+    seconds: float = UNLIMITED_SECONDS
+    clock: Callable[[], float] = time.thread_time
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def exhausted(self) -> bool:
+        """Whether the budget is spent."""
+        return self.clock() - self.started >= self.seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,28 +189,81 @@ def count_text(
 ) -> TokenCount:
     """Tokens in plain text (no chat framing), as the CLI's `tokens` command counts stdin."""
     encoding_name, exact = encoding_for_model(model)
-    raw = len(get_encoding(encoding_name).encode(text, disallowed_special=()))
-    return _scaled(raw, model, encoding_name, exact, estimate_factors)
+    raw, cut = encoded_length(get_encoding(encoding_name), text, CpuBudget())
+    return _scaled(raw, model, encoding_name, exact and not cut, estimate_factors)
 
 
 def count_messages(
     messages: Sequence[Mapping[str, Any]],
     model: str,
     estimate_factors: Mapping[str, float] | None = None,
+    budget: CpuBudget | None = None,
 ) -> TokenCount:
-    """Input tokens of a chat request, framing included."""
+    """Input tokens of a chat request, framing included.
+
+    Past its CPU budget the count stops encoding and bounds what is left from
+    above (see encoded_length): marked as an estimate, never an undercount.
+    """
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise TokenCountError("messages must be a list of message objects")
     encoding_name, exact = encoding_for_model(model)
     encoding = get_encoding(encoding_name)
+    budget = budget or CpuBudget()
     raw = TOKENS_REPLY_PRIMING
     for message in messages:
         raw += TOKENS_PER_MESSAGE
         if isinstance(message, Mapping) and message.get("name") is not None:
             raw += TOKENS_PER_NAME
         for part in _message_text(message):
-            raw += len(encoding.encode(part, disallowed_special=()))
+            tokens, estimated = encoded_length(encoding, part, budget)
+            raw += tokens
+            exact = exact and not estimated
     return _scaled(raw, model, encoding_name, exact, estimate_factors)
+
+
+def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many characters of text the messages hold (what counting them costs)."""
+    total = 0
+    for message in messages:
+        if isinstance(message, Mapping):
+            total += sum(len(part) for part in _message_text(message))
+    return total
+
+
+def encoded_length(encoding: tiktoken.Encoding, text: str, budget: CpuBudget) -> tuple[int, bool]:
+    """Tokens of `text`, and whether the figure is an estimate.
+
+    Long text is encoded piece by piece (PIECE_CHARS). Once the budget is
+    spent, what is left is not encoded but bounded: a byte-level BPE token
+    holds at least one byte, so the UTF-8 length of the rest is never less
+    than its token count. A caller flooding megabytes of text pays for it in
+    its own reservation, not in everyone's CPU.
+    """
+    if len(text) <= PIECE_CHARS:
+        return len(encoding.encode(text, disallowed_special=())), False
+    tokens, estimated, position = 0, False, 0
+    for end, clean in _piece_ends(text):
+        if budget.exhausted():
+            return tokens + len(text[position:].encode("utf-8", "surrogatepass")), True
+        tokens += len(encoding.encode(text[position:end], disallowed_special=()))
+        estimated = estimated or not clean
+        position = end
+    return tokens, estimated
+
+
+def _piece_ends(text: str) -> Iterator[tuple[int, bool]]:
+    """Where each piece of `text` ends, and whether it ends at a pre-token boundary."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        limit = start + PIECE_CHARS
+        cut = text.rfind(" ", start + PIECE_CHARS // 2, limit)
+        if cut > start and not text[cut - 1].isspace():
+            yield cut, True
+        else:
+            cut = limit
+            yield cut, False
+        start = cut
+    yield len(text), True
 
 
 def _scaled(

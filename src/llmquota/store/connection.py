@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 import asyncpg
 
-from llmquota.domain.errors import StoreUnavailable
+from llmquota.domain.errors import RefusedValue, StoreUnavailable
 
 Connection: TypeAlias = asyncpg.Connection
 Row: TypeAlias = asyncpg.Record
@@ -40,11 +40,29 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 @contextlib.contextmanager
 def translate_errors() -> Iterator[None]:
-    """Turn driver errors that mean 'not answering' into StoreUnavailable."""
+    """Turn driver errors into ours: 'not answering' into StoreUnavailable, a
+    refused value into RefusedValue; anything else is a bug and stays as it is."""
     try:
         yield
     except UNAVAILABLE as exc:
         raise unavailable(exc) from exc
+    except asyncpg.exceptions.DataError as exc:
+        raise refused_value(exc) from exc
+
+
+def translated(exc: Exception) -> Exception:
+    """The error translate_errors would raise for `exc`."""
+    if isinstance(exc, UNAVAILABLE):
+        return unavailable(exc)
+    if isinstance(exc, asyncpg.exceptions.DataError):
+        return refused_value(exc)
+    return exc
+
+
+def refused_value(exc: BaseException) -> RefusedValue:
+    """A data exception as the caller may see it: the SQLSTATE, not the server's text."""
+    sqlstate = getattr(exc, "sqlstate", None) or "22000"
+    return RefusedValue(f"the database refused a value of this request (SQLSTATE {sqlstate})")
 
 
 def unavailable(exc: BaseException) -> StoreUnavailable:

@@ -25,6 +25,7 @@ from llmquota.store.connection import (
     DatabaseError,
     Row,
     translate_errors,
+    translated,
     unavailable,
 )
 
@@ -144,12 +145,9 @@ class DeadlinePool:
         except asyncio.CancelledError:
             connection.terminate()
             raise
-        except UNAVAILABLE as exc:
-            if not answer.done():
-                answer.set_exception(unavailable(exc))
         except Exception as exc:
             if not answer.done():
-                answer.set_exception(exc)
+                answer.set_exception(translated(exc))
         else:
             if not answer.done():
                 answer.set_result(rows)
