@@ -53,6 +53,7 @@ from llmquota.domain.records import (
 from llmquota.domain.validation import check_lease_seconds, check_token_count
 from llmquota.domain.vocabulary import OUTCOMES
 from llmquota.metrics import Metrics
+from llmquota.store.deadline import within_store_deadline
 from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -183,15 +184,21 @@ class Limiter:
         A caller that gives up while its batch is in flight loses nothing: an
         admission nobody heard of is released (see _release_orphan).
         """
-        try:
-            async with asyncio.timeout(self.deadline_seconds):
-                if self._admissions is not None:
-                    return await self._admissions.submit(request)
-                return single(await self._admit_batch([request]))
-        except TimeoutError:
-            raise StoreTimeout(
+        return await within_store_deadline(
+            self._admissions.submit(request)
+            if self._admissions is not None
+            else self._admit_alone(request),
+            self.deadline_seconds,
+            lambda: StoreTimeout(
                 f"database gave no decision within {self.deadline_seconds * 1000:.0f} ms"
-            ) from None
+            ),
+        )
+
+    async def _admit_alone(self, request: AdmitRequest) -> AdmitDecision:
+        return single(await self._admit_batch([request]))
+
+    async def _finish_alone(self, request: FinishRequest) -> FinishResult:
+        return single(await self._finish_batch([request]))
 
     def _release_orphan(self, request: AdmitRequest, decision: AdmitDecision) -> None:
         """Give back an admission whose caller was cancelled before it heard of it.
@@ -310,15 +317,13 @@ class Limiter:
                 self.outage.ensure_recovery()
                 return offline
         try:
-            async with asyncio.timeout(self.deadline_seconds):
-                if self._finishes is not None:
-                    result = await self._finishes.submit(request)
-                else:
-                    result = single(await self._finish_batch([request]))
-        except TimeoutError:
-            timeout = StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms")
-            self.outage.store_failed(request.action, timeout)
-            raise timeout from None
+            result = await within_store_deadline(
+                self._finishes.submit(request)
+                if self._finishes is not None
+                else self._finish_alone(request),
+                self.deadline_seconds,
+                lambda: StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms"),
+            )
         except StoreUnavailable as exc:
             self.outage.store_failed(request.action, exc)
             raise

@@ -28,6 +28,7 @@ from llmquota.store.connection import (
     translated,
     unavailable,
 )
+from llmquota.store.deadline import within_store_deadline
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +114,13 @@ class DeadlinePool:
         self._abandoned.add(worker)
         worker.add_done_callback(self._abandoned.discard)
         try:
-            return await asyncio.wait_for(asyncio.shield(answer), deadline_seconds)
-        except TimeoutError:
-            raise StoreTimeout(
-                f"database gave no answer within {deadline_seconds * 1000:.0f} ms"
-            ) from None
+            return await within_store_deadline(
+                asyncio.shield(answer),
+                deadline_seconds,
+                lambda: StoreTimeout(
+                    f"database gave no answer within {deadline_seconds * 1000:.0f} ms"
+                ),
+            )
         finally:
             if not answer.done():
                 # Timed out or the caller was cancelled: stop the statement, and
