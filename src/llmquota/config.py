@@ -44,6 +44,23 @@ class Settings(BaseSettings):
         description="per-model factor on o200k counts for models without a published "
         'tokenizer, JSON such as {"claude-*": 1.25}; default 1.25',
     )
+    token_count_cpu_budget_ms: int = Field(
+        default=250,
+        ge=1,
+        le=60_000,
+        description="CPU one request's token count may take; past it the rest of the text "
+        "is bounded by its UTF-8 length and the count is marked as an estimate",
+    )
+    token_count_inline_chars: int = Field(
+        default=32_768,
+        ge=0,
+        le=10_000_000,
+        description="messages with more characters than this are counted on a thread pool, "
+        "off the event loop, one request per tenant at a time",
+    )
+    token_count_workers: int = Field(
+        default=2, ge=1, le=64, description="threads counting big prompts, per worker"
+    )
     pool_min_size: int = Field(default=2, ge=1, le=100)
     pool_max_size: int = Field(default=10, ge=1, le=200)
     statement_timeout_ms: int = Field(

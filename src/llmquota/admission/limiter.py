@@ -25,16 +25,17 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.batching import Coalescer, isolating, single
+from llmquota.admission.counting import TokenCounter
 from llmquota.admission.outage import FlushReport, is_outage_id
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.reservation import Admission, Reservation, Settlement
 from llmquota.config import Settings
-from llmquota.domain.admit_request import prepare_admit_request
+from llmquota.domain.admit_request import AdmitArguments
 from llmquota.domain.errors import (
     InvalidRequest,
     RefusedValue,
@@ -74,6 +75,7 @@ class Limiter:
         self.journal = self.outage.journal
         self.fallback = self.outage.fallback
         self._sweeper = Sweeper(store, settings, self.metrics)
+        self.counter = TokenCounter(settings)
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
         if settings.batching:
@@ -128,6 +130,7 @@ class Limiter:
         if self._finishes is not None:
             await self._finishes.close()
         await self.outage.close()
+        self.counter.close()
         await self.store.close()
 
     async def __aenter__(self) -> Limiter:
@@ -136,30 +139,18 @@ class Limiter:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def prepare(
-        self,
-        *,
-        tenant: str,
-        model: str,
-        max_tokens: int,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        input_tokens: int | None = None,
-        route: str | None = None,
-        lease_seconds: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> AdmitRequest:
-        """Validate and count a request; pure, raises InvalidRequest."""
-        return prepare_admit_request(
-            tenant=tenant,
-            model=model,
-            max_tokens=max_tokens,
-            estimate_factors=self.settings.estimate_factors,
-            messages=messages,
-            input_tokens=input_tokens,
-            route=route,
-            lease_seconds=lease_seconds,
-            idempotency_key=idempotency_key,
-        )
+    def prepare(self, **request: Unpack[AdmitArguments]) -> AdmitRequest:
+        """Validate and count a request here and now; raises InvalidRequest.
+
+        Keyword arguments: tenant, model, max_tokens, and exactly one of
+        messages or input_tokens; optionally route, lease_seconds and
+        idempotency_key.
+        """
+        return self.counter.prepare(**request)
+
+    async def prepare_off_loop(self, **request: Unpack[AdmitArguments]) -> AdmitRequest:
+        """`prepare`, with big prompts counted off the event loop (see counting.py)."""
+        return await self.counter.prepare_off_loop(**request)
 
     async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision | Exception]:
         """One admit statement for the batch; a request whose data the database
@@ -278,18 +269,18 @@ class Limiter:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
         return await self.outage.flush()
 
-    async def admit(self, **request: Any) -> Reservation:
+    async def admit(self, **request: Unpack[AdmitArguments]) -> Reservation:
         """Reserve capacity for one request, or raise why not.
 
         Keyword arguments are those of `prepare`.
         """
-        prepared = self.prepare(**request)
+        prepared = await self.prepare_off_loop(**request)
         admission = await self.decide(prepared)
         admission.raise_for_refusal(prepared.tenant)
         return Reservation(self, prepared.tenant, admission)
 
     @contextlib.asynccontextmanager
-    async def reservation(self, **request: Any) -> AsyncIterator[Reservation]:
+    async def reservation(self, **request: Unpack[AdmitArguments]) -> AsyncIterator[Reservation]:
         """Hold a reservation for a block; leaving it unsettled releases it.
 
         The release also runs on exceptions and cancellation (shielded, so a

@@ -10,11 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.records import AdmitRequest
-from llmquota.domain.tokens import TokenCountError, count_messages
+from llmquota.domain.tokens import (
+    UNLIMITED_SECONDS,
+    CpuBudget,
+    TokenCountError,
+    count_messages,
+)
 from llmquota.domain.validation import (
     MAX_TOKEN_COUNT,
     check_idempotency_key,
@@ -23,6 +28,19 @@ from llmquota.domain.validation import (
     check_name,
     check_token_count,
 )
+
+
+class AdmitArguments(TypedDict, total=False):
+    """What a caller asks admission for, before it is validated and counted."""
+
+    tenant: Required[str]
+    model: Required[str]
+    max_tokens: Required[int]
+    messages: Sequence[Mapping[str, Any]] | None
+    input_tokens: int | None
+    route: str | None
+    lease_seconds: int | None
+    idempotency_key: str | None
 
 
 def prepare_admit_request(
@@ -36,8 +54,13 @@ def prepare_admit_request(
     route: str | None = None,
     lease_seconds: int | None = None,
     idempotency_key: str | None = None,
+    count_cpu_seconds: float = UNLIMITED_SECONDS,
 ) -> AdmitRequest:
-    """Validate and count a request; raises InvalidRequest."""
+    """Validate and count a request; raises InvalidRequest.
+
+    Counting stops encoding after `count_cpu_seconds` of this thread's CPU and
+    bounds the rest from above (marked as an estimate; see tokens.py).
+    """
     check_name("tenant", tenant)
     if route is not None:
         check_name("route", route)
@@ -50,7 +73,9 @@ def prepare_admit_request(
     if input_tokens is not None:
         counted, estimated = check_token_count("input_tokens", input_tokens), False
     else:
-        counted, estimated = _count(messages or [], model, estimate_factors)
+        counted, estimated = _count(
+            messages or [], model, estimate_factors, CpuBudget(count_cpu_seconds)
+        )
     request_hash = None
     if idempotency_key is not None:
         request_hash = _request_hash(
@@ -70,11 +95,14 @@ def prepare_admit_request(
 
 
 def _count(
-    messages: Sequence[Mapping[str, Any]], model: str, estimate_factors: Mapping[str, float]
+    messages: Sequence[Mapping[str, Any]],
+    model: str,
+    estimate_factors: Mapping[str, float],
+    budget: CpuBudget,
 ) -> tuple[int, bool]:
     """(input tokens, whether estimated) of chat messages, within MAX_TOKEN_COUNT."""
     try:
-        count = count_messages(messages, model, estimate_factors)
+        count = count_messages(messages, model, estimate_factors, budget)
     except TokenCountError as exc:
         raise InvalidRequest(str(exc)) from exc
     if count.tokens > MAX_TOKEN_COUNT:
