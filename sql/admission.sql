@@ -483,6 +483,24 @@ $$;
 --
 -- status per request: settled | released | expired | replayed | conflict |
 -- not_found | not_due (expire only: the lease is still live).
+-- The most a settlement may take from a shared layer (global, and any layer
+-- every tenant passes): the request's possible maximum, its counted input
+-- with a tolerance (providers count framing and tools a little differently:
+-- a quarter more, and 64 tokens) plus max_tokens. Usage above it is still
+-- charged in full to the tenant's own layers and recorded in full in the
+-- ledger (as excess_tokens), but one tenant's absurd report cannot drain what
+-- every tenant shares.
+CREATE OR REPLACE FUNCTION lq_shared_charge_cap(input_tokens bigint, max_tokens bigint)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT ceil(input_tokens * 1.25)::bigint + 64 + max_tokens
+$$;
+
+
+-- lq_finish's result gained excess_tokens: a changed result type needs the
+-- old function gone first.
+DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[]);
 CREATE OR REPLACE FUNCTION lq_finish(
     p_ids            uuid[],
     p_actions        text[],     -- 'settle' | 'release' | 'expire'
@@ -497,7 +515,8 @@ CREATE OR REPLACE FUNCTION lq_finish(
     tenant           text,
     charged_tokens   bigint,
     refunded_tokens  bigint,
-    late             boolean
+    late             boolean,
+    excess_tokens    bigint      -- settled above lq_shared_charge_cap; 0 otherwise
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -516,9 +535,12 @@ DECLARE
     i         integer;
     k         integer;
     charged   bigint;
-    -- credits to every layer of reservation res[c_res[x]]
+    cap       bigint;
+    -- credits to every layer of reservation res[c_res[x]]; shared (global)
+    -- layers get c_shared, which never takes more than the cap
     c_res     integer[] := '{}';
     c_tokens  double precision[] := '{}';
+    c_shared  double precision[] := '{}';
     c_reqs    double precision[] := '{}';
     c_permits integer[] := '{}';
     -- ledger rows to append, for reservation res[g_res[x]]
@@ -528,6 +550,7 @@ DECLARE
     g_out     bigint[] := '{}';
     g_held    bigint[] := '{}';
     g_outcome text[] := '{}';
+    g_excess  bigint[] := '{}';
     -- results
     r_status  text[] := array_fill(NULL::text, ARRAY[n]);
     r_state   text[] := array_fill(NULL::text, ARRAY[n]);
@@ -535,6 +558,7 @@ DECLARE
     r_charged bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_refund  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_late    boolean[] := array_fill(NULL::boolean, ARRAY[n]);
+    r_excess  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -570,10 +594,12 @@ BEGIN
         -- (2) A lease that ran out is expired before anything else happens.
         IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
             c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
+            c_shared := c_shared || rec.reserved_tokens::double precision;
             c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
             g_res := g_res || i; g_kind := g_kind || 'usage'::text;
             g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
             g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
+            g_excess := g_excess || 0::bigint;
             rec.state := 'expired';
             rec.finished_at := now_ts;
             changed[i] := true;
@@ -588,14 +614,18 @@ BEGIN
         -- (3) The action itself.
         IF p_actions[k] = 'settle' THEN
             charged := p_input_tokens[k] + p_output_tokens[k];
+            cap := lq_shared_charge_cap(rec.input_tokens, rec.max_tokens);
             IF rec.state = 'active' THEN
-                -- Refund what was reserved and not used, or debit the excess;
-                -- lq_credit_layers clamps at capacity.
+                -- Refund what was reserved and not used, or debit the excess
+                -- (shared layers at most up to the cap); lq_credit_layers
+                -- clamps at capacity.
                 c_res := c_res || i; c_tokens := c_tokens || (rec.reserved_tokens - charged)::double precision;
+                c_shared := c_shared || (rec.reserved_tokens - least(charged, cap))::double precision;
                 c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
                 g_res := g_res || i; g_kind := g_kind || 'usage'::text;
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
+                g_excess := g_excess || greatest(charged - cap, 0);
                 rec.state := 'settled';
                 rec.finished_at := now_ts;
                 rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
@@ -605,10 +635,12 @@ BEGIN
                 -- Late: the expiry gave the whole reservation back, so what
                 -- was really used is debited now. The permit is already free.
                 c_res := c_res || i; c_tokens := c_tokens || (-charged)::double precision;
+                c_shared := c_shared || (-least(charged, cap))::double precision;
                 c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 0;
                 g_res := g_res || i; g_kind := g_kind || 'late'::text;
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || 0::bigint; g_outcome := g_outcome || 'late'::text;
+                g_excess := g_excess || greatest(charged - cap, 0);
                 rec.refunded_tokens := 0;
                 rec.late := true;
                 r_status[k] := 'settled';
@@ -623,6 +655,7 @@ BEGIN
                 r_status[k] := 'conflict';   -- released, or expired and then released
             END IF;
             IF r_status[k] = 'settled' THEN
+                r_excess[k] := greatest(charged - cap, 0);
                 rec.settled_input_tokens := p_input_tokens[k];
                 rec.settled_output_tokens := p_output_tokens[k];
                 rec.outcome := p_outcomes[k];
@@ -632,6 +665,7 @@ BEGIN
         ELSIF p_actions[k] = 'release' THEN
             IF rec.state = 'active' THEN
                 c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
+                c_shared := c_shared || rec.reserved_tokens::double precision;
                 c_reqs := c_reqs || 1::double precision; c_permits := c_permits || 1;
                 rec.state := 'released';
                 rec.finished_at := now_ts;
@@ -651,12 +685,16 @@ BEGIN
         r_late[k] := rec.late;
     END LOOP;
 
-    -- (4) Layers: each credit goes to every layer its reservation debited.
-    -- lq_credit_layers locks them in layer_id order, after the reservations.
-    PERFORM lq_credit_layers(array_agg(l.layer_id), array_agg(c.tokens),
+    -- (4) Layers: each credit goes to every layer its reservation debited;
+    -- a shared (global) layer gets the capped one. A layer's scope never
+    -- changes, so reading it unlocked is safe; lq_credit_layers locks the
+    -- layers in layer_id order, after the reservations.
+    PERFORM lq_credit_layers(array_agg(l.layer_id),
+                             array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END),
                              array_agg(c.reqs), array_agg(c.permits))
-       FROM unnest(c_res, c_tokens, c_reqs, c_permits) AS c(i, tokens, reqs, permits)
-            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id);
+       FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits) AS c(i, tokens, shared, reqs, permits)
+            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id)
+            JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
 
     -- (5) Write back the reservations that changed.
     UPDATE reservations AS rs
@@ -680,16 +718,16 @@ BEGIN
     -- whole call would fail and roll back (see ledger.sql).
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
-                              policy_version, recorded_at)
+                              policy_version, excess_tokens, recorded_at)
     SELECT (res[g.i]).reservation_id, g.kind, (res[g.i]).tenant, (res[g.i]).route,
            (res[g.i]).model, g.input_tokens, g.output_tokens, g.held, g.outcome,
-           (res[g.i]).policy_version, now_ts
-      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome)
-           AS g(i, kind, input_tokens, output_tokens, held, outcome);
+           (res[g.i]).policy_version, g.excess, now_ts
+      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess)
+           AS g(i, kind, input_tokens, output_tokens, held, outcome, excess);
 
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
-           r_charged[o.i], r_refund[o.i], r_late[o.i]
+           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;

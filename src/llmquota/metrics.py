@@ -70,6 +70,15 @@ class Metrics:
             ["what"],
         )
         self.settlements = counter("llmquota_settlements", "Reservations settled", ["late"])
+        self.excess_settlements = counter(
+            "llmquota_excess_settlements",
+            "Settlements that reported more than the request could have used "
+            "(counted input with tolerance plus max_tokens)",
+        )
+        self.excess_tokens = counter(
+            "llmquota_excess_tokens",
+            "Tokens settled above the request's possible maximum, kept off shared layers",
+        )
         self.releases = counter("llmquota_releases", "Reservations released unused")
         self.refunded_tokens = counter("llmquota_refunded_tokens", "Tokens refunded at settlement")
         self.sweeper_reclaims = counter(

@@ -357,10 +357,21 @@ class Limiter:
             charged_tokens=int(result.charged_tokens or 0),
             refunded_tokens=int(result.refunded_tokens or 0),
             late=bool(result.late),
+            excess_tokens=int(result.excess_tokens or 0),
         )
         if result.status == "settled":
             self.metrics.settlements.labels(str(settlement.late).lower()).inc()
             self.metrics.refunded_tokens.inc(settlement.refunded_tokens)
+            if settlement.excess_tokens:
+                self.metrics.excess_settlements.inc()
+                self.metrics.excess_tokens.inc(settlement.excess_tokens)
+                log.warning(
+                    "reservation %s of tenant %s settled %d tokens above its possible "
+                    "maximum; shared layers were charged the maximum only",
+                    reservation_id,
+                    result.tenant,
+                    settlement.excess_tokens,
+                )
         return settlement
 
     async def release(self, reservation_id: uuid.UUID, caller: str | None = None) -> None:

@@ -74,6 +74,10 @@ class Settlement:
     charged_tokens: int
     refunded_tokens: int
     late: bool
+    # Tokens above the request's possible maximum (counted input with a
+    # tolerance, plus max_tokens): charged to the tenant, flagged in the
+    # ledger, and kept off the shared layers (see lq_shared_charge_cap).
+    excess_tokens: int = 0
 
 
 class Reservation:

@@ -90,6 +90,9 @@ class FinishResult:
     charged_tokens: int | None
     refunded_tokens: int | None
     late: bool | None
+    # Usage settled above the request's possible maximum: charged in full to
+    # the tenant's own layers, at most the maximum to shared ones.
+    excess_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,7 @@ class Store:
                 charged_tokens=row["charged_tokens"],
                 refunded_tokens=row["refunded_tokens"],
                 late=row["late"],
+                excess_tokens=row["excess_tokens"],
             )
             for row in rows
         ]
