@@ -14,17 +14,16 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from llmquota.cli.options import add_flag
 from llmquota.config import Settings
 from llmquota.domain.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
+from llmquota.store.connection import Connection, DatabaseError
 from llmquota.store.database import open_database
 
 
 def _run_on_connection(
     settings: Settings,
-    action: Callable[[asyncpg.Connection], Awaitable[int]],
+    action: Callable[[Connection], Awaitable[int]],
     *,
     reporting: bool = False,
 ) -> int:
@@ -59,7 +58,7 @@ def _run_on_connection(
         except LimiterError as exc:
             print(f"llmquota: error: {exc}", file=sys.stderr)
             return 1
-        except asyncpg.PostgresError as exc:
+        except DatabaseError as exc:
             print(f"llmquota: database refused: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
@@ -81,7 +80,7 @@ def cmd_ledger_export(args: argparse.Namespace, settings: Settings) -> int:
         print("llmquota: error: --limit must be 1 or more", file=sys.stderr)
         return 2
 
-    async def export(connection: asyncpg.Connection) -> int:
+    async def export(connection: Connection) -> int:
         rows: AsyncIterator[Any] = LedgerStore(connection).export(
             args.after_id,
             limit=args.limit,
@@ -106,7 +105,7 @@ def cmd_ledger_adjust(args: argparse.Namespace, settings: Settings) -> int:
     """Append a signed adjustment row for a tenant."""
     from llmquota.finance.ledger import LedgerStore
 
-    async def adjust(connection: asyncpg.Connection) -> int:
+    async def adjust(connection: Connection) -> int:
         adjustment = await LedgerStore(connection).adjust(
             tenant=args.tenant,
             tokens=args.tokens,
@@ -125,7 +124,7 @@ def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
     """Set a model's prices per million tokens from a date on."""
     from llmquota.finance.ledger import LedgerStore, parse_effective_from, parse_price
 
-    async def set_price(connection: asyncpg.Connection) -> int:
+    async def set_price(connection: Connection) -> int:
         price, replaced = await LedgerStore(connection).set_price(
             model=args.model,
             input_usd_per_million=parse_price("--input-per-million", args.input_per_million),
@@ -150,7 +149,7 @@ def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
     from llmquota.cli.tabular import render
     from llmquota.finance.ledger import LedgerStore
 
-    async def list_prices(connection: asyncpg.Connection) -> int:
+    async def list_prices(connection: Connection) -> int:
         prices = await LedgerStore(connection).prices(args.model)
         columns = ("model", "effective_from", "input_usd_per_million", "output_usd_per_million")
         rows = [
@@ -178,7 +177,7 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
             print(f"llmquota: error: {exc}", file=sys.stderr)
             return 2
 
-    async def report(connection: asyncpg.Connection) -> int:
+    async def report(connection: Connection) -> int:
         store = ReportStore(connection)
         if args.list:
             listing = [(r.name, r.description) for r in await store.list_reports()]
