@@ -1,13 +1,21 @@
-"""Settings, read from LLMQUOTA_* environment variables.
+"""Configuration: every LLMQUOTA_* environment variable llmquota reads.
 
-Every limit the service itself lives by is here and named: pool sizes,
-timeouts, body size, sweeper batches, admission batches. Nothing reads the environment
-elsewhere, and nothing holds settings in a module global: callers build a
-Settings and pass it down.
+Two kinds, both declared here. `Settings` holds what the service itself
+lives by: the database, pool sizes, timeouts, body size, sweeper batches,
+admission batches. `COMMAND_DEFAULTS` holds the values of single commands
+(`serve --port`, `ledger adjust --tokens`, ...): command-line flags, each
+falling back to its variable, which the command's --help names.
+
+Nothing else reads the environment: `Settings` (through pydantic-settings)
+and `environment_value` are the only readers, and `export_for_workers` the
+only writer. Nothing holds settings in a module global either: callers build
+a Settings and pass it down.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Annotated
 
 from pydantic import Field
@@ -21,6 +29,10 @@ MAX_BATCH_SIZE = 10_000
 MAX_BATCH_WINDOW_SECONDS = 1.0
 MAX_BATCHES_IN_FLIGHT = 1_000
 
+ENV_PREFIX = "LLMQUOTA_"
+DATABASE_URL_ENV = f"{ENV_PREFIX}DATABASE_URL"
+DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
+
 
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
@@ -28,7 +40,7 @@ EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_
 class Settings(BaseSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix="LLMQUOTA_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     database_url: str | None = Field(
         default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
@@ -178,3 +190,157 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="ledger rows the export numbers (gives export ids) per round trip",
     )
+
+
+def environment_value(variable: str, default: str | None = None) -> str | None:
+    """The value of an environment variable (else `default`), as it is.
+
+    Besides pydantic-settings filling `Settings`, the one place llmquota
+    reads the environment.
+    """
+    return os.environ.get(variable, default)
+
+
+def export_for_workers(database_url: str) -> None:
+    """Put the resolved DSN into LLMQUOTA_DATABASE_URL for worker processes.
+
+    `llmquota serve` resolves the database (perhaps starting the embedded
+    server) once; uvicorn's workers are separate processes that build their
+    own `Settings` from the environment they inherit.
+    """
+    os.environ[DATABASE_URL_ENV] = database_url
+
+
+@dataclass(frozen=True, slots=True)
+class CommandDefault:
+    """A flag of one command and the LLMQUOTA_* variable it falls back to.
+
+    `default` (a string, as it would be typed) applies when neither the flag
+    nor the variable is given. With `via_settings` the variable is a
+    `Settings` field: the flag's own default is None, and the setting (whose
+    default --help shows) applies.
+    """
+
+    command: str
+    flag: str
+    env: str
+    help: str = ""
+    default: str | None = None
+    env_note: str = ""
+    via_settings: bool = False
+
+    @property
+    def variable(self) -> str:
+        """The environment variable's full name."""
+        return f"{ENV_PREFIX}{self.env}"
+
+    @property
+    def help_text(self) -> str:
+        """The flag's --help: what it is, then the variable it falls back to."""
+        note = self.env_note
+        if self.via_settings:
+            note += f" (default {Settings.model_fields[self.env.lower()].default})"
+        named = f"env {self.variable}{note}"
+        return f"{self.help}; {named}" if self.help else named
+
+    def value(self) -> str | None:
+        """The variable's value (even empty), else `default`; None via settings."""
+        if self.via_settings:
+            return None
+        return environment_value(self.variable, self.default)
+
+
+# The values of single commands, by command. The service's own settings (the
+# database, timeouts, the sweeper's batches...) are the Settings fields above.
+COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
+    CommandDefault("serve", "--host", "HOST", default="127.0.0.1"),
+    CommandDefault("serve", "--port", "PORT", default="8080"),
+    CommandDefault("serve", "--workers", "WORKERS", "uvicorn worker processes", default="1"),
+    CommandDefault(
+        "serve",
+        "--migrate",
+        "MIGRATE_ON_START",
+        "apply migrations before serving (always done on the embedded database)",
+        default="0",
+        env_note="=1",
+    ),
+    CommandDefault("serve", "--log-level", "LOG_LEVEL", default="info"),
+    CommandDefault(
+        "sweep", "--loop", "SWEEP_LOOP_SECONDS", "keep running, sweeping every SECONDS", "0"
+    ),
+    CommandDefault(
+        "sweep", "--batch-size", "SWEEP_BATCH_SIZE", "reservations per statement", via_settings=True
+    ),
+    CommandDefault(
+        "sweep", "--max-batches", "SWEEP_MAX_BATCHES", "statements per run", via_settings=True
+    ),
+    CommandDefault(
+        "sweep",
+        "--heartbeat-file",
+        "SWEEP_HEARTBEAT_FILE",
+        "write the time to PATH after each run (for healthchecks)",
+    ),
+    CommandDefault(
+        "ledger export", "--after-id", "EXPORT_AFTER_ID", "print rows after this export id", "0"
+    ),
+    CommandDefault(
+        "ledger export",
+        "--limit",
+        "EXPORT_LIMIT",
+        "print at most N rows (default: until caught up)",
+    ),
+    CommandDefault("ledger adjust", "--tenant", "ADJUST_TENANT", "tenant (must exist)"),
+    CommandDefault(
+        "ledger adjust", "--tokens", "ADJUST_TOKENS", "signed token count, e.g. 1200 or -300"
+    ),
+    CommandDefault(
+        "ledger adjust", "--reason", "ADJUST_REASON", "why (required; kept with the row)"
+    ),
+    CommandDefault(
+        "ledger adjust",
+        "--model",
+        "ADJUST_MODEL",
+        "model the tokens are priced as (default: none, unpriced)",
+    ),
+    CommandDefault("ledger adjust", "--route", "ADJUST_ROUTE", "route the tokens belong to"),
+    CommandDefault(
+        "ledger adjust",
+        "--token-type",
+        "ADJUST_TOKEN_TYPE",
+        "whether the tokens are input or output tokens",
+        "output",
+    ),
+    CommandDefault("prices set", "--model", "PRICE_MODEL", "model name, e.g. gpt-4o"),
+    CommandDefault(
+        "prices set",
+        "--input-per-million",
+        "PRICE_INPUT_PER_MILLION",
+        "USD per million input tokens, e.g. 2.50",
+    ),
+    CommandDefault(
+        "prices set",
+        "--output-per-million",
+        "PRICE_OUTPUT_PER_MILLION",
+        "USD per million output tokens, e.g. 10.00",
+    ),
+    CommandDefault(
+        "prices set",
+        "--effective-from",
+        "PRICE_EFFECTIVE_FROM",
+        "YYYY-MM-DD (midnight UTC) or an ISO time with offset (default: now)",
+    ),
+    CommandDefault("prices list", "--model", "PRICE_MODEL", "only this model"),
+    CommandDefault("prices list", "--format", "REPORT_FORMAT", "output format", "table"),
+    CommandDefault("report", "--from", "REPORT_FROM", "first day, YYYY-MM-DD (UTC)"),
+    CommandDefault("report", "--to", "REPORT_TO", "day after the last, YYYY-MM-DD (exclusive)"),
+    CommandDefault("report", "--tenant", "REPORT_TENANT", "only this tenant"),
+    CommandDefault("report", "--format", "REPORT_FORMAT", "output format", "table"),
+)
+
+
+def command_default(command: str, flag: str) -> CommandDefault:
+    """The declaration of `flag` of `command` (e.g. "ledger adjust", "--tokens")."""
+    for declared in COMMAND_DEFAULTS:
+        if declared.command == command and declared.flag == flag:
+            return declared
+    raise KeyError(f"{command} {flag} is not declared in COMMAND_DEFAULTS")

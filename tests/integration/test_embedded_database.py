@@ -26,13 +26,8 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from llmquota.store.database import (
-    DATA_DIR_ENV,
-    DATABASE_URL_ENV,
-    default_data_dir,
-    open_database,
-    sqlalchemy_url,
-)
+from llmquota.config import DATA_DIR_ENV, DATABASE_URL_ENV, Settings
+from llmquota.store.database import default_data_dir, open_database, sqlalchemy_url
 
 # A command using the database: opens it, reports, waits for a line on stdin
 # (or EOF) and leaves. With "uvicorn" it serves on a unix socket instead, the
@@ -376,7 +371,8 @@ def test_database_url_is_used_as_given_without_an_embedded_server(
     monkeypatch.setenv(DATABASE_URL_ENV, url)
     monkeypatch.setenv(DATA_DIR_ENV, str(pgdata))
 
-    with open_database() as db:
+    settings = Settings()
+    with open_database(settings.database_url, settings.data_dir) as db:
         assert db.dsn == url
         assert not db.embedded
         assert db.data_dir is None

@@ -1,0 +1,269 @@
+"""`llmquota ledger`, `prices` and `report`: the finance commands.
+
+Each runs on one connection: the service's database, or for reports
+LLMQUOTA_REPORTING_DATABASE_URL when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from llmquota.cli.options import add_flag
+from llmquota.config import Settings
+from llmquota.domain.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
+from llmquota.store.connection import Connection, DatabaseError
+from llmquota.store.database import open_database
+
+
+def _run_on_connection(
+    settings: Settings,
+    action: Callable[[Connection], Awaitable[int]],
+    *,
+    reporting: bool = False,
+) -> int:
+    """Open the database and one connection, run `action`, and turn refusals
+    into a message and an exit status (2: bad input, 1: anything else).
+
+    Reports use LLMQUOTA_REPORTING_DATABASE_URL when it is set (e.g. as the
+    read-only llmquota_reporting role), otherwise the service's database.
+    """
+    from llmquota.store.connection import open_connection
+
+    url = (settings.reporting_database_url if reporting else None) or settings.database_url
+    timeout_ms = (
+        settings.report_statement_timeout_ms if reporting else settings.statement_timeout_ms
+    )
+
+    async def run(dsn: str) -> int:
+        connection = await open_connection(
+            dsn, statement_timeout_ms=timeout_ms, lock_timeout_ms=settings.lock_timeout_ms
+        )
+        try:
+            return await action(connection)
+        finally:
+            await connection.close()
+
+    with open_database(url, settings.data_dir) as db:
+        try:
+            return asyncio.run(run(db.dsn))
+        except (InvalidRequest, UnknownTenant, UnknownReport) as exc:
+            print(f"llmquota: error: {exc}", file=sys.stderr)
+            return 2
+        except LimiterError as exc:
+            print(f"llmquota: error: {exc}", file=sys.stderr)
+            return 1
+        except DatabaseError as exc:
+            print(f"llmquota: database refused: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+def _print_line(text: str) -> None:
+    print(text, flush=True)
+
+
+def cmd_ledger_export(args: argparse.Namespace, settings: Settings) -> int:
+    """Stream ledger rows after --after-id as JSON lines, in export id order."""
+    from llmquota.finance.ledger import LedgerStore
+
+    if args.after_id < 0:
+        print("llmquota: error: --after-id must be 0 or more", file=sys.stderr)
+        return 2
+    if args.limit is not None and args.limit < 1:
+        print("llmquota: error: --limit must be 1 or more", file=sys.stderr)
+        return 2
+
+    async def export(connection: Connection) -> int:
+        rows: AsyncIterator[Any] = LedgerStore(connection).export(
+            args.after_id,
+            limit=args.limit,
+            page_rows=settings.export_page_rows,
+            number_limit=settings.export_number_limit,
+        )
+        async for entry in rows:
+            _print_line(json.dumps(entry.to_json(), separators=(",", ":")))
+        return 0
+
+    try:
+        return _run_on_connection(settings, export)
+    except BrokenPipeError:
+        # The consumer stopped reading: not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def cmd_ledger_adjust(args: argparse.Namespace, settings: Settings) -> int:
+    """Append a signed adjustment row for a tenant."""
+    from llmquota.finance.ledger import LedgerStore
+
+    async def adjust(connection: Connection) -> int:
+        adjustment = await LedgerStore(connection).adjust(
+            tenant=args.tenant,
+            tokens=args.tokens,
+            reason=args.reason,
+            model=args.model,
+            route=args.route,
+            token_type=args.token_type,
+        )
+        _print_line(json.dumps(adjustment.to_json()))
+        return 0
+
+    return _run_on_connection(settings, adjust)
+
+
+def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
+    """Set a model's prices per million tokens from a date on."""
+    from llmquota.finance.ledger import LedgerStore, parse_effective_from, parse_price
+
+    async def set_price(connection: Connection) -> int:
+        price, replaced = await LedgerStore(connection).set_price(
+            model=args.model,
+            input_usd_per_million=parse_price("--input-per-million", args.input_per_million),
+            output_usd_per_million=parse_price("--output-per-million", args.output_per_million),
+            effective_from=(
+                parse_effective_from(args.effective_from) if args.effective_from else None
+            ),
+        )
+        verb = "replaced" if replaced else "set"
+        _print_line(
+            f"{verb}: {price.model} from {price.effective_from.isoformat()}: "
+            f"input {price.input_usd_per_million} USD, output {price.output_usd_per_million} "
+            "USD per million tokens"
+        )
+        return 0
+
+    return _run_on_connection(settings, set_price)
+
+
+def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
+    """Show model prices."""
+    from llmquota.cli.tabular import render
+    from llmquota.finance.ledger import LedgerStore
+
+    async def list_prices(connection: Connection) -> int:
+        prices = await LedgerStore(connection).prices(args.model)
+        columns = ("model", "effective_from", "input_usd_per_million", "output_usd_per_million")
+        rows = [
+            (p.model, p.effective_from, p.input_usd_per_million, p.output_usd_per_million)
+            for p in prices
+        ]
+        sys.stdout.write(render(columns, rows, args.format))
+        return 0
+
+    return _run_on_connection(settings, list_prices)
+
+
+def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
+    """Run a finance report (a function of the reporting schema), or list them."""
+    from llmquota.cli.tabular import render
+    from llmquota.finance.reports import ReportStore, parse_period
+
+    if not args.list and not args.name:
+        print("llmquota: error: name a report, or use --list", file=sys.stderr)
+        return 2
+    if not args.list:
+        try:
+            start, end = parse_period(args.date_from, args.date_to)
+        except InvalidRequest as exc:
+            print(f"llmquota: error: {exc}", file=sys.stderr)
+            return 2
+
+    async def report(connection: Connection) -> int:
+        store = ReportStore(connection)
+        if args.list:
+            listing = [(r.name, r.description) for r in await store.list_reports()]
+            sys.stdout.write(render(("report", "description"), listing, args.format))
+            return 0
+        result = await store.run(args.name, start, end, args.tenant)
+        sys.stdout.write(render(result.columns, result.rows, args.format))
+        return 0
+
+    return _run_on_connection(settings, report, reporting=True)
+
+
+def _add_ledger_commands(commands: Any) -> None:
+    from llmquota.finance.ledger import TOKEN_TYPES
+
+    ledger = commands.add_parser("ledger", help="the usage ledger: billing export, adjustments")
+    actions = ledger.add_subparsers(dest="ledger_command", required=True)
+
+    export = actions.add_parser(
+        "export",
+        help="stream ledger rows as JSON lines after a cursor",
+        description="Print ledger rows as JSON lines in export id order, after --after-id. "
+        "Export ids are gapless; resume with the last printed id. Rows committed out of "
+        "entry id order are never skipped (see lq_export_ledger in sql/ledger.sql).",
+    )
+    add_flag(export, "ledger export", "--after-id", type=int, metavar="N")
+    add_flag(export, "ledger export", "--limit", type=int, metavar="N")
+    export.set_defaults(func=cmd_ledger_export)
+
+    adjust = actions.add_parser(
+        "adjust",
+        help="append a signed correction (the ledger is never edited)",
+        description="Append an adjustment row: signed tokens for a tenant, with a reason.",
+    )
+    add_flag(adjust, "ledger adjust", "--tenant", required=True)
+    add_flag(adjust, "ledger adjust", "--tokens", required=True, type=int)
+    add_flag(adjust, "ledger adjust", "--reason", required=True)
+    add_flag(adjust, "ledger adjust", "--model")
+    add_flag(adjust, "ledger adjust", "--route")
+    add_flag(adjust, "ledger adjust", "--token-type", choices=TOKEN_TYPES)
+    adjust.set_defaults(func=cmd_ledger_adjust)
+
+
+def _add_price_commands(commands: Any) -> None:
+    from llmquota.cli.tabular import FORMATS
+
+    prices = commands.add_parser("prices", help="model prices per million tokens")
+    actions = prices.add_subparsers(dest="prices_command", required=True)
+    set_ = actions.add_parser(
+        "set",
+        help="set a model's prices from a date on",
+        description="Reports cost usage at the price in force when it was recorded.",
+    )
+    add_flag(set_, "prices set", "--model", required=True)
+    add_flag(set_, "prices set", "--input-per-million", required=True, metavar="USD")
+    add_flag(set_, "prices set", "--output-per-million", required=True, metavar="USD")
+    add_flag(set_, "prices set", "--effective-from", metavar="DATE")
+    set_.set_defaults(func=cmd_prices_set)
+
+    list_ = actions.add_parser("list", help="show prices")
+    add_flag(list_, "prices list", "--model")
+    add_flag(list_, "prices list", "--format", choices=FORMATS)
+    list_.set_defaults(func=cmd_prices_list)
+
+
+def _add_report_command(commands: Any) -> None:
+    from llmquota.cli.tabular import FORMATS
+
+    report = commands.add_parser(
+        "report",
+        help="run a finance report (the SQL of the reporting schema)",
+        description="Run a report function of the reporting schema over [--from, --to) in "
+        "UTC days. The database is LLMQUOTA_REPORTING_DATABASE_URL when set (e.g. as the "
+        "read-only llmquota_reporting role), else LLMQUOTA_DATABASE_URL.",
+    )
+    report.add_argument("name", nargs="?", help="report name, e.g. usage_daily (see --list)")
+    report.add_argument("--list", action="store_true", help="list the reports that exist")
+    add_flag(report, "report", "--from", dest="date_from", metavar="DATE")
+    add_flag(report, "report", "--to", dest="date_to", metavar="DATE")
+    add_flag(report, "report", "--tenant")
+    add_flag(report, "report", "--format", choices=FORMATS)
+    report.set_defaults(func=cmd_report)
+
+
+def add_finance_commands(commands: Any) -> None:
+    """`ledger`, `prices` and `report`."""
+    _add_ledger_commands(commands)
+    _add_price_commands(commands)
+    _add_report_command(commands)

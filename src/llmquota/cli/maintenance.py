@@ -1,0 +1,123 @@
+"""`llmquota sweep`, `audit` and `tokens`: upkeep and inspection."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llmquota.cli.options import add_converted_flag, add_flag
+from llmquota.config import Settings
+from llmquota.store.database import open_database
+
+
+def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
+    """Expire reservations whose lease ran out; once, or every --loop seconds."""
+    from llmquota.admin.sweeper import Sweeper
+    from llmquota.domain.errors import StoreUnavailable
+    from llmquota.store.store import Store
+
+    async def run(dsn: str) -> None:
+        # One statement at a time: a pool of one is all the sweeper needs.
+        store = await Store.connect(
+            dsn,
+            min_size=1,
+            max_size=1,
+            statement_timeout_ms=settings.statement_timeout_ms,
+            lock_timeout_ms=settings.lock_timeout_ms,
+        )
+        sweeper = Sweeper(store, settings)
+        try:
+            while True:
+                try:
+                    report = await sweeper.sweep(args.batch_size, args.max_batches)
+                except StoreUnavailable as exc:
+                    if not args.loop:
+                        raise
+                    # A sweeper loop outlives an outage: try again next round.
+                    print(f"sweep skipped: {exc}", flush=True)
+                    await asyncio.sleep(args.loop)
+                    continue
+                print(
+                    f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
+                    f"batches={report.batches} purged={report.purged} "
+                    f"partitions_created={report.partitions_created}",
+                    flush=True,
+                )
+                if args.heartbeat_file:
+                    # A container healthcheck reads this file's age.
+                    await asyncio.to_thread(
+                        Path(args.heartbeat_file).write_text, f"{time.time():.0f}\n"
+                    )
+                if not args.loop:
+                    return
+                await asyncio.sleep(args.loop)
+        finally:
+            await store.close()
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        try:
+            asyncio.run(run(db.dsn))
+        except KeyboardInterrupt:
+            return 130
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
+    """Recompute in-flight counts and ledger rows from the journal; exit 1 on drift."""
+    from llmquota.store.store import Store
+
+    async def run(dsn: str) -> int:
+        store = await Store.connect(dsn, min_size=1, max_size=1)
+        try:
+            summary = await store.audit_summary()
+            findings = await store.audit()
+        finally:
+            await store.close()
+        print(
+            f"journal: active={summary.active} reserved_tokens={summary.reserved_tokens} "
+            f"finished={summary.finished} outage_admissions={summary.outage_admissions} "
+            f"ledger_rows={summary.ledger_rows}"
+        )
+        for f in findings:
+            print(f"DRIFT {f.check_name} {f.subject}: expected {f.expected}, found {f.actual}")
+        print(f"drift: {len(findings)}" if findings else "no drift")
+        return 1 if findings else 0
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        return asyncio.run(run(db.dsn))
+
+
+def cmd_tokens(args: argparse.Namespace, settings: Settings) -> int:
+    """Count the tokens of stdin as `model` would see them."""
+    from llmquota.domain.tokens import count_text
+
+    count = count_text(sys.stdin.read(), args.model, settings.estimate_factors)
+    suffix = f" (estimated, {count.encoding})" if count.estimated else f" ({count.encoding})"
+    print(f"{count.tokens}{suffix}")
+    return 0
+
+
+def add_maintenance_commands(commands: Any) -> None:
+    """`sweep`, `audit` and `tokens`."""
+    sweep = commands.add_parser("sweep", help="expire reservations whose lease ran out")
+    add_converted_flag(sweep, "sweep", "--loop", float, type=float, metavar="SECONDS")
+    # Their variables are Settings fields: None leaves the sweeper to the settings.
+    add_flag(sweep, "sweep", "--batch-size", type=int)
+    add_flag(sweep, "sweep", "--max-batches", type=int)
+    add_flag(sweep, "sweep", "--heartbeat-file", metavar="PATH")
+    sweep.set_defaults(func=cmd_sweep)
+
+    audit = commands.add_parser(
+        "audit",
+        help="recompute in-flight counts and outstanding reservations from the journal; "
+        "exit 1 when anything drifted",
+    )
+    audit.set_defaults(func=cmd_audit)
+
+    tokens = commands.add_parser("tokens", help="count the tokens of stdin")
+    tokens.add_argument("--model", required=True, help="model name, e.g. gpt-4o")
+    tokens.set_defaults(func=cmd_tokens)

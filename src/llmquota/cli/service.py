@@ -1,0 +1,80 @@
+"""`llmquota serve` and `llmquota migrate`: the service and its schema."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from llmquota.cli.options import add_converted_flag, add_flag, is_one
+from llmquota.config import Settings, export_for_workers
+from llmquota.store.database import open_database
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    """Apply the alembic migrations."""
+    from llmquota.store import migrate
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        migrate.upgrade(db.dsn)
+    print("database is at the latest schema")
+    return 0
+
+
+async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
+    """Create and return an admin key on first start, when none is configured."""
+    from llmquota.api.auth import key_digest, new_key
+    from llmquota.store.store import Store
+
+    if settings.admin_key:
+        return None
+    store = await Store.connect(dsn, min_size=1, max_size=1)
+    try:
+        key = new_key()
+        return key if await store.insert_first_admin_key(key_digest(key)) else None
+    finally:
+        await store.close()
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    """Run the REST API (migrating an embedded database first)."""
+    import uvicorn
+
+    from llmquota.store import migrate
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        if db.embedded or args.migrate:
+            migrate.upgrade(db.dsn)
+        generated = asyncio.run(_ensure_admin_key(db.dsn, settings))
+        if generated:
+            print(
+                "Generated the admin API key. It is shown once; store it now:\n"
+                f"  {generated}\n"
+                "(Set LLMQUOTA_ADMIN_KEY to use a key of your own.)",
+                flush=True,
+            )
+        # Workers are separate processes: they read the resolved DSN from the environment.
+        export_for_workers(db.dsn)
+        uvicorn.run(
+            "llmquota.api.app:create_app_from_env",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+        )
+    return 0
+
+
+def add_service_commands(commands: Any) -> None:
+    """`serve` and `migrate`."""
+    serve = commands.add_parser("serve", help="run the REST API")
+    add_flag(serve, "serve", "--host")
+    add_converted_flag(serve, "serve", "--port", int, type=int)
+    add_converted_flag(serve, "serve", "--workers", int, type=int)
+    add_converted_flag(serve, "serve", "--migrate", is_one, action="store_true")
+    add_flag(serve, "serve", "--log-level")
+    serve.set_defaults(func=cmd_serve)
+
+    migrate = commands.add_parser("migrate", help="apply database migrations")
+    migrate.set_defaults(func=cmd_migrate)
