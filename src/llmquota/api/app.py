@@ -1,7 +1,8 @@
 """The FastAPI application: wiring, error rendering and the lifespan.
 
 `create_app(settings)` builds an app whose lifespan opens one Limiter (one
-pool) per worker process. Errors are rendered in one shape everywhere:
+pool) per worker process, and the admin service over the same store. Errors
+are rendered in one shape everywhere:
 {"type": "error", "error": {"type": ..., "message": ...}}.
 """
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
+from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import AuthenticationFailed, Authenticator, Forbidden
 from llmquota.api.bodylimit import BodySizeLimit
@@ -126,8 +128,10 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limiter = await Limiter.connect(database, settings)
+        admin = AdminService(limiter.store, deadline_seconds=limiter.deadline_seconds)
         app.state.limiter = limiter
-        app.state.authenticator = Authenticator(limiter.store, settings.admin_key)
+        app.state.admin = admin
+        app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
         try:
             yield
         finally:

@@ -13,8 +13,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
-from llmquota.api.auth import Caller, key_digest, new_key
+from llmquota.api.auth import Caller
 from llmquota.api.headers import rate_limit_headers
 from llmquota.api.schemas import (
     AdmitBody,
@@ -33,7 +34,7 @@ from llmquota.api.schemas import (
     StatusResponse,
     UsageResponse,
 )
-from llmquota.domain.errors import InvalidRequest, UnknownTenant
+from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.policy import NAME_PATTERN, Policy
 from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
 from llmquota.domain.vocabulary import Scope
@@ -60,12 +61,16 @@ router = APIRouter(responses=_errors(400, 401, 403, 404, 413, 422, 503))
 
 TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
 RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]
-MAX_USAGE_RANGE = timedelta(days=3_660)
 
 
 def get_limiter(request: Request) -> Limiter:
     limiter: Limiter = request.app.state.limiter
     return limiter
+
+
+def get_admin(request: Request) -> AdminService:
+    admin: AdminService = request.app.state.admin
+    return admin
 
 
 async def get_caller(
@@ -76,13 +81,14 @@ async def get_caller(
 
 
 LimiterDep = Annotated[Limiter, Depends(get_limiter)]
+AdminDep = Annotated[AdminService, Depends(get_admin)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 @router.get("/healthz", tags=["operations"])
-async def healthz(limiter: LimiterDep) -> dict[str, str]:
+async def healthz(admin: AdminDep) -> dict[str, str]:
     """Liveness plus a database round trip, within the decision deadline (else 503)."""
-    await limiter.store.ping(deadline_seconds=limiter.deadline_seconds)
+    await admin.ping()
     return {"status": "ok"}
 
 
@@ -247,101 +253,88 @@ def _policy_response(policy: Policy, version: int) -> PolicyResponse:
 
 
 async def _put(
-    limiter: Limiter, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
+    admin: AdminService, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
 ) -> PolicyResponse:
     policy = _policy(body)
-    if scope == "route" and tenant is not None and not await limiter.store.tenant_exists(tenant):
-        raise UnknownTenant(f"unknown tenant {tenant!r}")
-    version = await limiter.store.put_policy(scope, tenant, route, policy)
+    version = await admin.put_policy(scope, tenant, route, policy)
     return _policy_response(policy, version)
 
 
 async def _get(
-    limiter: Limiter, scope: Scope, tenant: str | None, route: str | None
+    admin: AdminService, scope: Scope, tenant: str | None, route: str | None
 ) -> PolicyResponse:
-    found = await limiter.store.get_policy(scope, tenant, route)
-    if found is None:
-        raise UnknownTenant(f"no {scope} policy")
-    return _policy_response(*found)
+    return _policy_response(*await admin.get_policy(scope, tenant, route))
 
 
 @router.put("/v1/policies/global", response_model=PolicyResponse, tags=["policies"])
-async def put_global_policy(
-    body: PolicyBody, caller: CallerDep, limiter: LimiterDep
-) -> PolicyResponse:
+async def put_global_policy(body: PolicyBody, caller: CallerDep, admin: AdminDep) -> PolicyResponse:
     """Set the limits every request passes, whatever its tenant."""
     caller.require_admin()
-    return await _put(limiter, "global", None, None, body)
+    return await _put(admin, "global", None, None, body)
 
 
 @router.get("/v1/policies/global", response_model=PolicyResponse, tags=["policies"])
-async def get_global_policy(caller: CallerDep, limiter: LimiterDep) -> PolicyResponse:
+async def get_global_policy(caller: CallerDep, admin: AdminDep) -> PolicyResponse:
     """The global limits."""
     caller.require_admin()
-    return await _get(limiter, "global", None, None)
+    return await _get(admin, "global", None, None)
 
 
 @router.put("/v1/tenants/{tenant}/policy", response_model=PolicyResponse, tags=["policies"])
 async def put_tenant_policy(
-    tenant: TenantName, body: PolicyBody, caller: CallerDep, limiter: LimiterDep
+    tenant: TenantName, body: PolicyBody, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
     """Set a tenant's limits (registering the tenant if new)."""
     caller.require_admin()
-    return await _put(limiter, "tenant", tenant, None, body)
+    return await _put(admin, "tenant", tenant, None, body)
 
 
 @router.get("/v1/tenants/{tenant}/policy", response_model=PolicyResponse, tags=["policies"])
 async def get_tenant_policy(
-    tenant: TenantName, caller: CallerDep, limiter: LimiterDep
+    tenant: TenantName, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
     """A tenant's limits."""
     caller.require_admin()
-    return await _get(limiter, "tenant", tenant, None)
+    return await _get(admin, "tenant", tenant, None)
 
 
 @router.put(
     "/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse, tags=["policies"]
 )
 async def put_route_policy(
-    tenant: TenantName, route: RouteName, body: PolicyBody, caller: CallerDep, limiter: LimiterDep
+    tenant: TenantName, route: RouteName, body: PolicyBody, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
     """Set the limits of one route of a tenant."""
     caller.require_admin()
-    return await _put(limiter, "route", tenant, route, body)
+    return await _put(admin, "route", tenant, route, body)
 
 
 @router.get(
     "/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse, tags=["policies"]
 )
 async def get_route_policy(
-    tenant: TenantName, route: RouteName, caller: CallerDep, limiter: LimiterDep
+    tenant: TenantName, route: RouteName, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
     """A route's limits."""
     caller.require_admin()
-    return await _get(limiter, "route", tenant, route)
+    return await _get(admin, "route", tenant, route)
 
 
 @router.post(
     "/v1/tenants/{tenant}/keys", status_code=201, response_model=KeyResponse, tags=["tenants"]
 )
-async def create_key(tenant: TenantName, caller: CallerDep, limiter: LimiterDep) -> KeyResponse:
+async def create_key(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> KeyResponse:
     """Issue an API key for a tenant (registering it if new). Shown once."""
     caller.require_admin()
-    await limiter.store.ensure_tenant(tenant)
-    key = new_key()
-    await limiter.store.insert_api_key(key_digest(key), tenant)
+    key = await admin.create_key(tenant)
     return KeyResponse(key=key, tenant=tenant)
 
 
 @router.get("/v1/tenants/{tenant}/status", response_model=StatusResponse, tags=["tenants"])
-async def tenant_status(
-    tenant: TenantName, caller: CallerDep, limiter: LimiterDep
-) -> StatusResponse:
+async def tenant_status(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> StatusResponse:
     """Every layer the tenant's requests pass, with balances refilled to now."""
     caller.require_tenant(tenant)
-    layers = await limiter.store.layer_status(tenant)
-    if not any(layer.scope == "tenant" for layer in layers):
-        raise UnknownTenant(f"unknown tenant {tenant!r}")
+    layers = await admin.tenant_status(tenant)
     return StatusResponse(
         tenant=tenant,
         layers=[
@@ -368,7 +361,7 @@ async def tenant_status(
 async def tenant_usage(
     tenant: TenantName,
     caller: CallerDep,
-    limiter: LimiterDep,
+    admin: AdminDep,
     from_: Annotated[datetime | None, Query(alias="from")] = None,
     to: Annotated[datetime | None, Query()] = None,
 ) -> JSONResponse:
@@ -376,11 +369,7 @@ async def tenant_usage(
     caller.require_tenant(tenant)
     end = _aware(to) if to else datetime.now(UTC)
     start = _aware(from_) if from_ else end - timedelta(days=30)
-    if start > end or end - start > MAX_USAGE_RANGE:
-        raise InvalidRequest("'from' must be before 'to', at most 10 years apart")
-    if not await limiter.store.tenant_exists(tenant):
-        raise UnknownTenant(f"unknown tenant {tenant!r}")
-    totals = await limiter.store.tenant_usage(tenant, start, end)
+    totals = await admin.tenant_usage(tenant, start, end)
     body = UsageResponse(
         tenant=tenant,
         from_=start,
