@@ -17,6 +17,7 @@ from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Caller
 from llmquota.api.headers import rate_limit_headers
+from llmquota.api.refusals import refusal_response
 from llmquota.api.schemas import (
     AdmitBody,
     AdmitResponse,
@@ -36,7 +37,7 @@ from llmquota.api.schemas import (
 )
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.policy import NAME_PATTERN, Policy
-from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
+from llmquota.domain.refusals import seconds_until_full
 from llmquota.domain.vocabulary import Scope
 
 
@@ -124,40 +125,9 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
     if admission.fallback is not None:
         # Decided by the failure mode while the store was away.
         headers["llmquota-fallback"] = admission.fallback
-    if d.status == "rate_limited":
-        retry_ms = int(d.retry_after_ms or 1)
-        headers["Retry-After"] = str(ceil_seconds(retry_ms))
-        headers["retry-after-ms"] = str(retry_ms)
-        return JSONResponse(
-            {
-                "type": "error",
-                "error": {
-                    "type": "rate_limit_error",
-                    "limit": d.limit_kind,
-                    "scope": d.limit_scope,
-                    "message": refusal_message(body.tenant, d),
-                    "retry_after_ms": retry_ms,
-                },
-            },
-            status_code=429,
-            headers=headers,
-        )
-    if d.status == "too_large":
-        return JSONResponse(
-            {
-                "type": "error",
-                "error": {
-                    "type": "request_too_large",
-                    "limit": "tokens",
-                    "scope": d.limit_scope,
-                    "requested": d.reserved_tokens,
-                    "capacity": d.capacity,
-                    "message": refusal_message(body.tenant, d),
-                },
-            },
-            status_code=413,
-            headers=headers,
-        )
+    refused = refusal_response(body.tenant, d, headers)
+    if refused is not None:
+        return refused
     admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
     assert d.reservation_id is not None and d.lease_expires_at is not None
     response = AdmitResponse(
