@@ -1,21 +1,22 @@
-"""API keys: bearer tokens, stored as SHA-256 digests, compared in constant time.
+"""Authentication: bearer tokens to callers, digests compared in constant time.
 
-A key is 32 random bytes, so a plain digest is enough (no password hashing
-needed: there is nothing to brute-force). Lookups are cached per worker for
-a short time, so authentication does not add a round trip to every admit.
+Keys are made and digested in llmquota.domain.keys; whose a key is, the
+admin service answers (the lookup passed in). Lookups are cached per worker
+for a short time, so authentication does not add a round trip to every admit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from llmquota.store.store import Store
+from llmquota.domain.keys import KeyOwner, key_digest
 
-KEY_PREFIX = "lq_"
+# Whose key has a digest: AdminService.find_key in the app.
+KeyLookup = Callable[[bytes], Awaitable[KeyOwner | None]]
+
 KEY_CACHE_SECONDS = 30.0
 KEY_CACHE_MAX_ENTRIES = 10_000
 
@@ -52,16 +53,6 @@ class Caller:
         return self.tenant
 
 
-def new_key() -> str:
-    """A fresh random API key."""
-    return KEY_PREFIX + secrets.token_urlsafe(32)
-
-
-def key_digest(key: str) -> bytes:
-    """The stored form of a key."""
-    return hashlib.sha256(key.encode()).digest()
-
-
 def bearer_token(authorization: str | None) -> str:
     """The token of an `Authorization: Bearer ...` header."""
     if not authorization:
@@ -75,8 +66,8 @@ def bearer_token(authorization: str | None) -> str:
 class Authenticator:
     """Resolves bearer tokens to callers, with a small per-worker cache."""
 
-    def __init__(self, store: Store, admin_key: str | None) -> None:
-        self._store = store
+    def __init__(self, lookup: KeyLookup, admin_key: str | None) -> None:
+        self._lookup = lookup
         self._admin_digest = key_digest(admin_key) if admin_key else None
         self._cache: dict[bytes, tuple[float, Caller]] = {}
 
@@ -104,10 +95,10 @@ class Authenticator:
         now = time.monotonic()
         if cached is not None and cached[0] > now:
             return cached[1]
-        found = await self._store.find_api_key(digest)
+        found = await self._lookup(digest)
         if found is None:
             raise AuthenticationFailed
-        caller = Caller(tenant=found[1])
+        caller = Caller(tenant=found.tenant)
         if len(self._cache) >= KEY_CACHE_MAX_ENTRIES:
             self._cache.clear()
         self._cache[digest] = (now + KEY_CACHE_SECONDS, caller)

@@ -7,10 +7,10 @@ the limit. Either way the client gets 413 and nothing reaches the routes.
 
 from __future__ import annotations
 
-import json
-
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmquota.api.errors import send_error
 
 PAYLOAD_TOO_LARGE = 413
 
@@ -24,18 +24,6 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(PAYLOAD_TOO_LARGE, f"request body exceeds {limit} bytes")
-
-
-def _payload(limit: int) -> bytes:
-    return json.dumps(
-        {
-            "type": "error",
-            "error": {
-                "type": "payload_too_large",
-                "message": f"request body exceeds {limit} bytes",
-            },
-        }
-    ).encode()
 
 
 class BodySizeLimit:
@@ -88,16 +76,10 @@ class BodySizeLimit:
         return False
 
     async def _refuse(self, send: Send) -> None:
-        body = _payload(self.max_body_bytes)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": PAYLOAD_TOO_LARGE,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
+        await send_error(
+            send,
+            PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            headers=[(b"connection", b"close")],
+            message=f"request body exceeds {self.max_body_bytes} bytes",
         )
-        await send({"type": "http.response.body", "body": body})

@@ -16,11 +16,12 @@ through once, and its lookup fills the cache). Admin requests are not gated.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from llmquota.api.errors import send_error
 
 TOO_MANY = 429
 # Retry hint for a request refused because its tenant's queue was full.
@@ -81,29 +82,17 @@ class TenantFairShare:
 
 
 async def _refuse(send: Send, max_waiting: int) -> None:
-    body = json.dumps(
-        {
-            "type": "error",
-            "error": {
-                "type": "rate_limit_error",
-                "limit": "concurrency",
-                "scope": "tenant",
-                "message": f"this tenant already has {max_waiting} requests queued on this "
-                "worker; retry shortly",
-                "retry_after_ms": QUEUE_FULL_RETRY_MS,
-            },
-        }
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": TOO_MANY,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"),
-                (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),
-            ],
-        }
+    await send_error(
+        send,
+        TOO_MANY,
+        "rate_limit_error",
+        headers=[
+            (b"retry-after", b"1"),
+            (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),
+        ],
+        limit="concurrency",
+        scope="tenant",
+        message=f"this tenant already has {max_waiting} requests queued on this "
+        "worker; retry shortly",
+        retry_after_ms=QUEUE_FULL_RETRY_MS,
     )
-    await send({"type": "http.response.body", "body": body})

@@ -23,17 +23,15 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
     """Create and return an admin key on first start, when none is configured."""
-    from llmquota.api.auth import key_digest, new_key
-    from llmquota.store.store import Store
+    from llmquota.admin.service import AdminService
 
     if settings.admin_key:
         return None
-    store = await Store.connect(dsn, min_size=1, max_size=1)
+    admin = await AdminService.connect(dsn)
     try:
-        key = new_key()
-        return key if await store.insert_first_admin_key(key_digest(key)) else None
+        return await admin.ensure_first_admin_key()
     finally:
-        await store.close()
+        await admin.close()
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,0 +1,98 @@
+"""The admin service: policies, keys, status and usage, over the store.
+
+Everything that is not a decision goes through here, so that the adapters
+(the REST routes, the CLI) never hold the store: they pass domain records in
+and get domain records or typed errors back. The rules that belong to the
+administration, not to HTTP (a route policy needs its tenant, a key registers
+its tenant, status and usage of a tenant that does not exist are not found,
+a usage range is bounded), live here once.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from llmquota.domain.errors import InvalidRequest, UnknownTenant
+from llmquota.domain.keys import KeyOwner, key_digest, new_key
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import LayerStatus, UsageTotals
+from llmquota.domain.vocabulary import Scope
+from llmquota.store.store import Store
+
+# A usage query spans at most about ten years.
+MAX_USAGE_RANGE = timedelta(days=3_660)
+# The healthz round trip's deadline when the caller names none.
+DEFAULT_DEADLINE_SECONDS = 5.0
+
+
+class AdminService:
+    """Administration of one database, for the REST API and the CLI."""
+
+    def __init__(self, store: Store, *, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS) -> None:
+        self._store = store
+        self._deadline_seconds = deadline_seconds
+
+    @classmethod
+    async def connect(cls, dsn: str) -> AdminService:
+        """A service over a pool of its own, of one connection (for the CLI)."""
+        return cls(await Store.connect(dsn, min_size=1, max_size=1))
+
+    async def close(self) -> None:
+        """Close the store; only for a service that `connect` opened."""
+        await self._store.close()
+
+    async def ping(self) -> None:
+        """One database round trip within the deadline, else StoreUnavailable."""
+        await self._store.ping(deadline_seconds=self._deadline_seconds)
+
+    async def put_policy(
+        self, scope: Scope, tenant: str | None, route: str | None, policy: Policy
+    ) -> int:
+        """Create or replace a layer's policy; its new policy version.
+
+        A tenant policy registers the tenant; a route policy needs it registered.
+        """
+        if scope == "route" and tenant is not None and not await self._store.tenant_exists(tenant):
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        return await self._store.put_policy(scope, tenant, route, policy)
+
+    async def get_policy(
+        self, scope: Scope, tenant: str | None, route: str | None
+    ) -> tuple[Policy, int]:
+        """A layer's policy and version, or UnknownTenant when it has none."""
+        found = await self._store.get_policy(scope, tenant, route)
+        if found is None:
+            raise UnknownTenant(f"no {scope} policy")
+        return found
+
+    async def create_key(self, tenant: str) -> str:
+        """Issue a key for a tenant (registering it if new); the plaintext, shown once."""
+        await self._store.ensure_tenant(tenant)
+        key = new_key()
+        await self._store.insert_api_key(key_digest(key), tenant)
+        return key
+
+    async def ensure_first_admin_key(self) -> str | None:
+        """An admin key, when the database has none yet; None when it has one."""
+        key = new_key()
+        return key if await self._store.insert_first_admin_key(key_digest(key)) else None
+
+    async def find_key(self, digest: bytes) -> KeyOwner | None:
+        """Whose key has this digest; None for a key that was never issued."""
+        found = await self._store.find_api_key(digest)
+        return None if found is None else KeyOwner(key_id=found[0], tenant=found[1])
+
+    async def tenant_status(self, tenant: str) -> list[LayerStatus]:
+        """Every layer the tenant's requests pass, refilled to now."""
+        layers = await self._store.layer_status(tenant)
+        if not any(layer.scope == "tenant" for layer in layers):
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        return layers
+
+    async def tenant_usage(self, tenant: str, start: datetime, end: datetime) -> UsageTotals:
+        """Ledger totals of a registered tenant over [start, end)."""
+        if start > end or end - start > MAX_USAGE_RANGE:
+            raise InvalidRequest("'from' must be before 'to', at most 10 years apart")
+        if not await self._store.tenant_exists(tenant):
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        return await self._store.tenant_usage(tenant, start, end)

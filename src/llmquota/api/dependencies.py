@@ -1,0 +1,62 @@
+"""What every route module shares: its services, its caller, its path names.
+
+The app's lifespan puts one Limiter and one AdminService on `app.state`; the
+routes take them (and the authenticated caller) as dependencies declared here
+once, so that a route names what it needs and never reaches for the store.
+The OpenAPI error entries live here too: every route documents its errors in
+the one error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Header, Path, Request
+
+from llmquota.admin.service import AdminService
+from llmquota.admission.limiter import Limiter
+from llmquota.api.auth import Caller
+from llmquota.api.schemas import ErrorResponse
+from llmquota.domain.policy import NAME_PATTERN
+
+_ERROR_DESCRIPTIONS = {
+    400: "the body could not be parsed at all",
+    401: "missing or invalid API key",
+    403: "the key may not act on this tenant or endpoint",
+    404: "no such tenant or reservation (another tenant's looks the same)",
+    409: "the reservation's state does not allow this",
+    413: "the body is over the size limit, or the reservation can never fit",
+    422: "invalid request: wrong types, out-of-range numbers, malformed JSON",
+    429: "a limit has no room now; retry after retry_after_ms",
+    503: "limiter_unavailable: the database did not answer in time; retryable",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for error statuses, all in the one error shape."""
+    return {s: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[s]} for s in statuses}
+
+
+def get_limiter(request: Request) -> Limiter:
+    limiter: Limiter = request.app.state.limiter
+    return limiter
+
+
+def get_admin(request: Request) -> AdminService:
+    admin: AdminService = request.app.state.admin
+    return admin
+
+
+async def get_caller(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Caller:
+    caller: Caller = await request.app.state.authenticator.caller(authorization)
+    return caller
+
+
+LimiterDep = Annotated[Limiter, Depends(get_limiter)]
+AdminDep = Annotated[AdminService, Depends(get_admin)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+
+TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
+RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]

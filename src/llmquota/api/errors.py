@@ -1,0 +1,137 @@
+"""The one error shape of the API, and the handlers that render errors in it.
+
+Every error a client gets, from a route, an exception handler or a raw ASGI
+middleware, is {"type": "error", "error": {"type": ..., "message": ..., ...}},
+built by `error_body` here and nowhere else, so that no answer can drift from
+the shape clients parse. The exception handlers map the typed errors of the
+domain and of authentication to their statuses in one table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
+
+from llmquota.api.auth import AuthenticationFailed, Forbidden
+from llmquota.domain.errors import (
+    IdempotencyConflict,
+    InvalidRequest,
+    ReservationConflict,
+    ReservationNotFound,
+    StoreUnavailable,
+    UnknownTenant,
+)
+
+
+def error_body(error_type: str, /, **fields: Any) -> dict[str, Any]:
+    """The error body; `fields` (a `message` among them) in the order given."""
+    return {"type": "error", "error": {"type": error_type, **fields}}
+
+
+def error_response(
+    status: int, error_type: str, /, *, headers: Mapping[str, str] | None = None, **fields: Any
+) -> JSONResponse:
+    """An error answer from a route or an exception handler."""
+    return JSONResponse(error_body(error_type, **fields), status_code=status, headers=headers)
+
+
+async def send_error(
+    send: Send,
+    status: int,
+    error_type: str,
+    /,
+    *,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    **fields: Any,
+) -> None:
+    """An error answer from a raw ASGI middleware, before any route runs."""
+    body = json.dumps(error_body(error_type, **fields)).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+# The typed errors whose message is the whole answer: (error, status, error type).
+_SIMPLE: list[tuple[type[Exception], int, str]] = [
+    (InvalidRequest, 422, "invalid_request_error"),
+    (IdempotencyConflict, 422, "idempotency_conflict"),
+    (UnknownTenant, 404, "not_found_error"),
+    (ReservationNotFound, 404, "not_found_error"),
+    (ReservationConflict, 409, "conflict_error"),
+    (Forbidden, 403, "permission_error"),
+]
+
+# Starlette's own HTTP errors (unknown path, wrong method, ...) by status.
+_HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+}
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:5]:
+        if error.get("type") == "json_invalid":
+            parts.append(f"body is not valid JSON ({error.get('ctx', {}).get('error', 'syntax')})")
+            continue
+        location = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Render every error the app may raise in the one shape."""
+    for exc_type, status, error_type in _SIMPLE:
+
+        async def handler(
+            _request: Request, exc: Exception, status: int = status, error_type: str = error_type
+        ) -> JSONResponse:
+            return error_response(status, error_type, message=str(exc))
+
+        app.add_exception_handler(exc_type, handler)
+
+    async def unauthenticated(_request: Request, _exc: Exception) -> JSONResponse:
+        return error_response(
+            401,
+            "authentication_error",
+            message="missing or invalid API key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    async def unavailable(_request: Request, exc: Exception) -> JSONResponse:
+        # Never a 429: an outage must not look like a tenant over its limit.
+        return error_response(
+            503, "limiter_unavailable", message=str(exc), headers={"Retry-After": "1"}
+        )
+
+    async def invalid(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(422, "invalid_request_error", message=_validation_message(exc))
+
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, error_type, message=str(exc.detail))
+
+    app.add_exception_handler(AuthenticationFailed, unauthenticated)
+    app.add_exception_handler(StoreUnavailable, unavailable)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)

@@ -1,0 +1,58 @@
+"""How a refused admission answers over HTTP: 429 or 413, body and headers.
+
+A refusal is an answer of the limiter, not an exception of the route, and
+clients branch on its fields (`limit`, `scope`, `retry_after_ms`, ...) and its
+retry headers; rendering it here, once, keeps those exact. The sentence comes
+from llmquota.domain.refusals, like the library's exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastapi.responses import JSONResponse
+
+from llmquota.api.errors import error_response
+from llmquota.domain.records import AdmitDecision
+from llmquota.domain.refusals import ceil_seconds, refusal_message
+
+RATE_LIMITED = 429
+TOO_LARGE = 413
+
+
+def refusal_response(
+    tenant: str, decision: AdmitDecision, headers: Mapping[str, str]
+) -> JSONResponse | None:
+    """The answer to a rate-limited or too-large decision; None for any other.
+
+    `headers` (the rate-limit headers) are sent with it, a 429's retry
+    hints after them.
+    """
+    d = decision
+    if d.status == "rate_limited":
+        retry_ms = int(d.retry_after_ms or 1)
+        return error_response(
+            RATE_LIMITED,
+            "rate_limit_error",
+            headers={
+                **headers,
+                "Retry-After": str(ceil_seconds(retry_ms)),
+                "retry-after-ms": str(retry_ms),
+            },
+            limit=d.limit_kind,
+            scope=d.limit_scope,
+            message=refusal_message(tenant, d),
+            retry_after_ms=retry_ms,
+        )
+    if d.status == "too_large":
+        return error_response(
+            TOO_LARGE,
+            "request_too_large",
+            headers=headers,
+            limit="tokens",
+            scope=d.limit_scope,
+            requested=d.reserved_tokens,
+            capacity=d.capacity,
+            message=refusal_message(tenant, d),
+        )
+    return None

@@ -1,0 +1,140 @@
+"""Admission: admit, then settle, release or heartbeat the reservation.
+
+These are the hot path a client calls around every provider request. Each
+route authenticates, asks the Limiter, and renders its answer; a refusal
+(429, 413) is rendered by llmquota.api.refusals, in the exact shape clients
+branch on.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Body
+from fastapi.responses import JSONResponse
+
+from llmquota.admission.reservation import Admission
+from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
+from llmquota.api.headers import rate_limit_headers
+from llmquota.api.refusals import refusal_response
+from llmquota.api.schemas import (
+    AdmitBody,
+    AdmitResponse,
+    HeartbeatBody,
+    HeartbeatResponse,
+    ReleaseResponse,
+    Remaining,
+    SettleBody,
+    SettleResponse,
+)
+
+router = APIRouter(tags=["admission"])
+
+
+@router.post(
+    "/v1/admit", status_code=201, response_model=AdmitResponse, responses=error_responses(429)
+)
+async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSONResponse:
+    """Reserve input + max_tokens on every layer, or say which limit refused."""
+    caller.require_tenant(body.tenant)
+    prepared = limiter.prepare(
+        tenant=body.tenant,
+        route=body.route,
+        model=body.model,
+        max_tokens=body.max_tokens,
+        messages=body.messages,
+        input_tokens=body.input_tokens,
+        lease_seconds=body.lease_seconds,
+        idempotency_key=body.idempotency_key,
+    )
+    admission = await limiter.decide(prepared)
+    headers = rate_limit_headers(admission.decision.tenant)
+    if admission.fallback is not None:
+        # Decided by the failure mode while the store was away.
+        headers["llmquota-fallback"] = admission.fallback
+    refused = refusal_response(body.tenant, admission.decision, headers)
+    if refused is not None:
+        return refused
+    admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
+    return JSONResponse(
+        _admitted(admission).model_dump(mode="json"), status_code=201, headers=headers
+    )
+
+
+def _admitted(admission: Admission) -> AdmitResponse:
+    d = admission.decision
+    assert d.reservation_id is not None and d.lease_expires_at is not None
+    return AdmitResponse(
+        reservation_id=str(d.reservation_id),
+        reserved_tokens=int(d.reserved_tokens or 0),
+        input_tokens=admission.input_tokens,
+        input_estimated=admission.input_estimated,
+        lease_expires_at=d.lease_expires_at,
+        lease_generation=int(d.lease_generation or 1),
+        remaining=Remaining(
+            tokens=d.remaining_tokens,
+            requests=d.remaining_requests,
+            in_flight=d.remaining_in_flight,
+        ),
+    )
+
+
+@router.post(
+    "/v1/reservations/{reservation_id}/settle",
+    response_model=SettleResponse,
+    responses=error_responses(409),
+)
+async def settle(
+    reservation_id: uuid.UUID, body: SettleBody, caller: CallerDep, limiter: LimiterDep
+) -> SettleResponse:
+    """Charge the provider's reported usage; refund or debit the difference."""
+    result = await limiter.settle(
+        reservation_id,
+        input_tokens=body.input_tokens,
+        output_tokens=body.output_tokens,
+        outcome=body.outcome,
+        caller=caller.scope,
+    )
+    return SettleResponse(
+        charged_tokens=result.charged_tokens,
+        refunded_tokens=result.refunded_tokens,
+        late=result.late,
+    )
+
+
+@router.post(
+    "/v1/reservations/{reservation_id}/release",
+    response_model=ReleaseResponse,
+    responses=error_responses(409),
+)
+async def release(
+    reservation_id: uuid.UUID, caller: CallerDep, limiter: LimiterDep
+) -> ReleaseResponse:
+    """Give the whole reservation back: the provider was never called."""
+    await limiter.release(reservation_id, caller=caller.scope)
+    return ReleaseResponse(released=True)
+
+
+@router.post(
+    "/v1/reservations/{reservation_id}/heartbeat",
+    response_model=HeartbeatResponse,
+    responses=error_responses(409),
+)
+async def heartbeat(
+    reservation_id: uuid.UUID,
+    caller: CallerDep,
+    limiter: LimiterDep,
+    body: Annotated[HeartbeatBody | None, Body()] = None,
+) -> HeartbeatResponse:
+    """Extend a live lease."""
+    result = await limiter.heartbeat(
+        reservation_id,
+        lease_seconds=body.lease_seconds if body else None,
+        caller=caller.scope,
+        lease_generation=body.lease_generation if body else None,
+    )
+    assert result.lease_expires_at is not None and result.lease_generation is not None
+    return HeartbeatResponse(
+        lease_expires_at=result.lease_expires_at, lease_generation=result.lease_generation
+    )

@@ -1,0 +1,97 @@
+"""Policies: the limits of the global layer, of a tenant, of a tenant's route.
+
+Only the admin key sets or reads them. The routes translate between the REST
+bodies and the domain's Policy; the admin service stores them and owns the
+rules (a route policy needs its tenant registered).
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from llmquota.admin.service import AdminService
+from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, TenantName
+from llmquota.api.schemas import PolicyBody, PolicyResponse
+from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.policy import Policy
+from llmquota.domain.vocabulary import Scope
+
+router = APIRouter(tags=["policies"])
+
+
+def _policy(body: PolicyBody) -> Policy:
+    fields = body.model_dump(exclude_none=True)
+    try:
+        return Policy(**fields)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc).replace("\n", " ")) from exc
+
+
+def policy_response(policy: Policy, version: int) -> PolicyResponse:
+    """A policy as the API shows it: every limit resolved, with its version."""
+    resolved = policy.resolved()
+    return PolicyResponse(**resolved.model_dump(), policy_version=version)
+
+
+async def _put(
+    admin: AdminService, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
+) -> PolicyResponse:
+    policy = _policy(body)
+    version = await admin.put_policy(scope, tenant, route, policy)
+    return policy_response(policy, version)
+
+
+async def _get(
+    admin: AdminService, scope: Scope, tenant: str | None, route: str | None
+) -> PolicyResponse:
+    return policy_response(*await admin.get_policy(scope, tenant, route))
+
+
+@router.put("/v1/policies/global", response_model=PolicyResponse)
+async def put_global_policy(body: PolicyBody, caller: CallerDep, admin: AdminDep) -> PolicyResponse:
+    """Set the limits every request passes, whatever its tenant."""
+    caller.require_admin()
+    return await _put(admin, "global", None, None, body)
+
+
+@router.get("/v1/policies/global", response_model=PolicyResponse)
+async def get_global_policy(caller: CallerDep, admin: AdminDep) -> PolicyResponse:
+    """The global limits."""
+    caller.require_admin()
+    return await _get(admin, "global", None, None)
+
+
+@router.put("/v1/tenants/{tenant}/policy", response_model=PolicyResponse)
+async def put_tenant_policy(
+    tenant: TenantName, body: PolicyBody, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """Set a tenant's limits (registering the tenant if new)."""
+    caller.require_admin()
+    return await _put(admin, "tenant", tenant, None, body)
+
+
+@router.get("/v1/tenants/{tenant}/policy", response_model=PolicyResponse)
+async def get_tenant_policy(
+    tenant: TenantName, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """A tenant's limits."""
+    caller.require_admin()
+    return await _get(admin, "tenant", tenant, None)
+
+
+@router.put("/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse)
+async def put_route_policy(
+    tenant: TenantName, route: RouteName, body: PolicyBody, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """Set the limits of one route of a tenant."""
+    caller.require_admin()
+    return await _put(admin, "route", tenant, route, body)
+
+
+@router.get("/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse)
+async def get_route_policy(
+    tenant: TenantName, route: RouteName, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """A route's limits."""
+    caller.require_admin()
+    return await _get(admin, "route", tenant, route)

@@ -1,0 +1,87 @@
+"""Tenants: their keys, their live status, their usage.
+
+An operator issues keys; a tenant (or the admin) reads its own status and
+usage. The admin service answers; these routes only parse the query and
+render its records, so the REST bodies stay what clients parse.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+
+from llmquota.api.dependencies import AdminDep, CallerDep, TenantName
+from llmquota.api.routes.policies import policy_response
+from llmquota.api.schemas import KeyResponse, LayerStatusResponse, StatusResponse, UsageResponse
+from llmquota.domain.records import LayerStatus
+from llmquota.domain.refusals import seconds_until_full
+
+router = APIRouter(tags=["tenants"])
+# The usage range when the query names none.
+DEFAULT_USAGE_DAYS = 30
+
+
+@router.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=KeyResponse)
+async def create_key(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> KeyResponse:
+    """Issue an API key for a tenant (registering it if new). Shown once."""
+    caller.require_admin()
+    key = await admin.create_key(tenant)
+    return KeyResponse(key=key, tenant=tenant)
+
+
+@router.get("/v1/tenants/{tenant}/status", response_model=StatusResponse)
+async def tenant_status(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> StatusResponse:
+    """Every layer the tenant's requests pass, with balances refilled to now."""
+    caller.require_tenant(tenant)
+    layers = await admin.tenant_status(tenant)
+    return StatusResponse(tenant=tenant, layers=[_layer_status(layer) for layer in layers])
+
+
+def _layer_status(layer: LayerStatus) -> LayerStatusResponse:
+    return LayerStatusResponse(
+        scope=layer.scope,
+        route=layer.route,
+        limits=policy_response(layer.policy, layer.policy_version),
+        remaining_tokens=None if layer.tokens is None else math.floor(layer.tokens),
+        remaining_requests=None if layer.requests is None else math.floor(layer.requests),
+        in_flight=layer.in_flight,
+        tokens_full_in_seconds=seconds_until_full(
+            layer.tokens, layer.policy.token_burst, layer.policy.tokens_per_minute
+        ),
+        requests_full_in_seconds=seconds_until_full(
+            layer.requests, layer.policy.request_burst, layer.policy.requests_per_minute
+        ),
+    )
+
+
+@router.get("/v1/tenants/{tenant}/usage", response_model=UsageResponse)
+async def tenant_usage(
+    tenant: TenantName,
+    caller: CallerDep,
+    admin: AdminDep,
+    from_: Annotated[datetime | None, Query(alias="from")] = None,
+    to: Annotated[datetime | None, Query()] = None,
+) -> JSONResponse:
+    """Ledger totals for [from, to); default: the last 30 days."""
+    caller.require_tenant(tenant)
+    end = _aware(to) if to else datetime.now(UTC)
+    start = _aware(from_) if from_ else end - timedelta(days=DEFAULT_USAGE_DAYS)
+    totals = await admin.tenant_usage(tenant, start, end)
+    body = UsageResponse(
+        tenant=tenant,
+        from_=start,
+        to=end,
+        requests=totals.requests,
+        input_tokens=totals.input_tokens,
+        output_tokens=totals.output_tokens,
+    )
+    return JSONResponse(body.model_dump(mode="json", by_alias=True))
+
+
+def _aware(moment: datetime) -> datetime:
+    """Naive timestamps in a query are taken as UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
