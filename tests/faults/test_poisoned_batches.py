@@ -11,17 +11,22 @@ so PostgreSQL itself refuses them: a NUL byte is not valid UTF-8 text
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import httpx
 import pytest
+import uvicorn
 
 from llmquota.admission.limiter import Limiter
+from llmquota.api.app import create_app
 from llmquota.domain.errors import RefusedValue
 from llmquota.domain.records import AdmitRequest
 from tests.faults.conftest import fault_settings, put
 
 VICTIMS = 60
+ADMIN_KEY = "lq_poison_admin_key_0123456789"
 
 
 def _request(tenant: str, model: str = "gpt-4o") -> AdmitRequest:
@@ -94,3 +99,60 @@ async def test_a_lone_refused_value_is_an_invalid_request(batching_limiter: Limi
         if layer.scope == "tenant"
     ]
     assert tenant.in_flight == 0
+
+
+POISON = ("gpt-4o\u0000", "gpt-\ud800", "\u0000")
+
+
+@pytest.fixture
+async def served(database_dsn: str) -> AsyncIterator[str]:
+    """A real uvicorn server on a free loopback port, batching; yields its URL."""
+    app = create_app(fault_settings(admin_key=ADMIN_KEY), dsn=database_dsn)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    server.should_exit = True
+    await task
+
+
+async def test_poisoned_requests_over_http_get_422_and_no_victim_gets_a_5xx(
+    served: str,
+) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with httpx.AsyncClient(base_url=served, timeout=30) as client:
+        keys = {}
+        for tenant in ("victim", "poison"):
+            policy = {"tokens_per_minute": 1_000_000, "max_in_flight": 10_000}
+            await client.put(f"/v1/tenants/{tenant}/policy", json=policy, headers=admin)
+            key = (await client.post(f"/v1/tenants/{tenant}/keys", headers=admin)).json()["key"]
+            keys[tenant] = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+
+        async def victim() -> int:
+            body = {"tenant": "victim", "model": "gpt-4o", "input_tokens": 1, "max_tokens": 1}
+            return (await client.post("/v1/admit", json=body, headers=keys["victim"])).status_code
+
+        async def poisoned(model: str) -> httpx.Response:
+            # Raw JSON, so the escapes reach the server as the client wrote them.
+            body = json.dumps(
+                {"tenant": "poison", "model": model, "input_tokens": 1, "max_tokens": 1}
+            )
+            return await client.post("/v1/admit", content=body, headers=keys["poison"])
+
+        # Every tenth request is poisoned, all of them in flight at once.
+        total = VICTIMS * 3
+        jobs = [
+            poisoned(POISON[i % len(POISON)]) if i % 10 == 0 else victim() for i in range(total)
+        ]
+        results = await asyncio.gather(*jobs)
+
+    victims = [r for r in results if isinstance(r, int)]
+    refused = [r for r in results if isinstance(r, httpx.Response)]
+    assert victims.count(201) == len(victims), sorted(set(victims))
+    assert len(refused) == total // 10
+    for response in refused:
+        assert response.status_code == 422
+        assert "model" in response.text  # the error names the field

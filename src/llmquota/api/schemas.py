@@ -7,21 +7,41 @@ Token counts are strict integers with a ceiling: a float, NaN, Infinity,
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_MODEL_NAME_CHARS,
     MAX_TOKEN_COUNT,
+    storable_text_problem,
 )
 from llmquota.domain.vocabulary import FailureMode
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
 Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
+
+
+def _storable(value: str) -> str:
+    """Refuse text PostgreSQL cannot store (422 naming the field), before any batch."""
+    problem = storable_text_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+# Free-form strings that reach the database: bounded, and storable as text.
+ModelName: TypeAlias = Annotated[
+    StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS), AfterValidator(_storable)
+]
+IdempotencyKey: TypeAlias = Annotated[
+    StrictStr,
+    Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
+    AfterValidator(_storable),
+]
 MAX_MESSAGES = 10_000
 
 
@@ -32,14 +52,12 @@ class AdmitBody(BaseModel):
 
     tenant: Name
     route: Name | None = None
-    model: Annotated[StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+    model: ModelName
     messages: Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
     input_tokens: TokenCount | None = None
     max_tokens: TokenCount
     lease_seconds: LeaseSeconds | None = None
-    idempotency_key: (
-        Annotated[StrictStr, Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS)] | None
-    ) = None
+    idempotency_key: IdempotencyKey | None = None
 
 
 class Remaining(BaseModel):

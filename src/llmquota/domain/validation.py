@@ -29,11 +29,37 @@ def check_name(kind: str, value: object) -> str:
     return value
 
 
-def check_model(value: object) -> str:
-    """A model name: a string of 1 to MAX_MODEL_NAME_CHARS characters."""
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_MODEL_NAME_CHARS:
-        raise InvalidRequest(f"model must be a string of 1 to {MAX_MODEL_NAME_CHARS} characters")
+def storable_text_problem(value: str) -> str | None:
+    """Why PostgreSQL could not store `value` as text, or None if it can.
+
+    A NUL character is not valid in a PostgreSQL text value, and a lone
+    surrogate is not UTF-8 at all: either would make the database refuse the
+    whole statement, and with it every request batched with this one.
+    """
+    if "\x00" in value:
+        return "must not contain NUL (\\u0000) characters"
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "must not contain unpaired surrogates (invalid Unicode)"
+    return None
+
+
+def check_text(field: str, value: object, max_chars: int) -> str:
+    """A free-form string that reaches the database: 1 to `max_chars` characters
+    that PostgreSQL can store."""
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise InvalidRequest(f"{field} must be a string of 1 to {max_chars} characters")
+    problem = storable_text_problem(value)
+    if problem is not None:
+        raise InvalidRequest(f"{field} {problem}")
     return value
+
+
+def check_model(value: object) -> str:
+    """A model name: 1 to MAX_MODEL_NAME_CHARS characters PostgreSQL can store."""
+    return check_text("model", value, MAX_MODEL_NAME_CHARS)
 
 
 def check_token_count(name: str, value: object) -> int:
@@ -54,10 +80,6 @@ def check_lease_seconds(value: object) -> None:
 
 
 def check_idempotency_key(value: object) -> None:
-    """An idempotency key, when given: a string of 1 to MAX_IDEMPOTENCY_KEY_CHARS characters."""
-    if value is not None and (
-        not isinstance(value, str) or not 0 < len(value) <= MAX_IDEMPOTENCY_KEY_CHARS
-    ):
-        raise InvalidRequest(
-            f"idempotency_key must be a string of 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters"
-        )
+    """An idempotency key, when given: 1 to MAX_IDEMPOTENCY_KEY_CHARS storable characters."""
+    if value is not None:
+        check_text("idempotency_key", value, MAX_IDEMPOTENCY_KEY_CHARS)

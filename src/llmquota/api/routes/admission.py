@@ -38,7 +38,7 @@ router = APIRouter(tags=["admission"])
 async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSONResponse:
     """Reserve input + max_tokens on every layer, or say which limit refused."""
     caller.require_tenant(body.tenant)
-    prepared = limiter.prepare(
+    prepared = await limiter.prepare_off_loop(
         tenant=body.tenant,
         route=body.route,
         model=body.model,
