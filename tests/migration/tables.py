@@ -1,0 +1,116 @@
+"""The tables a revision leaves: what the versioned migrations alone are responsible for.
+
+Tables, their columns, constraints, indexes, triggers and sequences, and the
+ledger's partitions; not the functions and views (the repeatable scripts of
+sql/ own those, and their bodies are always today's). Monthly partition names
+and bounds are written relative to the month the snapshot was taken in
+(`usage_ledger_M+1`), so a snapshot taken today compares with one taken next
+year. NOT NULL constraints are left to the columns' nullability: PostgreSQL 18
+catalogues them as constraints, 15 does not.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+import asyncpg
+
+TABLES_SNAPSHOT = """
+WITH rels AS (
+    SELECT c.oid, n.nspname, c.relname, c.relkind, c.relispartition, c.relpartbound
+      FROM pg_class AS c
+      JOIN pg_namespace AS n ON n.oid = c.relnamespace
+     WHERE n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast')
+       AND n.nspname NOT LIKE 'pg\\_temp\\_%'
+       AND n.nspname NOT LIKE 'pg\\_toast\\_temp\\_%'
+       AND c.relkind IN ('r', 'p', 'S')
+)
+SELECT 'relation' AS kind, r.nspname || '.' || r.relname AS name,
+       CASE r.relkind WHEN 'p' THEN 'partitioned' WHEN 'S' THEN 'sequence' ELSE 'plain' END
+       || coalesce(' partition of ' || (SELECT i.inhparent::regclass::text
+                                          FROM pg_inherits AS i WHERE i.inhrelid = r.oid)
+                   || ' ' || pg_get_expr(r.relpartbound, r.oid), '') AS detail
+  FROM rels AS r
+UNION ALL
+SELECT 'column', r.nspname || '.' || r.relname || '.' || a.attname,
+       format_type(a.atttypid, a.atttypmod)
+       || CASE WHEN a.attnotnull THEN ' not null' ELSE '' END
+       || coalesce(' default ' || pg_get_expr(d.adbin, d.adrelid), '')
+       || CASE a.attidentity WHEN 'a' THEN ' identity always'
+                             WHEN 'd' THEN ' identity by default' ELSE '' END
+  FROM rels AS r
+  JOIN pg_attribute AS a ON a.attrelid = r.oid AND a.attnum > 0 AND NOT a.attisdropped
+  LEFT JOIN pg_attrdef AS d ON d.adrelid = r.oid AND d.adnum = a.attnum
+ WHERE r.relkind IN ('r', 'p') AND NOT r.relispartition
+UNION ALL
+SELECT 'constraint', r.nspname || '.' || r.relname || '.' || con.conname,
+       pg_get_constraintdef(con.oid)
+  FROM rels AS r
+  JOIN pg_constraint AS con ON con.conrelid = r.oid
+ WHERE con.contype <> 'n'
+UNION ALL
+SELECT 'index', r.nspname || '.' || ic.relname, pg_get_indexdef(ix.indexrelid)
+  FROM rels AS r
+  JOIN pg_index AS ix ON ix.indrelid = r.oid
+  JOIN pg_class AS ic ON ic.oid = ix.indexrelid
+UNION ALL
+SELECT 'trigger', r.nspname || '.' || r.relname || '.' || t.tgname, pg_get_triggerdef(t.oid)
+  FROM rels AS r
+  JOIN pg_trigger AS t ON t.tgrelid = r.oid
+ WHERE NOT t.tgisinternal
+"""
+
+_MONTH_NAME = re.compile(r"usage_ledger_(\d{4})_(\d{2})")
+_MONTH_START = re.compile(r"'(\d{4})-(\d{2})-01 00:00:00\+00'")
+
+Row = tuple[str, str, str]
+
+
+def _relative(year: str, month: str, this_month: dt.date) -> str:
+    offset = (int(year) - this_month.year) * 12 + int(month) - this_month.month
+    return f"M{offset:+d}"
+
+
+def normalize(rows: list[Row], this_month: dt.date) -> list[Row]:
+    """Month names and bounds relative to `this_month`, sorted."""
+
+    def fix(text: str) -> str:
+        text = _MONTH_NAME.sub(lambda m: "usage_ledger_" + _relative(m[1], m[2], this_month), text)
+        return _MONTH_START.sub(lambda m: "'" + _relative(m[1], m[2], this_month) + "'", text)
+
+    return sorted((kind, fix(name), fix(detail)) for kind, name, detail in rows)
+
+
+async def table_snapshot(dsn: str) -> list[Row]:
+    """The normalized table snapshot of the database at `dsn`."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        # Partition bounds are timestamptz literals, shown in the session's zone.
+        await connection.execute("SET TimeZone = 'UTC'")
+        rows = await connection.fetch(TABLES_SNAPSHOT)
+        this_month = await connection.fetchval(
+            "SELECT date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')::date"
+        )
+    finally:
+        await connection.close()
+    return normalize([(r["kind"], r["name"], r["detail"]) for r in rows], this_month)
+
+
+FROZEN_DIR = Path(__file__).parent / "frozen_tables"
+
+
+def frozen_revisions() -> list[str]:
+    """The revisions whose tables were recorded in frozen_tables/."""
+    return sorted(path.stem for path in FROZEN_DIR.glob("*.tsv"))
+
+
+def frozen_tables(revision: str) -> list[Row]:
+    """The recorded table snapshot of `revision`."""
+    rows: list[Row] = []
+    for line in (FROZEN_DIR / f"{revision}.tsv").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            kind, name, detail = line.split("\t")
+            rows.append((kind, name, detail))
+    return sorted(rows)

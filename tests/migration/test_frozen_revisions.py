@@ -1,0 +1,33 @@
+"""Old revisions are frozen: replaying one on a fresh database gives that revision's tables.
+
+frozen_tables/ holds what each revision left before the repeatable step
+existed; nothing in sql/ may change it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmquota import migrate
+from tests.migration.tables import frozen_revisions, frozen_tables, table_snapshot
+
+
+def test_every_old_revision_has_a_frozen_snapshot() -> None:
+    assert frozen_revisions() == ["0001", "0002", "0003", "0004", "0005"]
+
+
+def test_revision_0002_has_exactly_its_tables(fresh_dsn: str) -> None:
+    migrate.upgrade(fresh_dsn, "0002")
+    tables = asyncio.run(table_snapshot(fresh_dsn))
+    assert tables == frozen_tables("0002")
+    relations = {name for kind, name, _ in tables if kind == "relation"}
+    assert "public.ledger_receipts" in relations
+    assert "public.usage_ledger_M+0" in relations
+
+
+@pytest.mark.parametrize("revision", ["0001", "0003", "0004", "0005"])
+def test_replaying_an_old_revision_gives_its_tables(fresh_dsn: str, revision: str) -> None:
+    migrate.upgrade(fresh_dsn, revision)
+    assert asyncio.run(table_snapshot(fresh_dsn)) == frozen_tables(revision)
