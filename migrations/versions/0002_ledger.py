@@ -318,18 +318,22 @@ DROP TABLE usage_ledger_0001;
 DOWNGRADE = r"""
 DROP SCHEMA IF EXISTS reporting CASCADE;
 
+-- The CHECK constraints are named as 0001 named them (index-backed ones
+-- must differ from the partitioned table's until it is dropped: renamed below).
 CREATE TABLE usage_ledger_0002 (
     entry_id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     reservation_id   uuid,
-    entry_kind       text NOT NULL CHECK (entry_kind IN ('usage', 'late', 'adjustment')),
+    entry_kind       text NOT NULL CONSTRAINT usage_ledger_entry_kind_check
+                         CHECK (entry_kind IN ('usage', 'late', 'adjustment')),
     tenant           text NOT NULL,
     route            text,
     model            text,
     input_tokens     bigint NOT NULL,
     output_tokens    bigint NOT NULL,
     reserved_tokens  bigint NOT NULL,
-    outcome          text NOT NULL CHECK (outcome IN ('ok', 'error', 'cancelled',
-                                                  'expired', 'late', 'adjustment')),
+    outcome          text NOT NULL CONSTRAINT usage_ledger_outcome_check
+                         CHECK (outcome IN ('ok', 'error', 'cancelled',
+                                            'expired', 'late', 'adjustment')),
     policy_version   bigint,
     recorded_at      timestamptz NOT NULL DEFAULT clock_timestamp(),
     UNIQUE (reservation_id, entry_kind)
