@@ -1,4 +1,7 @@
-"""The tables a revision leaves: what the versioned migrations alone are responsible for.
+"""Schema snapshots for the migration tests.
+
+`table_snapshot`: the tables a revision leaves, what the versioned migrations
+alone are responsible for.
 
 Tables, their columns, constraints, indexes, triggers and sequences, and the
 ledger's partitions; not the functions and views (the repeatable scripts of
@@ -7,6 +10,9 @@ and bounds are written relative to the month the snapshot was taken in
 (`usage_ledger_M+1`), so a snapshot taken today compares with one taken next
 year. NOT NULL constraints are left to the columns' nullability: PostgreSQL 18
 catalogues them as constraints, 15 does not.
+
+`schema_snapshot`: the tables plus the code (functions, views, schemas) and
+the privileges on all of it, for comparing two databases migrated two ways.
 """
 
 from __future__ import annotations
@@ -83,19 +89,56 @@ def normalize(rows: list[Row], this_month: dt.date) -> list[Row]:
     return sorted((kind, fix(name), fix(detail)) for kind, name, detail in rows)
 
 
-async def table_snapshot(dsn: str) -> list[Row]:
-    """The normalized table snapshot of the database at `dsn`."""
+CODE_SNAPSHOT = """
+SELECT 'function' AS kind, p.oid::regprocedure::text AS name,
+       md5(pg_get_functiondef(p.oid)) || ' acl ' || coalesce(p.proacl::text, 'default')
+       || coalesce(' comment ' || md5(obj_description(p.oid, 'pg_proc')), '') AS detail
+  FROM pg_proc AS p
+  JOIN pg_namespace AS n ON n.oid = p.pronamespace
+ WHERE n.nspname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'view', c.oid::regclass::text,
+       md5(pg_get_viewdef(c.oid)) || ' acl ' || coalesce(c.relacl::text, 'default')
+  FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relkind = 'v' AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+UNION ALL
+SELECT 'schema', n.nspname, coalesce(n.nspacl::text, 'default')
+  FROM pg_namespace AS n
+ WHERE n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast')
+   AND n.nspname NOT LIKE 'pg\\_%'
+UNION ALL
+SELECT 'privileges', c.oid::regclass::text, coalesce(c.relacl::text, 'default')
+  FROM pg_class AS c
+  JOIN pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relkind IN ('r', 'p', 'S')
+   AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast')
+   AND n.nspname NOT LIKE 'pg\\_%'
+"""
+
+
+async def _snapshot(dsn: str, *queries: str) -> list[Row]:
     connection = await asyncpg.connect(dsn)
     try:
         # Partition bounds are timestamptz literals, shown in the session's zone.
         await connection.execute("SET TimeZone = 'UTC'")
-        rows = await connection.fetch(TABLES_SNAPSHOT)
+        rows = [row for query in queries for row in await connection.fetch(query)]
         this_month = await connection.fetchval(
             "SELECT date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')::date"
         )
     finally:
         await connection.close()
     return normalize([(r["kind"], r["name"], r["detail"]) for r in rows], this_month)
+
+
+async def table_snapshot(dsn: str) -> list[Row]:
+    """The normalized table snapshot of the database at `dsn`."""
+    return await _snapshot(dsn, TABLES_SNAPSHOT)
+
+
+async def schema_snapshot(dsn: str) -> list[Row]:
+    """Tables, code and privileges of the database at `dsn`, normalized."""
+    return await _snapshot(dsn, TABLES_SNAPSHOT, CODE_SNAPSHOT)
 
 
 FROZEN_DIR = Path(__file__).parent / "frozen_tables"

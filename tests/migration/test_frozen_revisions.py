@@ -11,7 +11,16 @@ import asyncio
 import pytest
 
 from llmquota import migrate
+from llmquota.resources import migrations_dir
 from tests.migration.tables import frozen_revisions, frozen_tables, table_snapshot
+
+
+def test_no_versioned_migration_reads_sql() -> None:
+    # What a revision did must not depend on today's sql/ files.
+    for path in sorted((migrations_dir() / "versions").glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        assert "sqlfiles" not in source, path.name
+        assert "sql_dir" not in source, path.name
 
 
 def test_every_old_revision_has_a_frozen_snapshot() -> None:

@@ -54,7 +54,8 @@ async def _old_usage_row(db: asyncpg.Connection, tenant: str, output_tokens: int
     reservation_id = uuid.uuid4()
     # A registered tenant has its (empty) tenant layer, as ensure_tenant makes it.
     await db.execute(
-        "WITH t AS (INSERT INTO tenants (tenant) VALUES ($1) ON CONFLICT DO NOTHING RETURNING tenant)"
+        "WITH t AS (INSERT INTO tenants (tenant) VALUES ($1) ON CONFLICT DO NOTHING"
+        " RETURNING tenant)"
         " INSERT INTO limit_layers (scope, tenant) SELECT 'tenant', tenant FROM t",
         tenant,
     )
