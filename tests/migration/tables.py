@@ -17,11 +17,21 @@ the privileges on all of it, for comparing two databases migrated two ways.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import os
 import re
+import shutil
+import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import asyncpg
+
+from llmquota import migrate
+from llmquota.database import open_database
+from tests.conftest import _admin, dsn_with_database
 
 TABLES_SNAPSHOT = """
 WITH rels AS (
@@ -157,3 +167,38 @@ def frozen_tables(revision: str) -> list[Row]:
             kind, name, detail = line.split("\t")
             rows.append((kind, name, detail))
     return sorted(rows)
+
+
+def capture(revision: str) -> Path:
+    """Write frozen_tables/<revision>.tsv from a fresh database migrated to `revision`.
+
+    For a new revision, once: `python -m tests.migration.tables 0007`. The
+    server is LLMQUOTA_DATABASE_URL's, or an embedded one in a temporary
+    directory.
+    """
+    url = os.environ.get("LLMQUOTA_DATABASE_URL")
+    root = Path(tempfile.mkdtemp(prefix="llmquota-capture-"))
+    try:
+        with open_database(database_url=url, data_dir=None if url else root / "data") as handle:
+            name = f"llmquota_capture_{uuid.uuid4().hex[:8]}"
+            asyncio.run(_admin(handle.dsn, f'CREATE DATABASE "{name}"'))
+            try:
+                dsn = dsn_with_database(handle.dsn, name)
+                migrate.upgrade(dsn, revision)
+                rows = asyncio.run(table_snapshot(dsn))
+            finally:
+                asyncio.run(_admin(handle.dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    path = FROZEN_DIR / f"{revision}.tsv"
+    header = (
+        f"# The tables revision {revision} leaves on a fresh database (see tables.py).\n"
+        "# A versioned migration is frozen: this file never changes.\n"
+        "# One row a line: kind, name, detail (tab-separated).\n"
+    )
+    path.write_text(header + "".join("\t".join(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+if __name__ == "__main__":
+    print(capture(sys.argv[1]))
