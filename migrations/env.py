@@ -2,6 +2,17 @@
 
 The URL comes from the config (set by `llmquota migrate`) or, for a plain
 `alembic` call from a checkout, from LLMQUOTA_DATABASE_URL.
+
+What a versioned migration may contain, and what belongs to the repeatable
+scripts of sql/ instead, is in README.md next to this file. In short: the
+files in versions/ are frozen table changes and never read sql/; functions,
+views and grants are re-applied from sql/ by `llmquota migrate` after the
+versioned migrations (`llmquota.migrate.apply_repeatables`). A plain
+`alembic upgrade head` does only the versioned part.
+
+The migrations run under a session advisory lock (the one the repeatable step
+takes too), so two `llmquota migrate` at once do not race: the second waits,
+then finds the database at head.
 """
 
 from __future__ import annotations
@@ -10,10 +21,13 @@ import asyncio
 import os
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import NullPool
 
 from llmquota.store.database import sqlalchemy_url
+from llmquota.store.migrate import MIGRATION_LOCK
 
 
 def _url() -> str:
@@ -27,17 +41,25 @@ def _url() -> str:
 
 
 def _run(connection: Connection) -> None:
+    # A session lock outlives the transactions below; it is released when the
+    # connection closes (NullPool: really closes), also after a failure.
+    connection.execute(
+        text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": MIGRATION_LOCK}
+    )
+    connection.commit()
     context.configure(connection=connection, transaction_per_migration=True)
     with context.begin_transaction():
         context.run_migrations()
 
 
 async def _main() -> None:
-    engine = create_async_engine(_url())
-    async with engine.connect() as connection:
-        await connection.run_sync(_run)
-        await connection.commit()
-    await engine.dispose()
+    engine = create_async_engine(_url(), poolclass=NullPool)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_run)
+            await connection.commit()
+    finally:
+        await engine.dispose()
 
 
 if context.is_offline_mode():

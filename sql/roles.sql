@@ -1,5 +1,7 @@
--- Database roles and what each may do. Re-run by every migration that adds
--- tables or functions (every statement here can be repeated).
+-- Database roles and what each may do. A repeatable script (see
+-- migrations/README.md): `llmquota migrate` applies it last, whenever it or
+-- any script before it changed, so every statement here can be repeated and
+-- may name any table at head.
 --
 --   llmquota_app        the service (API, sweeper, CLI): reads and writes the
 --                       admission tables; on the ledger only SELECT and

@@ -1,5 +1,8 @@
 """Admission core: tenants, limit layers, reservations, usage ledger, API keys.
 
+Tables only: the admission functions (sql/admission.sql) are repeatable, applied
+after the versioned migrations (see migrations/README.md).
+
 Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
@@ -8,7 +11,6 @@ Create Date: 2026-11-30
 from alembic import op
 
 from llmquota.store.migration_support import execute_script
-from llmquota.store.sqlfiles import script
 
 revision = "0001"
 down_revision = None
@@ -127,16 +129,31 @@ CREATE TABLE api_keys (
 """
 
 
+# Down to nothing: every llmquota function goes too, whichever the repeatable
+# scripts of the day defined (they all carry the lq_ prefix).
+DROP_FUNCTIONS = r"""
+DO $$
+DECLARE
+    f regprocedure;
+BEGIN
+    FOR f IN SELECT p.oid::regprocedure
+               FROM pg_proc AS p
+              WHERE p.pronamespace = 'public'::regnamespace
+                AND p.proname LIKE 'lq\_%'
+    LOOP
+        EXECUTE format('DROP FUNCTION %s', f);
+    END LOOP;
+END
+$$;
+"""
+
+
 def upgrade() -> None:
     execute_script(SCHEMA)
-    execute_script(script("admission.sql"))
 
 
 def downgrade() -> None:
-    op.execute(
-        "DROP FUNCTION IF EXISTS lq_admit, lq_finish, lq_sweep, lq_credit_layers, lq_refilled, "
-        "lq_lock_idempotency_keys"
-    )
+    execute_script(DROP_FUNCTIONS)
     for table in ("api_keys", "usage_ledger", "reservations", "limit_layers", "tenants"):
         op.execute(f"DROP TABLE IF EXISTS {table} CASCADE")
     op.execute("DROP SEQUENCE IF EXISTS policy_version_seq")

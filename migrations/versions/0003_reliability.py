@@ -1,4 +1,7 @@
-"""Reliability: per-layer failure modes, outage admissions, the audit function.
+"""Reliability: per-layer failure modes and the outage mode of a reservation.
+
+Tables only: the outage and audit functions (sql/reliability.sql) are
+repeatable, applied after the versioned migrations (see migrations/README.md).
 
 Revision ID: 0003
 Revises: 0002
@@ -8,7 +11,6 @@ Create Date: 2026-11-30
 from alembic import op
 
 from llmquota.store.migration_support import execute_script
-from llmquota.store.sqlfiles import script
 
 revision = "0003"
 down_revision = "0002"
@@ -33,13 +35,10 @@ ALTER TABLE reservations
 
 def upgrade() -> None:
     execute_script(SCHEMA)
-    execute_script(script("reliability.sql"))
-    # New functions: the privileges of roles.sql (re-run by every migration
-    # that adds functions) cover them too.
-    execute_script(script("roles.sql"))
 
 
 def downgrade() -> None:
+    # The functions of reliability.sql read the columns about to go.
     op.execute("DROP FUNCTION IF EXISTS lq_record_outage_admissions, lq_audit")
     op.execute("ALTER TABLE reservations DROP COLUMN IF EXISTS outage_mode")
     op.execute("ALTER TABLE limit_layers DROP COLUMN IF EXISTS failure_mode")

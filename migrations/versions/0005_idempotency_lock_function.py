@@ -5,13 +5,15 @@ with the same statement; it is now lq_lock_idempotency_keys, so the two can
 never drift apart in how (or in what order) they lock. lq_finish's `expire`
 on a finished reservation now answers 'conflict' instead of 'not_due'.
 
+A change of functions only: it lives in sql/admission.sql and
+sql/reliability.sql, which the repeatable step applies (see
+migrations/README.md). This revision changes no table, and is kept so that
+the revision numbers stay what they were.
+
 Revision ID: 0005
 Revises: 0004
 Create Date: 2026-11-30
 """
-
-from llmquota.store.migration_support import execute_script
-from llmquota.store.sqlfiles import script
 
 revision = "0005"
 down_revision = "0004"
@@ -20,13 +22,8 @@ depends_on = None
 
 
 def upgrade() -> None:
-    execute_script(script("admission.sql"))
-    execute_script(script("reliability.sql"))
-    # A new function: roles.sql grants it to the application role.
-    execute_script(script("roles.sql"))
+    pass
 
 
 def downgrade() -> None:
-    # The function bodies in the files are the only ones there are: nothing to
-    # restore. lq_lock_idempotency_keys stays (revision 0001's downgrade drops it).
     pass

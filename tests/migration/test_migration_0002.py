@@ -45,12 +45,37 @@ async def _settle_one(dsn: str, tenant: str, output_tokens: int) -> uuid.UUID:
         await limiter.close()
 
 
+async def _old_usage_row(db: asyncpg.Connection, tenant: str, output_tokens: int) -> uuid.UUID:
+    """A settled reservation's ledger row as revision 0001 holds it.
+
+    Revision 0001 has its tables only (today's functions would not match
+    them), so the row is written directly, as its lq_finish wrote it.
+    """
+    reservation_id = uuid.uuid4()
+    # A registered tenant has its (empty) tenant layer, as ensure_tenant makes it.
+    await db.execute(
+        "WITH t AS (INSERT INTO tenants (tenant) VALUES ($1) ON CONFLICT DO NOTHING"
+        " RETURNING tenant)"
+        " INSERT INTO limit_layers (scope, tenant) SELECT 'tenant', tenant FROM t",
+        tenant,
+    )
+    await db.execute(
+        "INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, model, input_tokens,"
+        " output_tokens, reserved_tokens, outcome, policy_version)"
+        " VALUES ($1, 'usage', $2, 'gpt-4o', 3, $3, 53, 'ok', 1)",
+        reservation_id,
+        tenant,
+        output_tokens,
+    )
+    return reservation_id
+
+
 async def test_upgrade_carries_old_rows_and_downgrade_brings_them_back(blank_dsn: str) -> None:
     await asyncio.to_thread(migrate.upgrade, blank_dsn, "0001")
-    first = await _settle_one(blank_dsn, "acme", 10)
-    second = await _settle_one(blank_dsn, "beta", 20)
     db = await asyncpg.connect(blank_dsn)
     try:
+        first = await _old_usage_row(db, "acme", 10)
+        second = await _old_usage_row(db, "beta", 20)
         await db.execute(
             "INSERT INTO usage_ledger (entry_kind, tenant, input_tokens, output_tokens,"
             " reserved_tokens, outcome, recorded_at)"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import inspect
 import re
+from pathlib import Path
 
 import pytest
 
 from llmquota.resources import sql_dir
 from llmquota.store import store
-from llmquota.store.sqlfiles import parse_queries, queries, script
+from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
 def _names_the_store_runs() -> set[str]:
@@ -119,3 +121,30 @@ def test_headers_must_be_whole_lines() -> None:
     # "-- name --" inside a statement line is not a header.
     text = "-- one --\nSELECT 1 -- two --\n"
     assert parse_queries(text) == {"one": "SELECT 1 -- two --"}
+
+
+def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
+    # A new file in sql/ is either read by the code (named queries) or
+    # applied by `llmquota migrate`; it cannot be silently neither.
+    named = {"queries.sql", "finance_queries.sql"}
+    every = {path.relative_to(sql_dir()).as_posix() for path in sql_dir().rglob("*.sql")}
+    assert every - named == {s.name for s in repeatable_scripts()}
+
+
+def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
+    (tmp_path / "reports").mkdir()
+    for name in ("admission.sql", "ledger.sql", "reliability.sql", "roles.sql"):
+        (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
+    (tmp_path / "reports" / "10_b.sql").write_text("SELECT 2;\n", encoding="utf-8")
+    (tmp_path / "reports" / "00_a.sql").write_text("SELECT 1;\n", encoding="utf-8")
+    scripts = repeatable_scripts(tmp_path)
+    assert [s.name for s in scripts] == [
+        "admission.sql",
+        "ledger.sql",
+        "reliability.sql",
+        "reports/00_a.sql",
+        "reports/10_b.sql",
+        "roles.sql",
+    ]
+    assert scripts[3].text == "SELECT 1;\n"
+    assert scripts[3].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -12,11 +12,15 @@ from llmquota.store.database import open_database
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    """Apply the alembic migrations."""
+    """Apply the versioned migrations, then the repeatable scripts that changed."""
     from llmquota.store import migrate
 
     with open_database(settings.database_url, settings.data_dir) as db:
-        migrate.upgrade(db.dsn)
+        applied = migrate.upgrade(db.dsn)
+    for script in applied:
+        print(script.describe())
+    if not applied:
+        print("functions up to date")
     print("database is at the latest schema")
     return 0
 

@@ -1,15 +1,79 @@
-"""Applying the alembic migrations from code (`llmquota migrate`, `serve`, tests)."""
+"""Migrating the database from code (`llmquota migrate`, `serve`, tests, bench).
+
+Two steps, always in this order (migrations/README.md has the rule):
+
+1. the versioned migrations (alembic, migrations/versions/): frozen table
+   changes; replaying an old revision gives that revision's tables;
+2. the repeatable scripts of sql/ (functions, views, grants): every script
+   whose SHA-256 differs from the one recorded in `schema_repeatables` is
+   applied, in one transaction, in the order of
+   `llmquota.sqlfiles.REPEATABLE_SCRIPTS`.
+
+`upgrade(dsn)` does both. `upgrade(dsn, revision)` for an older revision does
+only the first: it gives that revision's tables, never today's functions.
+Both steps take the same advisory lock, so concurrent `migrate` runs (several
+API containers starting with `--migrate`) queue instead of racing.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
+import asyncpg
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 
 from llmquota.resources import migrations_dir
 from llmquota.store.database import sqlalchemy_url
+from llmquota.store.sqlfiles import RepeatableScript, repeatable_scripts
+
+__all__ = [
+    "MIGRATION_LOCK",
+    "AppliedScript",
+    "alembic_config",
+    "apply_repeatables",
+    "apply_repeatables_async",
+    "downgrade",
+    "upgrade",
+]
+
+_logger = logging.getLogger(__name__)
+
+# The advisory lock both steps hold (key: hashtextextended(MIGRATION_LOCK, 0)).
+# Advisory locks belong to one database, so migrating another database on the
+# same server does not wait for it.
+MIGRATION_LOCK = "llmquota.migrate"
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class AppliedScript:
+    """A repeatable script that was applied, and why.
+
+    reason: "new" (never applied to this database), "changed" (its checksum
+    differs from the recorded one), "follows" (a grants script re-applied
+    because a script before it was), "forced".
+    """
+
+    name: str
+    reason: str
+    checksum: str
+
+    def describe(self) -> str:
+        """One line for the operator."""
+        if self.reason == "new":
+            return f"functions: {self.name} applied (new)"
+        if self.reason == "follows":
+            return f"functions: {self.name} re-applied (it follows every change)"
+        return f"functions: {self.name} {self.reason}, re-applied"
 
 
 def alembic_config(dsn: str) -> Config:
@@ -21,21 +85,134 @@ def alembic_config(dsn: str) -> Config:
     return config
 
 
-def downgrade(dsn: str, revision: str) -> None:
-    """Migrate the database down to `revision` ("base": nothing)."""
-    command.downgrade(alembic_config(dsn), revision)
+def _outside_event_loop(func: Callable[..., _T], *args: Any) -> _T:
+    """Call `func`; on a worker thread when an event loop runs in this one.
 
-
-def upgrade(dsn: str, revision: str = "head") -> None:
-    """Migrate the database to `revision`.
-
-    alembic's env.py runs its own event loop; when called from inside a
-    running loop (an async caller) it runs on a worker thread instead.
+    alembic's env.py and apply_repeatables run their own event loop, which
+    cannot nest in a running one (an async caller).
     """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        command.upgrade(alembic_config(dsn), revision)
-        return
+        return func(*args)
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(command.upgrade, alembic_config(dsn), revision).result()
+        return pool.submit(func, *args).result()
+
+
+def _run(coroutine: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    return _outside_event_loop(lambda: asyncio.run(coroutine()))
+
+
+def _is_head(config: Config, revision: str) -> bool:
+    if revision in ("head", "heads"):
+        return True
+    return revision == ScriptDirectory.from_config(config).get_current_head()
+
+
+def upgrade(dsn: str, revision: str = "head") -> list[AppliedScript]:
+    """Migrate the database to `revision`; at head, apply the repeatable scripts too.
+
+    An older revision gets the versioned migrations up to it and nothing of
+    sql/: that revision's tables, as it created them. Returns the repeatable
+    scripts applied (none below head, or when the functions were up to date).
+    """
+    config = alembic_config(dsn)
+    _outside_event_loop(command.upgrade, config, revision)
+    if _is_head(config, revision):
+        return apply_repeatables(dsn)
+    return []
+
+
+def downgrade(dsn: str, revision: str) -> None:
+    """Migrate the database down to `revision` ("base": nothing at all).
+
+    The tables become those of `revision`. Functions and views are not
+    versioned: the ones still there keep today's bodies (a downgrade drops the
+    ones whose tables it drops, and the one to base drops them all). Below
+    revision 0006 the record of the repeatable scripts goes too, so the next
+    `upgrade` to head applies every script again.
+    """
+    _outside_event_loop(command.downgrade, alembic_config(dsn), revision)
+
+
+def apply_repeatables(
+    dsn: str, *, sql_root: Path | None = None, force: bool = False
+) -> list[AppliedScript]:
+    """Apply the repeatable scripts that changed since this database last ran them.
+
+    `sql_root` replaces sql/ (tests); `force` applies every script. Returns
+    what was applied (`llmquota migrate` prints it); an empty list means the
+    functions were up to date. Needs the database at head (the
+    `schema_repeatables` table).
+    """
+    return _run(lambda: apply_repeatables_async(dsn, sql_root=sql_root, force=force))
+
+
+async def apply_repeatables_async(
+    dsn: str, *, sql_root: Path | None = None, force: bool = False
+) -> list[AppliedScript]:
+    """apply_repeatables for an async caller (logs only scripts gone from sql/)."""
+    scripts = repeatable_scripts(sql_root)
+    connection = await asyncpg.connect(dsn)
+    try:
+        async with connection.transaction():
+            await connection.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", MIGRATION_LOCK
+            )
+            if await connection.fetchval("SELECT to_regclass('schema_repeatables')") is None:
+                raise RuntimeError(
+                    "schema_repeatables does not exist: migrate the database to head first"
+                )
+            # Read after the lock: a run that held it before us has recorded its work.
+            recorded: dict[str, str] = {
+                row["name"]: row["checksum"]
+                for row in await connection.fetch("SELECT name, checksum FROM schema_repeatables")
+            }
+            applied = _due(scripts, recorded, force)
+            by_name = {script.name: script for script in scripts}
+            for entry in applied:
+                await connection.execute(by_name[entry.name].text)
+                await connection.execute(
+                    "INSERT INTO schema_repeatables (name, checksum, applied_at)"
+                    " VALUES ($1, $2, clock_timestamp())"
+                    " ON CONFLICT (name) DO UPDATE"
+                    " SET checksum = excluded.checksum, applied_at = excluded.applied_at",
+                    entry.name,
+                    entry.checksum,
+                )
+            # A script removed from sql/: its record goes, its objects stay
+            # (dropping them is the job of a script or a versioned migration).
+            gone = sorted(set(recorded) - set(by_name))
+            if gone:
+                await connection.execute(
+                    "DELETE FROM schema_repeatables WHERE name = ANY($1::text[])", gone
+                )
+                for name in gone:
+                    _logger.warning(
+                        "functions: %s is no longer in sql/; its record is removed, "
+                        "its objects are left as they are",
+                        name,
+                    )
+    finally:
+        await connection.close()
+    return applied
+
+
+def _due(
+    scripts: list[RepeatableScript], recorded: dict[str, str], force: bool
+) -> list[AppliedScript]:
+    """The scripts to apply, in order, with the reason for each."""
+    due: list[AppliedScript] = []
+    for script in scripts:
+        if force:
+            reason = "forced"
+        elif script.name not in recorded:
+            reason = "new"
+        elif recorded[script.name] != script.checksum:
+            reason = "changed"
+        elif script.follows_every_change and due:
+            reason = "follows"
+        else:
+            continue
+        due.append(AppliedScript(script.name, reason, script.checksum))
+    return due

@@ -8,14 +8,22 @@
 
 They are split once at import into a dict; a test checks every name the
 store uses exists. `finance_queries.sql` holds the ledger's finance side in
-the same form. Other files (function definitions, roles, the reports of
-sql/reports/) are whole scripts that the migrations execute.
+the same form.
+
+The other files are the repeatable scripts: the code of the database
+(functions, views, grants), which `llmquota migrate` re-applies after the
+versioned migrations whenever a file differs from the one the database last
+ran (see migrations/README.md). `repeatable_scripts()` lists them in the order
+they are applied.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from llmquota.resources import sql_dir
 
@@ -57,3 +65,55 @@ def report_scripts() -> list[str]:
     """The scripts of sql/reports/, in file name order (the base views first)."""
     paths = sorted((sql_dir() / "reports").glob("*.sql"))
     return [path.read_text(encoding="utf-8") for path in paths]
+
+
+# The repeatable scripts, in the order they are applied: the admission
+# functions, the ledger's, the reliability functions (which call
+# lq_lock_idempotency_keys of admission.sql), the reporting schema (the base
+# views first), and last the grants, which cover every function and view the
+# scripts before them define.
+REPEATABLE_SCRIPTS = (
+    "admission.sql",
+    "ledger.sql",
+    "reliability.sql",
+    "reports/*.sql",
+    "roles.sql",
+)
+
+# Grants are re-applied whenever any script before them was: a function that
+# is new (or dropped and re-created) has PostgreSQL's default privileges, not
+# the ones roles.sql gives.
+FOLLOWS_EVERY_CHANGE = frozenset({"roles.sql"})
+
+
+@dataclass(frozen=True)
+class RepeatableScript:
+    """One repeatable script: its name under sql/, its text and its checksum."""
+
+    name: str
+    text: str
+    checksum: str
+    follows_every_change: bool = False
+
+
+def repeatable_scripts(root: Path | None = None) -> list[RepeatableScript]:
+    """The repeatable scripts of `root` (default: sql/), in the order they are applied.
+
+    The checksum is the SHA-256 of the file's bytes, as `sha256sum` prints it.
+    """
+    base = sql_dir() if root is None else root
+    scripts: list[RepeatableScript] = []
+    for pattern in REPEATABLE_SCRIPTS:
+        paths = sorted(base.glob(pattern)) if "*" in pattern else [base / pattern]
+        for path in paths:
+            data = path.read_bytes()
+            name = path.relative_to(base).as_posix()
+            scripts.append(
+                RepeatableScript(
+                    name=name,
+                    text=data.decode("utf-8"),
+                    checksum=hashlib.sha256(data).hexdigest(),
+                    follows_every_change=name in FOLLOWS_EVERY_CHANGE,
+                )
+            )
+    return scripts
