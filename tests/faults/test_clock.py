@@ -1,19 +1,22 @@
 """Worker clocks play no part: a worker three days behind (and one a year
 ahead) makes exactly the decisions of a worker with the right time.
 
-The skewed workers run under libfaketime (Debian's `faketime`), which shifts
-every wall-clock call of the process, C code included; the monotonic clock is
-left alone so that asyncio's timers work. Each worker drives the same script
-against its own fresh database; the decisions must be identical and every
-lease must be measured on the database clock.
+The skewed workers run under libfaketime, preloaded from the copy the PyPI
+package `libfaketime` ships (a dev dependency, so no system package is
+needed). It shifts every wall-clock call of the process, C code included; the
+monotonic clock is left alone so that asyncio's timers work. Each worker drives
+the same script against its own fresh database; the decisions must be
+identical and every lease must be measured on the database clock.
 """
 
 from __future__ import annotations
 
-import shutil
+import importlib.util
+import os
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -25,6 +28,27 @@ from tests.faults.conftest import Worker, audit_findings, fault_settings, put
 
 SKEWS = {"true": None, "three days behind": "-3d", "a year ahead": "+365d"}
 LEASE_SECONDS = 60
+
+
+def _libfaketime() -> str:
+    """The libfaketime.so.1 inside the `libfaketime` package, found without importing it."""
+    spec = importlib.util.find_spec("libfaketime")
+    assert spec and spec.submodule_search_locations, (
+        "the libfaketime package is needed: pip install -e '.[dev]'"
+    )
+    (package,) = spec.submodule_search_locations
+    library = Path(package, "vendor", "libfaketime", "src", "libfaketime.so.1")
+    assert library.is_file(), f"the libfaketime package ships no {library}"
+    return str(library)
+
+
+def _skewed(skew: str) -> dict[str, str]:
+    """What `faketime -f SKEW` puts in a command's environment, less its shared
+    memory (which only keeps "start at" times in step across child processes;
+    a relative offset needs none): the library preloaded, the offset in FAKETIME.
+    """
+    preload = [*filter(None, os.environ.get("LD_PRELOAD", "").split(":")), _libfaketime()]
+    return {"LD_PRELOAD": ":".join(preload), "FAKETIME": skew}
 
 
 @pytest.fixture
@@ -87,8 +111,6 @@ async def _script(worker: Worker, dsn: str) -> dict[str, Any]:
 async def test_skewed_worker_clocks_make_identical_decisions(
     databases: dict[str, str],
 ) -> None:
-    faketime = shutil.which("faketime")
-    assert faketime, "libfaketime is needed: apt-get install faketime (.ci/run does)"
     results = {}
     for clock, skew in SKEWS.items():
         dsn = databases[clock]
@@ -96,8 +118,8 @@ async def test_skewed_worker_clocks_make_identical_decisions(
         # 1,000 tokens of capacity, a token a minute: 10 reservations of 100 fit.
         await put(admin, "tenant", "acme", tokens_per_minute=1, token_burst=1_000)
         await admin.close()
-        prefix = [faketime, "-f", skew] if skew else None
-        worker = await Worker.start(dsn, prefix=prefix, FAKETIME_DONT_FAKE_MONOTONIC="1")
+        skewed = _skewed(skew) if skew else {}
+        worker = await Worker.start(dsn, FAKETIME_DONT_FAKE_MONOTONIC="1", **skewed)
         try:
             results[clock] = await _script(worker, dsn)
         finally:
