@@ -179,6 +179,11 @@ SELECT count(*) AS purged FROM purged
 -- (see lq_ensure_ledger_partitions); one row per month with what was done.
 SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)
 
+-- outage_id_key --
+-- The key workers sign the reservation ids they make during an outage with
+-- (see domain/outage_ids.py); one row, made by migration 0007.
+SELECT key FROM outage_id_key
+
 -- policy_snapshot --
 -- Every layer's policy, for the per-worker cache that outlives an outage. The
 -- snapshot version is (max policy_version, layer count): a policy change takes

@@ -42,6 +42,7 @@ GRANT SELECT, INSERT, UPDATE ON model_prices TO llmquota_app;
 GRANT SELECT, INSERT ON ledger_export_positions TO llmquota_app;
 GRANT SELECT, UPDATE ON ledger_export_state TO llmquota_app;
 GRANT SELECT ON alembic_version TO llmquota_app;
+GRANT SELECT ON outage_id_key TO llmquota_app;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO llmquota_app;
 
 -- Functions: nobody but the service (and the owner) runs the admission and

@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from llmquota.admission.limiter import Limiter
-from llmquota.admission.outage import OutageEntry, OutageJournal, is_outage_id
+from llmquota.admission.outage import OutageEntry, OutageJournal
 from llmquota.api.app import create_app
-from llmquota.domain.errors import RateLimited, StoreUnavailable
+from llmquota.domain.errors import RateLimited, ReservationNotFound, StoreUnavailable
+from llmquota.domain.outage_ids import is_outage_id, new_outage_id
 from llmquota.domain.records import AdmitRequest
 from tests.faults.conftest import Worker, count, fault_settings, layer, put
 from tests.faults.proxy import PgProxy
@@ -397,3 +398,29 @@ async def test_spooled_outage_admissions_survive_a_killed_worker(
     finally:
         await survivor.close()
     assert list(spool.glob("spool-*.jsonl")) == []  # nothing left to replay
+
+
+async def test_a_made_up_outage_id_is_404_and_an_unrecorded_real_one_503(
+    database_dsn: str,
+) -> None:
+    """An id of the outage form that no worker signed is not found once the
+    store answers; one that a worker did sign (another worker's, not recorded
+    yet) is a retryable 503."""
+    limiter = await Limiter.connect(database_dsn, fault_settings())
+    other = await Limiter.connect(database_dsn, fault_settings())
+    try:
+        await put(limiter, "tenant", "acme", max_in_flight=10)
+        made_up = uuid.UUID(bytes=bytes([*uuid.uuid4().bytes[:6], 0x80, *uuid.uuid4().bytes[7:]]))
+        assert is_outage_id(made_up)
+        with pytest.raises(ReservationNotFound):
+            await limiter.settle(made_up, input_tokens=1, output_tokens=1)
+        with pytest.raises(ReservationNotFound):
+            await limiter.release(made_up)
+        # Signed by a worker of the same database, journaled there, not recorded yet.
+        assert other.fallback.id_key is not None
+        theirs = new_outage_id(other.fallback.id_key)
+        with pytest.raises(StoreUnavailable, match="not recorded yet"):
+            await limiter.settle(theirs, input_tokens=1, output_tokens=1)
+    finally:
+        await other.close()
+        await limiter.close()

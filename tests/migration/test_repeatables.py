@@ -221,7 +221,7 @@ def test_a_fresh_upgrade_equals_every_revision_in_turn_then_the_repeatables(
 
     script = ScriptDirectory.from_config(migrate.alembic_config(second_fresh_dsn))
     revisions = [r.revision for r in reversed(list(script.walk_revisions()))]
-    assert revisions == ["0001", "0002", "0003", "0004", "0005", "0006"]
+    assert revisions[:6] == ["0001", "0002", "0003", "0004", "0005", "0006"]
     for revision in revisions[:-1]:
         migrate.upgrade(second_fresh_dsn, revision)
         assert asyncio.run(table_snapshot(second_fresh_dsn)) == frozen_tables(revision)
@@ -285,7 +285,8 @@ async def test_two_migrate_commands_at_once_queue_on_the_lock(fresh_dsn: str) ->
         )
         outputs = [await asyncio.wait_for(run.communicate(), 90) for run in runs]
         assert [run.returncode for run in runs] == [0, 0], outputs
-        assert await holder.fetchval("SELECT version_num FROM alembic_version") == "0006"
+        head = ScriptDirectory.from_config(migrate.alembic_config(fresh_dsn)).get_current_head()
+        assert await holder.fetchval("SELECT version_num FROM alembic_version") == head
         assert await holder.fetchval("SELECT count(*) FROM schema_repeatables") == len(REPEATABLES)
         # One applied the scripts, the other found them applied.
         printed = sorted(out.decode() for out, _ in outputs)

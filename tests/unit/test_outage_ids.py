@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import uuid
 
-from llmquota.admission.outage import is_outage_id, new_outage_id
 from llmquota.admission.policy_cache import PolicyCache
+from llmquota.domain.outage_ids import is_outage_id, is_signed_outage_id, new_outage_id
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import CachedLayer
 
+KEY = bytes(range(32))
+
 
 def test_outage_ids_are_version_8_and_postgres_ids_are_not() -> None:
-    ids = {new_outage_id() for _ in range(1_000)}
+    ids = {new_outage_id(KEY) for _ in range(1_000)}
     assert len(ids) == 1_000
     assert all(is_outage_id(i) and i.variant == uuid.RFC_4122 for i in ids)
     assert not any(is_outage_id(uuid.uuid4()) for _ in range(1_000))
+
+
+def test_only_ids_signed_with_the_key_count_as_made_by_a_worker() -> None:
+    ids = [new_outage_id(KEY) for _ in range(1_000)]
+    assert all(is_signed_outage_id(i, KEY) for i in ids)
+    other_key = bytes(32)
+    assert not any(is_signed_outage_id(i, other_key) for i in ids)
+    # Made up in the right form: version 8, RFC 4122 variant, random otherwise.
+    made_up = [
+        uuid.UUID(bytes=bytes(raw))
+        for raw in (bytearray(uuid.uuid4().bytes) for _ in range(1_000))
+        if not raw.__setitem__(6, (raw[6] & 0x0F) | 0x80)
+    ]
+    assert all(is_outage_id(i) for i in made_up)
+    assert not any(is_signed_outage_id(i, KEY) for i in made_up)
+    # A PostgreSQL id is never taken for a signed one.
+    assert not any(is_signed_outage_id(uuid.uuid4(), KEY) for _ in range(1_000))
 
 
 def test_policy_cache_finds_the_layers_of_a_request_and_ages() -> None:

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from llmquota.admission.outage import JournalFull, OutageEntry, OutageJournal, new_outage_id
+from llmquota.admission.outage import JournalFull, OutageEntry, OutageJournal
 from llmquota.admission.policy_cache import LayerKey, PolicyCache
 from llmquota.domain.errors import ReservationConflict, ReservationNotFound
 from llmquota.domain.local_bucket import LocalLayer, admit_locally, give_back_locally
+from llmquota.domain.outage_ids import is_signed_outage_id, new_outage_id
 from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
@@ -67,6 +68,14 @@ class Fallback:
         self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
         # The local layers each locally admitted reservation holds a permit on.
         self._holds: dict[uuid.UUID, list[LocalLayer]] = {}
+        # The key this worker signs its outage ids with, loaded from the store
+        # with the policies; without it the worker admits nothing on its own.
+        self.id_key: bytes | None = None
+
+    def made_by_a_worker(self, reservation_id: uuid.UUID) -> bool:
+        """Whether some worker signed this outage id (True while the key is unknown:
+        without the key, a real id must not be called made up)."""
+        return self.id_key is None or is_signed_outage_id(reservation_id, self.id_key)
 
     def decide(self, request: AdmitRequest, now: float) -> FallbackDecision:
         """Decide by the failure modes of the request's layers, from the cached policies."""
@@ -123,8 +132,11 @@ class Fallback:
     ) -> FallbackDecision:
         """Admit a request that passed every layer: journal it before saying yes."""
         cost = request.input_tokens + request.max_tokens
+        if self.id_key is None:
+            give_back_locally(local_layers, cost, 1.0, now)
+            return FallbackDecision("closed", None, "no outage id key loaded yet")
         entry = OutageEntry(
-            reservation_id=new_outage_id(),
+            reservation_id=new_outage_id(self.id_key),
             request=request,
             mode=mode,
             policy_version=max(layer.policy_version for layer in layers),

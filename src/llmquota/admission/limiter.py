@@ -26,12 +26,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Unpack
+from typing import NoReturn, Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
-from llmquota.admission.outage import FlushReport, is_outage_id
+from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.reservation import Admission, Reservation, Settlement
 from llmquota.config import Settings
@@ -44,6 +44,7 @@ from llmquota.domain.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
+from llmquota.domain.outage_ids import is_outage_id
 from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
@@ -320,14 +321,18 @@ class Limiter:
             raise
         self.outage.store_answered()
         if result.status == "not_found":
-            if is_outage_id(request.reservation_id):
-                # Admitted during an outage by a worker that has not recorded it yet.
-                raise StoreUnavailable(
-                    f"reservation {request.reservation_id} was admitted during an outage and "
-                    "is not recorded yet; retry"
-                )
-            raise ReservationNotFound(f"no reservation {request.reservation_id}")
+            self._raise_not_found(request.reservation_id)
         return result
+
+    def _raise_not_found(self, reservation_id: uuid.UUID) -> NoReturn:
+        """The store has no such reservation: 404, unless a worker made it during
+        an outage and has not recorded it yet (503, retry)."""
+        if is_outage_id(reservation_id) and self.fallback.made_by_a_worker(reservation_id):
+            raise StoreUnavailable(
+                f"reservation {reservation_id} was admitted during an outage and "
+                "is not recorded yet; retry"
+            )
+        raise ReservationNotFound(f"no reservation {reservation_id}")
 
     async def settle(
         self,

@@ -40,21 +40,7 @@ from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
 
-OUTAGE_ID_VERSION = 8
 SPOOL_GLOB = "spool-*.jsonl"
-
-
-def new_outage_id() -> uuid.UUID:
-    """A random reservation id marked as made by a worker (UUID version 8)."""
-    raw = bytearray(secrets.token_bytes(16))
-    raw[6] = (raw[6] & 0x0F) | (OUTAGE_ID_VERSION << 4)
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    return uuid.UUID(bytes=bytes(raw))
-
-
-def is_outage_id(reservation_id: uuid.UUID) -> bool:
-    """Whether a worker made this id during an outage."""
-    return reservation_id.version == OUTAGE_ID_VERSION
 
 
 class JournalFull(LimiterError):

@@ -73,7 +73,12 @@ class OutageRecovery:
             log.warning("refreshing the policy cache failed", exc_info=True)
 
     async def refresh_policies(self) -> None:
-        """Load every layer's policy into this worker's cache (one row if unchanged)."""
+        """Load every layer's policy into this worker's cache (one row if unchanged),
+        and the outage id key the first time."""
+        if self.fallback.id_key is None:
+            self.fallback.id_key = await self._store.outage_id_key(
+                deadline_seconds=self._settings.statement_timeout_ms / 1000.0
+            )
         snapshot = await self._store.policy_snapshot(
             self.policies.version,
             self._settings.policy_cache_max_layers,

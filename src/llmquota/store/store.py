@@ -207,6 +207,11 @@ class Store:
         """One round trip, to learn whether the database answers again."""
         await self._pool.fetch("SELECT 1", (), deadline_seconds=deadline_seconds)
 
+    async def outage_id_key(self, *, deadline_seconds: float | None = None) -> bytes:
+        """The key outage reservation ids are signed with."""
+        rows = await self._fetch("outage_id_key", deadline_seconds=deadline_seconds)
+        return bytes(rows[0]["key"])
+
     async def policy_snapshot(
         self,
         known_version: tuple[int, int] | None,
