@@ -8,7 +8,12 @@ the noisy tenant floods the API from another process with many concurrent
 connections (most of its requests refused with 429, as a flood would be).
 
     python bench/noisy_neighbour.py [--seconds 20] [--rate 50] [--flood 32] [--workers 1]
-                                    [--max-in-progress 4]
+                                    [--max-in-progress 4] [--big-prompts] [--count-inline]
+
+--big-prompts floods with 1 MB prompts to be counted instead of small
+admissions; --count-inline makes the server count every prompt on its event
+loop with no CPU budget, as it did before token counting moved to a thread
+pool (the "before" of that change).
 
 Prints one line per phase and the ratio of the quiet tenant's p99 under the
 flood to its p99 alone; the promise is a ratio of at most 1.20. A benchmark,
@@ -97,11 +102,21 @@ async def quiet_tenant(base: str, key: str, seconds: float, rate: float) -> list
     return latencies
 
 
-def flood(base: str, key: str, seconds: float, connections: int, out: Any) -> None:
+# A megabyte of prompt: what a flood of big prompts sends each time.
+BIG_PROMPT = [{"role": "user", "content": "word " * 200_000}]
+
+
+def flood(
+    base: str, key: str, seconds: float, connections: int, out: Any, *, big_prompts: bool
+) -> None:
     """Run in another process: `connections` clients admitting as fast as they can."""
 
     async def one(client: httpx.AsyncClient, stop_at: float, tally: dict[int, int]) -> None:
-        body = {"tenant": "noisy", "model": "gpt-4o", "input_tokens": 200, "max_tokens": 300}
+        body: dict[str, Any] = {"tenant": "noisy", "model": "gpt-4o", "max_tokens": 300}
+        if big_prompts:
+            body["messages"] = BIG_PROMPT
+        else:
+            body["input_tokens"] = 200
         headers = {"Authorization": f"Bearer {key}"}
         while time.perf_counter() < stop_at:
             r = await client.post("/v1/admit", json=body, headers=headers)
@@ -135,7 +150,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "LLMQUOTA_DATABASE_URL": db.dsn,
             "LLMQUOTA_ADMIN_KEY": ADMIN_KEY,
             "LLMQUOTA_TENANT_MAX_IN_PROGRESS": str(args.max_in_progress),
+            "LLMQUOTA_MAX_BODY_BYTES": str(2 * 1_048_576),
         }
+        if args.count_inline:
+            env["LLMQUOTA_TOKEN_COUNT_INLINE_CHARS"] = "10000000"
+            env["LLMQUOTA_TOKEN_COUNT_CPU_BUDGET_MS"] = "60000"
         server = subprocess.Popen(
             [
                 sys.executable,
@@ -166,7 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             alone = asyncio.run(quiet_tenant(base, keys["quiet"], args.seconds, args.rate))
             results: multiprocessing.Queue[dict[int, int]] = multiprocessing.Queue()
             flooder = multiprocessing.Process(
-                target=flood, args=(base, keys["noisy"], args.seconds + 2, args.flood, results)
+                target=flood,
+                args=(base, keys["noisy"], args.seconds + 2, args.flood, results),
+                kwargs={"big_prompts": args.big_prompts},
             )
             flooder.start()
             time.sleep(1.0)  # let the flood reach full speed
@@ -208,6 +229,14 @@ def main() -> None:
         default=4,
         help="LLMQUOTA_TENANT_MAX_IN_PROGRESS for the server (10000: fair share off)",
     )
+    parser.add_argument(
+        "--big-prompts", action="store_true", help="flood with 1 MB prompts to be counted"
+    )
+    parser.add_argument(
+        "--count-inline",
+        action="store_true",
+        help="the server counts every prompt on its event loop, no CPU budget (the old way)",
+    )
     args = parser.parse_args()
     report = run(args)
     for phase in ("alone", "flooded"):
@@ -222,7 +251,7 @@ def main() -> None:
     print(
         f"quiet p99 flooded/alone: {report['p99_ratio']:.2f} (promise: <= 1.20; "
         f"max_in_progress={args.max_in_progress}, workers={args.workers}, "
-        f"flood={args.flood})"
+        f"flood={args.flood}, big_prompts={args.big_prompts}, count_inline={args.count_inline})"
     )
     print(json.dumps(report))
 
