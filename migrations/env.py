@@ -7,7 +7,7 @@ What a versioned migration may contain, and what belongs to the repeatable
 scripts of sql/ instead, is in README.md next to this file. In short: the
 files in versions/ are frozen table changes and never read sql/; functions,
 views and grants are re-applied from sql/ by `llmquota migrate` after the
-versioned migrations (`llmquota.migrate.apply_repeatables`). A plain
+versioned migrations (`llmquota.store.migrate.apply_repeatables`). A plain
 `alembic upgrade head` does only the versioned part.
 
 The migrations run under a session advisory lock (the one the repeatable step

@@ -2,7 +2,7 @@
 
 `llmquota migrate`, after the versioned migrations, applies every repeatable
 script of sql/ (functions, views, grants) whose SHA-256 differs from the one
-recorded here, and records the new one (llmquota.migrate.apply_repeatables;
+recorded here, and records the new one (llmquota.store.migrate.apply_repeatables;
 see migrations/README.md). An empty table means none was applied yet: the
 first run applies them all.
 

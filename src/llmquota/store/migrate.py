@@ -7,7 +7,7 @@ Two steps, always in this order (migrations/README.md has the rule):
 2. the repeatable scripts of sql/ (functions, views, grants): every script
    whose SHA-256 differs from the one recorded in `schema_repeatables` is
    applied, in one transaction, in the order of
-   `llmquota.sqlfiles.REPEATABLE_SCRIPTS`.
+   `llmquota.store.sqlfiles.REPEATABLE_SCRIPTS`.
 
 `upgrade(dsn)` does both. `upgrade(dsn, revision)` for an older revision does
 only the first: it gives that revision's tables, never today's functions.
