@@ -10,8 +10,11 @@ series: a limiter doing its job and a broken dependency must never look alike.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmquota.domain.records import AdmitDecision
 
 DECISION_BUCKETS_SECONDS = (
     0.0005,
@@ -38,27 +41,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
-        self.admits = counter("llmquota_admits", "Admissions granted")
-        self.denials = counter(
-            "llmquota_denials",
-            "Every admission refused by the store, by the limit and scope that bound",
-            ["limit", "scope", "reason"],
-        )
-        self.policy_denials = counter(
-            "llmquota_policy_denials",
-            "Admissions the store refused for tokens or requests, by limit and scope",
-            ["limit", "scope", "reason"],
-        )
-        self.concurrency_denials = counter(
-            "llmquota_concurrency_denials",
-            "Admissions the store refused for want of a concurrency permit, by scope",
-            ["scope"],
-        )
-        self.fallback_decisions = counter(
-            "llmquota_fallback_decisions",
-            "Decisions made by a failure mode because the store did not answer in time",
-            ["mode", "decision"],
-        )
+        self._declare_decisions(counter)
+        self._declare_settlements(counter)
         self.outage_journal_pending = Gauge(
             "llmquota_outage_journal_pending",
             "Outage admissions this worker holds that the store has not recorded yet",
@@ -69,18 +53,6 @@ class Metrics:
             "Outage admissions and their settlements written to the store on recovery",
             ["what"],
         )
-        self.settlements = counter("llmquota_settlements", "Reservations settled", ["late"])
-        self.excess_settlements = counter(
-            "llmquota_excess_settlements",
-            "Settlements that reported more than the request could have used "
-            "(counted input with tolerance plus max_tokens)",
-        )
-        self.excess_tokens = counter(
-            "llmquota_excess_tokens",
-            "Tokens settled above the request's possible maximum, kept off shared layers",
-        )
-        self.releases = counter("llmquota_releases", "Reservations released unused")
-        self.refunded_tokens = counter("llmquota_refunded_tokens", "Tokens refunded at settlement")
         self.sweeper_reclaims = counter(
             "llmquota_sweeper_reclaims",
             "Reservations expired by the sweeper",
@@ -102,6 +74,58 @@ class Metrics:
             ["operation"],
             buckets=BATCH_SIZE_BUCKETS,
         )
+
+    def _declare_decisions(self, counter: Callable[..., Counter]) -> None:
+        """How admissions were decided: granted, refused by which limit, by a failure mode."""
+        self.admits = counter("llmquota_admits", "Admissions granted")
+        self.denials = counter(
+            "llmquota_denials",
+            "Every admission refused by the store, by the limit and scope that bound",
+            ["limit", "scope", "reason"],
+        )
+        self.policy_denials = counter(
+            "llmquota_policy_denials",
+            "Admissions the store refused for tokens or requests, by limit and scope",
+            ["limit", "scope", "reason"],
+        )
+        self.concurrency_denials = counter(
+            "llmquota_concurrency_denials",
+            "Admissions the store refused for want of a concurrency permit, by scope",
+            ["scope"],
+        )
+        self.fallback_decisions = counter(
+            "llmquota_fallback_decisions",
+            "Decisions made by a failure mode because the store did not answer in time",
+            ["mode", "decision"],
+        )
+
+    def _declare_settlements(self, counter: Callable[..., Counter]) -> None:
+        """What settlements and releases gave back, and what they reported beyond reason."""
+        self.settlements = counter("llmquota_settlements", "Reservations settled", ["late"])
+        self.excess_settlements = counter(
+            "llmquota_excess_settlements",
+            "Settlements that reported more than the request could have used "
+            "(counted input with tolerance plus max_tokens)",
+        )
+        self.excess_tokens = counter(
+            "llmquota_excess_tokens",
+            "Tokens settled above the request's possible maximum, kept off shared layers",
+        )
+        self.releases = counter("llmquota_releases", "Reservations released unused")
+        self.refunded_tokens = counter("llmquota_refunded_tokens", "Tokens refunded at settlement")
+
+    def count_decision(self, decision: AdmitDecision) -> None:
+        """Count one decision of the store under the series that describes it."""
+        if decision.status == "admitted":
+            self.admits.inc()
+        elif decision.status in ("rate_limited", "too_large"):
+            self.denials.labels(decision.limit_kind, decision.limit_scope, decision.status).inc()
+            if decision.limit_kind == "concurrency":
+                self.concurrency_denials.labels(decision.limit_scope).inc()
+            else:
+                self.policy_denials.labels(
+                    decision.limit_kind, decision.limit_scope, decision.status
+                ).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

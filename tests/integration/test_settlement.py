@@ -171,7 +171,12 @@ async def test_usage_above_the_reservation_debits_the_excess_and_refill_repays_i
 
     settlement = await held.settle(input_tokens=900, output_tokens=2_100)
 
-    assert settlement == Settlement(charged_tokens=3_000, refunded_tokens=0, late=False)
+    # 3,000 is above what this request could have used (ceil(950 x 1.25) + 64
+    # + 950 = 2,202): the 798 beyond it are flagged, and still charged to the
+    # tenant's own layer in full.
+    assert settlement == Settlement(
+        charged_tokens=3_000, refunded_tokens=0, late=False, excess_tokens=798
+    )
     # 2,000 - 1,900 - (3,000 - 1,900) = -1,000, plus whatever refilled since.
     balance = await tokens(limiter, "acme")
     assert -1_000 <= balance <= -1_000 + clock.refill(rate)

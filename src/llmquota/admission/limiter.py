@@ -230,7 +230,7 @@ class Limiter:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.outage.store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self._count_decision(decision)
+        self.metrics.count_decision(decision)
         return Admission(decision, request.input_tokens, request.input_estimated)
 
     def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
@@ -246,20 +246,6 @@ class Limiter:
         if status == "admitted":
             self.outage.ensure_recovery()  # record it as soon as the store answers
         return Admission(offline, request.input_tokens, request.input_estimated, fallback.mode)
-
-    def _count_decision(self, decision: AdmitDecision) -> None:
-        if decision.status == "admitted":
-            self.metrics.admits.inc()
-        elif decision.status in ("rate_limited", "too_large"):
-            self.metrics.denials.labels(
-                decision.limit_kind, decision.limit_scope, decision.status
-            ).inc()
-            if decision.limit_kind == "concurrency":
-                self.metrics.concurrency_denials.labels(decision.limit_scope).inc()
-            else:
-                self.metrics.policy_denials.labels(
-                    decision.limit_kind, decision.limit_scope, decision.status
-                ).inc()
 
     # -- while the store is away -------------------------------------------
     async def refresh_policies(self) -> None:
