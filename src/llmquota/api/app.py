@@ -3,7 +3,10 @@
 `create_app(settings)` builds an app whose lifespan opens one Limiter (one
 pool) per worker process, and the admin service over the same store. Errors
 are rendered in one shape everywhere (llmquota.api.errors):
-{"type": "error", "error": {"type": ..., "message": ...}}.
+{"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}.
+
+The middlewares, outermost first: request ids (and the last word on errors
+no handler took), the tenant fair share, then the body size limit.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from llmquota.api.auth import Authenticator
 from llmquota.api.bodylimit import BodySizeLimit
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
+from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
@@ -67,6 +71,8 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         max_in_progress=settings.tenant_max_in_progress,
         max_waiting=settings.tenant_max_waiting,
     )
+    # Added last, so outermost: every answer and every error below has its id.
+    app.add_middleware(RequestIds)
     install_error_handlers(app)
     app.include_router(router)
     return app
