@@ -6,7 +6,8 @@ are rendered in one shape everywhere (llmquota.api.errors):
 {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}.
 
 The middlewares, outermost first: request ids (and the last word on errors
-no handler took), the tenant fair share, then the body size limit.
+no handler took), the tenant fair share, then the request's size and time
+limits.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.types import Scope
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator
-from llmquota.api.bodylimit import BodySizeLimit
+from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.requestids import RequestIds
@@ -64,7 +65,12 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        max_head_bytes=settings.max_header_bytes,
+        read_timeout_seconds=settings.body_read_timeout_seconds,
+    )
     app.add_middleware(
         TenantFairShare,
         tenant_of=_tenant_of,
