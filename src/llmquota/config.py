@@ -197,6 +197,14 @@ class Settings(BaseSettings):
         description="time a request body has to arrive whole once the app reads it; past it "
         "408 and the connection is closed",
     )
+    header_read_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0.0,
+        le=300.0,
+        description="time a request head has to arrive whole, from its first byte (from the "
+        "connection's opening for the first request); past it 408, or a quiet close if no "
+        "byte came",
+    )
     max_header_bytes: int = Field(
         default=65_536,
         ge=8_192,

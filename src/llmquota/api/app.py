@@ -7,13 +7,15 @@ are rendered in one shape everywhere (llmquota.api.errors):
 
 The middlewares, outermost first: request ids (and the last word on errors
 no handler took), the tenant fair share, then the request's size and time
-limits.
+limits. The lifespan also hands the server protocol its limits on request
+heads (llmquota.api.protocols), through the lifespan state uvicorn keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import Scope
@@ -24,6 +26,7 @@ from llmquota.api.auth import Authenticator
 from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
+from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
 from llmquota.config import Settings
@@ -48,14 +51,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         raise RuntimeError("no database: set LLMQUOTA_DATABASE_URL or use `llmquota serve`")
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         limiter = await Limiter.connect(database, settings)
         admin = AdminService(limiter.store, deadline_seconds=limiter.deadline_seconds)
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
         try:
-            yield
+            yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
             await limiter.close()
 
