@@ -211,6 +211,11 @@ class Settings(BaseSettings):
         le=1_048_576,
         description="largest request head (request line and headers); a larger one gets 400",
     )
+    metrics_token: str | None = Field(
+        default=None,
+        min_length=16,
+        description="bearer token GET /metrics requires; unset: /metrics is open",
+    )
 
 
 def environment_value(variable: str, default: str | None = None) -> str | None:

@@ -68,6 +68,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.state.metrics_token = settings.metrics_token
     app.add_middleware(
         RequestLimits,
         max_body_bytes=settings.max_body_bytes,
