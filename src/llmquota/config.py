@@ -190,6 +190,32 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="ledger rows the export numbers (gives export ids) per round trip",
     )
+    body_read_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0.0,
+        le=300.0,
+        description="time a request body has to arrive whole once the app reads it; past it "
+        "408 and the connection is closed",
+    )
+    header_read_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0.0,
+        le=300.0,
+        description="time a request head has to arrive whole, from its first byte (from the "
+        "connection's opening for the first request); past it 408, or a quiet close if no "
+        "byte came",
+    )
+    max_header_bytes: int = Field(
+        default=65_536,
+        ge=8_192,
+        le=1_048_576,
+        description="largest request head (request line and headers); a larger one gets 400",
+    )
+    metrics_token: str | None = Field(
+        default=None,
+        min_length=16,
+        description="bearer token GET /metrics requires; unset: /metrics is open",
+    )
 
 
 def environment_value(variable: str, default: str | None = None) -> str | None:

@@ -3,13 +3,19 @@
 `create_app(settings)` builds an app whose lifespan opens one Limiter (one
 pool) per worker process, and the admin service over the same store. Errors
 are rendered in one shape everywhere (llmquota.api.errors):
-{"type": "error", "error": {"type": ..., "message": ...}}.
+{"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}.
+
+The middlewares, outermost first: request ids (and the last word on errors
+no handler took), the tenant fair share, then the request's size and time
+limits. The lifespan also hands the server protocol its limits on request
+heads (llmquota.api.protocols), through the lifespan state uvicorn keeps.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import Scope
@@ -17,9 +23,11 @@ from starlette.types import Scope
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator
-from llmquota.api.bodylimit import BodySizeLimit
+from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
+from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
+from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
@@ -43,14 +51,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         raise RuntimeError("no database: set LLMQUOTA_DATABASE_URL or use `llmquota serve`")
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         limiter = await Limiter.connect(database, settings)
         admin = AdminService(limiter.store, deadline_seconds=limiter.deadline_seconds)
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
         try:
-            yield
+            yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
             await limiter.close()
 
@@ -60,13 +68,21 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
+    app.state.metrics_token = settings.metrics_token
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        max_head_bytes=settings.max_header_bytes,
+        read_timeout_seconds=settings.body_read_timeout_seconds,
+    )
     app.add_middleware(
         TenantFairShare,
         tenant_of=_tenant_of,
         max_in_progress=settings.tenant_max_in_progress,
         max_waiting=settings.tenant_max_waiting,
     )
+    # Added last, so outermost: every answer and every error below has its id.
+    app.add_middleware(RequestIds)
     install_error_handlers(app)
     app.include_router(router)
     return app

@@ -1,16 +1,25 @@
 """The one error shape of the API, and the handlers that render errors in it.
 
-Every error a client gets, from a route, an exception handler or a raw ASGI
-middleware, is {"type": "error", "error": {"type": ..., "message": ..., ...}},
+Every error a client gets, from a route, an exception handler, a raw ASGI
+middleware or the server protocol, is
+{"type": "error", "error": {"type": ..., "message": ..., ...}, "request_id": ...},
 built by `error_body` here and nowhere else, so that no answer can drift from
 the shape clients parse. The exception handlers map the typed errors of the
 domain and of authentication to their statuses in one table.
+
+The request id sits beside `error`, not in it (as in Anthropic's API), so
+the error object clients compare stays as it was. It is the id of the
+request being answered (llmquota.api.requestids binds it), and it is all an
+error says about the inside: an outage's driver text and an exception's
+class are logged under that id, never sent.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar, Token
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,14 +34,42 @@ from llmquota.domain.errors import (
     InvalidRequest,
     ReservationConflict,
     ReservationNotFound,
+    StoreTimeout,
     StoreUnavailable,
     UnknownTenant,
 )
 
+log = logging.getLogger("llmquota.api")
 
-def error_body(error_type: str, /, **fields: Any) -> dict[str, Any]:
-    """The error body; `fields` (a `message` among them) in the order given."""
-    return {"type": "error", "error": {"type": error_type, **fields}}
+# The id of the request this task is answering; None outside a request.
+_request_id: ContextVar[str | None] = ContextVar("llmquota_request_id", default=None)
+
+
+def bind_request_id(request_id: str) -> Token[str | None]:
+    """Make `request_id` the id every error body of this request carries."""
+    return _request_id.set(request_id)
+
+
+def unbind_request_id(token: Token[str | None]) -> None:
+    _request_id.reset(token)
+
+
+def current_request_id() -> str | None:
+    return _request_id.get()
+
+
+def error_body(
+    error_type: str, /, *, request_id: str | None = None, **fields: Any
+) -> dict[str, Any]:
+    """The error body; `fields` (a `message` among them) in the order given.
+
+    The request id is `request_id`, else the id of the request being answered.
+    """
+    body: dict[str, Any] = {"type": "error", "error": {"type": error_type, **fields}}
+    request_id = request_id or _request_id.get()
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
 
 
 def error_response(
@@ -77,13 +114,42 @@ _SIMPLE: list[tuple[type[Exception], int, str]] = [
     (Forbidden, 403, "permission_error"),
 ]
 
-# Starlette's own HTTP errors (unknown path, wrong method, ...) by status.
+# Starlette's own HTTP errors (unknown path, wrong method, ...) and those the
+# middlewares and operations raise as HTTPException, by status.
 _HTTP_ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "payload_too_large",
 }
+
+# What a 503 says: a fixed sentence, whatever the driver said.
+DATABASE_TIMED_OUT = "the limiter's database did not answer in time; retry"
+DATABASE_UNAVAILABLE = "the limiter's database is unavailable; retry"
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """The exception and the chain of exceptions that caused it."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def unavailable_message(exc: BaseException) -> str:
+    """The fixed sentence for an outage: a timeout, or any other failure."""
+    if any(isinstance(cause, StoreTimeout) for cause in _causes(exc)):
+        return DATABASE_TIMED_OUT
+    return DATABASE_UNAVAILABLE
+
+
+def internal_detail(exc: BaseException) -> str:
+    """What went wrong inside, for the log only: each cause's class and text."""
+    return " <- ".join(f"{type(cause).__name__}: {cause}" for cause in _causes(exc))
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -117,9 +183,15 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     async def unavailable(_request: Request, exc: Exception) -> JSONResponse:
+        log.warning(
+            "request %s: limiter unavailable: %s", current_request_id(), internal_detail(exc)
+        )
         # Never a 429: an outage must not look like a tenant over its limit.
         return error_response(
-            503, "limiter_unavailable", message=str(exc), headers={"Retry-After": "1"}
+            503,
+            "limiter_unavailable",
+            message=unavailable_message(exc),
+            headers={"Retry-After": "1"},
         )
 
     async def invalid(_request: Request, exc: Exception) -> JSONResponse:
@@ -129,7 +201,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, error_type, message=str(exc.detail))
+        return error_response(
+            exc.status_code, error_type, headers=exc.headers, message=str(exc.detail)
+        )
 
     app.add_exception_handler(AuthenticationFailed, unauthenticated)
     app.add_exception_handler(StoreUnavailable, unavailable)

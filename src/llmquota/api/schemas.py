@@ -207,3 +207,6 @@ class ErrorResponse(BaseModel):
 
     type: Literal["error"]
     error: ErrorDetail
+    request_id: str | None = Field(
+        default=None, description="the request's id, also its x-request-id header"
+    )

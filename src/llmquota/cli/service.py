@@ -42,6 +42,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """Run the REST API (migrating an embedded database first)."""
     import uvicorn
 
+    from llmquota.api.protocols import http_protocol_class
     from llmquota.store import migrate
 
     with open_database(settings.database_url, settings.data_dir) as db:
@@ -64,6 +65,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             port=args.port,
             workers=args.workers,
             log_level=args.log_level,
+            # uvicorn's own parser choice, with limits on each request head.
+            http=http_protocol_class(),
         )
     return 0
 
