@@ -3,7 +3,8 @@
 `create_app(settings)` builds an app whose lifespan opens one Limiter (one
 pool) per worker process, and the admin service over the same store. Errors
 are rendered in one shape everywhere (llmquota.api.errors):
-{"type": "error", "error": {"type": ..., "message": ...}}.
+{"type": "error", "error": {"type": ..., "message": ...}}, except on the
+proxy endpoints (llmquota.api.proxy), which answer in the provider's format.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from llmquota.api.auth import Authenticator
 from llmquota.api.bodylimit import BodySizeLimit
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
+from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
@@ -29,10 +31,13 @@ def _tenant_of(scope: Scope) -> str | None:
     authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
     if authenticator is None:
         return None
+    api_key: str | None = None
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             return authenticator.cached_tenant(value.decode("latin-1"))
-    return None
+        if name == b"x-api-key":  # the anthropic SDK's way, on the proxy endpoints
+            api_key = value.decode("latin-1")
+    return authenticator.cached_tenant(f"Bearer {api_key}") if api_key else None
 
 
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
@@ -49,10 +54,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
+        app.state.proxy = Proxy(settings)
         try:
             yield
         finally:
-            await limiter.close()
+            try:
+                await app.state.proxy.close()  # streams still running settle first
+            finally:
+                await limiter.close()
 
     app = FastAPI(
         title="llmquota",
@@ -69,6 +78,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     )
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(
+        proxy_router(
+            {
+                "openai": settings.openai_base_url is not None,
+                "anthropic": settings.anthropic_base_url is not None,
+            }
+        )
+    )
     return app
 
 
