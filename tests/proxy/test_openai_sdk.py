@@ -12,6 +12,7 @@ import asyncpg
 import openai
 import pytest
 
+from llmquota.domain.tokens import count_text
 from tests.proxy.conftest import Stack, ledger, reservation_states, settled, stack_for
 from tests.proxy.fake_provider import PROMPT_TOKENS, PROVIDER_KEY, FakeProvider, completion_tokens
 
@@ -199,4 +200,4 @@ async def test_an_error_mid_stream_settles_what_was_produced(
     rows = await settled(db, 1)
     assert len(rows) == 1 and rows[0]["outcome"] == "error"
     # Five words came out (" w0".." w4"), counted by tiktoken; the input is llmquota's count.
-    assert 5 <= rows[0]["output_tokens"] <= 10
+    assert rows[0]["output_tokens"] == count_text(" w0 w1 w2 w3 w4", "gpt-4o").tokens
