@@ -1,0 +1,171 @@
+"""What the proxy refuses before anything is reserved or forwarded, how it
+authenticates, what it reserves, and the `cancel` hang-up mode; over the raw
+wire where an SDK would refuse the input itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.proxy.conftest import ADMIN_KEY, Stack, ledger, settled, stack_for
+from tests.proxy.fake_provider import PROMPT_TOKENS, FakeProvider, completion_tokens
+
+MESSAGES = [{"role": "user", "content": "Say something short."}]
+
+
+async def post(stack: Stack, path: str, body: Any, **headers: str) -> httpx.Response:
+    auth = {"authorization": f"Bearer {stack.key}"}
+    content = body if isinstance(body, bytes) else None
+    return await stack.admin.post(
+        path,
+        content=content,
+        json=None if content is not None else body,
+        headers={**auth, **headers},
+    )
+
+
+async def nothing_happened(stack: Stack, db: asyncpg.Connection) -> None:
+    assert stack.fake.requests == []
+    assert await db.fetchval("SELECT count(*) FROM reservations") == 0
+    assert await ledger(db) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b'{"model": "gpt-4o", "messages": [', 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        ({"messages": MESSAGES}, 400, "'model'"),
+        ({"model": "gpt-4o", "messages": MESSAGES, "stream": "yes"}, 422, "'stream'"),
+        ({"model": "gpt-4o", "messages": MESSAGES, "n": 0}, 422, "'n'"),
+        ({"model": "gpt-4o", "messages": MESSAGES, "n": "2"}, 422, "'n'"),
+        ({"model": "gpt-4o", "messages": MESSAGES, "max_tokens": -1}, 422, "'max_tokens'"),
+        ({"model": "my-own-model", "messages": MESSAGES}, 404, "LLMQUOTA_PROXY_DEFAULT"),
+        ({"model": "gpt-4o", "messages": "hi"}, 400, "'messages'"),
+    ],
+)
+async def test_bad_input_is_refused_in_openai_format_with_nothing_reserved(
+    stack: Stack, db: asyncpg.Connection, body: Any, status: int, says: str
+) -> None:
+    response = await post(stack, "/v1/chat/completions", body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert says in error["message"] and error["type"] == "invalid_request_error"
+    await nothing_happened(stack, db)
+
+
+async def test_bad_input_is_refused_in_anthropic_format(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    body = {"model": "claude-sonnet-4", "messages": MESSAGES, "stream": 1, "max_tokens": 5}
+    response = await post(stack, "/v1/messages", body)
+    assert response.status_code == 422
+    assert response.json()["type"] == "error"
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    await nothing_happened(stack, db)
+
+
+async def test_keys_as_each_sdk_sends_them_and_wrong_ones(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 5}
+    as_api_key = await stack.admin.post(
+        "/v1/chat/completions", json=body, headers={"authorization": "", "x-api-key": stack.key}
+    )
+    assert as_api_key.status_code == 200, as_api_key.text
+    wrong = await stack.admin.post(
+        "/v1/messages", json=body, headers={"authorization": "", "x-api-key": "lq_wrong"}
+    )
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["type"] == "authentication_error"
+    admin = await stack.admin.post(
+        "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert admin.status_code == 403
+    assert admin.json()["error"]["code"] == "permission_denied"
+    rows = await settled(db, 1)
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(PROMPT_TOKENS, 13)]
+    assert len(stack.fake.requests) == 1
+
+
+async def test_route_header_and_n_completions_are_reserved(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    await stack.admin.put("/v1/tenants/acme/routes/batch/policy", json={"max_in_flight": 4})
+    body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 10}
+    one = await post(stack, "/v1/chat/completions", body, **{"llmquota-route": "batch"})
+    three = await post(stack, "/v1/chat/completions", {**body, "n": 3})
+    assert one.status_code == three.status_code == 200
+    rows = await settled(db, 2)
+    reserved = await db.fetch("SELECT route, reserved_tokens FROM usage_ledger ORDER BY entry_id")
+    assert [r["route"] for r in reserved] == ["batch", None]
+    assert reserved[1]["reserved_tokens"] - reserved[0]["reserved_tokens"] == 20
+    assert [r["output_tokens"] for r in rows] == [13, 13]
+
+
+async def test_without_max_tokens_the_models_maximum_or_the_setting_is_reserved(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    policy = {"tokens_per_minute": 600_000, "token_burst": 200_000}
+    body = {"model": "gpt-4o", "messages": MESSAGES}
+    async with stack_for(fake, database_dsn, policy) as stack:
+        assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
+    async with stack_for(fake, database_dsn, policy, proxy_default_max_tokens=500) as stack:
+        assert (await post(stack, "/v1/chat/completions", body)).status_code == 200
+    rows = await db.fetch("SELECT reserved_tokens, output_tokens FROM usage_ledger")
+    assert rows[0]["reserved_tokens"] - rows[1]["reserved_tokens"] == 16_384 - 500
+    assert [r["output_tokens"] for r in rows] == [13, 13]
+
+
+async def test_too_large_is_413_that_the_sdks_do_not_retry(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    policy = {"tokens_per_minute": 1_000, "token_burst": 100}
+    async with stack_for(fake, database_dsn, policy) as stack:
+        body = {"model": "claude-sonnet-4", "messages": MESSAGES, "max_tokens": 500}
+        response = await post(stack, "/v1/messages", body)
+        assert response.status_code == 413
+        assert response.headers["x-should-retry"] == "false"
+        assert response.json()["error"]["type"] == "request_too_large"
+        await nothing_happened(stack, db)
+
+
+async def test_an_unconfigured_upstream_is_404_naming_the_variables(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    unset = {"anthropic_base_url": None, "anthropic_api_key": None}
+    async with stack_for(fake, database_dsn, {"max_in_flight": 2}, **unset) as stack:
+        body = {"model": "claude-sonnet-4", "messages": MESSAGES, "max_tokens": 5}
+        response = await post(stack, "/v1/messages", body)
+        assert response.status_code == 404
+        message = response.json()["error"]["message"]
+        assert "LLMQUOTA_ANTHROPIC_BASE_URL" in message
+        assert "LLMQUOTA_ANTHROPIC_API_KEY" in message
+        paths = (await stack.admin.get("/openapi.json")).json()["paths"]
+        assert "/v1/chat/completions" in paths and "/v1/messages" not in paths
+        await nothing_happened(stack, db)
+
+
+async def test_cancel_mode_closes_upstream_and_settles_the_output_counted_so_far(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    policy = {"max_in_flight": 2}
+    async with stack_for(fake, database_dsn, policy, proxy_disconnect="cancel") as stack:
+        stack.fake.words, stack.fake.delay = 40, 0.03
+        stream = await stack.openai().chat.completions.create(
+            model="gpt-4o", messages=MESSAGES, max_tokens=100, stream=True
+        )
+        seen = 0
+        async for _chunk in stream:
+            seen += 1
+            if seen == 3:
+                break
+        await stream.close()
+        rows = await settled(db, 1)
+        assert stack.fake.streams_finished == 0
+        assert len(rows) == 1 and rows[0]["outcome"] == "cancelled"
+        assert 0 < rows[0]["output_tokens"] < completion_tokens(40)
+        assert rows[0]["input_tokens"] > 0  # llmquota's own count: the provider never said
