@@ -4,6 +4,7 @@ wire where an SDK would refuse the input itself."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import asyncpg
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import ADMIN_KEY, Stack, ledger, settled, stack_for
-from tests.proxy.fake_provider import PROMPT_TOKENS, FakeProvider, completion_tokens
+from tests.proxy.fake_provider import PROMPT_TOKENS, PROVIDER_KEY, FakeProvider, completion_tokens
 
 MESSAGES = [{"role": "user", "content": "Say something short."}]
 
@@ -169,3 +170,24 @@ async def test_cancel_mode_closes_upstream_and_settles_the_output_counted_so_far
         assert len(rows) == 1 and rows[0]["outcome"] == "cancelled"
         assert 0 < rows[0]["output_tokens"] < completion_tokens(40)
         assert rows[0]["input_tokens"] > 0  # llmquota's own count: the provider never said
+
+
+async def test_the_provider_key_reaches_no_client_and_no_log(
+    stack: Stack, db: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    answers: list[str] = []
+    for scenario, stream in [("ok", False), ("ok", True), ("500", False), ("401", True)]:
+        stack.fake.scenario = scenario
+        body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 5, "stream": stream}
+        response = await post(stack, "/v1/chat/completions", body)
+        answers.append(str(response.headers) + response.text)
+    stack.fake.scenario = "die_mid_stream"
+    body = {"model": "claude-sonnet-4", "messages": MESSAGES, "max_tokens": 50, "stream": True}
+    response = await post(stack, "/v1/messages", body)
+    answers.append(response.text)
+    assert "event: error" in answers[-1]
+    rows = await settled(db, 3)
+    assert [r["outcome"] for r in rows] == ["ok", "ok", "error"]
+    assert all(PROVIDER_KEY not in answer for answer in answers)
+    assert PROVIDER_KEY not in caplog.text
