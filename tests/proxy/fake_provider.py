@@ -13,7 +13,9 @@ settled. Tests steer it through attributes (scenario, words, delay).
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +53,8 @@ class FakeProvider:
         return Starlette(
             routes=[
                 Route("/v1/chat/completions", self.openai, methods=["POST"]),
+                Route("/v1/completions", self.legacy, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/messages", self.anthropic, methods=["POST"]),
             ]
         )
@@ -142,6 +146,60 @@ class FakeProvider:
             yield _data({**base, "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
         self.streams_finished += 1
+
+    async def legacy(self, request: Request) -> Response:
+        """The legacy completions endpoint: `text` in each choice, the same usage."""
+        body = await self._record(request)
+        if (error := self._error("openai")) is not None:
+            return error
+        words = self.text()
+        out = completion_tokens(len(words))
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": out}
+        base = {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": 1,
+            "model": body["model"],
+        }
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+        if not body.get("stream"):
+            return JSONResponse(
+                {**base, "choices": [choice("".join(words), "stop")], "usage": usage}
+            )
+        include = (body.get("stream_options") or {}).get("include_usage") is True
+
+        async def events() -> AsyncIterator[bytes]:
+            for word in words:
+                await asyncio.sleep(self.delay)
+                yield _data({**base, "choices": [choice(word, None)]})
+            yield _data({**base, "choices": [choice("", "stop")]})
+            if include:
+                yield _data({**base, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+            self.streams_finished += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def embeddings(self, request: Request) -> Response:
+        """Embeddings of three dimensions, as floats or (the SDK's default) base64."""
+        body = await self._record(request)
+        if (error := self._error("openai")) is not None:
+            return error
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        vector = [0.25, 0.5, 0.75]
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack("<3f", *vector)).decode()
+        data = [
+            {"object": "embedding", "index": i, "embedding": encoded} for i in range(len(inputs))
+        ]
+        usage = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS}
+        return JSONResponse(
+            {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        )
 
     async def anthropic(self, request: Request) -> Response:
         body = await self._record(request)

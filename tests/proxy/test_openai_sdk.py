@@ -12,7 +12,7 @@ import asyncpg
 import openai
 import pytest
 
-from llmquota.domain.tokens import count_text
+from llmquota.domain.tokens import count_messages, count_text
 from tests.proxy.conftest import Stack, ledger, reservation_states, settled, stack_for
 from tests.proxy.fake_provider import PROMPT_TOKENS, PROVIDER_KEY, FakeProvider, completion_tokens
 
@@ -201,3 +201,38 @@ async def test_an_error_mid_stream_settles_what_was_produced(
     assert len(rows) == 1 and rows[0]["outcome"] == "error"
     # Five words came out (" w0".." w4"), counted by tiktoken; the input is llmquota's count.
     assert rows[0]["output_tokens"] == count_text(" w0 w1 w2 w3 w4", "gpt-4o").tokens
+
+
+async def test_legacy_completions_and_their_stream(stack: Stack, db: asyncpg.Connection) -> None:
+    client = stack.openai()
+    completion = await client.completions.create(model="gpt-3.5-turbo-instruct", prompt="Hi")
+    assert completion.choices[0].text == " w0 w1 w2 w3 w4 w5"
+    stream = await client.completions.create(
+        model="gpt-3.5-turbo-instruct", prompt=["Hi", "there"], max_tokens=30, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == " w0 w1 w2 w3 w4 w5"
+    rows = await settled(db, 2)
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(PROMPT_TOKENS, 13)] * 2
+    # Without max_tokens the provider writes at most 16 tokens, so 16 were reserved.
+    reserved = await db.fetchval(
+        "SELECT reserved_tokens FROM usage_ledger ORDER BY entry_id LIMIT 1"
+    )
+    hi = [{"role": "user", "content": "Hi"}]
+    assert reserved == 16 + count_messages(hi, "gpt-3.5-turbo-instruct").tokens
+
+
+async def test_embeddings_reserve_input_only_and_settle_the_providers_count(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    client = stack.openai()
+    embedded = await client.embeddings.create(
+        model="text-embedding-3-small", input=["one text", "another"]
+    )
+    assert [d.embedding for d in embedded.data] == [[0.25, 0.5, 0.75]] * 2
+    by_ids = await client.embeddings.create(model="text-embedding-3-small", input=[1, 2, 3, 4])
+    assert by_ids.usage.prompt_tokens == PROMPT_TOKENS
+    rows = await settled(db, 2)
+    assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(PROMPT_TOKENS, 0)] * 2
+    reserved = await db.fetch("SELECT reserved_tokens FROM usage_ledger ORDER BY entry_id")
+    assert reserved[1]["reserved_tokens"] == 4  # four token ids, nothing for output

@@ -56,9 +56,13 @@ class UsageTracker:
             self.record_usage(body["usage"])
             self.final = True
         for choice in body.get("choices") or ():  # OpenAI
-            message = choice.get("message") if isinstance(choice, Mapping) else None
+            if not isinstance(choice, Mapping):
+                continue
+            message = choice.get("message")
             if isinstance(message, Mapping) and isinstance(message.get("content"), str):
                 self.text.append(message["content"])
+            elif isinstance(choice.get("text"), str):
+                self.text.append(choice["text"])
         for block in body.get("content") or ():  # Anthropic
             if isinstance(block, Mapping) and isinstance(block.get("text"), str):
                 self.text.append(block["text"])
@@ -77,6 +81,8 @@ class UsageTracker:
             self.failed = True
         choices = chunk.get("choices")
         for choice in choices if isinstance(choices, list) else ():
+            if isinstance(choice, Mapping) and isinstance(choice.get("text"), str):
+                self.text.append(choice["text"])  # the legacy completions endpoint
             delta = choice.get("delta") if isinstance(choice, Mapping) else None
             if not isinstance(delta, Mapping):
                 continue

@@ -6,7 +6,8 @@ shape costs the tenant nothing. The messages are turned into the form
 /v1/admit counts (role, name, text), so the proxy counts input exactly as
 admission does: text blocks as text; tool calls, tool results and tool
 definitions as their JSON; images and other media are not counted up front
-(the provider's usage settles them).
+(the provider's usage settles them). Legacy completions and embeddings count
+their prompt or input texts the same way, and token-id inputs one token each.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmquota.api.proxy.wire import Kind
+from llmquota.api.proxy.wire import Endpoint, Kind, kind_of
 from llmquota.domain.model_limits import max_output_tokens
 
 MAX_CHOICES = 128
+# OpenAI's own default for the legacy completions endpoint: what it generates
+# when max_tokens is absent, so what the proxy reserves.
+LEGACY_DEFAULT_MAX_TOKENS = 16
 _MEDIA = frozenset({"image", "image_url", "input_audio", "document", "file"})
 
 
@@ -37,15 +41,18 @@ class ProxyRequest:
 
     body: dict[str, Any]
     model: str
-    messages: list[dict[str, Any]]
+    # What admission counts: chat-shaped messages, or a count of token ids.
+    messages: list[dict[str, Any]] | None
+    input_tokens: int | None
     max_tokens: int
     stream: bool
     # OpenAI streams: whether the client asked for the usage chunk itself.
     client_wants_usage: bool
 
 
-def parse(kind: Kind, raw: bytes, default_max_tokens: int | None) -> ProxyRequest:
+def parse(endpoint: Endpoint, raw: bytes, default_max_tokens: int | None) -> ProxyRequest:
     """Validate a request body; raises BadProxyRequest (400, 404 or 422)."""
+    kind = kind_of(endpoint)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
@@ -56,20 +63,48 @@ def parse(kind: Kind, raw: bytes, default_max_tokens: int | None) -> ProxyReques
     if not isinstance(model, str) or not model:
         raise BadProxyRequest(400, "'model' is required and must be a string")
     stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadProxyRequest(422, "'stream' must be a boolean")
-    choices = _choices(kind, body)
-    output = _output_tokens(kind, body, model, default_max_tokens)
+    if not isinstance(stream, bool) or (stream and endpoint == "embeddings"):
+        raise BadProxyRequest(422, "'stream' must be a boolean (and false for embeddings)")
+    if endpoint == "embeddings":
+        output = 0
+    elif endpoint == "completions":
+        output = _positive(body, "max_tokens") or default_max_tokens or LEGACY_DEFAULT_MAX_TOKENS
+        output *= max(_choices(kind, body), _positive(body, "best_of") or 1)
+    else:
+        output = _output_tokens(kind, body, model, default_max_tokens) * _choices(kind, body)
     options = body.get("stream_options")
     wants_usage = isinstance(options, Mapping) and options.get("include_usage") is True
+    messages, input_tokens = _input(endpoint, body)
     return ProxyRequest(
         body=body,
         model=model,
-        messages=_countable(kind, body),
-        max_tokens=output * choices,
+        messages=messages,
+        input_tokens=input_tokens,
+        max_tokens=output,
         stream=stream,
         client_wants_usage=wants_usage,
     )
+
+
+def _input(
+    endpoint: Endpoint, body: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]] | None, int | None]:
+    """(messages to count, or a count of token ids) of a request."""
+    if endpoint in ("chat", "messages"):
+        return _countable(kind_of(endpoint), body), None
+    field = "input" if endpoint == "embeddings" else "prompt"
+    value = body.get(field)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise BadProxyRequest(400, f"'{field}' is required: a string or a list")
+    if all(isinstance(v, str) for v in value):
+        return [{"role": "user", "content": value}], None
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return None, len(value)  # token ids: each one is a token
+    if all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value):
+        return None, sum(len(v) for v in value)
+    raise BadProxyRequest(400, f"'{field}' must be text, a list of texts or of token ids")
 
 
 def _positive(body: Mapping[str, Any], field: str) -> int | None:

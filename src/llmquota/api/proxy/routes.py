@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import dataclass
 
 import httpx
 from fastapi import APIRouter, Request, Response
@@ -29,7 +30,14 @@ from llmquota.api.proxy.upstream import (
     Upstream,
     missing_upstream,
 )
-from llmquota.api.proxy.wire import Kind, error_response, limit_headers, refusal
+from llmquota.api.proxy.wire import (
+    Endpoint,
+    Kind,
+    error_response,
+    kind_of,
+    limit_headers,
+    refusal,
+)
 from llmquota.domain.errors import InvalidRequest, StoreUnavailable
 
 
@@ -40,12 +48,22 @@ def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
     @router.post("/v1/chat/completions", include_in_schema=proxy_enabled["openai"])
     async def chat_completions(request: Request) -> Response:
         """OpenAI's chat completions, admitted, forwarded and settled."""
-        return await _handle("openai", request)
+        return await _handle("chat", request)
+
+    @router.post("/v1/completions", include_in_schema=proxy_enabled["openai"])
+    async def completions(request: Request) -> Response:
+        """OpenAI's legacy completions, admitted, forwarded and settled."""
+        return await _handle("completions", request)
+
+    @router.post("/v1/embeddings", include_in_schema=proxy_enabled["openai"])
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings: input tokens only, settled from the provider's count."""
+        return await _handle("embeddings", request)
 
     @router.post("/v1/messages", include_in_schema=proxy_enabled["anthropic"])
     async def messages(request: Request) -> Response:
         """Anthropic's messages, admitted, forwarded and settled."""
-        return await _handle("anthropic", request)
+        return await _handle("messages", request)
 
     return router
 
@@ -66,8 +84,9 @@ async def _tenant(kind: Kind, request: Request) -> str | Response:
     return caller.tenant
 
 
-async def _handle(kind: Kind, request: Request) -> Response:
+async def _handle(endpoint: Endpoint, request: Request) -> Response:
     """Authenticate, read, admit, then forward (or answer why not)."""
+    kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
     upstream = proxy.upstreams.get(kind)
     if upstream is None:
@@ -76,7 +95,7 @@ async def _handle(kind: Kind, request: Request) -> Response:
         tenant = await _tenant(kind, request)
         if isinstance(tenant, Response):
             return tenant
-        parsed = parse(kind, await request.body(), proxy.settings.proxy_default_max_tokens)
+        parsed = parse(endpoint, await request.body(), proxy.settings.proxy_default_max_tokens)
         exchange = await _admit(kind, request, tenant, parsed)
     except BadProxyRequest as exc:
         return error_response(kind, exc.status, str(exc))
@@ -86,11 +105,8 @@ async def _handle(kind: Kind, request: Request) -> Response:
         return exchange
     headers = limit_headers(kind, exchange.decision.tenant)
     try:
-        if parsed.stream:
-            return await _stream(
-                proxy, upstream, request, parsed, exchange=exchange, headers=headers
-            )
-        return await _complete(proxy, upstream, request, exchange, headers)
+        call = Call(proxy, upstream, endpoint, request, exchange, headers)
+        return await (_stream(call, parsed) if parsed.stream else _complete(call))
     finally:
         if not exchange.handed_over:
             # A no-op once settled; after any failure, nothing was produced for the client.
@@ -109,6 +125,7 @@ async def _admit(
             model=parsed.model,
             max_tokens=parsed.max_tokens,
             messages=parsed.messages,
+            input_tokens=parsed.input_tokens,
         )
     except InvalidRequest as exc:
         raise BadProxyRequest(400, str(exc)) from None
@@ -152,15 +169,32 @@ def _upstream_error(
     )
 
 
-async def _complete(
-    proxy: Proxy, upstream: Upstream, request: Request, exchange: Exchange, headers: dict[str, str]
-) -> Response:
-    """Forward a whole request; pass the provider's body through unchanged."""
-    kind = upstream.kind
-    try:
-        response = await proxy.client.post(
-            upstream.url(), content=await request.body(), headers=upstream.headers(request.headers)
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One admitted request on its way upstream."""
+
+    proxy: Proxy
+    upstream: Upstream
+    endpoint: Endpoint
+    request: Request
+    exchange: Exchange
+    headers: dict[str, str]
+
+    def outgoing(self, content: bytes) -> httpx.Request:
+        """The upstream request: the body, our key, the provider's own headers."""
+        return self.proxy.client.build_request(
+            "POST",
+            self.upstream.url(self.endpoint),
+            content=content,
+            headers=self.upstream.headers(self.request.headers),
         )
+
+
+async def _complete(call: Call) -> Response:
+    """Forward a whole request; pass the provider's body through unchanged."""
+    kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
+    try:
+        response = await call.proxy.client.send(call.outgoing(await call.request.body()))
     except httpx.HTTPError as exc:
         return _upstream_failed(kind, exc, headers)
     if response.status_code >= 400:
@@ -168,7 +202,7 @@ async def _complete(
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
         tracker.read_body(response.json())
-    await exchange.finish(tracker, "ok")
+    await call.exchange.finish(tracker, "ok")
     return Response(
         response.content,
         status_code=response.status_code,
@@ -177,29 +211,18 @@ async def _complete(
     )
 
 
-async def _stream(
-    proxy: Proxy,
-    upstream: Upstream,
-    request: Request,
-    parsed: ProxyRequest,
-    *,
-    exchange: Exchange,
-    headers: dict[str, str],
-) -> Response:
+async def _stream(call: Call, parsed: ProxyRequest) -> Response:
     """Open the provider's stream; relay it from a pump that settles at its end."""
-    kind = upstream.kind
+    kind, upstream, headers, proxy = call.upstream.kind, call.upstream, call.headers, call.proxy
     body, hold_back = parsed.body, False
     options = body.get("stream_options")
     if kind == "openai" and not parsed.client_wants_usage and isinstance(options, dict | None):
         # Ask for the usage chunk to settle by, and keep it from a client that did not.
         body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
         hold_back = True
-    content = json.dumps(body).encode() if hold_back else await request.body()
-    outgoing = proxy.client.build_request(
-        "POST", upstream.url(), content=content, headers=upstream.headers(request.headers)
-    )
+    content = json.dumps(body).encode() if hold_back else await call.request.body()
     try:
-        response = await proxy.client.send(outgoing, stream=True)
+        response = await proxy.client.send(call.outgoing(content), stream=True)
     except httpx.HTTPError as exc:
         return _upstream_failed(kind, exc, headers)
     if response.status_code >= 400:
@@ -210,7 +233,7 @@ async def _stream(
         return _upstream_error(kind, upstream, response, headers)
     settings = proxy.settings
     relay = StreamRelay(
-        exchange,
+        call.exchange,
         response,
         UsageTracker(kind),
         hold_back_usage=hold_back,
@@ -219,7 +242,7 @@ async def _stream(
         heartbeat_seconds=settings.proxy_heartbeat_seconds,
     )
     relay.start(proxy.pumps)
-    exchange.handed_over = True
+    call.exchange.handed_over = True
     return RelayResponse(
         relay,
         headers={**_passed_back(response), **headers},

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import SecretStr
 
-from llmquota.api.proxy.wire import Kind
+from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -27,7 +27,13 @@ _FORWARDED = {"anthropic": ("anthropic-version", "anthropic-beta"), "openai": ()
 PASSED_BACK = ("x-request-id", "request-id", "openai-processing-ms")
 # An upstream 429's headers, passed through with it.
 UPSTREAM_LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
-PATHS: dict[Kind, str] = {"openai": "/chat/completions", "anthropic": "/v1/messages"}
+# Each endpoint's path under its upstream's base URL (OpenAI's includes /v1).
+PATHS: dict[Endpoint, str] = {
+    "chat": "/chat/completions",
+    "completions": "/completions",
+    "embeddings": "/embeddings",
+    "messages": "/v1/messages",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +44,8 @@ class Upstream:
     base_url: str
     api_key: SecretStr
 
-    def url(self) -> str:
-        return self.base_url.rstrip("/") + PATHS[self.kind]
+    def url(self, endpoint: Endpoint) -> str:
+        return self.base_url.rstrip("/") + PATHS[endpoint]
 
     def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         """The upstream request's headers: our key, the provider's own version headers."""

@@ -22,6 +22,14 @@ from llmquota.domain.records import AdmitDecision, TenantFigures
 from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
 
 Kind = Literal["openai", "anthropic"]
+# The proxied endpoints; each speaks the format of its kind.
+Endpoint = Literal["chat", "completions", "embeddings", "messages"]
+
+
+def kind_of(endpoint: Endpoint) -> Kind:
+    """The wire format of an endpoint."""
+    return "anthropic" if endpoint == "messages" else "openai"
+
 
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
