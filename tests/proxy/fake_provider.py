@@ -38,7 +38,7 @@ def completion_tokens(words: int) -> int:
 class FakeProvider:
     """State and knobs of the fake; the app reads them on every request."""
 
-    scenario: str = "ok"  # ok | 500 | 429 | 401 | die_mid_stream
+    scenario: str = "ok"  # ok | 500 | 429 | 401 | die_mid_stream | hang
     words: int = 6
     delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -63,6 +63,8 @@ class FakeProvider:
         body: dict[str, Any] = json.loads(await request.body())
         self.requests.append(body)
         self.headers.append(dict(request.headers))
+        if self.scenario == "hang":
+            await asyncio.sleep(1.5)  # longer than the proxy's read timeout in that test
         return body
 
     def _error(self, kind: str) -> Response | None:

@@ -137,3 +137,20 @@ async def test_an_error_mid_stream_settles_what_was_produced(
     assert rows[0]["input_tokens"] == PROMPT_TOKENS  # message_start's figure
     # The five words that came out (" w0".." w4"), counted as admission counts a claude model.
     assert rows[0]["output_tokens"] == count_text(" w0 w1 w2 w3 w4", MODEL).tokens
+
+
+async def test_an_upstream_timeout_releases_and_is_a_504_in_anthropic_format(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    policy = {"max_in_flight": 2}
+    async with stack_for(fake, database_dsn, policy, proxy_read_timeout_seconds=0.3) as stack:
+        stack.fake.scenario = "hang"
+        for stream in (False, True):
+            with pytest.raises(anthropic.APIStatusError) as failed:
+                await stack.anthropic().messages.create(
+                    model=MODEL, messages=MESSAGES, max_tokens=8, stream=stream
+                )
+            assert failed.value.status_code == 504
+            assert failed.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+        assert await ledger(db) == []
+        assert await reservation_states(db) == ["released", "released"]

@@ -138,6 +138,7 @@ class Exchange:
         self.lease_generation = decision.lease_generation
         self.counted_input = admission.input_tokens
         self.decision = decision
+        self.fallback = admission.fallback  # admitted by a failure mode during an outage
         self.estimate_factors = estimate_factors
         self.finished = False
         # A stream's pump owns the reservation from the moment it starts.

@@ -104,6 +104,8 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     if isinstance(exchange, Response):
         return exchange
     headers = limit_headers(kind, exchange.decision.tenant)
+    if exchange.fallback is not None:
+        headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
     try:
         call = Call(proxy, upstream, endpoint, request, exchange, headers)
         return await (_stream(call, parsed) if parsed.stream else _complete(call))
