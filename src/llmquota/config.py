@@ -40,7 +40,10 @@ EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_
 class Settings(BaseSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    # Errors never echo the values: a provider key must not reach a traceback.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str | None = Field(
         default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
