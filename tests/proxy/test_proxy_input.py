@@ -4,6 +4,7 @@ wire where an SDK would refuse the input itself."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -191,3 +192,54 @@ async def test_the_provider_key_reaches_no_client_and_no_log(
     assert [r["outcome"] for r in rows] == ["ok", "ok", "error"]
     assert all(PROVIDER_KEY not in answer for answer in answers)
     assert PROVIDER_KEY not in caplog.text
+
+
+async def test_a_drain_is_cut_short_at_its_bound_and_settles_what_was_counted(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    async with stack_for(fake, database_dsn, {"max_in_flight": 2}, proxy_drain_seconds=0.2) as s:
+        s.fake.words, s.fake.delay = 60, 0.05  # three seconds: far past the bound
+        stream = await s.anthropic().messages.create(
+            model="claude-sonnet-4", messages=MESSAGES, max_tokens=500, stream=True
+        )
+        seen = 0
+        async for _event in stream:
+            seen += 1
+            if seen == 4:
+                break
+        await stream.close()
+        rows = await settled(db, 1)
+        assert s.fake.streams_finished == 0
+        assert len(rows) == 1 and rows[0]["outcome"] == "cancelled"
+        assert rows[0]["input_tokens"] == PROMPT_TOKENS  # message_start said so
+        assert 0 < rows[0]["output_tokens"] < completion_tokens(60)
+
+
+async def test_concurrent_calls_of_both_sdks_settle_once_each(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    stack.fake.delay = 0.01
+    openai_client, anthropic_client = stack.openai(), stack.anthropic()
+
+    async def streamed() -> str:
+        stream = await openai_client.chat.completions.create(
+            model="gpt-4o", messages=MESSAGES, max_tokens=20, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def whole() -> str:
+        message = await anthropic_client.messages.create(
+            model="claude-sonnet-4", messages=MESSAGES, max_tokens=20
+        )
+        block = message.content[0]
+        return block.text if block.type == "text" else ""
+
+    # Ten at once: the tenant's max_in_flight.
+    texts = await asyncio.gather(*[streamed() for _ in range(5)], *[whole() for _ in range(5)])
+    assert set(texts) == {" w0 w1 w2 w3 w4 w5"}
+    rows = await settled(db, 10)
+    assert len(rows) == 10
+    assert len({r["reservation_id"] for r in rows}) == 10
+    assert {(r["input_tokens"], r["output_tokens"], r["outcome"]) for r in rows} == {
+        (PROMPT_TOKENS, 13, "ok")
+    }
