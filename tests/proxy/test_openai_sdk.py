@@ -236,3 +236,19 @@ async def test_embeddings_reserve_input_only_and_settle_the_providers_count(
     assert [(r["input_tokens"], r["output_tokens"]) for r in rows] == [(PROMPT_TOKENS, 0)] * 2
     reserved = await db.fetch("SELECT reserved_tokens FROM usage_ledger ORDER BY entry_id")
     assert reserved[1]["reserved_tokens"] == 4  # four token ids, nothing for output
+
+
+async def test_a_lease_shorter_than_the_heartbeat_setting_is_renewed_in_time(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    policy = {"max_in_flight": 2, "lease_seconds": 1}
+    async with stack_for(fake, database_dsn, policy, proxy_heartbeat_seconds=20) as stack:
+        stack.fake.words, stack.fake.delay = 25, 0.1  # 2.5 s of a 1 s lease
+        stream = await stack.openai().chat.completions.create(
+            model="gpt-4o", messages=MESSAGES, max_tokens=100, stream=True
+        )
+        assert len([chunk async for chunk in stream]) == 27
+        rows = await settled(db, 1)
+        assert [(r["output_tokens"], r["outcome"]) for r in rows] == [(completion_tokens(25), "ok")]
+        assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 1  # no expired/late
+        assert await reservation_states(db) == ["settled"]

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from llmquota.admission.limiter import Limiter
@@ -25,6 +26,9 @@ from llmquota.domain.tokens import count_text
 from llmquota.domain.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
+
+# The shortest pause between heartbeats, whatever the lease.
+MIN_HEARTBEAT_SECONDS = 0.1
 
 
 class UsageTracker:
@@ -183,9 +187,18 @@ class Exchange:
             log.warning("could not settle reservation %s: %s", self.reservation_id, exc)
 
     async def keep_alive(self, every_seconds: float) -> None:
-        """Renew the lease until cancelled (a long stream must not lose its reservation)."""
+        """Renew the lease until cancelled (a long stream must not lose its reservation).
+
+        Every `every_seconds`, or a third of the lease when a policy's lease is
+        shorter than that.
+        """
+        expires_at = self.decision.lease_expires_at
         while True:
-            await asyncio.sleep(every_seconds)
+            interval = every_seconds
+            if expires_at is not None:
+                left = (expires_at - datetime.now(UTC)).total_seconds()
+                interval = min(every_seconds, max(MIN_HEARTBEAT_SECONDS, left / 3))
+            await asyncio.sleep(interval)
             with contextlib.suppress(LimiterError):
                 result = await self.limiter.heartbeat(
                     self.reservation_id,
@@ -193,3 +206,4 @@ class Exchange:
                     lease_generation=self.lease_generation,
                 )
                 self.lease_generation = result.lease_generation or self.lease_generation
+                expires_at = result.lease_expires_at or expires_at
