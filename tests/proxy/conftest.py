@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from llmquota.api.app import create_app
@@ -73,6 +74,7 @@ class Stack:
     url: str
     key: str
     admin: httpx.AsyncClient
+    app: FastAPI
     clients: list[openai.AsyncOpenAI | anthropic.AsyncAnthropic] = field(default_factory=list)
 
     def openai(self, **options: Any) -> openai.AsyncOpenAI:
@@ -102,7 +104,7 @@ async def stack_for(
     async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
         assert (await admin.put("/v1/tenants/acme/policy", json=policy)).is_success
         key = (await admin.post("/v1/tenants/acme/keys")).json()["key"]
-        stack = Stack(provider, url, key, admin)
+        stack = Stack(provider, url, key, admin, app)
         try:
             yield stack
         finally:

@@ -12,6 +12,7 @@ import asyncpg
 import httpx
 import pytest
 
+from llmquota.domain.errors import StoreUnavailable
 from tests.proxy.conftest import ADMIN_KEY, Stack, ledger, settled, stack_for
 from tests.proxy.fake_provider import PROMPT_TOKENS, PROVIDER_KEY, FakeProvider, completion_tokens
 
@@ -243,3 +244,20 @@ async def test_concurrent_calls_of_both_sdks_settle_once_each(
     assert {(r["input_tokens"], r["output_tokens"], r["outcome"]) for r in rows} == {
         (PROMPT_TOKENS, 13, "ok")
     }
+
+
+async def test_a_limiter_outage_is_a_503_in_the_providers_format(
+    stack: Stack, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def down(*_args: object, **_kwargs: object) -> None:
+        raise StoreUnavailable("database gave no decision within 250 ms")
+
+    monkeypatch.setattr(stack.app.state.limiter, "decide", down)
+    body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 5}
+    openai_answer = await post(stack, "/v1/chat/completions", body)
+    anthropic_answer = await post(stack, "/v1/messages", body)
+    assert openai_answer.status_code == anthropic_answer.status_code == 503
+    assert openai_answer.json()["error"]["type"] == "server_error"
+    assert anthropic_answer.json()["error"]["type"] == "api_error"
+    assert openai_answer.headers["retry-after"] == "1"
+    await nothing_happened(stack, db)
