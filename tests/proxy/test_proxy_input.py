@@ -261,3 +261,25 @@ async def test_a_limiter_outage_is_a_503_in_the_providers_format(
     assert anthropic_answer.json()["error"]["type"] == "api_error"
     assert openai_answer.headers["retry-after"] == "1"
     await nothing_happened(stack, db)
+
+
+async def test_a_running_stream_holds_its_in_flight_permit_not_the_workers_fair_share(
+    fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
+) -> None:
+    # Two requests of a tenant at a time per worker; ten in flight allowed.
+    policy = {"max_in_flight": 10}
+    async with stack_for(fake, database_dsn, policy, tenant_max_in_progress=2) as stack:
+        stack.fake.words, stack.fake.delay = 20, 0.1  # two seconds each
+        client = stack.openai()
+
+        async def open_stream() -> Any:
+            return await client.chat.completions.create(
+                model="gpt-4o", messages=MESSAGES, max_tokens=50, stream=True
+            )
+
+        # All four start while the first two are still streaming.
+        streams = [await asyncio.wait_for(open_stream(), 1.5) for _ in range(4)]
+        for stream in streams:
+            assert len([chunk async for chunk in stream]) == 22
+        rows = await settled(db, 4)
+        assert [r["output_tokens"] for r in rows] == [completion_tokens(20)] * 4

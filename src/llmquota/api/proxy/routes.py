@@ -20,6 +20,7 @@ from fastapi import APIRouter, Request, Response
 
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import AuthenticationFailed, Authenticator
+from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
@@ -103,6 +104,10 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         return error_response(kind, 503, str(exc), headers={"retry-after": "1"})
     if isinstance(exchange, Response):
         return exchange
+    # Admitted: from here the tenant's max_in_flight bounds it, not the worker's fair share.
+    release_fair_share = request.scope.get(RELEASE_EARLY)
+    if release_fair_share is not None:
+        release_fair_share()
     headers = limit_headers(kind, exchange.decision.tenant)
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
