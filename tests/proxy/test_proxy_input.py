@@ -147,6 +147,12 @@ async def test_an_unconfigured_upstream_is_404_naming_the_variables(
         message = response.json()["error"]["message"]
         assert "LLMQUOTA_ANTHROPIC_BASE_URL" in message
         assert "LLMQUOTA_ANTHROPIC_API_KEY" in message
+        assert response.json()["error"]["type"] == "not_found_error"
+        stack.app.state.proxy.upstreams.pop("openai")  # as if only Anthropic were configured
+        openai_answer = await post(stack, "/v1/embeddings", {"model": "x", "input": "a"})
+        assert openai_answer.status_code == 404
+        assert openai_answer.json()["error"]["code"] == "not_configured"
+        assert "LLMQUOTA_OPENAI_BASE_URL" in openai_answer.json()["error"]["message"]
         paths = (await stack.admin.get("/openapi.json")).json()["paths"]
         assert "/v1/chat/completions" in paths and "/v1/messages" not in paths
         await nothing_happened(stack, db)

@@ -91,7 +91,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     proxy: Proxy = request.app.state.proxy
     upstream = proxy.upstreams.get(kind)
     if upstream is None:
-        return error_response(kind, 404, missing_upstream(kind))
+        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
     try:
         tenant = await _tenant(kind, request)
         if isinstance(tenant, Response):

@@ -51,8 +51,11 @@ _OPENAI_CODES = {
 }
 
 
-def error_body(kind: Kind, status: int, message: str, error_type: str | None = None) -> Any:
-    """The provider's error body for `status`; `error_type` overrides the usual type."""
+def error_body(
+    kind: Kind, status: int, message: str, error_type: str | None = None, code: str | None = None
+) -> Any:
+    """The provider's error body for `status`; `error_type` (and OpenAI's `code`)
+    override the usual ones."""
     if kind == "anthropic":
         kind_type = error_type or _ANTHROPIC_TYPES.get(status, "api_error")
         return {"type": "error", "error": {"type": kind_type, "message": message}}
@@ -62,7 +65,7 @@ def error_body(kind: Kind, status: int, message: str, error_type: str | None = N
             "message": message,
             "type": error_type or default_type,
             "param": None,
-            "code": _OPENAI_CODES.get(status),
+            "code": code or _OPENAI_CODES.get(status),
         }
     }
 
@@ -74,10 +77,11 @@ def error_response(
     *,
     headers: Mapping[str, str] | None = None,
     error_type: str | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     """An answer the proxy makes itself, in the provider's format."""
     return JSONResponse(
-        error_body(kind, status, message, error_type), status_code=status, headers=headers
+        error_body(kind, status, message, error_type, code), status_code=status, headers=headers
     )
 
 
