@@ -225,6 +225,13 @@ class Settings(BaseSettings):
     proxy_drain_seconds: float = Field(
         default=120.0, gt=0, le=3_600.0, description="longest a hung-up stream is drained"
     )
+    proxy_client_stall_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3_600.0,
+        description="a streaming client that reads nothing for this long counts as gone "
+        "(drain or cancel, as for a hang-up)",
+    )
     proxy_connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600.0)
     proxy_read_timeout_seconds: float = Field(
         default=600.0, gt=0, le=3_600.0, description="longest wait for the provider's next bytes"

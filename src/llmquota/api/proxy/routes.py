@@ -247,6 +247,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         disconnect=settings.proxy_disconnect,
         drain_seconds=settings.proxy_drain_seconds,
         heartbeat_seconds=settings.proxy_heartbeat_seconds,
+        stall_seconds=settings.proxy_client_stall_seconds,
     )
     relay.start(proxy.pumps)
     call.exchange.handed_over = True

@@ -82,6 +82,7 @@ class StreamRelay:
         disconnect: str,
         drain_seconds: float,
         heartbeat_seconds: float,
+        stall_seconds: float = 300.0,
     ) -> None:
         self.exchange = exchange
         self.upstream = upstream
@@ -90,6 +91,7 @@ class StreamRelay:
         self.disconnect = disconnect
         self.drain_seconds = drain_seconds
         self.heartbeat_seconds = heartbeat_seconds
+        self.stall_seconds = stall_seconds
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_EVENTS)
         self.client_gone = False
         self.completed = False
@@ -112,7 +114,7 @@ class StreamRelay:
                 usage_only = self.tracker.observe(event_data(event))
                 if self.client_gone or (usage_only and self.hold_back_usage):
                     continue
-                await self.queue.put(event)
+                await self._forward(event)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -127,12 +129,26 @@ class StreamRelay:
                 outcome = "error"
             await asyncio.shield(self._close(outcome))
 
+    async def _forward(self, event: bytes) -> None:
+        """Queue an event for the client; a client that reads nothing for the
+        stall bound is treated as one that hung up."""
+        try:
+            await asyncio.wait_for(self.queue.put(event), self.stall_seconds)
+        except TimeoutError:
+            log.warning(
+                "the client of %s read nothing for %.0f s; treating it as gone",
+                self.exchange.reservation_id,
+                self.stall_seconds,
+            )
+            self.response_ended()
+
     async def _close(self, outcome: Outcome) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self.upstream.aclose()
         await self.exchange.finish(self.tracker, outcome)
         if not self.client_gone:
-            await self.queue.put(None)  # end of the response
+            with contextlib.suppress(TimeoutError):  # a stalled client gets no end marker
+                await asyncio.wait_for(self.queue.put(None), self.stall_seconds)
 
     async def body(self) -> AsyncIterator[bytes]:
         """The response body: events as the pump forwards them."""
