@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
-        app.state.proxy = Proxy(settings)
+        app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
         try:
             yield
         finally:

@@ -22,6 +22,7 @@ from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import AuthenticationFailed, Authenticator
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
+from llmquota.api.proxy.metrics import CallMetrics
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
 from llmquota.api.proxy.upstream import (
@@ -187,6 +188,10 @@ class Call:
     exchange: Exchange
     headers: dict[str, str]
 
+    def metrics(self) -> CallMetrics:
+        """The observations of the upstream call about to be sent, timed from now."""
+        return self.proxy.metrics.call(self.upstream.kind, self.endpoint)
+
     def outgoing(self, content: bytes) -> httpx.Request:
         """The upstream request: the body, our key, the provider's own headers."""
         return self.proxy.client.build_request(
@@ -200,9 +205,17 @@ class Call:
 async def _complete(call: Call) -> Response:
     """Forward a whole request; pass the provider's body through unchanged."""
     kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
+    outgoing, calls = call.outgoing(await call.request.body()), call.metrics()
     try:
-        response = await call.proxy.client.send(call.outgoing(await call.request.body()))
+        # Streamed, to time the response head apart from the body.
+        response = await call.proxy.client.send(outgoing, stream=True)
+        try:
+            calls.answered(response.status_code)
+            await response.aread()
+        finally:
+            await response.aclose()
     except httpx.HTTPError as exc:
+        calls.failed(exc)
         return _upstream_failed(kind, exc, headers)
     if response.status_code >= 400:
         return _upstream_error(kind, upstream, response, headers)
@@ -228,10 +241,13 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
         hold_back = True
     content = json.dumps(body).encode() if hold_back else await call.request.body()
+    outgoing, calls = call.outgoing(content), call.metrics()
     try:
-        response = await proxy.client.send(call.outgoing(content), stream=True)
+        response = await proxy.client.send(outgoing, stream=True)
     except httpx.HTTPError as exc:
+        calls.failed(exc)
         return _upstream_failed(kind, exc, headers)
+    calls.answered(response.status_code)
     if response.status_code >= 400:
         try:
             await response.aread()
@@ -248,6 +264,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         drain_seconds=settings.proxy_drain_seconds,
         heartbeat_seconds=settings.proxy_heartbeat_seconds,
         stall_seconds=settings.proxy_client_stall_seconds,
+        metrics=calls,
     )
     relay.start(proxy.pumps)
     call.exchange.handed_over = True

@@ -23,6 +23,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
+from llmquota.api.proxy.metrics import CallMetrics
 from llmquota.api.proxy.wire import Kind, error_body
 from llmquota.domain.vocabulary import Outcome
 
@@ -83,6 +84,7 @@ class StreamRelay:
         drain_seconds: float,
         heartbeat_seconds: float,
         stall_seconds: float = 300.0,
+        metrics: CallMetrics | None = None,
     ) -> None:
         self.exchange = exchange
         self.upstream = upstream
@@ -92,6 +94,7 @@ class StreamRelay:
         self.drain_seconds = drain_seconds
         self.heartbeat_seconds = heartbeat_seconds
         self.stall_seconds = stall_seconds
+        self.metrics = metrics
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_EVENTS)
         self.client_gone = False
         self.completed = False
@@ -112,6 +115,7 @@ class StreamRelay:
         try:
             async for event in sse_events(self.upstream.aiter_bytes()):
                 usage_only = self.tracker.observe(event_data(event))
+                self._observe_output()
                 if self.client_gone or (usage_only and self.hold_back_usage):
                     continue
                 await self._forward(event)
@@ -121,13 +125,31 @@ class StreamRelay:
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("upstream stream of %s failed: %s", self.exchange.reservation_id, exc)
             outcome = "error"
+            if self.metrics is not None:
+                self.metrics.failed(exc, mid_stream=True)
             if not self.client_gone:  # tell the client in its SDK's terms, not by a clean end
                 await self.queue.put(error_event(self.tracker.kind))
         finally:
             keep_alive.cancel()
             if outcome == "ok" and self.tracker.failed:
                 outcome = "error"
+                if self.metrics is not None:  # the provider's own error event, in the stream
+                    self.metrics.error("stream_error")
+            self._observe_end(outcome)
             await asyncio.shield(self._close(outcome))
+
+    def _observe_output(self) -> None:
+        calls = self.metrics
+        if calls is not None and calls.first_output_at is None and self.tracker.produced():
+            calls.output()
+
+    def _observe_end(self, outcome: Outcome) -> None:
+        calls = self.metrics
+        if calls is None:
+            return
+        calls.drain_ended()
+        if outcome == "ok":
+            calls.stream_ended(self.tracker.output_tokens if self.tracker.final else None)
 
     async def _forward(self, event: bytes) -> None:
         """Queue an event for the client; a client that reads nothing for the
@@ -173,6 +195,8 @@ class StreamRelay:
         if self.disconnect == "cancel":
             task.cancel()
         else:
+            if self.metrics is not None:
+                self.metrics.drain_started()
             asyncio.get_running_loop().call_later(self.drain_seconds, task.cancel)
 
 

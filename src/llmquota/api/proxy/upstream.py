@@ -15,8 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings
 
@@ -78,8 +80,9 @@ def missing_upstream(kind: Kind) -> str:
 class Proxy:
     """The upstreams of one worker, its pooled client, and the streams it is still settling."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
+        self.metrics = ProxyMetrics(registry or CollectorRegistry())
         self.upstreams: dict[Kind, Upstream] = {}
         if settings.openai_base_url and settings.openai_api_key:
             self.upstreams["openai"] = Upstream(
