@@ -46,6 +46,7 @@ sys.path[0] = str(ROOT)
 
 import httpx  # noqa: E402
 import openai  # noqa: E402
+from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 from tests.proxy.fake_provider import PROVIDER_KEY, FakeProvider  # noqa: E402
 
 from bench.noisy_neighbour import free_port, percentile  # noqa: E402
@@ -55,7 +56,7 @@ from llmquota.store.database import open_database  # noqa: E402
 ADMIN_KEY = "lq_bench_admin_key_0123456789"
 LITELLM_KEY = "sk-bench-litellm-master"
 MODEL = "gpt-4o"
-MESSAGES = [{"role": "user", "content": "Say something short."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something short."}]
 WORDS = 16  # output words per answer
 WORD_DELAY_S = 0.005  # the fake's pause before each streamed word: 80 ms a stream
 CONCURRENT_STREAMS = 64
@@ -83,7 +84,7 @@ def serve_fake(port: int) -> None:
 def wait_until_up(url: str, process: subprocess.Popen[bytes] | None = None) -> None:
     for _ in range(600):
         if process is not None and process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode}")
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
         try:
             httpx.get(url, timeout=1)
             return
