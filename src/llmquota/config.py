@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from llmquota.domain.validation import MAX_ESTIMATE_FACTOR
@@ -40,7 +40,10 @@ EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_
 class Settings(BaseSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    # Errors never echo the values: a provider key must not reach a traceback.
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str | None = Field(
         default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
@@ -216,6 +219,71 @@ class Settings(BaseSettings):
         min_length=16,
         description="bearer token GET /metrics requires; unset: /metrics is open",
     )
+    # Proxy mode (llmquota.api.proxy): each upstream needs its base URL and its key.
+    openai_base_url: str | None = Field(
+        default=None,
+        description="OpenAI-format upstream as the openai SDK takes it, /v1 included "
+        "(e.g. https://api.openai.com/v1); enables POST /v1/chat/completions",
+    )
+    openai_api_key: SecretStr | None = Field(
+        default=None, description="the provider key sent upstream; never shown to clients"
+    )
+    anthropic_base_url: str | None = Field(
+        default=None,
+        description="Anthropic-format upstream as the anthropic SDK takes it, without /v1 "
+        "(e.g. https://api.anthropic.com); enables POST /v1/messages",
+    )
+    anthropic_api_key: SecretStr | None = Field(
+        default=None, description="the provider key sent upstream; never shown to clients"
+    )
+    proxy_default_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="output tokens reserved when a proxied request gives no max_tokens; "
+        "unset: the model's maximum output from the shipped table",
+    )
+    proxy_disconnect: Literal["drain", "cancel"] = Field(
+        default="drain",
+        description="a client hanging up mid-stream: drain (read the provider to its final "
+        "usage, bounded) or cancel (close upstream, settle output counted so far)",
+    )
+    proxy_drain_seconds: float = Field(
+        default=120.0, gt=0, le=3_600.0, description="longest a hung-up stream is drained"
+    )
+    proxy_client_stall_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        le=3_600.0,
+        description="a streaming client that reads nothing for this long counts as gone "
+        "(drain or cancel, as for a hang-up)",
+    )
+    proxy_connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600.0)
+    proxy_read_timeout_seconds: float = Field(
+        default=600.0, gt=0, le=3_600.0, description="longest wait for the provider's next bytes"
+    )
+    proxy_max_connections: int = Field(
+        default=200, ge=1, le=100_000, description="pooled upstream connections per worker"
+    )
+    proxy_heartbeat_seconds: float = Field(
+        default=20.0,
+        gt=0,
+        le=3_600.0,
+        description="how often a running stream renews its reservation's lease",
+    )
+
+    @model_validator(mode="after")
+    def _upstreams_are_whole(self) -> Self:
+        """A base URL without its key (or a key without its URL) is a mistake, not a default."""
+        for name in ("openai", "anthropic"):
+            url, key = getattr(self, f"{name}_base_url"), getattr(self, f"{name}_api_key")
+            if (url is None) != (key is None):
+                have, missing = ("BASE_URL", "API_KEY") if key is None else ("API_KEY", "BASE_URL")
+                raise ValueError(
+                    f"{ENV_PREFIX}{name.upper()}_{have} is set without "
+                    f"{ENV_PREFIX}{name.upper()}_{missing}"
+                )
+        return self
 
 
 def environment_value(variable: str, default: str | None = None) -> str | None:

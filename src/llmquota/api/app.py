@@ -3,7 +3,9 @@
 `create_app(settings)` builds an app whose lifespan opens one Limiter (one
 pool) per worker process, and the admin service over the same store. Errors
 are rendered in one shape everywhere (llmquota.api.errors):
-{"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}.
+{"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...},
+except on the proxy endpoints (llmquota.api.proxy), which answer in the
+provider's format.
 
 The middlewares, outermost first: request ids (and the last word on errors
 no handler took), the tenant fair share, then the request's size and time
@@ -28,6 +30,7 @@ from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.requestids import RequestIds
+from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
@@ -37,10 +40,13 @@ def _tenant_of(scope: Scope) -> str | None:
     authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
     if authenticator is None:
         return None
+    api_key: str | None = None
     for name, value in scope.get("headers", []):
         if name == b"authorization":
             return authenticator.cached_tenant(value.decode("latin-1"))
-    return None
+        if name == b"x-api-key":  # the anthropic SDK's way, on the proxy endpoints
+            api_key = value.decode("latin-1")
+    return authenticator.cached_tenant(f"Bearer {api_key}") if api_key else None
 
 
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
@@ -57,10 +63,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
+        app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
         try:
             yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
-            await limiter.close()
+            try:
+                await app.state.proxy.close()  # streams still running settle first
+            finally:
+                await limiter.close()
 
     app = FastAPI(
         title="llmquota",
@@ -85,6 +95,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     app.add_middleware(RequestIds)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(
+        proxy_router(
+            {
+                "openai": settings.openai_base_url is not None,
+                "anthropic": settings.anthropic_base_url is not None,
+            }
+        )
+    )
     return app
 
 

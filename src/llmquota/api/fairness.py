@@ -11,6 +11,7 @@ read. Other tenants' requests never wait behind that queue.
 The tenant is known before anything is parsed: the bearer key's digest is
 looked up in the authenticator's per-worker cache (a key not seen yet passes
 through once, and its lookup fills the cache). Admin requests are not gated.
+A proxied request gives its permit back once admitted (RELEASE_EARLY).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from llmquota.api.errors import send_error
 TOO_MANY = 429
 # Retry hint for a request refused because its tenant's queue was full.
 QUEUE_FULL_RETRY_MS = 100
+# Scope key of a callable giving the tenant's permit back before the response
+# ends: a proxied request calls it once admitted, so that a long provider call
+# is bounded by the tenant's max_in_flight, not by this worker's gate.
+RELEASE_EARLY = "llmquota.fair_share.release"
 
 
 @dataclass
@@ -66,11 +71,22 @@ class TenantFairShare:
             return
         gate.users += 1
         gate.waiting += 1
+        held = False
+
+        def release_early() -> None:
+            nonlocal held
+            if held:
+                held = False
+                gate.permits.release()
+
         try:
-            async with gate.permits:
-                gate.waiting -= 1
-                await self.app(scope, receive, send)
+            await gate.permits.acquire()
+            held = True
+            gate.waiting -= 1
+            scope[RELEASE_EARLY] = release_early
+            await self.app(scope, receive, send)
         finally:
+            release_early()
             gate.users -= 1
             if gate.users == 0:
                 # Idle tenants take no memory: the map holds only busy ones.

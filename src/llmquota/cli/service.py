@@ -38,6 +38,19 @@ async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
         await admin.close()
 
 
+def _proxy_lines(settings: Settings) -> list[str]:
+    """Which provider endpoints this server proxies, and where to (never the key)."""
+    lines = []
+    if settings.openai_base_url:
+        lines.append(
+            "proxy: POST /v1/chat/completions, /v1/completions, /v1/embeddings -> "
+            f"{settings.openai_base_url}"
+        )
+    if settings.anthropic_base_url:
+        lines.append(f"proxy: POST /v1/messages -> {settings.anthropic_base_url}")
+    return lines
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """Run the REST API (migrating an embedded database first)."""
     import uvicorn
@@ -56,6 +69,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
                 "(Set LLMQUOTA_ADMIN_KEY to use a key of your own.)",
                 flush=True,
             )
+        for line in _proxy_lines(settings):
+            print(line, flush=True)
         # Workers are separate processes: they read the resolved DSN from the environment.
         export_for_workers(db.dsn)
         uvicorn.run(

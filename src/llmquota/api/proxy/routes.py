@@ -1,0 +1,275 @@
+"""POST /v1/chat/completions and POST /v1/messages: admission around a provider call.
+
+Each request is authenticated by the tenant's llmquota key (`Authorization:
+Bearer` as the openai SDK sends it, `x-api-key` as the anthropic SDK does),
+read and counted (requests.py), decided on every layer, and refused in the
+provider's own format, or forwarded with llmquota's provider key. What the
+provider answers settles the reservation (exchange.py); a stream is relayed
+as it arrives (stream.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+
+import httpx
+from fastapi import APIRouter, Request, Response
+
+from llmquota.admission.limiter import Limiter
+from llmquota.api.auth import AuthenticationFailed, Authenticator
+from llmquota.api.fairness import RELEASE_EARLY
+from llmquota.api.proxy.exchange import Exchange, UsageTracker
+from llmquota.api.proxy.metrics import CallMetrics
+from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
+from llmquota.api.proxy.stream import RelayResponse, StreamRelay
+from llmquota.api.proxy.upstream import (
+    PASSED_BACK,
+    UPSTREAM_LIMIT_PREFIXES,
+    Proxy,
+    Upstream,
+    missing_upstream,
+)
+from llmquota.api.proxy.wire import (
+    Endpoint,
+    Kind,
+    error_response,
+    kind_of,
+    limit_headers,
+    refusal,
+)
+from llmquota.domain.errors import InvalidRequest, StoreUnavailable
+
+
+def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
+    """The proxy endpoints; in the OpenAPI document only where an upstream is configured."""
+    router = APIRouter(tags=["proxy"])
+
+    @router.post("/v1/chat/completions", include_in_schema=proxy_enabled["openai"])
+    async def chat_completions(request: Request) -> Response:
+        """OpenAI's chat completions, admitted, forwarded and settled."""
+        return await _handle("chat", request)
+
+    @router.post("/v1/completions", include_in_schema=proxy_enabled["openai"])
+    async def completions(request: Request) -> Response:
+        """OpenAI's legacy completions, admitted, forwarded and settled."""
+        return await _handle("completions", request)
+
+    @router.post("/v1/embeddings", include_in_schema=proxy_enabled["openai"])
+    async def embeddings(request: Request) -> Response:
+        """OpenAI's embeddings: input tokens only, settled from the provider's count."""
+        return await _handle("embeddings", request)
+
+    @router.post("/v1/messages", include_in_schema=proxy_enabled["anthropic"])
+    async def messages(request: Request) -> Response:
+        """Anthropic's messages, admitted, forwarded and settled."""
+        return await _handle("messages", request)
+
+    return router
+
+
+async def _tenant(kind: Kind, request: Request) -> str | Response:
+    """The tenant whose llmquota key the request carries, or the error to answer."""
+    authorization = request.headers.get("authorization")
+    api_key = request.headers.get("x-api-key")
+    if api_key and not (authorization or "").lower().startswith("bearer "):
+        authorization = f"Bearer {api_key}"
+    authenticator: Authenticator = request.app.state.authenticator
+    try:
+        caller = await authenticator.caller(authorization)
+    except AuthenticationFailed:
+        return error_response(kind, 401, "missing or invalid llmquota API key")
+    if caller.tenant is None:
+        return error_response(kind, 403, "the admin key cannot call providers: use a tenant's key")
+    return caller.tenant
+
+
+async def _handle(endpoint: Endpoint, request: Request) -> Response:
+    """Authenticate, read, admit, then forward (or answer why not)."""
+    kind = kind_of(endpoint)
+    proxy: Proxy = request.app.state.proxy
+    upstream = proxy.upstreams.get(kind)
+    if upstream is None:
+        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
+    try:
+        tenant = await _tenant(kind, request)
+        if isinstance(tenant, Response):
+            return tenant
+        parsed = parse(endpoint, await request.body(), proxy.settings.proxy_default_max_tokens)
+        exchange = await _admit(kind, request, tenant, parsed)
+    except BadProxyRequest as exc:
+        return error_response(kind, exc.status, str(exc))
+    except StoreUnavailable as exc:
+        return error_response(kind, 503, str(exc), headers={"retry-after": "1"})
+    if isinstance(exchange, Response):
+        return exchange
+    # Admitted: from here the tenant's max_in_flight bounds it, not the worker's fair share.
+    release_fair_share = request.scope.get(RELEASE_EARLY)
+    if release_fair_share is not None:
+        release_fair_share()
+    headers = limit_headers(kind, exchange.decision.tenant)
+    if exchange.fallback is not None:
+        headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
+    try:
+        call = Call(proxy, upstream, endpoint, request, exchange, headers)
+        return await (_stream(call, parsed) if parsed.stream else _complete(call))
+    finally:
+        if not exchange.handed_over:
+            # A no-op once settled; after any failure, nothing was produced for the client.
+            await asyncio.shield(exchange.release())
+
+
+async def _admit(
+    kind: Kind, request: Request, tenant: str, parsed: ProxyRequest
+) -> Exchange | Response:
+    """Count and decide; the refusal to answer, or the admitted exchange."""
+    limiter: Limiter = request.app.state.limiter
+    try:
+        prepared = await limiter.prepare_off_loop(
+            tenant=tenant,
+            route=request.headers.get("llmquota-route"),
+            model=parsed.model,
+            max_tokens=parsed.max_tokens,
+            messages=parsed.messages,
+            input_tokens=parsed.input_tokens,
+        )
+    except InvalidRequest as exc:
+        raise BadProxyRequest(400, str(exc)) from None
+    admission = await limiter.decide(prepared)
+    refused = refusal(kind, tenant, admission.decision)
+    if refused is not None:
+        return refused
+    if admission.decision.status != "admitted":
+        return error_response(kind, 403, f"tenant {tenant!r} has no policy in llmquota")
+    return Exchange(limiter, tenant, parsed.model, admission, limiter.settings.estimate_factors)
+
+
+def _passed_back(response: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in response.headers.items() if k in PASSED_BACK}
+
+
+def _upstream_failed(kind: Kind, exc: httpx.HTTPError, headers: dict[str, str]) -> Response:
+    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
+    reason = type(exc).__name__
+    return error_response(kind, status, f"the provider did not answer ({reason})", headers=headers)
+
+
+def _upstream_error(
+    kind: Kind, upstream: Upstream, response: httpx.Response, headers: dict[str, str]
+) -> Response:
+    """A provider's error, passed through (key scrubbed); its 429 with its own headers."""
+    if response.status_code in (401, 403):
+        return error_response(
+            kind, 502, "the provider refused llmquota's credentials; tell the operator"
+        )
+    passed = {
+        k: v
+        for k, v in response.headers.items()
+        if k.startswith(UPSTREAM_LIMIT_PREFIXES) or k in PASSED_BACK or k == "x-should-retry"
+    }
+    return Response(
+        upstream.scrub(response.content),
+        status_code=response.status_code,
+        headers={**headers, **passed},
+        media_type=response.headers.get("content-type", "application/json"),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One admitted request on its way upstream."""
+
+    proxy: Proxy
+    upstream: Upstream
+    endpoint: Endpoint
+    request: Request
+    exchange: Exchange
+    headers: dict[str, str]
+
+    def metrics(self) -> CallMetrics:
+        """The observations of the upstream call about to be sent, timed from now."""
+        return self.proxy.metrics.call(self.upstream.kind, self.endpoint)
+
+    def outgoing(self, content: bytes) -> httpx.Request:
+        """The upstream request: the body, our key, the provider's own headers."""
+        return self.proxy.client.build_request(
+            "POST",
+            self.upstream.url(self.endpoint),
+            content=content,
+            headers=self.upstream.headers(self.request.headers),
+        )
+
+
+async def _complete(call: Call) -> Response:
+    """Forward a whole request; pass the provider's body through unchanged."""
+    kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
+    outgoing, calls = call.outgoing(await call.request.body()), call.metrics()
+    try:
+        # Streamed, to time the response head apart from the body.
+        response = await call.proxy.client.send(outgoing, stream=True)
+        try:
+            calls.answered(response.status_code)
+            await response.aread()
+        finally:
+            await response.aclose()
+    except httpx.HTTPError as exc:
+        calls.failed(exc)
+        return _upstream_failed(kind, exc, headers)
+    if response.status_code >= 400:
+        return _upstream_error(kind, upstream, response, headers)
+    tracker = UsageTracker(kind)
+    with contextlib.suppress(ValueError):
+        tracker.read_body(response.json())
+    await call.exchange.finish(tracker, "ok")
+    return Response(
+        response.content,
+        status_code=response.status_code,
+        headers={**_passed_back(response), **headers},
+        media_type=response.headers.get("content-type"),
+    )
+
+
+async def _stream(call: Call, parsed: ProxyRequest) -> Response:
+    """Open the provider's stream; relay it from a pump that settles at its end."""
+    kind, upstream, headers, proxy = call.upstream.kind, call.upstream, call.headers, call.proxy
+    body, hold_back = parsed.body, False
+    options = body.get("stream_options")
+    if kind == "openai" and not parsed.client_wants_usage and isinstance(options, dict | None):
+        # Ask for the usage chunk to settle by, and keep it from a client that did not.
+        body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+        hold_back = True
+    content = json.dumps(body).encode() if hold_back else await call.request.body()
+    outgoing, calls = call.outgoing(content), call.metrics()
+    try:
+        response = await proxy.client.send(outgoing, stream=True)
+    except httpx.HTTPError as exc:
+        calls.failed(exc)
+        return _upstream_failed(kind, exc, headers)
+    calls.answered(response.status_code)
+    if response.status_code >= 400:
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return _upstream_error(kind, upstream, response, headers)
+    settings = proxy.settings
+    relay = StreamRelay(
+        call.exchange,
+        response,
+        UsageTracker(kind),
+        hold_back_usage=hold_back,
+        disconnect=settings.proxy_disconnect,
+        drain_seconds=settings.proxy_drain_seconds,
+        heartbeat_seconds=settings.proxy_heartbeat_seconds,
+        stall_seconds=settings.proxy_client_stall_seconds,
+        metrics=calls,
+    )
+    relay.start(proxy.pumps)
+    call.exchange.handed_over = True
+    return RelayResponse(
+        relay,
+        headers={**_passed_back(response), **headers},
+        media_type=response.headers.get("content-type", "text/event-stream"),
+    )

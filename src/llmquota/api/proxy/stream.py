@@ -1,0 +1,214 @@
+"""Relaying a provider's server-sent events to the client, chunk by chunk.
+
+The upstream is read by a task of its own (the pump), not by the response:
+the pump outlives a client that hangs up, so that in `drain` mode it reads
+the provider to its final usage (bounded by LLMQUOTA_PROXY_DRAIN_SECONDS)
+and in `cancel` mode it is cancelled, closes the upstream and settles the
+output counted so far. Either way the pump, and only the pump, finishes the
+reservation, once. Events pass through as they arrive through a small
+bounded queue (backpressure, no buffering of the whole stream); OpenAI's
+usage-only chunk, which the proxy asked for itself, is held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from llmquota.api.proxy.exchange import Exchange, UsageTracker
+from llmquota.api.proxy.metrics import CallMetrics
+from llmquota.api.proxy.wire import Kind, error_body
+from llmquota.domain.vocabulary import Outcome
+
+log = logging.getLogger(__name__)
+
+QUEUE_EVENTS = 64
+MAX_EVENT_BYTES = 16 * 1_048_576
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Whole SSE events (each with its blank-line terminator) from a byte stream."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk.replace(b"\r\n", b"\n")
+        while (end := buffer.find(b"\n\n")) >= 0:
+            yield buffer[: end + 2]
+            buffer = buffer[end + 2 :]
+        if len(buffer) > MAX_EVENT_BYTES:
+            raise ValueError("an upstream event is larger than 16 MiB")
+    if buffer.strip():
+        yield buffer + b"\n\n"
+
+
+def event_data(event: bytes) -> object:
+    """The JSON of an event's `data:` lines; None for [DONE], comments or non-JSON."""
+    lines = [
+        line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
+    ]
+    if not lines:
+        return None
+    data = b"\n".join(lines)
+    if data.strip() == b"[DONE]":
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def error_event(kind: Kind) -> bytes:
+    """The event each SDK raises on when a stream breaks off (502: the provider failed)."""
+    data = json.dumps(error_body(kind, 502, "the provider's stream broke off")).encode()
+    prefix = b"event: error\n" if kind == "anthropic" else b""
+    return prefix + b"data: " + data + b"\n\n"
+
+
+class StreamRelay:
+    """Pumps one upstream stream into the client's response and settles it."""
+
+    def __init__(
+        self,
+        exchange: Exchange,
+        upstream: httpx.Response,
+        tracker: UsageTracker,
+        *,
+        hold_back_usage: bool,
+        disconnect: str,
+        drain_seconds: float,
+        heartbeat_seconds: float,
+        stall_seconds: float = 300.0,
+        metrics: CallMetrics | None = None,
+    ) -> None:
+        self.exchange = exchange
+        self.upstream = upstream
+        self.tracker = tracker
+        self.hold_back_usage = hold_back_usage
+        self.disconnect = disconnect
+        self.drain_seconds = drain_seconds
+        self.heartbeat_seconds = heartbeat_seconds
+        self.stall_seconds = stall_seconds
+        self.metrics = metrics
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_EVENTS)
+        self.client_gone = False
+        self.completed = False
+        self.pump_task: asyncio.Task[None] | None = None
+
+    def start(self, tasks: set[asyncio.Task[None]]) -> None:
+        """Start the pump; `tasks` holds it until it has settled."""
+        self.pump_task = asyncio.get_running_loop().create_task(self.pump())
+        tasks.add(self.pump_task)
+        self.pump_task.add_done_callback(tasks.discard)
+
+    async def pump(self) -> None:
+        """Read upstream to its end (or cancellation), forward, then finish the reservation."""
+        keep_alive = asyncio.get_running_loop().create_task(
+            self.exchange.keep_alive(self.heartbeat_seconds)
+        )
+        outcome: Outcome = "ok"
+        try:
+            async for event in sse_events(self.upstream.aiter_bytes()):
+                usage_only = self.tracker.observe(event_data(event))
+                self._observe_output()
+                if self.client_gone or (usage_only and self.hold_back_usage):
+                    continue
+                await self._forward(event)
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("upstream stream of %s failed: %s", self.exchange.reservation_id, exc)
+            outcome = "error"
+            if self.metrics is not None:
+                self.metrics.failed(exc, mid_stream=True)
+            if not self.client_gone:  # tell the client in its SDK's terms, not by a clean end
+                await self.queue.put(error_event(self.tracker.kind))
+        finally:
+            keep_alive.cancel()
+            if outcome == "ok" and self.tracker.failed:
+                outcome = "error"
+                if self.metrics is not None:  # the provider's own error event, in the stream
+                    self.metrics.error("stream_error")
+            self._observe_end(outcome)
+            await asyncio.shield(self._close(outcome))
+
+    def _observe_output(self) -> None:
+        calls = self.metrics
+        if calls is not None and calls.first_output_at is None and self.tracker.produced():
+            calls.output()
+
+    def _observe_end(self, outcome: Outcome) -> None:
+        calls = self.metrics
+        if calls is None:
+            return
+        calls.drain_ended()
+        if outcome == "ok":
+            calls.stream_ended(self.tracker.output_tokens if self.tracker.final else None)
+
+    async def _forward(self, event: bytes) -> None:
+        """Queue an event for the client; a client that reads nothing for the
+        stall bound is treated as one that hung up."""
+        try:
+            await asyncio.wait_for(self.queue.put(event), self.stall_seconds)
+        except TimeoutError:
+            log.warning(
+                "the client of %s read nothing for %.0f s; treating it as gone",
+                self.exchange.reservation_id,
+                self.stall_seconds,
+            )
+            self.response_ended()
+
+    async def _close(self, outcome: Outcome) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.upstream.aclose()
+        await self.exchange.finish(self.tracker, outcome)
+        if not self.client_gone:
+            with contextlib.suppress(TimeoutError):  # a stalled client gets no end marker
+                await asyncio.wait_for(self.queue.put(None), self.stall_seconds)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The response body: events as the pump forwards them."""
+        try:
+            while (event := await self.queue.get()) is not None:
+                yield event
+            self.completed = True
+        finally:
+            self.response_ended()
+
+    def response_ended(self) -> None:
+        """The response is over; unless it ran to its end, the client hung up:
+        drain the upstream (bounded) or cancel it."""
+        if self.completed or self.client_gone:
+            return
+        self.client_gone = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        task = self.pump_task
+        if task is None or task.done():
+            return
+        if self.disconnect == "cancel":
+            task.cancel()
+        else:
+            if self.metrics is not None:
+                self.metrics.drain_started()
+            asyncio.get_running_loop().call_later(self.drain_seconds, task.cancel)
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that tells its relay when it ends, even if it never began."""
+
+    def __init__(self, relay: StreamRelay, headers: Mapping[str, str], media_type: str) -> None:
+        super().__init__(relay.body(), headers=headers, media_type=media_type)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.relay.response_ended()

@@ -1,0 +1,119 @@
+"""The configured providers and the one pooled HTTP client that calls them.
+
+The provider key lives here and goes only into the upstream request's
+headers: nothing the proxy answers, and nothing it logs, contains it. An
+upstream error body is passed through with the key scrubbed from it, and an
+upstream authentication failure is answered as a gateway error of our own
+(the provider's message names the key it was given).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client import CollectorRegistry
+from pydantic import SecretStr
+
+from llmquota.api.proxy.metrics import ProxyMetrics
+from llmquota.api.proxy.wire import Endpoint, Kind
+from llmquota.config import ENV_PREFIX, Settings
+
+ANTHROPIC_VERSION = "2023-06-01"
+# Client headers a provider needs to read the request as it was meant.
+_FORWARDED = {"anthropic": ("anthropic-version", "anthropic-beta"), "openai": ()}
+# Provider response headers worth passing on: request ids, for support tickets.
+PASSED_BACK = ("x-request-id", "request-id", "openai-processing-ms")
+# An upstream 429's headers, passed through with it.
+UPSTREAM_LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
+# Each endpoint's path under its upstream's base URL (OpenAI's includes /v1).
+PATHS: dict[Endpoint, str] = {
+    "chat": "/chat/completions",
+    "completions": "/completions",
+    "embeddings": "/embeddings",
+    "messages": "/v1/messages",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """One provider: where it is and the key llmquota calls it with."""
+
+    kind: Kind
+    base_url: str
+    api_key: SecretStr
+
+    def url(self, endpoint: Endpoint) -> str:
+        return self.base_url.rstrip("/") + PATHS[endpoint]
+
+    def headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
+        """The upstream request's headers: our key, the provider's own version headers."""
+        headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        key = self.api_key.get_secret_value()
+        if self.kind == "openai":
+            headers["authorization"] = f"Bearer {key}"
+        else:
+            headers["x-api-key"] = key
+            headers["anthropic-version"] = ANTHROPIC_VERSION
+        for name in _FORWARDED[self.kind]:
+            if name in client_headers:
+                headers[name] = client_headers[name]
+        return headers
+
+    def scrub(self, text: bytes) -> bytes:
+        """`text` without the provider key in it."""
+        return text.replace(self.api_key.get_secret_value().encode(), b"[provider key]")
+
+
+def missing_upstream(kind: Kind) -> str:
+    """What to set for an endpoint whose upstream is not configured."""
+    name = kind.upper()
+    return (
+        f"the {kind} proxy is not configured: set {ENV_PREFIX}{name}_BASE_URL and "
+        f"{ENV_PREFIX}{name}_API_KEY"
+    )
+
+
+class Proxy:
+    """The upstreams of one worker, its pooled client, and the streams it is still settling."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+        self.settings = settings
+        self.metrics = ProxyMetrics(registry or CollectorRegistry())
+        self.upstreams: dict[Kind, Upstream] = {}
+        if settings.openai_base_url and settings.openai_api_key:
+            self.upstreams["openai"] = Upstream(
+                "openai", settings.openai_base_url, settings.openai_api_key
+            )
+        if settings.anthropic_base_url and settings.anthropic_api_key:
+            self.upstreams["anthropic"] = Upstream(
+                "anthropic", settings.anthropic_base_url, settings.anthropic_api_key
+            )
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                settings.proxy_read_timeout_seconds, connect=settings.proxy_connect_timeout_seconds
+            ),
+            limits=httpx.Limits(
+                max_connections=settings.proxy_max_connections,
+                max_keepalive_connections=settings.proxy_max_connections,
+            ),
+            trust_env=False,
+            follow_redirects=False,
+        )
+        self.pumps: set[asyncio.Task[None]] = set()
+
+    async def close(self) -> None:
+        """Let running streams finish (up to the drain bound), then cancel them and close."""
+        if self.pumps:
+            _done, pending = await asyncio.wait(
+                set(self.pumps), timeout=self.settings.proxy_drain_seconds
+            )
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.client.aclose()

@@ -1,0 +1,281 @@
+"""A fake LLM provider speaking both wire formats, for the proxy tests.
+
+OpenAI: POST /v1/chat/completions, JSON or SSE (`data: ...` events, the
+usage-only chunk when `stream_options.include_usage` is true, `data: [DONE]`).
+Anthropic: POST /v1/messages, JSON or SSE (`event:`/`data:` pairs:
+message_start, content_block_start, ping, content_block_delta...,
+content_block_stop, message_delta with usage, message_stop). Error bodies and
+rate-limit headers are each provider's own. Its usage figures are its own
+too, deliberately unlike tiktoken's, so a test can tell whose numbers were
+settled. Tests steer it through attributes (scenario, words, delay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+PROMPT_TOKENS = 17
+PROVIDER_KEY = "sk-upstream-secret-0123456789"
+
+
+def completion_tokens(words: int) -> int:
+    """What the fake reports for `words` words of output (not what tiktoken counts)."""
+    return 2 * words + 1
+
+
+@dataclass
+class FakeProvider:
+    """State and knobs of the fake; the app reads them on every request."""
+
+    scenario: str = "ok"  # ok | 500 | 429 | 401 | die_mid_stream | hang
+    words: int = 6
+    delay: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    streams_finished: int = 0
+    streams_started: int = 0
+
+    def text(self) -> list[str]:
+        return [f" w{i}" for i in range(self.words)]
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.openai, methods=["POST"]),
+                Route("/v1/completions", self.legacy, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+                Route("/v1/messages", self.anthropic, methods=["POST"]),
+            ]
+        )
+
+    async def _record(self, request: Request) -> dict[str, Any]:
+        body: dict[str, Any] = json.loads(await request.body())
+        self.requests.append(body)
+        self.headers.append(dict(request.headers))
+        if self.scenario == "hang":
+            await asyncio.sleep(1.5)  # longer than the proxy's read timeout in that test
+        return body
+
+    def _error(self, kind: str) -> Response | None:
+        if self.scenario == "500":
+            message = f"internal failure; key was {PROVIDER_KEY}"
+            return _error(kind, 500, "server_error" if kind == "openai" else "api_error", message)
+        if self.scenario == "401":
+            message = f"Incorrect API key provided: {PROVIDER_KEY}"
+            return _error(kind, 401, "authentication_error", message)
+        if self.scenario == "429":
+            headers = {"retry-after": "7", "x-should-retry": "false"}
+            if kind == "openai":
+                headers |= {
+                    "x-ratelimit-remaining-requests": "0",
+                    "x-ratelimit-limit-requests": "5",
+                }
+            else:
+                headers |= {"anthropic-ratelimit-requests-remaining": "0"}
+            return _error(kind, 429, "rate_limit_error", "provider says slow down", headers)
+        return None
+
+    async def openai(self, request: Request) -> Response:
+        body = await self._record(request)
+        if (error := self._error("openai")) is not None:
+            return error
+        words = self.text()
+        usage = {
+            "prompt_tokens": PROMPT_TOKENS,
+            "completion_tokens": completion_tokens(len(words)),
+            "total_tokens": PROMPT_TOKENS + completion_tokens(len(words)),
+        }
+        if not body.get("stream"):
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": 1_700_000_000,
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": "".join(words)},
+                            "finish_reason": "stop",
+                            "logprobs": None,
+                        }
+                    ],
+                    "usage": usage,
+                },
+                headers={"x-request-id": "req_fake_openai"},
+            )
+        include = (body.get("stream_options") or {}).get("include_usage") is True
+        return StreamingResponse(
+            self._openai_events(body["model"], words, usage if include else None),
+            media_type="text/event-stream",
+        )
+
+    async def _openai_events(
+        self, model: str, words: list[str], usage: dict[str, int] | None
+    ) -> AsyncIterator[bytes]:
+        self.streams_started += 1
+        base = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": model,
+        }
+        extra = {"usage": None} if usage is not None else {}
+
+        def chunk(delta: dict[str, Any], finish: str | None) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return _data({**base, "choices": [choice], **extra})
+
+        yield chunk({"role": "assistant", "content": ""}, None)
+        for i, word in enumerate(words):
+            await asyncio.sleep(self.delay)
+            if self.scenario == "die_mid_stream" and i == len(words) // 2:
+                raise RuntimeError("the fake provider dies mid-stream")
+            yield chunk({"content": word}, None)
+        yield chunk({}, "stop")
+        if usage is not None:
+            yield _data({**base, "choices": [], "usage": usage})
+        yield b"data: [DONE]\n\n"
+        self.streams_finished += 1
+
+    async def legacy(self, request: Request) -> Response:
+        """The legacy completions endpoint: `text` in each choice, the same usage."""
+        body = await self._record(request)
+        if (error := self._error("openai")) is not None:
+            return error
+        words = self.text()
+        out = completion_tokens(len(words))
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": out}
+        base = {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": 1,
+            "model": body["model"],
+        }
+
+        def choice(text: str, finish: str | None) -> dict[str, Any]:
+            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+        if not body.get("stream"):
+            return JSONResponse(
+                {**base, "choices": [choice("".join(words), "stop")], "usage": usage}
+            )
+        include = (body.get("stream_options") or {}).get("include_usage") is True
+
+        async def events() -> AsyncIterator[bytes]:
+            for word in words:
+                await asyncio.sleep(self.delay)
+                yield _data({**base, "choices": [choice(word, None)]})
+            yield _data({**base, "choices": [choice("", "stop")]})
+            if include:
+                yield _data({**base, "choices": [], "usage": usage})
+            yield b"data: [DONE]\n\n"
+            self.streams_finished += 1
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def embeddings(self, request: Request) -> Response:
+        """Embeddings of three dimensions, as floats or (the SDK's default) base64."""
+        body = await self._record(request)
+        if (error := self._error("openai")) is not None:
+            return error
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        vector = [0.25, 0.5, 0.75]
+        encoded: Any = vector
+        if body.get("encoding_format") == "base64":
+            encoded = base64.b64encode(struct.pack("<3f", *vector)).decode()
+        data = [
+            {"object": "embedding", "index": i, "embedding": encoded} for i in range(len(inputs))
+        ]
+        usage = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS}
+        return JSONResponse(
+            {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        )
+
+    async def anthropic(self, request: Request) -> Response:
+        body = await self._record(request)
+        if (error := self._error("anthropic")) is not None:
+            return error
+        words = self.text()
+        usage = {"input_tokens": PROMPT_TOKENS, "output_tokens": completion_tokens(len(words))}
+        message = {
+            "id": "msg_fake",
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+        }
+        if not body.get("stream"):
+            content = [{"type": "text", "text": "".join(words)}]
+            return JSONResponse(
+                {**message, "content": content, "usage": usage},
+                headers={"request-id": "req_fake_anthropic"},
+            )
+        return StreamingResponse(
+            self._anthropic_events(message, words, usage), media_type="text/event-stream"
+        )
+
+    async def _anthropic_events(
+        self, message: dict[str, Any], words: list[str], usage: dict[str, int]
+    ) -> AsyncIterator[bytes]:
+        self.streams_started += 1
+        start = {**message, "content": [], "stop_reason": None}
+        start["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": 1}
+        yield _event("message_start", {"type": "message_start", "message": start})
+        block = {"type": "text", "text": ""}
+        yield _event(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": block},
+        )
+        yield _event("ping", {"type": "ping"})
+        for i, word in enumerate(words):
+            await asyncio.sleep(self.delay)
+            if self.scenario == "die_mid_stream" and i == len(words) // 2:
+                raise RuntimeError("the fake provider dies mid-stream")
+            delta = {"type": "text_delta", "text": word}
+            yield _event(
+                "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+            )
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        yield _event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": usage["output_tokens"]},
+            },
+        )
+        yield _event("message_stop", {"type": "message_stop"})
+        self.streams_finished += 1
+
+
+def _data(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def _event(name: str, payload: dict[str, Any]) -> bytes:
+    return f"event: {name}\n".encode() + _data(payload)
+
+
+def _error(
+    kind: str, status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    if kind == "openai":
+        body: dict[str, Any] = {
+            "error": {"message": message, "type": error_type, "param": None, "code": None}
+        }
+    else:
+        body = {"type": "error", "error": {"type": error_type, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
