@@ -29,8 +29,8 @@ from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
-from llmquota.api.requestids import RequestIds
 from llmquota.api.proxy import Proxy, proxy_router
+from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
