@@ -19,8 +19,12 @@ from typing import Any
 
 import asyncpg
 import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmquota.admission.limiter import Limiter
+from llmquota.api.app import create_app
 from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import Scope
@@ -159,3 +163,30 @@ class Worker:
         if self.process.returncode is None:
             self.process.kill()
             await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, dsn: str) -> AsyncIterator[tuple[str, FastAPI]]:
+    """A real uvicorn server in this process on a free loopback port: (base URL, app)."""
+    app = create_app(settings, dsn=dsn)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        await task
+
+
+def metric_value(exposition: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition (GET /metrics); 0 when absent."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
