@@ -135,6 +135,47 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="requests of one tenant queued per worker before 429",
     )
+    key_cache_refresh_seconds: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3_600.0,
+        description="a cached API key used when older than this is looked up again in the "
+        "background while the cached answer still serves; during an outage a known key "
+        "keeps working for POLICY_CACHE_MAX_STALE_SECONDS",
+    )
+    key_negative_cache_seconds: float = Field(
+        default=5.0,
+        ge=0.0,
+        le=3_600.0,
+        description="how long a worker remembers (by digest) that a key does not exist, "
+        "answering 401 without a database lookup; 0 turns it off",
+    )
+    auth_failures_per_second: float = Field(
+        default=20.0,
+        gt=0.0,
+        le=100_000.0,
+        description="failed authentications one client address may make per second per "
+        "worker (refill of its bucket); past the burst, 429 without database work",
+    )
+    auth_failure_burst: int = Field(
+        default=40,
+        ge=1,
+        le=1_000_000,
+        description="failed authentications one client address may make at once per worker",
+    )
+    unknown_key_max_in_progress: int = Field(
+        default=4,
+        ge=1,
+        le=10_000,
+        description="requests with keys a worker does not know yet (each needing a database "
+        "lookup) it serves at once, all clients together; the rest queue",
+    )
+    unknown_key_max_waiting: int = Field(
+        default=64,
+        ge=0,
+        le=1_000_000,
+        description="requests with keys a worker does not know yet queued per worker before 429",
+    )
     batching: bool = Field(
         default=True,
         description="coalesce concurrent admissions (and settlements) of one process into "

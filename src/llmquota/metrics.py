@@ -91,6 +91,18 @@ class Metrics:
             "the connection (unavailable)",
             ["operation", "kind"],
         )
+        self.key_lookups = counter(
+            "llmquota_key_lookups",
+            "API key lookups in the database: first sight of a key or a background refresh "
+            "of a known one; found, absent, or unavailable (the store did not answer)",
+            ["purpose", "result"],
+        )
+        self.auth_refusals = counter(
+            "llmquota_auth_refusals",
+            "Requests refused at authentication: missing or malformed key, unknown key, "
+            "or throttled (too many failed authentications from one client address)",
+            ["reason"],
+        )
         self.decision_seconds = histogram(
             "llmquota_decision_seconds",
             "Admission decision latency",
