@@ -16,7 +16,7 @@ from starlette.types import Scope
 
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
-from llmquota.api.auth import Authenticator
+from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import BodySizeLimit
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
@@ -24,15 +24,23 @@ from llmquota.api.routes import router
 from llmquota.config import Settings
 
 
-def _tenant_of(scope: Scope) -> str | None:
-    """The tenant of a request's key, if this worker knows it already (no I/O)."""
+def _triage(scope: Scope) -> Triage:
+    """A request's fair-share lane, or its refusal, from the authenticator's memory (no I/O)."""
     authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
     if authenticator is None:
-        return None
+        return Triage()
+    authorization = None
     for name, value in scope.get("headers", []):
         if name == b"authorization":
-            return authenticator.cached_tenant(value.decode("latin-1"))
-    return None
+            authorization = value.decode("latin-1")
+            break
+    return authenticator.triage(authorization, _client_address(scope))
+
+
+def _client_address(scope: Scope) -> str:
+    """The peer's address (behind a proxy, the proxy's, unless uvicorn rewrites it)."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
 
 
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
@@ -45,13 +53,19 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limiter = await Limiter.connect(database, settings)
-        admin = AdminService(limiter.store, deadline_seconds=limiter.deadline_seconds)
+        admin = AdminService(
+            limiter.store,
+            deadline_seconds=limiter.deadline_seconds,
+            report_deadline_seconds=settings.statement_timeout_ms / 1000.0,
+        )
+        authenticator = Authenticator(admin.find_key, settings.admin_key, settings, limiter.metrics)
         app.state.limiter = limiter
         app.state.admin = admin
-        app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
+        app.state.authenticator = authenticator
         try:
             yield
         finally:
+            await authenticator.close()
             await limiter.close()
 
     app = FastAPI(
@@ -63,9 +77,11 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     app.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(
         TenantFairShare,
-        tenant_of=_tenant_of,
+        triage=_triage,
         max_in_progress=settings.tenant_max_in_progress,
         max_waiting=settings.tenant_max_waiting,
+        unknown_max_in_progress=settings.unknown_key_max_in_progress,
+        unknown_max_waiting=settings.unknown_key_max_waiting,
     )
     install_error_handlers(app)
     app.include_router(router)
