@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -190,3 +192,47 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 return float(sample.value)
     return 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def serving_process(dsn: str, admin_key: str, log: Path) -> AsyncIterator[str]:
+    """`uvicorn --factory create_app_from_env` as a subprocess, as in production; its URL."""
+    port = free_port()
+    env = worker_env(
+        LLMQUOTA_DATABASE_URL=dsn,
+        LLMQUOTA_ADMIN_KEY=admin_key,
+        # Not an outage test: a busy machine must not turn a slow answer into a 503.
+        LLMQUOTA_DECISION_DEADLINE_MS="5000",
+    )
+    with log.open("wb") as errors:
+        process = await asyncio.create_subprocess_exec(
+            *(PYTHON, "-m", "uvicorn", "--factory", "llmquota.api.app:create_app_from_env"),
+            *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=errors,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base) as probe:
+            deadline = time.monotonic() + 30
+            while True:
+                if process.returncode is not None:
+                    raise AssertionError(await asyncio.to_thread(log.read_text))
+                assert time.monotonic() < deadline, "the server did not start"
+                try:
+                    if (await probe.get("/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        await process.wait()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
 import httpx
 
+from llmquota.config import Settings
 from tests.faults.conftest import fault_settings, serving
 
 ADMIN_KEY = "lq_views_admin_key_0123456789"
@@ -46,23 +46,29 @@ async def layers(client: httpx.AsyncClient, headers: dict[str, str]) -> dict[str
     return {layer["scope"]: layer for layer in r.json()["layers"]}
 
 
+async def put_global(client: httpx.AsyncClient, policy: dict[str, int]) -> None:
+    r = await client.put("/v1/policies/global", json=policy, headers=ADMIN)
+    assert r.status_code == 200, r.text
+
+
 def admit_body(tenant: str) -> dict[str, Any]:
     return {"tenant": tenant, "model": "gpt-4o", "input_tokens": 10, "max_tokens": 10}
 
 
-async def test_a_tenant_sees_whether_the_global_layer_binds_and_not_its_figures(
-    database_dsn: str, db: asyncpg.Connection
-) -> None:
-    settings = fault_settings(
-        admin_key=ADMIN_KEY,
-        decision_deadline_ms=5_000,
-        concurrency_retry_ms=CONCURRENCY_RETRY_MS,
+def view_settings() -> Settings:
+    return fault_settings(
+        admin_key=ADMIN_KEY, decision_deadline_ms=5_000, concurrency_retry_ms=CONCURRENCY_RETRY_MS
     )
+
+
+async def test_a_tenant_sees_whether_the_global_layer_binds_and_not_its_figures(
+    database_dsn: str,
+) -> None:
     async with (
-        serving(settings, database_dsn) as (base, _app),
+        serving(view_settings(), database_dsn) as (base, _app),
         httpx.AsyncClient(base_url=base, timeout=10) as client,
     ):
-        assert (await client.put("/v1/policies/global", json=GLOBAL, headers=ADMIN)).is_success
+        await put_global(client, GLOBAL)
         acme, other = await key_of(client, "acme"), await key_of(client, "other")
 
         seen = await layers(client, acme)
@@ -80,11 +86,8 @@ async def test_a_tenant_sees_whether_the_global_layer_binds_and_not_its_figures(
 
         seen = await layers(client, acme)
         shared = seen["global"]
-        assert {k for k, v in shared.items() if v is not None} == {
-            "scope",
-            "binding",
-            "retry_after_ms",
-        }
+        visible = {name for name, value in shared.items() if value is not None}
+        assert visible == {"scope", "binding", "retry_after_ms"}
         assert shared["binding"] is True
         assert 0.8 * REFILL_MS < shared["retry_after_ms"] <= REFILL_MS
         # The tenant's own layer: every figure, and it does not bind.
@@ -108,22 +111,33 @@ async def test_a_tenant_sees_whether_the_global_layer_binds_and_not_its_figures(
         assert full["binding"] is True
         assert 0.8 * REFILL_MS < full["retry_after_ms"] <= REFILL_MS
 
-        # Every permit of the global layer taken binds too, for the concurrency hint.
-        concurrency = {"max_in_flight": 1}
-        assert (await client.put("/v1/policies/global", json=concurrency, headers=ADMIN)).is_success
+    print(
+        "FIGURE tenant view: global layer emptied by another tenant: binding true, "
+        f"retry_after_ms {shared['retry_after_ms']} (the store's 429 said "
+        f"{error['retry_after_ms']}); no figure of the layer shown to the tenant"
+    )
+
+
+async def test_a_shared_layer_with_every_permit_taken_binds_for_the_concurrency_hint(
+    database_dsn: str,
+) -> None:
+    async with (
+        serving(view_settings(), database_dsn) as (base, _app),
+        httpx.AsyncClient(base_url=base, timeout=10) as client,
+    ):
+        await put_global(client, {"max_in_flight": 1})
+        acme, other = await key_of(client, "acme"), await key_of(client, "other")
+        r = await client.post("/v1/admit", json=admit_body("other"), headers=other)
+        assert r.status_code == 201, r.text
+
         shared = (await layers(client, acme))["global"]
         assert (shared["binding"], shared["retry_after_ms"]) == (True, CONCURRENCY_RETRY_MS)
-        assert shared["in_flight"] is None
-        roomier = {"max_in_flight": 2}
-        assert (await client.put("/v1/policies/global", json=roomier, headers=ADMIN)).is_success
+        assert shared["in_flight"] is None and shared["limits"] is None
+        assert (await layers(client, ADMIN))["global"]["in_flight"] == 1
+        # One more permit: the layer has room again, and says so.
+        await put_global(client, {"max_in_flight": 2})
         shared = (await layers(client, acme))["global"]
         assert (shared["binding"], shared["retry_after_ms"]) == (False, None)
-        print(
-            "FIGURE tenant view: global layer emptied by another tenant: binding true, "
-            f"retry_after_ms {seen['global']['retry_after_ms']} (the store's 429 said "
-            f"{error['retry_after_ms']}); every permit taken: binding true, "
-            f"retry_after_ms {CONCURRENCY_RETRY_MS}; no figure of the layer shown"
-        )
 
 
 async def test_the_schema_declares_the_shared_layer_figures_optional(database_dsn: str) -> None:
