@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +236,18 @@ async def serving_process(dsn: str, admin_key: str, log: Path) -> AsyncIterator[
     finally:
         process.terminate()
         await process.wait()
+
+
+async def timed(call: Awaitable[httpx.Response]) -> tuple[httpx.Response, float]:
+    """A response and the seconds it took."""
+    started = time.perf_counter()
+    response = await call
+    return response, time.perf_counter() - started
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], seconds: float) -> None:
+    """Poll `condition` until it holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)

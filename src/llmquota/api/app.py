@@ -23,11 +23,16 @@ from llmquota.api.fairness import TenantFairShare
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
+# The paths whose endpoints all take an API key. The others (healthz, metrics,
+# the docs) take none, or a credential of their own: they are neither gated
+# nor refused by what the authenticator remembers.
+API_KEY_PATHS = "/v1/"
+
 
 def _triage(scope: Scope) -> Triage:
     """A request's fair-share lane, or its refusal, from the authenticator's memory (no I/O)."""
     authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
-    if authenticator is None:
+    if authenticator is None or not scope["path"].startswith(API_KEY_PATHS):
         return Triage()
     authorization = None
     for name, value in scope.get("headers", []):

@@ -11,8 +11,10 @@ address (failures.py), so a flood of wrong keys is refused with 429 before
 any database work.
 
 `triage` runs in the fair-share middleware before anything is read, with no
-I/O: it puts a request in its tenant's lane, in the one lane of keys the
-worker does not know yet (each of which needs a lookup), or refuses it.
+I/O, for the endpoints that take an API key: it puts a request in its
+tenant's lane, in the one lane of keys the worker does not know yet (each of
+which needs a lookup), or refuses it (no key, a key known to be wrong, a
+client out of its budget).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class Caller:
 class Triage:
     """Where a request waits before it is served, or why it is refused at once.
 
-    `lane` None: not gated (admin keys, requests presenting no key).
+    `lane` None: not gated (admin keys, endpoints that take no API key).
     """
 
     lane: str | None = None
@@ -139,10 +141,8 @@ class Authenticator:
         self._refreshes: set[asyncio.Task[None]] = set()
 
     def triage(self, authorization: str | None, client: str) -> Triage:
-        """The lane of a request, or its refusal, from memory alone."""
-        if authorization is None:
-            # No key: public endpoints answer, the others refuse without I/O.
-            return Triage()
+        """The lane of a request to an endpoint that takes an API key, or its
+        refusal, from memory alone."""
         now = time.monotonic()
         digest = _digest(authorization)
         if digest is not None:

@@ -13,12 +13,13 @@ memory (Authenticator.triage, no I/O): a known key's tenant; the one lane of
 keys this worker does not know yet, each of which costs a database lookup,
 with its own small limits (`unknown_max_in_progress`, `unknown_max_waiting`),
 so that a flood of invalid keys holds at most that many pooled connections
-and queues behind itself only; or no lane (admin keys, requests without a
-key). A key the worker knows is wrong, or a client address out of its
-failed-authentication budget, is refused here, before its body is read; the
-latter's 429 is held for its retry hint (at most MAX_HOLD_SECONDS), so that a
-client hammering with wrong keys gets about one answer per hint per
-connection instead of as many as the worker's CPU can send.
+and queues behind itself only; or no lane (admin keys, endpoints that take
+no API key). A request without a key, with a key the worker knows is wrong,
+or from a client address out of its failed-authentication budget is refused
+here, before its body is read; the last one's 429 is held for its retry
+hint (at most MAX_HOLD_SECONDS), so that a client hammering with wrong keys
+gets about one answer per hint per connection instead of as many as the
+worker's CPU can send.
 """
 
 from __future__ import annotations
