@@ -63,6 +63,7 @@ class Metrics:
             "the connection (unavailable)",
             ["operation", "kind"],
         )
+        self.key_lookups, self.auth_refusals = self._authentication_series()
         self.decision_seconds = histogram(
             "llmquota_decision_seconds",
             "Admission decision latency",
@@ -126,6 +127,24 @@ class Metrics:
                 self.policy_denials.labels(
                     decision.limit_kind, decision.limit_scope, decision.status
                 ).inc()
+
+    def _authentication_series(self) -> tuple[Counter, Counter]:
+        """Key lookups in the database, and requests refused at authentication."""
+        lookups = Counter(
+            "llmquota_key_lookups",
+            "API key lookups in the database: first sight of a key or a background refresh "
+            "of a known one; found, absent, or unavailable (the store did not answer)",
+            ["purpose", "result"],
+            registry=self.registry,
+        )
+        refusals = Counter(
+            "llmquota_auth_refusals",
+            "Requests refused at authentication: missing or malformed key, unknown key, "
+            "or throttled (too many failed authentications from one client address)",
+            ["reason"],
+            registry=self.registry,
+        )
+        return lookups, refusals
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

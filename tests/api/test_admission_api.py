@@ -210,7 +210,13 @@ async def test_status_and_usage(client: httpx.AsyncClient, admin: dict[str, str]
     assert 880 <= tenant["remaining_tokens"] <= 1_000
     assert tenant["in_flight"] == 0
     assert 0 <= tenant["tokens_full_in_seconds"] <= 1.3  # 120 tokens at 100/s
-    assert layers["global"]["remaining_requests"] == 999
+    # The global layer is shared: the tenant sees only whether it binds.
+    shared = layers["global"]
+    assert (shared["remaining_requests"], shared["in_flight"], shared["limits"]) == (None,) * 3
+    assert (shared["binding"], shared["retry_after_ms"]) == (False, None)
+    as_admin = await client.get("/v1/tenants/acme/status", headers=admin)
+    full = {layer["scope"]: layer for layer in as_admin.json()["layers"]}["global"]
+    assert (full["remaining_requests"], full["binding"]) == (999, False)
     usage = await client.get("/v1/tenants/acme/usage", headers=acme)
     assert usage.status_code == 200
     assert usage.json()["requests"] == 1

@@ -11,16 +11,22 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from llmquota.admission.limiter import Limiter
+from llmquota.api.app import create_app
 from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import Scope
@@ -159,3 +165,89 @@ class Worker:
         if self.process.returncode is None:
             self.process.kill()
             await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, dsn: str) -> AsyncIterator[tuple[str, FastAPI]]:
+    """A real uvicorn server in this process on a free loopback port: (base URL, app)."""
+    app = create_app(settings, dsn=dsn)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        await task
+
+
+def metric_value(exposition: str, name: str, **labels: str) -> float:
+    """One sample of a Prometheus text exposition (GET /metrics); 0 when absent."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def serving_process(dsn: str, admin_key: str, log: Path) -> AsyncIterator[str]:
+    """`uvicorn --factory create_app_from_env` as a subprocess, as in production; its URL."""
+    port = free_port()
+    env = worker_env(
+        LLMQUOTA_DATABASE_URL=dsn,
+        LLMQUOTA_ADMIN_KEY=admin_key,
+        # Not an outage test: a busy machine must not turn a slow answer into a 503.
+        LLMQUOTA_DECISION_DEADLINE_MS="5000",
+    )
+    with log.open("wb") as errors:
+        process = await asyncio.create_subprocess_exec(
+            *(PYTHON, "-m", "uvicorn", "--factory", "llmquota.api.app:create_app_from_env"),
+            *("--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"),
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=errors,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=base) as probe:
+            deadline = time.monotonic() + 30
+            while True:
+                if process.returncode is not None:
+                    raise AssertionError(await asyncio.to_thread(log.read_text))
+                assert time.monotonic() < deadline, "the server did not start"
+                try:
+                    if (await probe.get("/healthz")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+async def timed(call: Awaitable[httpx.Response]) -> tuple[httpx.Response, float]:
+    """A response and the seconds it took."""
+    started = time.perf_counter()
+    response = await call
+    return response, time.perf_counter() - started
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], seconds: float) -> None:
+    """Poll `condition` until it holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)

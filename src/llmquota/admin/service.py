@@ -6,6 +6,12 @@ and get domain records or typed errors back. The rules that belong to the
 administration, not to HTTP (a route policy needs its tenant, a key registers
 its tenant, status and usage of a tenant that does not exist are not found,
 a usage range is bounded), live here once.
+
+Every store call carries a deadline, so a database that stops answering
+costs an admin or tenant call a 503 within that deadline, never a hung
+request: `deadline_seconds` (the decision deadline in the app) for the
+small statements, `report_deadline_seconds` for usage, which sums ledger
+rows and may fairly take as long as a statement may run.
 """
 
 from __future__ import annotations
@@ -28,9 +34,18 @@ DEFAULT_DEADLINE_SECONDS = 5.0
 class AdminService:
     """Administration of one database, for the REST API and the CLI."""
 
-    def __init__(self, store: Store, *, deadline_seconds: float = DEFAULT_DEADLINE_SECONDS) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
+        report_deadline_seconds: float | None = None,
+    ) -> None:
         self._store = store
         self._deadline_seconds = deadline_seconds
+        self._report_deadline_seconds = (
+            deadline_seconds if report_deadline_seconds is None else report_deadline_seconds
+        )
 
     @classmethod
     async def connect(cls, dsn: str) -> AdminService:
@@ -52,39 +67,48 @@ class AdminService:
 
         A tenant policy registers the tenant; a route policy needs it registered.
         """
-        if scope == "route" and tenant is not None and not await self._store.tenant_exists(tenant):
+        if scope == "route" and tenant is not None and not await self._tenant_exists(tenant):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        return await self._store.put_policy(scope, tenant, route, policy)
+        return await self._store.put_policy(
+            scope, tenant, route, policy, deadline_seconds=self._deadline_seconds
+        )
 
     async def get_policy(
         self, scope: Scope, tenant: str | None, route: str | None
     ) -> tuple[Policy, int]:
         """A layer's policy and version, or UnknownTenant when it has none."""
-        found = await self._store.get_policy(scope, tenant, route)
+        found = await self._store.get_policy(
+            scope, tenant, route, deadline_seconds=self._deadline_seconds
+        )
         if found is None:
             raise UnknownTenant(f"no {scope} policy")
         return found
 
     async def create_key(self, tenant: str) -> str:
         """Issue a key for a tenant (registering it if new); the plaintext, shown once."""
-        await self._store.ensure_tenant(tenant)
+        await self._store.ensure_tenant(tenant, deadline_seconds=self._deadline_seconds)
         key = new_key()
-        await self._store.insert_api_key(key_digest(key), tenant)
+        await self._store.insert_api_key(
+            key_digest(key), tenant, deadline_seconds=self._deadline_seconds
+        )
         return key
 
     async def ensure_first_admin_key(self) -> str | None:
         """An admin key, when the database has none yet; None when it has one."""
         key = new_key()
-        return key if await self._store.insert_first_admin_key(key_digest(key)) else None
+        stored = await self._store.insert_first_admin_key(
+            key_digest(key), deadline_seconds=self._deadline_seconds
+        )
+        return key if stored else None
 
     async def find_key(self, digest: bytes) -> KeyOwner | None:
-        """Whose key has this digest; None for a key that was never issued."""
-        found = await self._store.find_api_key(digest)
+        """Whose key has this digest; None for a key that was never issued (or was deleted)."""
+        found = await self._store.find_api_key(digest, deadline_seconds=self._deadline_seconds)
         return None if found is None else KeyOwner(key_id=found[0], tenant=found[1])
 
     async def tenant_status(self, tenant: str) -> list[LayerStatus]:
         """Every layer the tenant's requests pass, refilled to now."""
-        layers = await self._store.layer_status(tenant)
+        layers = await self._store.layer_status(tenant, deadline_seconds=self._deadline_seconds)
         if not any(layer.scope == "tenant" for layer in layers):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         return layers
@@ -93,6 +117,11 @@ class AdminService:
         """Ledger totals of a registered tenant over [start, end)."""
         if start > end or end - start > MAX_USAGE_RANGE:
             raise InvalidRequest("'from' must be before 'to', at most 10 years apart")
-        if not await self._store.tenant_exists(tenant):
+        if not await self._tenant_exists(tenant):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        return await self._store.tenant_usage(tenant, start, end)
+        return await self._store.tenant_usage(
+            tenant, start, end, deadline_seconds=self._report_deadline_seconds
+        )
+
+    async def _tenant_exists(self, tenant: str) -> bool:
+        return await self._store.tenant_exists(tenant, deadline_seconds=self._deadline_seconds)

@@ -24,7 +24,7 @@ from starlette.types import Scope
 
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
-from llmquota.api.auth import Authenticator
+from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
@@ -34,19 +34,32 @@ from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
 from llmquota.config import Settings
 
+# The paths whose endpoints all take an API key. The others (healthz, metrics,
+# the docs) take none, or a credential of their own: they are neither gated
+# nor refused by what the authenticator remembers.
+API_KEY_PATHS = "/v1/"
 
-def _tenant_of(scope: Scope) -> str | None:
-    """The tenant of a request's key, if this worker knows it already (no I/O)."""
+
+def _triage(scope: Scope) -> Triage:
+    """A request's fair-share lane, or its refusal, from the authenticator's memory (no I/O)."""
     authenticator: Authenticator | None = getattr(scope["app"].state, "authenticator", None)
-    if authenticator is None:
-        return None
-    api_key: str | None = None
+    if authenticator is None or not scope["path"].startswith(API_KEY_PATHS):
+        return Triage()
+    authorization = api_key = None
     for name, value in scope.get("headers", []):
         if name == b"authorization":
-            return authenticator.cached_tenant(value.decode("latin-1"))
-        if name == b"x-api-key":  # the anthropic SDK's way, on the proxy endpoints
+            authorization = value.decode("latin-1")
+        elif name == b"x-api-key":  # the anthropic SDK's way, on the proxy endpoints
             api_key = value.decode("latin-1")
-    return authenticator.cached_tenant(f"Bearer {api_key}") if api_key else None
+    if authorization is None and api_key is not None:
+        authorization = f"Bearer {api_key}"
+    return authenticator.triage(authorization, _client_address(scope))
+
+
+def _client_address(scope: Scope) -> str:
+    """The peer's address (behind a proxy, the proxy's, unless uvicorn rewrites it)."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
 
 
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
@@ -59,10 +72,15 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         limiter = await Limiter.connect(database, settings)
-        admin = AdminService(limiter.store, deadline_seconds=limiter.deadline_seconds)
+        admin = AdminService(
+            limiter.store,
+            deadline_seconds=limiter.deadline_seconds,
+            report_deadline_seconds=settings.statement_timeout_ms / 1000.0,
+        )
+        authenticator = Authenticator(admin.find_key, settings.admin_key, settings, limiter.metrics)
         app.state.limiter = limiter
         app.state.admin = admin
-        app.state.authenticator = Authenticator(admin.find_key, settings.admin_key)
+        app.state.authenticator = authenticator
         app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
         try:
             yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
@@ -70,6 +88,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
             try:
                 await app.state.proxy.close()  # streams still running settle first
             finally:
+                await authenticator.close()
                 await limiter.close()
 
     app = FastAPI(
@@ -78,21 +97,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         version="0.1.0",
         lifespan=lifespan,
     )
-    app.state.metrics_token = settings.metrics_token
-    app.add_middleware(
-        RequestLimits,
-        max_body_bytes=settings.max_body_bytes,
-        max_head_bytes=settings.max_header_bytes,
-        read_timeout_seconds=settings.body_read_timeout_seconds,
-    )
-    app.add_middleware(
-        TenantFairShare,
-        tenant_of=_tenant_of,
-        max_in_progress=settings.tenant_max_in_progress,
-        max_waiting=settings.tenant_max_waiting,
-    )
-    # Added last, so outermost: every answer and every error below has its id.
-    app.add_middleware(RequestIds)
+    _add_middlewares(app, settings)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(
@@ -104,6 +109,27 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         )
     )
     return app
+
+
+def _add_middlewares(app: FastAPI, settings: Settings) -> None:
+    """The request limits, the fair share and request ids, innermost first."""
+    app.state.metrics_token = settings.metrics_token
+    app.add_middleware(
+        RequestLimits,
+        max_body_bytes=settings.max_body_bytes,
+        max_head_bytes=settings.max_header_bytes,
+        read_timeout_seconds=settings.body_read_timeout_seconds,
+    )
+    app.add_middleware(
+        TenantFairShare,
+        triage=_triage,
+        max_in_progress=settings.tenant_max_in_progress,
+        max_waiting=settings.tenant_max_waiting,
+        unknown_max_in_progress=settings.unknown_key_max_in_progress,
+        unknown_max_waiting=settings.unknown_key_max_waiting,
+    )
+    # Added last, so outermost: every answer and every error below has its id.
+    app.add_middleware(RequestIds)
 
 
 def create_app_from_env() -> FastAPI:

@@ -1,24 +1,46 @@
-"""Authentication: bearer tokens to callers, digests compared in constant time.
+"""Authentication: bearer tokens to callers, without the database on the hot path.
 
 Keys are made and digested in llmquota.domain.keys; whose a key is, the
-admin service answers (the lookup passed in). Lookups are cached per worker
-for a short time, so authentication does not add a round trip to every admit.
+admin service answers (the lookup passed in, bounded by its deadline). What
+a worker learns is remembered (keycache.py): known keys serve from memory,
+are refreshed in the background while in use, and keep working through an
+outage for the policy cache's stale window, so that the failure modes hold
+for authenticated requests too; unknown digests are answered 401 from
+memory for a few seconds. Failed authentications are budgeted per client
+address (failures.py), so a flood of wrong keys is refused with 429 before
+any database work.
+
+`triage` runs in the fair-share middleware before anything is read, with no
+I/O, for the endpoints that take an API key: it puts a request in its
+tenant's lane, in the one lane of keys the worker does not know yet (each of
+which needs a lookup), or refuses it (no key, a key known to be wrong, a
+client out of its budget).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from llmquota.api.failures import FailureBudget
+from llmquota.api.keycache import KeyCache
+from llmquota.config import Settings
+from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.keys import KeyOwner, key_digest
+from llmquota.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 # Whose key has a digest: AdminService.find_key in the app.
 KeyLookup = Callable[[bytes], Awaitable[KeyOwner | None]]
 
-KEY_CACHE_SECONDS = 30.0
-KEY_CACHE_MAX_ENTRIES = 10_000
+# The fair-share lane of requests whose key this worker does not know yet; no
+# tenant can have this name (tenant names match NAME_PATTERN, without spaces).
+UNKNOWN_KEYS_LANE = " unknown keys"
 
 
 class AuthenticationFailed(Exception):
@@ -27,6 +49,17 @@ class AuthenticationFailed(Exception):
 
 class Forbidden(Exception):
     """A valid key acting outside its tenant."""
+
+
+class TooManyFailedAuthentications(Exception):
+    """This client address failed to authenticate too often lately; retry later."""
+
+    def __init__(self, retry_after_ms: int) -> None:
+        super().__init__(
+            "too many requests with missing or invalid API keys from this address; "
+            f"retry in {retry_after_ms / 1000:.3f}s"
+        )
+        self.retry_after_ms = retry_after_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +86,17 @@ class Caller:
         return self.tenant
 
 
+@dataclass(frozen=True, slots=True)
+class Triage:
+    """Where a request waits before it is served, or why it is refused at once.
+
+    `lane` None: not gated (admin keys, endpoints that take no API key).
+    """
+
+    lane: str | None = None
+    refusal: AuthenticationFailed | TooManyFailedAuthentications | None = None
+
+
 def bearer_token(authorization: str | None) -> str:
     """The token of an `Authorization: Bearer ...` header."""
     if not authorization:
@@ -63,43 +107,154 @@ def bearer_token(authorization: str | None) -> str:
     return token.strip()
 
 
-class Authenticator:
-    """Resolves bearer tokens to callers, with a small per-worker cache."""
+def _digest(authorization: str | None) -> bytes | None:
+    """The digest of the header's key; None when there is no well-formed one."""
+    try:
+        return key_digest(bearer_token(authorization))
+    except AuthenticationFailed:
+        return None
 
-    def __init__(self, lookup: KeyLookup, admin_key: str | None) -> None:
+
+class Authenticator:
+    """Resolves bearer tokens to callers, remembering what it learns per worker."""
+
+    def __init__(
+        self,
+        lookup: KeyLookup,
+        admin_key: str | None,
+        settings: Settings,
+        metrics: Metrics | None = None,
+    ) -> None:
         self._lookup = lookup
         self._admin_digest = key_digest(admin_key) if admin_key else None
-        self._cache: dict[bytes, tuple[float, Caller]] = {}
+        self._keys = KeyCache(
+            settings.key_cache_refresh_seconds,
+            settings.policy_cache_max_stale_seconds,
+            settings.key_negative_cache_seconds,
+        )
+        self._failures = FailureBudget(
+            settings.auth_failures_per_second, settings.auth_failure_burst
+        )
+        self._metrics = metrics or Metrics()
+        # One lookup per digest at a time, however many requests carry it.
+        self._first_lookups: dict[bytes, asyncio.Task[KeyOwner | None]] = {}
+        self._refreshes: set[asyncio.Task[None]] = set()
 
-    def cached_tenant(self, authorization: str | None) -> str | None:
-        """The tenant of a key this worker has seen lately; None for admins and unknowns.
-
-        No database round trip: used to put a request in its tenant's queue
-        before anything else is done with it.
-        """
-        try:
-            digest = key_digest(bearer_token(authorization))
-        except AuthenticationFailed:
-            return None
-        cached = self._cache.get(digest)
-        if cached is None or cached[0] <= time.monotonic():
-            return None
-        return cached[1].tenant
-
-    async def caller(self, authorization: str | None) -> Caller:
-        """The caller for a header, or AuthenticationFailed."""
-        digest = key_digest(bearer_token(authorization))
-        if self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest):
-            return Caller(tenant=None)
-        cached = self._cache.get(digest)
+    def triage(self, authorization: str | None, client: str) -> Triage:
+        """The lane of a request to an endpoint that takes an API key, or its
+        refusal, from memory alone."""
         now = time.monotonic()
-        if cached is not None and cached[0] > now:
-            return cached[1]
-        found = await self._lookup(digest)
-        if found is None:
+        digest = _digest(authorization)
+        if digest is not None:
+            if self._is_admin(digest):
+                return Triage()
+            owner = self._keys.known(digest, now)
+            if owner is not None:
+                return Triage(lane=owner.tenant)
+        refusal = self._refusal_from_memory(digest, client, now)
+        if refusal is not None:
+            return Triage(refusal=refusal)
+        return Triage(lane=UNKNOWN_KEYS_LANE)
+
+    async def caller(self, authorization: str | None, client: str) -> Caller:
+        """The caller for a header, or AuthenticationFailed (401),
+        TooManyFailedAuthentications (429) or StoreUnavailable (503)."""
+        now = time.monotonic()
+        digest = _digest(authorization)
+        if digest is not None:
+            if self._is_admin(digest):
+                return Caller(tenant=None)
+            owner = self._keys.known(digest, now)
+            if owner is not None:
+                if self._keys.claim_refresh(digest, now):
+                    self._start_refresh(digest)
+                return Caller(tenant=owner.tenant)
+        refusal = self._refusal_from_memory(digest, client, now)
+        if refusal is not None:
+            raise refusal
+        assert digest is not None  # a missing key is refused from memory
+        # The lookup may fail, so it is paid for first and paid back if the key
+        # exists; a lookup the store does not answer stays paid, so that a flood
+        # of new keys during an outage cannot keep the pool waiting on the deadline.
+        retry_after_ms = self._failures.spend(client, now)
+        if retry_after_ms is not None:
+            self._metrics.auth_refusals.labels("throttled").inc()
+            raise TooManyFailedAuthentications(retry_after_ms)
+        owner = await self._first_lookup(digest)
+        now = time.monotonic()
+        if owner is None:
+            self._keys.refuse(digest, now)
+            self._metrics.auth_refusals.labels("unknown_key").inc()
             raise AuthenticationFailed
-        caller = Caller(tenant=found.tenant)
-        if len(self._cache) >= KEY_CACHE_MAX_ENTRIES:
-            self._cache.clear()
-        self._cache[digest] = (now + KEY_CACHE_SECONDS, caller)
-        return caller
+        self._failures.refund(client, now)
+        self._keys.confirm(digest, owner, now)
+        return Caller(tenant=owner.tenant)
+
+    async def close(self) -> None:
+        """Stop the lookups still running."""
+        tasks = [*self._refreshes, *self._first_lookups.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+    def _is_admin(self, digest: bytes) -> bool:
+        return self._admin_digest is not None and hmac.compare_digest(digest, self._admin_digest)
+
+    def _refusal_from_memory(
+        self, digest: bytes | None, client: str, now: float
+    ) -> AuthenticationFailed | TooManyFailedAuthentications | None:
+        """The refusal of a key the worker cannot vouch for, if memory alone decides it."""
+        retry_after_ms = self._failures.retry_after_ms(client, now)
+        if retry_after_ms is not None:
+            self._metrics.auth_refusals.labels("throttled").inc()
+            return TooManyFailedAuthentications(retry_after_ms)
+        if digest is None or self._keys.refused(digest, now):
+            # The budget had room (checked above): the failure is taken from it.
+            self._failures.spend(client, now)
+            self._metrics.auth_refusals.labels("missing" if digest is None else "unknown_key").inc()
+            return AuthenticationFailed()
+        return None
+
+    async def _first_lookup(self, digest: bytes) -> KeyOwner | None:
+        task = self._first_lookups.get(digest)
+        if task is None:
+            task = asyncio.ensure_future(self._counted_lookup(digest, "first"))
+            self._first_lookups[digest] = task
+            task.add_done_callback(lambda done: self._lookup_done(digest, done))
+        # Shielded: one caller giving up must not cancel the others' lookup.
+        return await asyncio.shield(task)
+
+    def _lookup_done(self, digest: bytes, task: asyncio.Task[KeyOwner | None]) -> None:
+        self._first_lookups.pop(digest, None)
+        if not task.cancelled():
+            # Retrieved here, so that a lookup whose callers all left logs nothing.
+            task.exception()
+
+    def _start_refresh(self, digest: bytes) -> None:
+        task = asyncio.ensure_future(self._refresh(digest))
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshes.discard)
+
+    async def _refresh(self, digest: bytes) -> None:
+        """Look a known key up again; meanwhile (and if the store is away) it serves as known."""
+        try:
+            owner = await self._counted_lookup(digest, "refresh")
+        except StoreUnavailable:
+            return
+        except Exception:
+            log.warning("refreshing a cached API key failed", exc_info=True)
+            return
+        if owner is None:
+            self._keys.refuse(digest, time.monotonic())
+        else:
+            self._keys.confirm(digest, owner, time.monotonic())
+
+    async def _counted_lookup(self, digest: bytes, purpose: str) -> KeyOwner | None:
+        try:
+            owner = await self._lookup(digest)
+        except StoreUnavailable:
+            self._metrics.key_lookups.labels(purpose, "unavailable").inc()
+            raise
+        self._metrics.key_lookups.labels(purpose, "absent" if owner is None else "found").inc()
+        return owner

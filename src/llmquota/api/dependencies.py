@@ -22,12 +22,13 @@ from llmquota.domain.policy import NAME_PATTERN
 _ERROR_DESCRIPTIONS = {
     400: "the body could not be parsed at all",
     401: "missing or invalid API key",
+    429: "a limit has no room now (or too many failed authentications from this "
+    "address); retry after retry_after_ms",
     403: "the key may not act on this tenant or endpoint",
     404: "no such tenant or reservation (another tenant's looks the same)",
     409: "the reservation's state does not allow this",
     413: "the body is over the size limit, or the reservation can never fit",
     422: "invalid request: wrong types, out-of-range numbers, malformed JSON",
-    429: "a limit has no room now; retry after retry_after_ms",
     503: "limiter_unavailable: the database did not answer in time; retryable",
 }
 
@@ -50,7 +51,8 @@ def get_admin(request: Request) -> AdminService:
 async def get_caller(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Caller:
-    caller: Caller = await request.app.state.authenticator.caller(authorization)
+    client = request.client.host if request.client else ""
+    caller: Caller = await request.app.state.authenticator.caller(authorization, client)
     return caller
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar, Token
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +29,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from llmquota.api.auth import AuthenticationFailed, Forbidden
+from llmquota.api.auth import AuthenticationFailed, Forbidden, TooManyFailedAuthentications
 from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -38,6 +39,7 @@ from llmquota.domain.errors import (
     StoreUnavailable,
     UnknownTenant,
 )
+from llmquota.domain.refusals import ceil_seconds
 
 log = logging.getLogger("llmquota.api")
 
@@ -89,7 +91,10 @@ async def send_error(
     **fields: Any,
 ) -> None:
     """An error answer from a raw ASGI middleware, before any route runs."""
-    body = json.dumps(error_body(error_type, **fields)).encode()
+    # Byte for byte what a JSONResponse renders, so no answer tells which layer refused it.
+    body = json.dumps(
+        error_body(error_type, **fields), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+    ).encode()
     await send(
         {
             "type": "http.response.start",
@@ -102,6 +107,48 @@ async def send_error(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+@dataclass(frozen=True, slots=True)
+class AuthRefusal:
+    """A refusal at authentication, the same from a route and from the fair-share middleware."""
+
+    status: int
+    error_type: str
+    headers: dict[str, str]
+    fields: dict[str, Any]
+
+
+def auth_refusal(exc: AuthenticationFailed | TooManyFailedAuthentications) -> AuthRefusal:
+    """How a refused authentication reads: 401 with no hint, or 429 for a throttled client."""
+    if isinstance(exc, TooManyFailedAuthentications):
+        ms = exc.retry_after_ms
+        return AuthRefusal(
+            429,
+            "rate_limit_error",
+            {"Retry-After": str(ceil_seconds(ms)), "retry-after-ms": str(ms)},
+            {
+                "message": str(exc),
+                "limit": "authentication_failures",
+                "scope": "client",
+                "retry_after_ms": ms,
+            },
+        )
+    return AuthRefusal(
+        401,
+        "authentication_error",
+        {"WWW-Authenticate": "Bearer"},
+        {"message": "missing or invalid API key"},
+    )
+
+
+async def send_auth_refusal(
+    send: Send, exc: AuthenticationFailed | TooManyFailedAuthentications
+) -> None:
+    """A refused authentication from a raw ASGI middleware, before any route runs."""
+    refusal = auth_refusal(exc)
+    headers = [(k.lower().encode(), v.encode()) for k, v in refusal.headers.items()]
+    await send_error(send, refusal.status, refusal.error_type, headers=headers, **refusal.fields)
 
 
 # The typed errors whose message is the whole answer: (error, status, error type).
@@ -174,12 +221,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
         app.add_exception_handler(exc_type, handler)
 
-    async def unauthenticated(_request: Request, _exc: Exception) -> JSONResponse:
+    async def unauthenticated(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, AuthenticationFailed | TooManyFailedAuthentications)
+        refusal = auth_refusal(exc)
         return error_response(
-            401,
-            "authentication_error",
-            message="missing or invalid API key",
-            headers={"WWW-Authenticate": "Bearer"},
+            refusal.status, refusal.error_type, headers=refusal.headers, **refusal.fields
         )
 
     async def unavailable(_request: Request, exc: Exception) -> JSONResponse:
@@ -206,6 +252,7 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
     app.add_exception_handler(AuthenticationFailed, unauthenticated)
+    app.add_exception_handler(TooManyFailedAuthentications, unauthenticated)
     app.add_exception_handler(StoreUnavailable, unavailable)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -8,10 +8,19 @@ their turn in that tenant's own queue (costing a coroutine, not CPU), and
 past `max_waiting` they are refused at once with 429, before their body is
 read. Other tenants' requests never wait behind that queue.
 
-The tenant is known before anything is parsed: the bearer key's digest is
-looked up in the authenticator's per-worker cache (a key not seen yet passes
-through once, and its lookup fills the cache). Admin requests are not gated.
-A proxied request gives its permit back once admitted (RELEASE_EARLY).
+The lane is known before anything is parsed, from the authenticator's
+memory (Authenticator.triage, no I/O): a known key's tenant; the one lane of
+keys this worker does not know yet, each of which costs a database lookup,
+with its own small limits (`unknown_max_in_progress`, `unknown_max_waiting`),
+so that a flood of invalid keys holds at most that many pooled connections
+and queues behind itself only; or no lane (admin keys, endpoints that take
+no API key). A request without a key, with a key the worker knows is wrong,
+or from a client address out of its failed-authentication budget is refused
+here, before its body is read; the last one's 429 is held for its retry
+hint (at most MAX_HOLD_SECONDS), so that a client hammering with wrong keys
+gets about one answer per hint per connection instead of as many as the
+worker's CPU can send. A proxied request gives its permit back once admitted
+(RELEASE_EARLY).
 """
 
 from __future__ import annotations
@@ -22,12 +31,15 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmquota.api.errors import send_error
+from llmquota.api.auth import UNKNOWN_KEYS_LANE, TooManyFailedAuthentications, Triage
+from llmquota.api.errors import send_auth_refusal, send_error
 
 TOO_MANY = 429
-# Retry hint for a request refused because its tenant's queue was full.
+# Retry hint for a request refused because its lane's queue was full.
 QUEUE_FULL_RETRY_MS = 100
-# Scope key of a callable giving the tenant's permit back before the response
+# Longest a refusal for too many failed authentications is held before it is sent.
+MAX_HOLD_SECONDS = 1.0
+# Scope key of a callable giving the lane's permit back before the response
 # ends: a proxied request calls it once admitted, so that a long provider call
 # is bounded by the tenant's max_in_flight, not by this worker's gate.
 RELEASE_EARLY = "llmquota.fair_share.release"
@@ -35,7 +47,7 @@ RELEASE_EARLY = "llmquota.fair_share.release"
 
 @dataclass
 class _Gate:
-    """One tenant's share of this worker."""
+    """One lane's share of this worker."""
 
     permits: asyncio.Semaphore
     waiting: int = 0
@@ -43,31 +55,47 @@ class _Gate:
 
 
 class TenantFairShare:
-    """ASGI middleware bounding each tenant's concurrent requests per worker."""
+    """ASGI middleware bounding each lane's concurrent requests per worker."""
 
     def __init__(
         self,
         app: ASGIApp,
-        tenant_of: Callable[[Scope], str | None],
+        *,
+        triage: Callable[[Scope], Triage],
         max_in_progress: int,
         max_waiting: int,
+        unknown_max_in_progress: int,
+        unknown_max_waiting: int,
     ) -> None:
         self.app = app
-        self.tenant_of = tenant_of
+        self.triage = triage
         self.max_in_progress = max_in_progress
         self.max_waiting = max_waiting
+        self.unknown_max_in_progress = unknown_max_in_progress
+        self.unknown_max_waiting = unknown_max_waiting
         self._gates: dict[str, _Gate] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        tenant = self.tenant_of(scope) if scope["type"] == "http" else None
-        if tenant is None:
+        triage = self.triage(scope) if scope["type"] == "http" else Triage()
+        if triage.refusal is not None:
+            if isinstance(triage.refusal, TooManyFailedAuthentications):
+                # Held for its retry hint (a sleeping coroutine, no CPU): a client
+                # that retries at once cannot spin the worker on refusals.
+                await asyncio.sleep(min(triage.refusal.retry_after_ms / 1000, MAX_HOLD_SECONDS))
+            await send_auth_refusal(send, triage.refusal)
+            return
+        lane = triage.lane
+        if lane is None:
             await self.app(scope, receive, send)
             return
-        gate = self._gates.get(tenant)
+        unknown = lane == UNKNOWN_KEYS_LANE
+        max_waiting = self.unknown_max_waiting if unknown else self.max_waiting
+        gate = self._gates.get(lane)
         if gate is None:
-            gate = self._gates[tenant] = _Gate(asyncio.Semaphore(self.max_in_progress))
-        if gate.permits.locked() and gate.waiting >= self.max_waiting:
-            await _refuse(send, self.max_waiting)
+            permits = self.unknown_max_in_progress if unknown else self.max_in_progress
+            gate = self._gates[lane] = _Gate(asyncio.Semaphore(permits))
+        if gate.permits.locked() and gate.waiting >= max_waiting:
+            await _refuse(send, max_waiting, unknown)
             return
         gate.users += 1
         gate.waiting += 1
@@ -89,15 +117,26 @@ class TenantFairShare:
             release_early()
             gate.users -= 1
             if gate.users == 0:
-                # Idle tenants take no memory: the map holds only busy ones.
-                self._gates.pop(tenant, None)
+                # Idle lanes take no memory: the map holds only busy ones.
+                self._gates.pop(lane, None)
 
-    def waiting(self, tenant: str) -> int:
-        gate = self._gates.get(tenant)
+    def waiting(self, lane: str) -> int:
+        gate = self._gates.get(lane)
         return 0 if gate is None else gate.waiting
 
 
-async def _refuse(send: Send, max_waiting: int) -> None:
+async def _refuse(send: Send, max_waiting: int, unknown: bool) -> None:
+    if unknown:
+        scope = "unknown_keys"
+        message = (
+            f"{max_waiting} requests with keys this worker has not seen yet are already "
+            "queued; retry shortly"
+        )
+    else:
+        scope = "tenant"
+        message = (
+            f"this tenant already has {max_waiting} requests queued on this worker; retry shortly"
+        )
     await send_error(
         send,
         TOO_MANY,
@@ -107,8 +146,7 @@ async def _refuse(send: Send, max_waiting: int) -> None:
             (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),
         ],
         limit="concurrency",
-        scope="tenant",
-        message=f"this tenant already has {max_waiting} requests queued on this "
-        "worker; retry shortly",
+        scope=scope,
+        message=message,
         retry_after_ms=QUEUE_FULL_RETRY_MS,
     )

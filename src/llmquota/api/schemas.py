@@ -163,16 +163,31 @@ class KeyResponse(BaseModel):
 
 
 class LayerStatusResponse(BaseModel):
-    """One layer in GET /v1/tenants/{tenant}/status."""
+    """One layer in GET /v1/tenants/{tenant}/status.
+
+    A tenant key sees its own layers in full; of a layer it shares with other
+    tenants (global) only whether it binds now and the retry hint: its limits,
+    balances and in-flight count (other customers' traffic) are null. The
+    admin key sees every figure.
+    """
 
     scope: Literal["global", "tenant", "route"]
     route: str | None
-    limits: PolicyResponse
+    limits: PolicyResponse | None = Field(
+        description="null for a shared layer seen with a tenant key"
+    )
     remaining_tokens: int | None
     remaining_requests: int | None
-    in_flight: int
+    in_flight: int | None = Field(description="null for a shared layer seen with a tenant key")
     tokens_full_in_seconds: float | None
     requests_full_in_seconds: float | None
+    binding: bool = Field(
+        description="whether this layer would refuse a minimal request (one token, one "
+        "request, one permit) now"
+    )
+    retry_after_ms: int | None = Field(
+        description="when binding, the wait until it would admit one; else null"
+    )
 
 
 class StatusResponse(BaseModel):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from llmquota.domain.records import AdmitDecision
+from llmquota.domain.records import AdmitDecision, LayerStatus
 
 
 def refusal_message(tenant: str, d: AdmitDecision) -> str:
@@ -38,6 +38,28 @@ def seconds_until_full(
     if balance is None or burst is None or not per_minute:
         return None
     return max(0.0, (burst - balance) * 60.0 / per_minute)
+
+
+def binding_retry_ms(layer: LayerStatus, concurrency_retry_ms: int) -> int | None:
+    """The wait until a layer admits a minimal request (one token, one request); None
+    when it would admit one now.
+
+    A bucket short of one unit binds for its deficit over its refill rate; a
+    layer with every permit taken binds for the concurrency retry hint (when a
+    permit frees depends on its holder, not on a clock). The longest wait wins:
+    a request needs all of them.
+    """
+    policy = layer.policy
+    waits: list[float] = []
+    for balance, per_minute in (
+        (layer.tokens, policy.tokens_per_minute),
+        (layer.requests, policy.requests_per_minute),
+    ):
+        if balance is not None and per_minute and balance < 1.0:
+            waits.append((1.0 - balance) * 60_000.0 / per_minute)
+    if policy.max_in_flight is not None and layer.in_flight >= policy.max_in_flight:
+        waits.append(float(concurrency_retry_ms))
+    return max(1, math.ceil(max(waits))) if waits else None
 
 
 def ceil_seconds(milliseconds: int) -> int:

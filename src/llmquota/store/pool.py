@@ -158,4 +158,7 @@ class DeadlinePool:
             try:
                 await self._pool.release(connection, timeout=RELEASE_TIMEOUT_SECONDS)
             except (*UNAVAILABLE, DatabaseError):
-                connection.terminate()
+                # A release that timed out has handed the connection back (cut)
+                # already; then there is nothing left to terminate.
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    connection.terminate()

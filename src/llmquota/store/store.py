@@ -261,9 +261,9 @@ class Store:
         )
         return [bool(row["recorded"]) for row in rows]
 
-    async def audit(self) -> list[AuditFinding]:
+    async def audit(self, *, deadline_seconds: float | None = None) -> list[AuditFinding]:
         """Every drift between counters and journal; empty when the books agree."""
-        rows = await self._fetch("audit")
+        rows = await self._fetch("audit", deadline_seconds=deadline_seconds)
         return [
             AuditFinding(
                 check_name=row["check_name"],
@@ -274,9 +274,9 @@ class Store:
             for row in rows
         ]
 
-    async def audit_summary(self) -> AuditSummary:
+    async def audit_summary(self, *, deadline_seconds: float | None = None) -> AuditSummary:
         """Counts of what the journal holds."""
-        row = (await self._fetch("audit_summary"))[0]
+        row = (await self._fetch("audit_summary", deadline_seconds=deadline_seconds))[0]
         return AuditSummary(
             active=int(row["active"]),
             reserved_tokens=int(row["reserved_tokens"]),
@@ -286,7 +286,13 @@ class Store:
         )
 
     async def put_policy(
-        self, scope: Scope, tenant: str | None, route: str | None, policy: Policy
+        self,
+        scope: Scope,
+        tenant: str | None,
+        route: str | None,
+        policy: Policy,
+        *,
+        deadline_seconds: float | None = None,
     ) -> int:
         """Create or replace a layer's policy; returns its policy version."""
         p = policy.resolved()
@@ -302,47 +308,68 @@ class Store:
             p.max_in_flight,
             p.lease_seconds,
             p.failure_mode,
+            deadline_seconds=deadline_seconds,
         )
         return int(rows[0]["policy_version"])
 
     async def get_policy(
-        self, scope: Scope, tenant: str | None, route: str | None
+        self,
+        scope: Scope,
+        tenant: str | None,
+        route: str | None,
+        *,
+        deadline_seconds: float | None = None,
     ) -> tuple[Policy, int] | None:
         """A layer's policy and version, or None when the layer has none."""
-        rows = await self._fetch("get_policy", scope, tenant, route)
+        rows = await self._fetch(
+            "get_policy", scope, tenant, route, deadline_seconds=deadline_seconds
+        )
         if not rows:
             return None
         row = rows[0]
         return _policy_from_row(row), int(row["policy_version"])
 
-    async def ensure_tenant(self, tenant: str) -> None:
+    async def ensure_tenant(self, tenant: str, *, deadline_seconds: float | None = None) -> None:
         """Register a tenant if it is new."""
-        await self._fetch("ensure_tenant", tenant)
+        await self._fetch("ensure_tenant", tenant, deadline_seconds=deadline_seconds)
 
-    async def tenant_exists(self, tenant: str) -> bool:
+    async def tenant_exists(self, tenant: str, *, deadline_seconds: float | None = None) -> bool:
         """Whether a tenant is registered."""
-        rows = await self._fetch("tenant_exists", tenant)
+        rows = await self._fetch("tenant_exists", tenant, deadline_seconds=deadline_seconds)
         return bool(rows[0][0])
 
-    async def insert_api_key(self, key_hash: bytes, tenant: str | None) -> int:
+    async def insert_api_key(
+        self, key_hash: bytes, tenant: str | None, *, deadline_seconds: float | None = None
+    ) -> int:
         """Store a key digest; returns the key id."""
-        rows = await self._fetch("insert_api_key", key_hash, tenant)
+        rows = await self._fetch(
+            "insert_api_key", key_hash, tenant, deadline_seconds=deadline_seconds
+        )
         return int(rows[0]["key_id"])
 
-    async def insert_first_admin_key(self, key_hash: bytes) -> bool:
+    async def insert_first_admin_key(
+        self, key_hash: bytes, *, deadline_seconds: float | None = None
+    ) -> bool:
         """Store an admin key digest unless one exists; True if stored."""
-        return bool(await self._fetch("insert_first_admin_key", key_hash))
+        rows = await self._fetch(
+            "insert_first_admin_key", key_hash, deadline_seconds=deadline_seconds
+        )
+        return bool(rows)
 
-    async def find_api_key(self, key_hash: bytes) -> tuple[int, str | None] | None:
+    async def find_api_key(
+        self, key_hash: bytes, *, deadline_seconds: float | None = None
+    ) -> tuple[int, str | None] | None:
         """(key id, tenant or None for admin) for a key digest, or None."""
-        rows = await self._fetch("find_api_key", key_hash)
+        rows = await self._fetch("find_api_key", key_hash, deadline_seconds=deadline_seconds)
         if not rows:
             return None
         return int(rows[0]["key_id"]), rows[0]["tenant"]
 
-    async def layer_status(self, tenant: str) -> list[LayerStatus]:
+    async def layer_status(
+        self, tenant: str, *, deadline_seconds: float | None = None
+    ) -> list[LayerStatus]:
         """The global layer and the tenant's layers, refilled to now."""
-        rows = await self._fetch("layer_status", tenant)
+        rows = await self._fetch("layer_status", tenant, deadline_seconds=deadline_seconds)
         return [
             LayerStatus(
                 scope=row["scope"],
@@ -357,18 +384,32 @@ class Store:
             for row in rows
         ]
 
-    async def tenant_usage(self, tenant: str, start: datetime, end: datetime) -> UsageTotals:
+    async def tenant_usage(
+        self,
+        tenant: str,
+        start: datetime,
+        end: datetime,
+        *,
+        deadline_seconds: float | None = None,
+    ) -> UsageTotals:
         """Ledger totals for a tenant over [start, end)."""
-        row = (await self._fetch("tenant_usage", tenant, start, end))[0]
+        rows = await self._fetch(
+            "tenant_usage", tenant, start, end, deadline_seconds=deadline_seconds
+        )
+        row = rows[0]
         return UsageTotals(
             requests=int(row["requests"]),
             input_tokens=int(row["input_tokens"]),
             output_tokens=int(row["output_tokens"]),
         )
 
-    async def ensure_ledger_partitions(self, months_ahead: int) -> dict[str, str]:
+    async def ensure_ledger_partitions(
+        self, months_ahead: int, *, deadline_seconds: float | None = None
+    ) -> dict[str, str]:
         """Make the ledger's monthly partitions exist; {partition: status}."""
-        rows = await self._fetch("ensure_ledger_partitions", months_ahead)
+        rows = await self._fetch(
+            "ensure_ledger_partitions", months_ahead, deadline_seconds=deadline_seconds
+        )
         return {row["partition_name"]: row["status"] for row in rows}
 
     async def purge_finished(

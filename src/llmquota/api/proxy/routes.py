@@ -19,7 +19,11 @@ import httpx
 from fastapi import APIRouter, Request, Response
 
 from llmquota.admission.limiter import Limiter
-from llmquota.api.auth import AuthenticationFailed, Authenticator
+from llmquota.api.auth import (
+    AuthenticationFailed,
+    Authenticator,
+    TooManyFailedAuthentications,
+)
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics
@@ -77,10 +81,22 @@ async def _tenant(kind: Kind, request: Request) -> str | Response:
     if api_key and not (authorization or "").lower().startswith("bearer "):
         authorization = f"Bearer {api_key}"
     authenticator: Authenticator = request.app.state.authenticator
+    client = request.client.host if request.client else ""
     try:
-        caller = await authenticator.caller(authorization)
+        caller = await authenticator.caller(authorization, client)
     except AuthenticationFailed:
         return error_response(kind, 401, "missing or invalid llmquota API key")
+    except TooManyFailedAuthentications as exc:
+        retry_ms = str(exc.retry_after_ms)
+        return error_response(
+            kind,
+            429,
+            str(exc),
+            headers={
+                "retry-after": str(-(-exc.retry_after_ms // 1000)),
+                "retry-after-ms": retry_ms,
+            },
+        )
     if caller.tenant is None:
         return error_response(kind, 403, "the admin key cannot call providers: use a tenant's key")
     return caller.tenant

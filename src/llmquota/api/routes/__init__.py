@@ -13,8 +13,9 @@ from fastapi import APIRouter
 from llmquota.api.dependencies import error_responses
 from llmquota.api.routes import admission, operations, policies, tenants
 
-# Every endpoint may answer these: parsing, authentication, body size, validation, outage.
-router = APIRouter(responses=error_responses(400, 401, 403, 404, 413, 422, 503))
+# Every endpoint may answer these: parsing, authentication (429: a client out of its
+# failed-authentication budget, or a full fair-share queue), body size, validation, outage.
+router = APIRouter(responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503))
 # The order of the OpenAPI document's paths.
 for _group in (operations, admission, policies, tenants):
     router.include_router(_group.router)

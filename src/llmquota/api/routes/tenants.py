@@ -3,6 +3,11 @@
 An operator issues keys; a tenant (or the admin) reads its own status and
 usage. The admin service answers; these routes only parse the query and
 render its records, so the REST bodies stay what clients parse.
+
+A tenant sees only its own figures: of a layer shared with other tenants
+(the global one) its status says whether that layer binds it now and when to
+retry, never the layer's limits, balances or in-flight count, which describe
+other customers' traffic.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from llmquota.api.dependencies import AdminDep, CallerDep, TenantName
+from llmquota.api.auth import Caller
+from llmquota.api.dependencies import AdminDep, CallerDep, LimiterDep, TenantName
 from llmquota.api.routes.policies import policy_response
 from llmquota.api.schemas import KeyResponse, LayerStatusResponse, StatusResponse, UsageResponse
 from llmquota.domain.records import LayerStatus
-from llmquota.domain.refusals import seconds_until_full
+from llmquota.domain.refusals import binding_retry_ms, seconds_until_full
 
 router = APIRouter(tags=["tenants"])
 # The usage range when the query names none.
@@ -34,14 +40,38 @@ async def create_key(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> 
 
 
 @router.get("/v1/tenants/{tenant}/status", response_model=StatusResponse)
-async def tenant_status(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> StatusResponse:
-    """Every layer the tenant's requests pass, with balances refilled to now."""
+async def tenant_status(
+    tenant: TenantName, caller: CallerDep, admin: AdminDep, limiter: LimiterDep
+) -> StatusResponse:
+    """Every layer the tenant's requests pass, with balances refilled to now.
+
+    With a tenant key, a shared layer (global) shows only `binding` and
+    `retry_after_ms`.
+    """
     caller.require_tenant(tenant)
     layers = await admin.tenant_status(tenant)
-    return StatusResponse(tenant=tenant, layers=[_layer_status(layer) for layer in layers])
+    retry_ms = limiter.settings.concurrency_retry_ms
+    return StatusResponse(
+        tenant=tenant, layers=[_layer_status(layer, caller, retry_ms) for layer in layers]
+    )
 
 
-def _layer_status(layer: LayerStatus) -> LayerStatusResponse:
+def _layer_status(layer: LayerStatus, caller: Caller, retry_ms: int) -> LayerStatusResponse:
+    retry_after_ms = binding_retry_ms(layer, retry_ms)
+    if layer.tenant is None and not caller.is_admin:
+        # Shared with other tenants: their traffic is not this caller's to see.
+        return LayerStatusResponse(
+            scope=layer.scope,
+            route=layer.route,
+            limits=None,
+            remaining_tokens=None,
+            remaining_requests=None,
+            in_flight=None,
+            tokens_full_in_seconds=None,
+            requests_full_in_seconds=None,
+            binding=retry_after_ms is not None,
+            retry_after_ms=retry_after_ms,
+        )
     return LayerStatusResponse(
         scope=layer.scope,
         route=layer.route,
@@ -55,6 +85,8 @@ def _layer_status(layer: LayerStatus) -> LayerStatusResponse:
         requests_full_in_seconds=seconds_until_full(
             layer.requests, layer.policy.request_burst, layer.policy.requests_per_minute
         ),
+        binding=retry_after_ms is not None,
+        retry_after_ms=retry_after_ms,
     )
 
 

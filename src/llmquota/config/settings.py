@@ -15,7 +15,6 @@ a Settings and pass it down.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Annotated, Literal, Self
 
 from pydantic import Field, SecretStr, model_validator
@@ -137,6 +136,47 @@ class Settings(BaseSettings):
         ge=0,
         le=1_000_000,
         description="requests of one tenant queued per worker before 429",
+    )
+    key_cache_refresh_seconds: float = Field(
+        default=30.0,
+        gt=0.0,
+        le=3_600.0,
+        description="a cached API key used when older than this is looked up again in the "
+        "background while the cached answer still serves; during an outage a known key "
+        "keeps working for POLICY_CACHE_MAX_STALE_SECONDS",
+    )
+    key_negative_cache_seconds: float = Field(
+        default=5.0,
+        ge=0.0,
+        le=3_600.0,
+        description="how long a worker remembers (by digest) that a key does not exist, "
+        "answering 401 without a database lookup; 0 turns it off",
+    )
+    auth_failures_per_second: float = Field(
+        default=20.0,
+        gt=0.0,
+        le=100_000.0,
+        description="failed authentications one client address may make per second per "
+        "worker (refill of its bucket); past the burst, 429 without database work",
+    )
+    auth_failure_burst: int = Field(
+        default=40,
+        ge=1,
+        le=1_000_000,
+        description="failed authentications one client address may make at once per worker",
+    )
+    unknown_key_max_in_progress: int = Field(
+        default=4,
+        ge=1,
+        le=10_000,
+        description="requests with keys a worker does not know yet (each needing a database "
+        "lookup) it serves at once, all clients together; the rest queue",
+    )
+    unknown_key_max_waiting: int = Field(
+        default=64,
+        ge=0,
+        le=1_000_000,
+        description="requests with keys a worker does not know yet queued per worker before 429",
     )
     batching: bool = Field(
         default=True,
@@ -303,138 +343,3 @@ def export_for_workers(database_url: str) -> None:
     own `Settings` from the environment they inherit.
     """
     os.environ[DATABASE_URL_ENV] = database_url
-
-
-@dataclass(frozen=True, slots=True)
-class CommandDefault:
-    """A flag of one command and the LLMQUOTA_* variable it falls back to.
-
-    `default` (a string, as it would be typed) applies when neither the flag
-    nor the variable is given. With `via_settings` the variable is a
-    `Settings` field: the flag's own default is None, and the setting (whose
-    default --help shows) applies.
-    """
-
-    command: str
-    flag: str
-    env: str
-    help: str = ""
-    default: str | None = None
-    env_note: str = ""
-    via_settings: bool = False
-
-    @property
-    def variable(self) -> str:
-        """The environment variable's full name."""
-        return f"{ENV_PREFIX}{self.env}"
-
-    @property
-    def help_text(self) -> str:
-        """The flag's --help: what it is, then the variable it falls back to."""
-        note = self.env_note
-        if self.via_settings:
-            note += f" (default {Settings.model_fields[self.env.lower()].default})"
-        named = f"env {self.variable}{note}"
-        return f"{self.help}; {named}" if self.help else named
-
-    def value(self) -> str | None:
-        """The variable's value (even empty), else `default`; None via settings."""
-        if self.via_settings:
-            return None
-        return environment_value(self.variable, self.default)
-
-
-# The values of single commands, by command. The service's own settings (the
-# database, timeouts, the sweeper's batches...) are the Settings fields above.
-COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
-    CommandDefault("serve", "--host", "HOST", default="127.0.0.1"),
-    CommandDefault("serve", "--port", "PORT", default="8080"),
-    CommandDefault("serve", "--workers", "WORKERS", "uvicorn worker processes", default="1"),
-    CommandDefault(
-        "serve",
-        "--migrate",
-        "MIGRATE_ON_START",
-        "apply migrations before serving (always done on the embedded database)",
-        default="0",
-        env_note="=1",
-    ),
-    CommandDefault("serve", "--log-level", "LOG_LEVEL", default="info"),
-    CommandDefault(
-        "sweep", "--loop", "SWEEP_LOOP_SECONDS", "keep running, sweeping every SECONDS", "0"
-    ),
-    CommandDefault(
-        "sweep", "--batch-size", "SWEEP_BATCH_SIZE", "reservations per statement", via_settings=True
-    ),
-    CommandDefault(
-        "sweep", "--max-batches", "SWEEP_MAX_BATCHES", "statements per run", via_settings=True
-    ),
-    CommandDefault(
-        "sweep",
-        "--heartbeat-file",
-        "SWEEP_HEARTBEAT_FILE",
-        "write the time to PATH after each run (for healthchecks)",
-    ),
-    CommandDefault(
-        "ledger export", "--after-id", "EXPORT_AFTER_ID", "print rows after this export id", "0"
-    ),
-    CommandDefault(
-        "ledger export",
-        "--limit",
-        "EXPORT_LIMIT",
-        "print at most N rows (default: until caught up)",
-    ),
-    CommandDefault("ledger adjust", "--tenant", "ADJUST_TENANT", "tenant (must exist)"),
-    CommandDefault(
-        "ledger adjust", "--tokens", "ADJUST_TOKENS", "signed token count, e.g. 1200 or -300"
-    ),
-    CommandDefault(
-        "ledger adjust", "--reason", "ADJUST_REASON", "why (required; kept with the row)"
-    ),
-    CommandDefault(
-        "ledger adjust",
-        "--model",
-        "ADJUST_MODEL",
-        "model the tokens are priced as (default: none, unpriced)",
-    ),
-    CommandDefault("ledger adjust", "--route", "ADJUST_ROUTE", "route the tokens belong to"),
-    CommandDefault(
-        "ledger adjust",
-        "--token-type",
-        "ADJUST_TOKEN_TYPE",
-        "whether the tokens are input or output tokens",
-        "output",
-    ),
-    CommandDefault("prices set", "--model", "PRICE_MODEL", "model name, e.g. gpt-4o"),
-    CommandDefault(
-        "prices set",
-        "--input-per-million",
-        "PRICE_INPUT_PER_MILLION",
-        "USD per million input tokens, e.g. 2.50",
-    ),
-    CommandDefault(
-        "prices set",
-        "--output-per-million",
-        "PRICE_OUTPUT_PER_MILLION",
-        "USD per million output tokens, e.g. 10.00",
-    ),
-    CommandDefault(
-        "prices set",
-        "--effective-from",
-        "PRICE_EFFECTIVE_FROM",
-        "YYYY-MM-DD (midnight UTC) or an ISO time with offset (default: now)",
-    ),
-    CommandDefault("prices list", "--model", "PRICE_MODEL", "only this model"),
-    CommandDefault("prices list", "--format", "REPORT_FORMAT", "output format", "table"),
-    CommandDefault("report", "--from", "REPORT_FROM", "first day, YYYY-MM-DD (UTC)"),
-    CommandDefault("report", "--to", "REPORT_TO", "day after the last, YYYY-MM-DD (exclusive)"),
-    CommandDefault("report", "--tenant", "REPORT_TENANT", "only this tenant"),
-    CommandDefault("report", "--format", "REPORT_FORMAT", "output format", "table"),
-)
-
-
-def command_default(command: str, flag: str) -> CommandDefault:
-    """The declaration of `flag` of `command` (e.g. "ledger adjust", "--tokens")."""
-    for declared in COMMAND_DEFAULTS:
-        if declared.command == command and declared.flag == flag:
-            return declared
-    raise KeyError(f"{command} {flag} is not declared in COMMAND_DEFAULTS")

@@ -1,0 +1,34 @@
+"""Configuration in one place: the service's Settings and the commands' flag fallbacks.
+
+Every LLMQUOTA_* variable is declared here (settings.py: the service;
+commands.py: per-command flags), and settings.py is the one module that
+reads or writes the environment.
+"""
+
+from llmquota.config.commands import COMMAND_DEFAULTS, CommandDefault, command_default
+from llmquota.config.settings import (
+    DATA_DIR_ENV,
+    DATABASE_URL_ENV,
+    ENV_PREFIX,
+    MAX_BATCH_SIZE,
+    MAX_BATCH_WINDOW_SECONDS,
+    MAX_BATCHES_IN_FLIGHT,
+    Settings,
+    environment_value,
+    export_for_workers,
+)
+
+__all__ = [
+    "COMMAND_DEFAULTS",
+    "DATABASE_URL_ENV",
+    "DATA_DIR_ENV",
+    "ENV_PREFIX",
+    "MAX_BATCHES_IN_FLIGHT",
+    "MAX_BATCH_SIZE",
+    "MAX_BATCH_WINDOW_SECONDS",
+    "CommandDefault",
+    "Settings",
+    "command_default",
+    "environment_value",
+    "export_for_workers",
+]
