@@ -247,3 +247,16 @@ async def test_health_metrics_and_docs(client: httpx.AsyncClient, admin: dict[st
     assert "llmquota_decision_seconds_bucket" in metrics
     assert (await client.get("/docs")).status_code == 200
     assert "/v1/admit" in (await client.get("/openapi.json")).json()["paths"]
+
+
+async def test_usage_up_to_a_moment_near_year_one_is_answered(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    """The default 30-day window before `to` stops at year 1 instead of overflowing."""
+    await make_tenant(client, admin, "acme", tokens_per_minute=6_000)
+    usage = await client.get(
+        "/v1/tenants/acme/usage", params={"to": "0001-01-05T00:00:00Z"}, headers=admin
+    )
+    assert usage.status_code == 200, usage.text
+    assert usage.json()["requests"] == 0
+    assert usage.json()["from"].startswith("0001-01-01")

@@ -51,7 +51,7 @@ def _triage(scope: Scope) -> Triage:
             authorization = value.decode("latin-1")
         elif name == b"x-api-key":  # the anthropic SDK's way, on the proxy endpoints
             api_key = value.decode("latin-1")
-    if authorization is None and api_key is not None:
+    if api_key and not (authorization or "").lower().startswith("bearer "):
         authorization = f"Bearer {api_key}"
     return authenticator.triage(authorization, _client_address(scope))
 

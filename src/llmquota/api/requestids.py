@@ -66,7 +66,11 @@ class RequestIds:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message = {**message, "headers": [*message.get("headers", ()), header]}
+                headers = list(message.get("headers", ()))
+                # A proxied answer already carries the provider's own request id,
+                # which its SDK reads; ours is then only in the log.
+                if not any(name.lower() == HEADER for name, _ in headers):
+                    message = {**message, "headers": [*headers, header]}
             await send(message)
 
         token = bind_request_id(request_id)

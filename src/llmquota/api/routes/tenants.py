@@ -101,7 +101,7 @@ async def tenant_usage(
     """Ledger totals for [from, to); default: the last 30 days."""
     caller.require_tenant(tenant)
     end = _aware(to) if to else datetime.now(UTC)
-    start = _aware(from_) if from_ else end - timedelta(days=DEFAULT_USAGE_DAYS)
+    start = _aware(from_) if from_ else _days_before(end, DEFAULT_USAGE_DAYS)
     totals = await admin.tenant_usage(tenant, start, end)
     body = UsageResponse(
         tenant=tenant,
@@ -112,6 +112,14 @@ async def tenant_usage(
         output_tokens=totals.output_tokens,
     )
     return JSONResponse(body.model_dump(mode="json", by_alias=True))
+
+
+def _days_before(moment: datetime, days: int) -> datetime:
+    """`days` before `moment`, or the earliest datetime when that is before year 1."""
+    try:
+        return moment - timedelta(days=days)
+    except OverflowError:
+        return datetime.min.replace(tzinfo=UTC)
 
 
 def _aware(moment: datetime) -> datetime:
