@@ -105,20 +105,77 @@ AS $$
 $$;
 
 
+-- A ceiling's model list as LIKE patterns: `*` matches any run of characters,
+-- every other character only itself ('%', '_' and '\' are escaped).
+CREATE OR REPLACE FUNCTION lq_model_patterns(p_models text[])
+RETURNS text[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT coalesce(array_agg(replace(replace(replace(replace(m, '\', '\\'), '%', '\%'),
+                                              '_', '\_'), '*', '%') ORDER BY o), '{}')
+      FROM unnest(p_models) WITH ORDINALITY AS u(m, o)
+$$;
+
+
+-- The lowest balance a request of priority rank p_priority may leave in a
+-- ceiling: the shedding ladder read as floors. A step (above, admit) that does
+-- not admit the priority forbids taking utilization past `above`, that is the
+-- balance below (1 - above) * burst; the highest such floor binds. 0 when no
+-- step sheds this priority. The small-request exemption is decided apart.
+CREATE OR REPLACE FUNCTION lq_shed_floor(
+    p_burst    bigint,
+    p_above    double precision[],
+    p_admit    smallint[],
+    p_small    bigint[],
+    p_priority smallint,
+    p_cost     bigint
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT coalesce(max((1 - s.above) * p_burst), 0)
+      FROM unnest(p_above, p_admit, p_small) AS s(above, admit, small)
+     WHERE (s.admit >> p_priority) & 1 = 0              -- this step sheds the priority
+       AND (s.small IS NULL OR p_cost >= s.small)       -- and the request is not small
+$$;
+
+
 -- Decide a batch of admission requests, exactly as if they were applied one
 -- by one in array order, and debit every layer of each admitted request.
+--
+-- The layers of a request: the global layer, its tenant's, its route's (when
+-- it names one that has a policy) and every provider ceiling whose models
+-- match the model. A ceiling with a shedding ladder also refuses a request
+-- that would take it below its priority's floor (lq_shed_floor).
+--
+-- Degradation: a request may come with fallback models (p_alt_*: explicit,
+-- each with its own input count), else its route's or its tenant's (plan's)
+-- default list applies, with the requested model's input count. When
+-- p_degrade is not false and the requested model is refused, each fallback
+-- is tried in order against every layer it would touch, and the first that
+-- fits is admitted: `model` names it, `degraded` is true, and limit_kind,
+-- limit_scope, reason and ceiling describe the refusal the requested model
+-- got. With p_degrade false, alt_models lists the fallbacks that would fit.
+--
+-- Priority: the tenant layer's (its plan's; normal without one). A request
+-- may lower it (p_priorities); only with p_priority_any (an admin) may it
+-- raise it.
 --
 -- status per request:
 --   admitted             reserved; reservation_id and lease_expires_at are set
 --   replayed             idempotency_key seen before with the same request_hash
 --   idempotency_conflict idempotency_key seen before with another request
---   rate_limited         some layer lacks tokens, requests or permits: limit_kind,
---                        limit_scope and retry_after_ms name the longest wait
+--   rate_limited         some layer lacks tokens, requests or permits, or a
+--                        ceiling sheds this priority: limit_kind, limit_scope,
+--                        reason ('capacity' or 'shed') and retry_after_ms name
+--                        the longest wait; alt_max_tokens the largest
+--                        max_tokens that would fit now
 --   too_large            reserved tokens exceed some layer's token_burst: it can
 --                        never fit, and capacity names that burst
 --   unknown_tenant       no such tenant
 -- Nothing is debited unless every layer passes; refill state is persisted on
 -- every locked layer whatever the outcome.
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer);
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],
@@ -129,7 +186,13 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_lease_seconds    integer[],
     p_idempotency_keys text[],
     p_request_hashes   text[],
-    p_concurrency_retry_ms integer DEFAULT 1000
+    p_concurrency_retry_ms integer DEFAULT 1000,
+    p_priorities       smallint[] DEFAULT NULL,  -- requested rank, NULL: the tenant's
+    p_priority_any     boolean[] DEFAULT NULL,   -- true: may raise it (admin)
+    p_degrade          boolean[] DEFAULT NULL,   -- false: never degrade
+    p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
+    p_alt_models       text[] DEFAULT NULL,      -- model, in order,
+    p_alt_inputs       bigint[] DEFAULT NULL     -- and its input count
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -149,7 +212,17 @@ CREATE OR REPLACE FUNCTION lq_admit(
     tenant_tokens              double precision,
     tenant_requests_per_minute bigint,
     tenant_request_burst       bigint,
-    tenant_requests            double precision
+    tenant_requests            double precision,
+    model                      text,
+    input_tokens               bigint,
+    degraded                   boolean,
+    reason                     text,
+    ceiling                    text,
+    utilization                double precision,
+    priority                   smallint,
+    plan                       text,
+    alt_max_tokens             bigint,
+    alt_models                 text[]
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -161,11 +234,16 @@ AS $$
 DECLARE
     n            integer := coalesce(cardinality(p_tenants), 0);
     now_ts       timestamptz;
+    -- Every model a candidate of this batch may name, and the ceilings each matches.
+    m_all        text[];
+    mc_model     text[];
+    mc_layer     bigint[];
     -- The locked layers, in layer_id order. Position i describes one layer;
-    -- l_key is 'g', 't/<tenant>' or 'r/<tenant>/<route>' for lookups.
+    -- l_key is 'g', 't/<tenant>', 'r/<tenant>/<route>' or 'c/<ceiling>'.
     l_id         bigint[];
     l_key        text[];
     l_scope      text[];
+    l_name       text[];
     l_tpm        bigint[];
     l_tburst     bigint[];
     l_rpm        bigint[];
@@ -177,6 +255,18 @@ DECLARE
     l_requests   double precision[];
     l_in_flight  integer[];
     l_refilled   timestamptz[];
+    l_priority   smallint[];
+    l_plan       text[];
+    l_fallback   text[];     -- each layer's default list, as array text '{a,b}'
+    l_ladder     boolean[];  -- a ceiling with a shedding ladder
+    -- Ladder steps of every locked ceiling, flattened: step x belongs to layer s_pos[x].
+    s_pos        integer[];
+    s_above      double precision[];
+    s_admit      smallint[];
+    s_small      bigint[];
+    -- Explicit fallbacks of request k: p_alt_*[x_first[k] .. x_first[k] + x_count[k] - 1].
+    x_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
+    x_count      integer[] := array_fill(0, ARRAY[n]);
     -- Per-request results, indexed by request position.
     r_status     text[] := array_fill(NULL::text, ARRAY[n]);
     r_id         uuid[] := array_fill(NULL::uuid, ARRAY[n]);
@@ -196,6 +286,16 @@ DECLARE
     r_t_rpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_t_rburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_t_requests double precision[] := array_fill(NULL::double precision, ARRAY[n]);
+    r_model      text[] := array_fill(NULL::text, ARRAY[n]);
+    r_input      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_degraded   boolean[] := array_fill(false, ARRAY[n]);
+    r_reason     text[] := array_fill(NULL::text, ARRAY[n]);
+    r_ceiling    text[] := array_fill(NULL::text, ARRAY[n]);
+    r_util       double precision[] := array_fill(NULL::double precision, ARRAY[n]);
+    r_priority   smallint[] := array_fill(NULL::smallint, ARRAY[n]);
+    r_plan       text[] := array_fill(NULL::text, ARRAY[n]);
+    r_alt_max    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_alt_models text[] := array_fill('{}'::text, ARRAY[n]);  -- array text, as l_fallback
     -- Admitted requests, for the single INSERT at the end.
     a_ord        integer[] := '{}';
     a_layers     text[] := '{}';     -- layer ids as '{1,2,3}' text; parsed in the INSERT
@@ -204,19 +304,34 @@ DECLARE
     -- Idempotency keys admitted earlier in this same batch.
     b_key        text[] := '{}';
     b_ord        integer[] := '{}';
+    -- The candidates of one request: [1] the requested model, then its fallbacks.
+    c_models     text[];
+    c_inputs     bigint[];
+    c            integer;
+    fits         text[];
     k            integer;
     j            integer;
+    x            integer;
     gi           integer;
     ti           integer;
     ri           integer;
+    prio         smallint;
     layers       integer[];
     cost         bigint;
     wait_ms      bigint;
+    floor_tokens double precision;
+    room         double precision;
+    best_room    double precision;
+    blocked      boolean;
     too_cap      bigint;
     too_scope    text;
+    too_name     text;
     best_wait    bigint;
     best_kind    text;
     best_scope   text;
+    best_reason  text;
+    best_name    text;
+    best_util    double precision;
     rem_tok      double precision;
     rem_req      double precision;
     rem_if       integer;
@@ -234,14 +349,43 @@ BEGIN
     -- second one sees the first one's committed reservation below.
     PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
 
-    -- (2) Lock every layer any request touches, in layer_id order. FOR UPDATE
+    -- (2) Every model a candidate may name: requested, explicit fallbacks, and
+    -- the default lists of the batch's tenants and routes. Those lists are
+    -- policy, read here without a lock; a default model added after this
+    -- read is not tried in this statement (step 5 skips it), so the set of
+    -- ceilings locked below covers every candidate that is tried.
+    SELECT array_agg(DISTINCT m.model)
+      INTO m_all
+      FROM (SELECT unnest(p_models) AS model
+            UNION ALL
+            SELECT unnest(p_alt_models)
+            UNION ALL
+            SELECT unnest(d.fallback_models)
+              FROM unnest(p_tenants, p_routes) AS u(t, r)
+              JOIN limit_layers AS d
+                ON d.scope IN ('tenant', 'route') AND d.tenant = u.t
+               AND d.route IS NOT DISTINCT FROM (CASE WHEN d.scope = 'route' THEN u.r END)
+               AND d.ceiling IS NULL) AS m
+     WHERE m.model IS NOT NULL;
+
+    -- The ceilings each of those models matches (ceilings are few: a scan of
+    -- the partial index over them).
+    SELECT array_agg(m.model ORDER BY c.layer_id), array_agg(c.layer_id ORDER BY c.layer_id)
+      INTO mc_model, mc_layer
+      FROM limit_layers AS c
+      JOIN unnest(m_all) AS m(model) ON m.model LIKE ANY (c.model_patterns)
+     WHERE c.scope = 'ceiling';
+
+    -- (3) Lock every layer any request touches, in layer_id order. FOR UPDATE
     -- re-reads a row changed by a transaction we waited for, so the balances
     -- below are the latest committed ones.
     SELECT array_agg(x.layer_id ORDER BY x.layer_id),
            array_agg(CASE x.scope WHEN 'global' THEN 'g'
                                   WHEN 'tenant' THEN 't/' || x.tenant
+                                  WHEN 'ceiling' THEN 'c/' || x.ceiling
                                   ELSE 'r/' || x.tenant || '/' || x.route END ORDER BY x.layer_id),
            array_agg(x.scope ORDER BY x.layer_id),
+           array_agg(x.ceiling ORDER BY x.layer_id),
            array_agg(x.tokens_per_minute ORDER BY x.layer_id),
            array_agg(x.token_burst ORDER BY x.layer_id),
            array_agg(x.requests_per_minute ORDER BY x.layer_id),
@@ -253,33 +397,60 @@ BEGIN
            array_agg(x.requests ORDER BY x.layer_id),
            array_agg(x.in_flight ORDER BY x.layer_id),
            array_agg(x.refilled_at ORDER BY x.layer_id),
+           array_agg(x.priority ORDER BY x.layer_id),
+           array_agg(x.plan ORDER BY x.layer_id),
+           array_agg(x.fallback_models::text ORDER BY x.layer_id),
+           array_agg(coalesce(cardinality(x.shed_above), 0) > 0 ORDER BY x.layer_id),
            max(x.refilled_at)
-      INTO l_id, l_key, l_scope, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
-           l_version, l_tokens, l_requests, l_in_flight, l_refilled, now_ts
+      INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
+           l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
+           l_fallback, l_ladder, now_ts
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
-                       -- three index probes on (scope, tenant, route), never a scan
+                       -- index probes on (scope, tenant, route, ceiling), never a scan
                        SELECT g.layer_id FROM limit_layers AS g
                         WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
+                          AND g.ceiling IS NULL
                        UNION
                        SELECT t.layer_id
                          FROM unnest(p_tenants) AS u(t)
                          JOIN limit_layers AS t
                            ON t.scope = 'tenant' AND t.tenant = u.t AND t.route IS NULL
+                          AND t.ceiling IS NULL
                        UNION
                        SELECT r.layer_id
                          FROM unnest(p_tenants, p_routes) AS u(t, r)
                          JOIN limit_layers AS r
-                           ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r)
+                           ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r
+                          AND r.ceiling IS NULL
+                       UNION
+                       SELECT unnest(mc_layer))
              ORDER BY ll.layer_id
                FOR UPDATE) AS x;
 
-    -- (3) The clock, read once the locks are held, never before the latest
-    -- refill (max(refilled_at) above), so elapsed time is never negative.
-    now_ts := greatest(clock_timestamp(), now_ts);
+    -- The ladders of the locked ceilings, flattened.
+    SELECT array_agg(array_position(l_id, c.layer_id) ORDER BY c.layer_id, s.o),
+           array_agg(s.above ORDER BY c.layer_id, s.o),
+           array_agg(s.admit ORDER BY c.layer_id, s.o),
+           array_agg(s.small ORDER BY c.layer_id, s.o)
+      INTO s_pos, s_above, s_admit, s_small
+      FROM limit_layers AS c,
+           unnest(c.shed_above, c.shed_admit, c.shed_small) WITH ORDINALITY AS s(above, admit, small, o)
+     WHERE c.layer_id = ANY (mc_layer);
 
-    -- (4) Refill every locked layer to now_ts.
+    -- Where each request's explicit fallbacks are (they come grouped by request).
+    FOR x IN 1 .. coalesce(cardinality(p_alt_ord), 0) LOOP
+        IF x_first[p_alt_ord[x]] IS NULL THEN
+            x_first[p_alt_ord[x]] := x;
+        END IF;
+        x_count[p_alt_ord[x]] := x_count[p_alt_ord[x]] + 1;
+    END LOOP;
+
+    -- (4) The clock, read once the locks are held, never before the latest
+    -- refill (max(refilled_at) above), so elapsed time is never negative.
+    -- Then refill every locked layer to it.
+    now_ts := greatest(clock_timestamp(), now_ts);
     FOR j IN 1 .. coalesce(cardinality(l_id), 0) LOOP
         l_tokens[j] := lq_refilled(l_tokens[j], l_tpm[j], l_tburst[j], l_refilled[j], now_ts);
         l_requests[j] := lq_refilled(l_requests[j], l_rpm[j], l_rburst[j], l_refilled[j], now_ts);
@@ -296,6 +467,15 @@ BEGIN
         r_t_tburst[k] := l_tburst[ti];
         r_t_rpm[k] := l_rpm[ti];
         r_t_rburst[k] := l_rburst[ti];
+        r_plan[k] := l_plan[ti];
+        r_model[k] := p_models[k];
+        r_input[k] := p_input_tokens[k];
+        -- The effective priority: the plan's, lowered (or, by an admin, set) by the request.
+        prio := CASE
+            WHEN p_priorities[k] IS NULL THEN l_priority[ti]
+            WHEN coalesce(p_priority_any[k], false) THEN p_priorities[k]
+            ELSE least(p_priorities[k], l_priority[ti]) END;
+        r_priority[k] := prio;
 
         -- Idempotency: a key admitted before (committed, or earlier in this batch).
         IF p_idempotency_keys[k] IS NOT NULL THEN
@@ -309,13 +489,16 @@ BEGIN
                     r_reserved[k] := r_reserved[j];
                     r_expires[k] := r_expires[j];
                     r_generation[k] := r_generation[j];
+                    r_model[k] := r_model[j];
+                    r_input[k] := r_input[j];
+                    r_degraded[k] := r_degraded[j];
                 END IF;
                 r_t_tokens[k] := l_tokens[ti];
                 r_t_requests[k] := l_requests[ti];
                 CONTINUE;
             END IF;
             SELECT rs.reservation_id, rs.reserved_tokens, rs.lease_expires_at,
-                   rs.lease_generation, rs.request_hash
+                   rs.lease_generation, rs.request_hash, rs.model, rs.input_tokens
               INTO prior
               FROM reservations AS rs
              WHERE rs.tenant = p_tenants[k]
@@ -327,6 +510,9 @@ BEGIN
                     r_reserved[k] := prior.reserved_tokens;
                     r_expires[k] := prior.lease_expires_at;
                     r_generation[k] := prior.lease_generation;
+                    r_model[k] := prior.model;
+                    r_input[k] := prior.input_tokens;
+                    r_degraded[k] := prior.model IS DISTINCT FROM p_models[k];
                 ELSE
                     r_status[k] := 'idempotency_conflict';
                 END IF;
@@ -339,79 +525,165 @@ BEGIN
         gi := array_position(l_key, 'g');
         ri := CASE WHEN p_routes[k] IS NULL THEN NULL
                    ELSE array_position(l_key, 'r/' || p_tenants[k] || '/' || p_routes[k]) END;
-        layers := array_remove(ARRAY[gi, ti, ri], NULL);
-        cost := p_input_tokens[k] + p_max_tokens[k];
-        r_reserved[k] := cost;
 
-        too_cap := NULL;
-        best_wait := -1;
-        FOREACH j IN ARRAY layers LOOP
-            IF l_tpm[j] IS NOT NULL THEN
-                IF cost > l_tburst[j] THEN
-                    -- Can never fit: name the smallest capacity that refuses it.
-                    IF too_cap IS NULL OR l_tburst[j] < too_cap THEN
-                        too_cap := l_tburst[j];
-                        too_scope := l_scope[j];
+        -- The candidates: the requested model, then the explicit fallbacks, or
+        -- else the route's or the tenant's default list (models read in (2) only).
+        c_models := ARRAY[p_models[k]];
+        c_inputs := ARRAY[p_input_tokens[k]];
+        IF x_count[k] > 0 THEN
+            c_models := c_models || p_alt_models[x_first[k] : x_first[k] + x_count[k] - 1];
+            c_inputs := c_inputs || p_alt_inputs[x_first[k] : x_first[k] + x_count[k] - 1];
+        ELSE
+            c_models := c_models || coalesce(
+                (SELECT array_agg(d.m ORDER BY d.o)
+                   FROM unnest(coalesce(
+                            nullif((CASE WHEN ri IS NULL THEN '{}' ELSE l_fallback[ri] END)::text[], '{}'),
+                            l_fallback[ti]::text[])) WITH ORDINALITY AS d(m, o)
+                  WHERE d.m = ANY (m_all) AND d.m <> p_models[k]),
+                '{}');
+            c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
+        END IF;
+        fits := '{}';
+
+        FOR c IN 1 .. cardinality(c_models) LOOP
+            -- The layers of this candidate: global, tenant, route, matching ceilings.
+            layers := array_remove(ARRAY[gi, ti, ri], NULL);
+            FOR x IN 1 .. coalesce(cardinality(mc_model), 0) LOOP
+                IF mc_model[x] = c_models[c] THEN
+                    layers := layers || array_position(l_id, mc_layer[x]);
+                END IF;
+            END LOOP;
+            cost := c_inputs[c] + p_max_tokens[k];
+
+            too_cap := NULL;
+            best_wait := -1;
+            best_room := NULL;
+            blocked := false;
+            FOREACH j IN ARRAY layers LOOP
+                IF l_tpm[j] IS NOT NULL THEN
+                    floor_tokens := 0;
+                    IF l_ladder[j] THEN
+                        SELECT lq_shed_floor(l_tburst[j], array_agg(s.above), array_agg(s.admit),
+                                             array_agg(s.small), prio, cost)
+                          INTO floor_tokens
+                          FROM unnest(s_pos, s_above, s_admit, s_small) AS s(pos, above, admit, small)
+                         WHERE s.pos = j;
                     END IF;
-                ELSIF l_tokens[j] + epsilon < cost THEN
-                    wait_ms := greatest(1, ceil((cost - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                    -- the most output this layer would take now, on top of the input
+                    room := l_tokens[j] - floor_tokens - c_inputs[c];
+                    best_room := least(coalesce(best_room, room), room);
+                    IF cost > l_tburst[j] THEN
+                        -- Can never fit: name the smallest capacity that refuses it.
+                        IF too_cap IS NULL OR l_tburst[j] < too_cap THEN
+                            too_cap := l_tburst[j];
+                            too_scope := l_scope[j];
+                            too_name := l_name[j];
+                        END IF;
+                    ELSIF l_tokens[j] + epsilon < cost THEN
+                        wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                        IF wait_ms > best_wait THEN
+                            best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
+                            best_reason := 'capacity'; best_name := l_name[j];
+                            best_util := CASE WHEN l_scope[j] = 'ceiling'
+                                              THEN 1 - (l_tokens[j] - cost) / l_tburst[j] END;
+                        END IF;
+                    ELSIF l_tokens[j] - cost + epsilon < floor_tokens THEN
+                        -- It would fit, but past the floor this priority may not cross.
+                        wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                        IF wait_ms > best_wait THEN
+                            best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
+                            best_reason := 'shed'; best_name := l_name[j];
+                            best_util := 1 - (l_tokens[j] - cost) / l_tburst[j];
+                        END IF;
+                    END IF;
+                END IF;
+                IF l_rpm[j] IS NOT NULL AND l_requests[j] + epsilon < 1 THEN
+                    blocked := true;
+                    wait_ms := greatest(1, ceil((1 - l_requests[j]) * 60000.0 / l_rpm[j]));
                     IF wait_ms > best_wait THEN
-                        best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
+                        best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
+                        best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
                     END IF;
                 END IF;
-            END IF;
-            IF l_rpm[j] IS NOT NULL AND l_requests[j] + epsilon < 1 THEN
-                wait_ms := greatest(1, ceil((1 - l_requests[j]) * 60000.0 / l_rpm[j]));
-                IF wait_ms > best_wait THEN
-                    best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
+                IF l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
+                    blocked := true;
+                    wait_ms := p_concurrency_retry_ms;
+                    IF wait_ms > best_wait THEN
+                        best_wait := wait_ms; best_kind := 'concurrency'; best_scope := l_scope[j];
+                        best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
+                    END IF;
                 END IF;
-            END IF;
-            IF l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
-                wait_ms := p_concurrency_retry_ms;
-                IF wait_ms > best_wait THEN
-                    best_wait := wait_ms; best_kind := 'concurrency'; best_scope := l_scope[j];
+            END LOOP;
+
+            IF too_cap IS NULL AND best_wait < 0 THEN
+                IF c > 1 AND p_degrade[k] IS NOT DISTINCT FROM false THEN
+                    -- Not degrading: only say that this fallback would fit now.
+                    fits := fits || c_models[c];
+                    CONTINUE;
+                END IF;
+                -- Every layer passes: debit them all.
+                version := 0;
+                FOREACH j IN ARRAY layers LOOP
+                    IF l_tpm[j] IS NOT NULL THEN
+                        l_tokens[j] := l_tokens[j] - cost;
+                    END IF;
+                    IF l_rpm[j] IS NOT NULL THEN
+                        l_requests[j] := l_requests[j] - 1;
+                    END IF;
+                    l_in_flight[j] := l_in_flight[j] + 1;
+                    version := greatest(version, l_version[j]);
+                END LOOP;
+                r_status[k] := 'admitted';
+                r_model[k] := c_models[c];
+                r_input[k] := c_inputs[c];
+                r_degraded[k] := c > 1;
+                r_reserved[k] := cost;
+                r_id[k] := gen_random_uuid();
+                r_generation[k] := 1;
+                a_lease := a_lease || coalesce(p_lease_seconds[k], l_lease[coalesce(ri, ti)]);
+                r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
+                a_ord := a_ord || k;
+                a_version := a_version || version;
+                a_layers := a_layers || ('{' || array_to_string(
+                    (SELECT array_agg(l_id[y]) FROM unnest(layers) AS y), ',') || '}');
+                IF p_idempotency_keys[k] IS NOT NULL THEN
+                    b_key := b_key || (p_tenants[k] || '/' || p_idempotency_keys[k]);
+                    b_ord := b_ord || k;
+                END IF;
+                EXIT;
+            ELSIF c = 1 THEN
+                -- The requested model's refusal: what a 429 (or a degraded 201) says.
+                r_reserved[k] := cost;
+                IF too_cap IS NOT NULL THEN
+                    r_status[k] := 'too_large';
+                    r_kind[k] := 'tokens';
+                    r_scope[k] := too_scope;
+                    r_capacity[k] := too_cap;
+                    r_reason[k] := 'capacity';
+                    r_ceiling[k] := too_name;
+                ELSE
+                    r_status[k] := 'rate_limited';
+                    r_kind[k] := best_kind;
+                    r_scope[k] := best_scope;
+                    r_wait[k] := best_wait;
+                    r_reason[k] := best_reason;
+                    r_ceiling[k] := best_name;
+                    r_util[k] := best_util;
+                END IF;
+                -- The largest max_tokens that fits now with the same input and
+                -- priority: none when a request or permit is lacking.
+                IF NOT blocked AND best_room IS NOT NULL AND best_room >= 1 THEN
+                    r_alt_max[k] := least(floor(best_room + epsilon)::bigint, p_max_tokens[k] - 1);
+                    IF r_alt_max[k] < 1 THEN
+                        r_alt_max[k] := NULL;
+                    END IF;
                 END IF;
             END IF;
         END LOOP;
+        r_alt_models[k] := fits::text;
 
-        IF too_cap IS NOT NULL THEN
-            r_status[k] := 'too_large';
-            r_kind[k] := 'tokens';
-            r_scope[k] := too_scope;
-            r_capacity[k] := too_cap;
-        ELSIF best_wait >= 0 THEN
-            r_status[k] := 'rate_limited';
-            r_kind[k] := best_kind;
-            r_scope[k] := best_scope;
-            r_wait[k] := best_wait;
-        ELSE
-            -- Every layer passes: debit them all.
-            version := 0;
-            FOREACH j IN ARRAY layers LOOP
-                IF l_tpm[j] IS NOT NULL THEN
-                    l_tokens[j] := l_tokens[j] - cost;
-                END IF;
-                IF l_rpm[j] IS NOT NULL THEN
-                    l_requests[j] := l_requests[j] - 1;
-                END IF;
-                l_in_flight[j] := l_in_flight[j] + 1;
-                version := greatest(version, l_version[j]);
-            END LOOP;
-            r_status[k] := 'admitted';
-            r_id[k] := gen_random_uuid();
-            r_generation[k] := 1;
-            a_lease := a_lease || coalesce(p_lease_seconds[k], l_lease[coalesce(ri, ti)]);
-            r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
-            a_ord := a_ord || k;
-            a_version := a_version || version;
-            a_layers := a_layers || ('{' || array_to_string(ARRAY[l_id[gi], l_id[ti], l_id[ri]], ',') || '}');
-            IF p_idempotency_keys[k] IS NOT NULL THEN
-                b_key := b_key || (p_tenants[k] || '/' || p_idempotency_keys[k]);
-                b_ord := b_ord || k;
-            END IF;
-        END IF;
-
-        -- What is left after this decision: the tightest layer of each kind.
+        -- What is left after this decision: the tightest layer of each kind,
+        -- over the layers of the model admitted (or refused).
         rem_tok := NULL; rem_req := NULL; rem_if := NULL;
         FOREACH j IN ARRAY layers LOOP
             IF l_tpm[j] IS NOT NULL THEN
@@ -442,12 +714,14 @@ BEGIN
      WHERE ll.layer_id = u.layer_id;
 
     -- (7) Journal the admitted reservations, so a dead worker's can be swept.
+    -- The model and input are the admitted candidate's: a fallback's usage is
+    -- settled and billed as that model.
     INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
                               idempotency_key, request_hash)
-    SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], p_models[a.k], a.layers::bigint[],
-           p_input_tokens[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
+    SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
+           r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
            p_idempotency_keys[a.k], p_request_hashes[a.k]
       FROM unnest(a_ord, a_layers, a_version, a_lease) AS a(k, layers, version, lease);
@@ -457,11 +731,12 @@ BEGIN
            r_generation[o.i], r_kind[o.i], r_scope[o.i], r_wait[o.i], r_capacity[o.i],
            r_rem_tok[o.i], r_rem_req[o.i], r_rem_if[o.i],
            r_t_tpm[o.i], r_t_tburst[o.i], r_t_tokens[o.i],
-           r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i]
+           r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i],
+           r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
+           r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[]
       FROM generate_series(1, n) AS o(i);
 END
 $$;
-
 
 -- Resolve a batch of reservations: settle, release or expire each one, in
 -- array order. This is the reservation state machine, in one place:
@@ -686,11 +961,11 @@ BEGIN
     END LOOP;
 
     -- (4) Layers: each credit goes to every layer its reservation debited;
-    -- a shared (global) layer gets the capped one. A layer's scope never
+    -- a shared layer (global, a provider ceiling) gets the capped one. A layer's scope never
     -- changes, so reading it unlocked is safe; lq_credit_layers locks the
     -- layers in layer_id order, after the reservations.
     PERFORM lq_credit_layers(array_agg(l.layer_id),
-                             array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END),
+                             array_agg(CASE WHEN ll.scope IN ('global', 'ceiling') THEN c.shared ELSE c.tokens END),
                              array_agg(c.reqs), array_agg(c.permits))
        FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits) AS c(i, tokens, shared, reqs, permits)
             CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id)

@@ -6,7 +6,9 @@
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit).
 SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
-                       $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer)
+                       $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
+                       $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
+                       $15::text[], $16::bigint[])
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -18,7 +20,9 @@ SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::big
 SELECT a.*
   FROM (SELECT set_config('synchronous_commit', 'off', true)) AS unflushed,
        lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
-                $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer) AS a
+                $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
+                $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
+                $15::text[], $16::bigint[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish).
@@ -57,20 +61,15 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
   FROM target LEFT JOIN extended ON true
 
 -- put_policy --
--- Create or replace one layer's policy. A tenant layer creates its tenant. The
--- balance refills under the old rules up to now, then is clamped to the new
+-- Create or replace the policy of the global layer or of a route (a tenant's
+-- goes through put_tenant_policy, for its plan). The balance refills under the old rules up to now, then is clamped to the new
 -- capacity; a limit that did not exist before starts full.
-WITH new_tenant AS (
-    INSERT INTO tenants (tenant)
-    SELECT $2::text WHERE $1::text = 'tenant'
-    ON CONFLICT DO NOTHING
-)
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
-                               lease_seconds, failure_mode, tokens, requests)
+                               lease_seconds, failure_mode, fallback_models, tokens, requests)
 VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-        $8::integer, $9::integer, $10::text, $5::bigint, $7::bigint)
-ON CONFLICT (scope, tenant, route) DO UPDATE
+        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint)
+ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
        requests_per_minute = excluded.requests_per_minute,
@@ -78,6 +77,7 @@ ON CONFLICT (scope, tenant, route) DO UPDATE
        max_in_flight       = excluded.max_in_flight,
        lease_seconds       = excluded.lease_seconds,
        failure_mode        = excluded.failure_mode,
+       fallback_models     = excluded.fallback_models,
        policy_version      = nextval('policy_version_seq'),
        tokens = CASE
            WHEN excluded.tokens_per_minute IS NULL THEN NULL
@@ -96,10 +96,70 @@ ON CONFLICT (scope, tenant, route) DO UPDATE
        refilled_at = greatest(l.refilled_at, clock_timestamp())
 RETURNING l.policy_version
 
+-- put_tenant_policy --
+-- Set a tenant's own policy ($3, the fields it sets, as a JSON object) and its
+-- plan ($2), registering the tenant; its new policy_version, or NULL when the
+-- plan does not exist (see lq_put_tenant_policy).
+SELECT lq_put_tenant_policy($1::text, $2::text, $3::jsonb) AS policy_version
+
+-- put_plan --
+-- Create or replace a plan and recompute every tenant on it, in one
+-- transaction; how many tenants changed (see lq_put_plan).
+SELECT lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
+                   $7::integer, $8::integer, $9::text, $10::text[]) AS tenants
+
+-- get_plans --
+-- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
+SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
+       p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
+       (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
+  FROM plans AS p
+ WHERE $1::text IS NULL OR p.plan = $1::text
+ ORDER BY p.plan
+
+-- delete_plan --
+-- Delete a plan no tenant is on: 'deleted', 'in_use' or 'not_found'. A tenant
+-- joining it meanwhile makes the DELETE fail on the foreign key instead.
+WITH users AS (
+    SELECT count(*) AS n FROM limit_layers WHERE plan = $1::text
+), gone AS (
+    DELETE FROM plans
+     WHERE plan = $1::text AND (SELECT n FROM users) = 0
+    RETURNING 1
+)
+SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
+            WHEN (SELECT n FROM users) > 0 THEN 'in_use'
+            ELSE 'not_found' END AS status
+
+-- put_ceiling --
+-- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
+SELECT lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint, $6::bigint,
+                      $7::integer, $8::float8[], $9::smallint[], $10::bigint[]) AS policy_version
+
+-- get_ceilings --
+-- One ceiling ($1), or every one ($1 NULL), refilled to now (read only), with
+-- its utilization: the share of its token burst in use (1 - balance / burst).
+SELECT ceiling, models, tokens_per_minute, token_burst, requests_per_minute, request_burst,
+       max_in_flight, shed_above, shed_admit, shed_small, policy_version, in_flight,
+       lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
+           AS tokens,
+       lq_refilled(requests, requests_per_minute, request_burst, refilled_at, clock_timestamp())
+           AS requests
+  FROM limit_layers
+ WHERE scope = 'ceiling'
+   AND ($1::text IS NULL OR ceiling = $1::text)
+ ORDER BY ceiling
+
+-- delete_ceiling --
+-- Delete a provider ceiling; one row when it existed. Reservations admitted
+-- through it settle as before: the credit to a layer that is gone is dropped.
+DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNING layer_id
+
 -- get_policy --
 -- One layer's policy, or no row.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
-       max_in_flight, lease_seconds, failure_mode, policy_version
+       max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
+       own_policy::text AS own_policy
   FROM limit_layers
  WHERE scope = $1::text
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -136,7 +196,7 @@ SELECT key_id, tenant FROM api_keys WHERE key_hash = $1::bytea
 
 -- layer_status --
 -- The global layer and every layer of one tenant, refilled to now (read only).
-SELECT scope, tenant, route, tokens_per_minute, token_burst, requests_per_minute,
+SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
        lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
            AS tokens,
@@ -185,7 +245,9 @@ SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)
 SELECT key FROM outage_id_key
 
 -- policy_snapshot --
--- Every layer's policy, for the per-worker cache that outlives an outage. The
+-- Every layer's policy, for the per-worker cache that outlives an outage.
+-- Provider ceilings are not in it: an admission decided without the database
+-- passes the global, tenant and route layers only (RELIABILITY.md). The
 -- snapshot version is (max policy_version, layer count): a policy change takes
 -- the next policy_version and a deleted tenant lowers the count. When it
 -- equals the caller's ($1, $2) only the version row comes back (the columns of
@@ -194,6 +256,7 @@ WITH version AS (
     SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
            count(*)::bigint AS layer_count
       FROM limit_layers
+     WHERE scope <> 'ceiling'
 )
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
@@ -202,7 +265,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
        LEFT JOIN LATERAL (
            SELECT ll.*
              FROM limit_layers AS ll
-            WHERE (v.snapshot_version, v.layer_count)
+            WHERE ll.scope <> 'ceiling'
+              AND (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
             ORDER BY ll.layer_id
             LIMIT $3::integer) AS l ON true

@@ -113,6 +113,10 @@ async def test_too_large_is_413_and_debits_nothing(
         "requested": 5_400,
         "capacity": 1_000,
         "message": error["message"],
+        "reason": "capacity",
+        "priority": "normal",
+        # what fits now: the burst less the same input
+        "alternatives": {"max_tokens": 600, "models": []},
     }
     assert "5400" in error["message"] and "1000" in error["message"]
     assert await db.fetchval("SELECT count(*) FROM reservations") == 0

@@ -92,6 +92,8 @@ async def test_policy_round_trip_and_defaults(
         "lease_seconds": 120,
         "failure_mode": "closed",
         "policy_version": put.json()["policy_version"],
+        "plan": None,
+        "fallback_models": [],
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",

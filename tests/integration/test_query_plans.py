@@ -15,7 +15,7 @@ from llmquota.store.sqlfiles import queries
 
 TENANT_COUNT = 10_000
 BATCH = 256
-LAYER_INDEX = "limit_layers_scope_tenant_route_key"
+LAYER_INDEX = "limit_layers_key"
 
 
 async def seed(db: asyncpg.Connection) -> None:
@@ -87,6 +87,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         [None] * n,
         [None] * n,
         1000,
+        *([None] * 6),  # priorities, degradation: none
     )
 
     lookup = plan_of(plans, "FROM limit_layers AS ll")
@@ -95,6 +96,9 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         or f"Index Only Scan using {LAYER_INDEX}" in (lookup)
     )
     assert "Seq Scan on limit_layers" not in lookup
+    # The default fallback lists of the batch's tenants and routes: probes too.
+    defaults = plan_of(plans, "JOIN limit_layers AS d")
+    assert "Seq Scan on limit_layers" not in defaults, defaults
     persist = plan_of(plans, "UPDATE limit_layers AS ll")
     assert "Index Scan using limit_layers_pkey" in persist
     assert "Seq Scan on limit_layers" not in persist
@@ -120,6 +124,7 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         [None] * n,
         1000,
+        *([None] * 6),  # priorities, degradation: none
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(

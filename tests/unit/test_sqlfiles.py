@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from llmquota.resources import sql_dir
-from llmquota.store import store
+from llmquota.store import catalog, store
 from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
 def _names_the_store_runs() -> set[str]:
-    """String literals passed first to self._fetch(...) or used as self._sql[...]."""
-    tree = ast.parse(inspect.getsource(store))
+    """String literals passed first to self._fetch(...) or used as self._sql[...]
+    in the modules that run queries.sql (the Store and its catalog)."""
+    tree = ast.parse(_sources())
     names: set[str] = set()
     for node in ast.walk(tree):
         if (
@@ -39,6 +40,10 @@ def _names_the_store_runs() -> set[str]:
     return names
 
 
+def _sources() -> str:
+    return inspect.getsource(store) + "\n" + inspect.getsource(catalog)
+
+
 def test_the_scan_finds_the_statements_of_every_store_method() -> None:
     # A scan that found nothing would make the next test pass vacuously.
     assert _names_the_store_runs() >= {
@@ -56,6 +61,8 @@ def test_the_scan_finds_the_statements_of_every_store_method() -> None:
         "layer_status",
         "tenant_usage",
         "purge_finished",
+        "put_plan",
+        "put_ceiling",
     }
 
 
@@ -65,7 +72,7 @@ def test_every_name_the_store_runs_exists_in_queries_sql() -> None:
 
 
 def test_the_ast_scan_agrees_with_a_plain_grep() -> None:
-    source = inspect.getsource(store)
+    source = _sources()
     grepped = set(re.findall(r'_fetch\(\s*"([a-z_]+)"', source))
     grepped |= set(re.findall(r'_sql\["([a-z_]+)"\]', source))
     assert grepped == _names_the_store_runs()
@@ -133,18 +140,19 @@ def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
 
 def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     (tmp_path / "reports").mkdir()
-    for name in ("admission.sql", "ledger.sql", "reliability.sql", "roles.sql"):
+    for name in ("admission.sql", "plans.sql", "ledger.sql", "reliability.sql", "roles.sql"):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
     (tmp_path / "reports" / "10_b.sql").write_text("SELECT 2;\n", encoding="utf-8")
     (tmp_path / "reports" / "00_a.sql").write_text("SELECT 1;\n", encoding="utf-8")
     scripts = repeatable_scripts(tmp_path)
     assert [s.name for s in scripts] == [
         "admission.sql",
+        "plans.sql",
         "ledger.sql",
         "reliability.sql",
         "reports/00_a.sql",
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[3].text == "SELECT 1;\n"
-    assert scripts[3].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[4].text == "SELECT 1;\n"
+    assert scripts[4].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

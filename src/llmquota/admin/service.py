@@ -16,12 +16,15 @@ rows and may fairly take as long as a statement may run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
-from llmquota.domain.errors import InvalidRequest, UnknownTenant
+from llmquota.domain.errors import InvalidRequest, NameInUse, UnknownName, UnknownTenant
 from llmquota.domain.keys import KeyOwner, key_digest, new_key
+from llmquota.domain.plans import Ceiling, Plan, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
-from llmquota.domain.records import LayerStatus, UsageTotals
+from llmquota.domain.records import LayerStatus, StoredPolicy, UsageTotals
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.store import Store
 
@@ -42,6 +45,7 @@ class AdminService:
         report_deadline_seconds: float | None = None,
     ) -> None:
         self._store = store
+        self._catalog = store.catalog
         self._deadline_seconds = deadline_seconds
         self._report_deadline_seconds = (
             deadline_seconds if report_deadline_seconds is None else report_deadline_seconds
@@ -61,28 +65,86 @@ class AdminService:
         await self._store.ping(deadline_seconds=self._deadline_seconds)
 
     async def put_policy(
-        self, scope: Scope, tenant: str | None, route: str | None, policy: Policy
+        self,
+        scope: Scope,
+        tenant: str | None,
+        route: str | None,
+        policy: Policy,
+        *,
+        fallback_models: Sequence[str] = (),
     ) -> int:
-        """Create or replace a layer's policy; its new policy version.
+        """Create or replace the global or a route's policy; its new policy version.
 
-        A tenant policy registers the tenant; a route policy needs it registered.
+        A route policy needs its tenant registered.
         """
         if scope == "route" and tenant is not None and not await self._tenant_exists(tenant):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         return await self._store.put_policy(
-            scope, tenant, route, policy, deadline_seconds=self._deadline_seconds
+            scope,
+            tenant,
+            route,
+            policy,
+            fallback_models=fallback_models,
+            deadline_seconds=self._deadline_seconds,
         )
 
-    async def get_policy(
-        self, scope: Scope, tenant: str | None, route: str | None
-    ) -> tuple[Policy, int]:
-        """A layer's policy and version, or UnknownTenant when it has none."""
+    async def put_tenant_policy(self, tenant: str, plan: str | None, own: dict[str, Any]) -> int:
+        """Set the fields a tenant's policy sets itself and its plan; its policy version.
+
+        Registers the tenant. The fields `own` leaves out come from the plan.
+        """
+        version = await self._catalog.put_tenant_policy(
+            tenant, plan, own, deadline_seconds=self._deadline_seconds
+        )
+        if version is None:
+            raise InvalidRequest(f"plan: unknown plan {plan!r}")
+        return version
+
+    async def get_policy(self, scope: Scope, tenant: str | None, route: str | None) -> StoredPolicy:
+        """A layer's effective policy and version, or UnknownTenant when it has none."""
         found = await self._store.get_policy(
             scope, tenant, route, deadline_seconds=self._deadline_seconds
         )
         if found is None:
             raise UnknownTenant(f"no {scope} policy")
         return found
+
+    async def put_plan(self, name: str, plan: Plan) -> int:
+        """Create or replace a plan; how many tenants it changed (all at once)."""
+        return await self._catalog.put_plan(name, plan, deadline_seconds=self._deadline_seconds)
+
+    async def plans(self, name: str | None = None) -> list[StoredPlan]:
+        """Every plan, or the one named (UnknownName when there is none)."""
+        found = await self._catalog.get_plans(name, deadline_seconds=self._deadline_seconds)
+        if name is not None and not found:
+            raise UnknownName(f"unknown plan {name!r}")
+        return found
+
+    async def delete_plan(self, name: str) -> None:
+        """Delete a plan; NameInUse while tenants are on it."""
+        status = await self._catalog.delete_plan(name, deadline_seconds=self._deadline_seconds)
+        if status == "in_use":
+            raise NameInUse(f"plan {name!r} has tenants on it; move them first")
+        if status == "not_found":
+            raise UnknownName(f"unknown plan {name!r}")
+
+    async def put_ceiling(self, name: str, ceiling: Ceiling) -> int:
+        """Create or replace a provider ceiling; its policy version."""
+        return await self._catalog.put_ceiling(
+            name, ceiling, deadline_seconds=self._deadline_seconds
+        )
+
+    async def ceilings(self, name: str | None = None) -> list[StoredCeiling]:
+        """Every ceiling, or the one named (UnknownName when there is none), refilled to now."""
+        found = await self._catalog.get_ceilings(name, deadline_seconds=self._deadline_seconds)
+        if name is not None and not found:
+            raise UnknownName(f"unknown ceiling {name!r}")
+        return found
+
+    async def delete_ceiling(self, name: str) -> None:
+        """Delete a provider ceiling (UnknownName when there is none)."""
+        if not await self._catalog.delete_ceiling(name, deadline_seconds=self._deadline_seconds):
+            raise UnknownName(f"unknown ceiling {name!r}")
 
     async def create_key(self, tenant: str) -> str:
         """Issue a key for a tenant (registering it if new); the plaintext, shown once."""

@@ -33,10 +33,12 @@ from llmquota.api.auth import AuthenticationFailed, Forbidden, TooManyFailedAuth
 from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
+    NameInUse,
     ReservationConflict,
     ReservationNotFound,
     StoreTimeout,
     StoreUnavailable,
+    UnknownName,
     UnknownTenant,
 )
 from llmquota.domain.refusals import ceil_seconds
@@ -156,6 +158,8 @@ _SIMPLE: list[tuple[type[Exception], int, str]] = [
     (InvalidRequest, 422, "invalid_request_error"),
     (IdempotencyConflict, 422, "idempotency_conflict"),
     (UnknownTenant, 404, "not_found_error"),
+    (UnknownName, 404, "not_found_error"),
+    (NameInUse, 409, "conflict_error"),
     (ReservationNotFound, 404, "not_found_error"),
     (ReservationConflict, 409, "conflict_error"),
     (Forbidden, 403, "permission_error"),

@@ -9,6 +9,7 @@ from llmquota.domain.refusals, like the library's exceptions.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -29,6 +30,7 @@ def refusal_response(
     hints after them.
     """
     d = decision
+    extra = refusal_details(d)
     if d.status == "rate_limited":
         retry_ms = int(d.retry_after_ms or 1)
         return error_response(
@@ -43,6 +45,7 @@ def refusal_response(
             scope=d.limit_scope,
             message=refusal_message(tenant, d),
             retry_after_ms=retry_ms,
+            **extra,
         )
     if d.status == "too_large":
         return error_response(
@@ -54,5 +57,35 @@ def refusal_response(
             requested=d.reserved_tokens,
             capacity=d.capacity,
             message=refusal_message(tenant, d),
+            **extra,
         )
     return None
+
+
+def refusal_cause(d: AdmitDecision) -> dict[str, Any]:
+    """What refused the requested model: limit, scope, reason, and the ceiling if one."""
+    cause: dict[str, Any] = {"limit": d.limit_kind, "scope": d.limit_scope, "reason": d.reason}
+    if d.ceiling is not None:
+        cause["ceiling"] = d.ceiling
+    return cause
+
+
+def refusal_details(d: AdmitDecision) -> dict[str, Any]:
+    """The fields a refusal adds to limit and scope: why, whose priority, what to do now.
+
+    `alternatives` is what the caller can act on at once: the largest
+    max_tokens that would fit with the same input and priority (null if
+    none), and which of its fallback models would fit (when it asked not to
+    degrade; empty otherwise).
+    """
+    details: dict[str, Any] = {
+        "reason": d.reason,
+        "alternatives": {"max_tokens": d.alt_max_tokens, "models": list(d.alt_models)},
+    }
+    if d.priority is not None:
+        details["priority"] = d.priority
+    if d.ceiling is not None:
+        details["ceiling"] = d.ceiling
+    if d.utilization is not None:
+        details["utilization"] = round(d.utilization, 6)
+    return details

@@ -9,8 +9,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
 
+from llmquota.domain.plans import MAX_FALLBACK_MODELS
 from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
@@ -18,7 +27,7 @@ from llmquota.domain.validation import (
     MAX_TOKEN_COUNT,
     storable_text_problem,
 )
-from llmquota.domain.vocabulary import FailureMode
+from llmquota.domain.vocabulary import FailureMode, Priority, Scope
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
@@ -58,6 +67,25 @@ class AdmitBody(BaseModel):
     max_tokens: TokenCount
     lease_seconds: LeaseSeconds | None = None
     idempotency_key: IdempotencyKey | None = None
+    priority: Priority | None = Field(
+        default=None,
+        description="lower this request below its plan's priority (a background job); only "
+        "an admin key may raise it",
+    )
+    fallback_models: Annotated[list[ModelName], Field(max_length=MAX_FALLBACK_MODELS)] | None = (
+        Field(
+            default=None,
+            description="models to degrade to, in order, when the requested one is refused; "
+            "default: the route's or the plan's list",
+        )
+    )
+    degrade: StrictBool | None = Field(
+        default=None, description="false: never degrade; the 429 lists the fallbacks that fit"
+    )
+    max_wait_ms: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None,
+        description="wait up to this long for room instead of a 429 (bounded by the server's cap)",
+    )
 
 
 class Remaining(BaseModel):
@@ -78,6 +106,14 @@ class AdmitResponse(BaseModel):
     lease_expires_at: datetime
     lease_generation: int
     remaining: Remaining
+    model: str = Field(description="the model admitted: a fallback when degraded")
+    degraded: bool
+    degraded_from: str | None = Field(default=None, description="the requested model")
+    degraded_because: dict[str, Any] | None = Field(
+        default=None,
+        description="the refusal the requested model got: limit, scope, reason, ceiling",
+    )
+    priority: Priority | None = None
 
 
 class SettleBody(BaseModel):
@@ -140,6 +176,16 @@ class PolicyBody(BaseModel):
         description="when the store cannot answer in time: closed (503, the default), "
         "open (admit and record later) or local (admit against a worker-local fraction)",
     )
+    plan: Name | None = Field(
+        default=None,
+        description="tenant policies only: the plan whose fields apply where this policy sets none",
+    )
+    fallback_models: Annotated[list[ModelName], Field(max_length=MAX_FALLBACK_MODELS)] | None = (
+        Field(
+            default=None,
+            description="tenant and route policies: the default models to degrade to, in order",
+        )
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -153,6 +199,8 @@ class PolicyResponse(BaseModel):
     lease_seconds: int
     failure_mode: FailureMode
     policy_version: int
+    plan: str | None = None
+    fallback_models: list[str] = Field(default_factory=list)
 
 
 class KeyResponse(BaseModel):
@@ -171,7 +219,7 @@ class LayerStatusResponse(BaseModel):
     admin key sees every figure.
     """
 
-    scope: Literal["global", "tenant", "route"]
+    scope: Scope
     route: str | None
     limits: PolicyResponse | None = Field(
         description="null for a shared layer seen with a tenant key"
@@ -194,6 +242,7 @@ class StatusResponse(BaseModel):
     """GET /v1/tenants/{tenant}/status."""
 
     tenant: str
+    plan: str | None = Field(default=None, description="the plan the tenant is on")
     layers: list[LayerStatusResponse]
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
 from llmquota.domain.records import AdmitRequest
 from llmquota.domain.tokens import (
     UNLIMITED_SECONDS,
@@ -28,6 +29,7 @@ from llmquota.domain.validation import (
     check_name,
     check_token_count,
 )
+from llmquota.domain.vocabulary import PRIORITIES, Priority
 
 
 class AdmitArguments(TypedDict, total=False):
@@ -41,6 +43,10 @@ class AdmitArguments(TypedDict, total=False):
     route: str | None
     lease_seconds: int | None
     idempotency_key: str | None
+    priority: Priority | None
+    priority_any: bool
+    fallback_models: Sequence[str] | None
+    degrade: bool | None
 
 
 def prepare_admit_request(
@@ -54,6 +60,10 @@ def prepare_admit_request(
     route: str | None = None,
     lease_seconds: int | None = None,
     idempotency_key: str | None = None,
+    priority: Priority | None = None,
+    priority_any: bool = False,
+    fallback_models: Sequence[str] | None = None,
+    degrade: bool | None = None,
     count_cpu_seconds: float = UNLIMITED_SECONDS,
 ) -> AdmitRequest:
     """Validate and count a request; raises InvalidRequest.
@@ -70,16 +80,17 @@ def prepare_admit_request(
     check_idempotency_key(idempotency_key)
     if (messages is None) == (input_tokens is None):
         raise InvalidRequest("give exactly one of messages or input_tokens")
-    if input_tokens is not None:
-        counted, estimated = check_token_count("input_tokens", input_tokens), False
-    else:
-        counted, estimated = _count(
-            messages or [], model, estimate_factors, CpuBudget(count_cpu_seconds)
-        )
+    if priority is not None and priority not in PRIORITIES:
+        raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}")
+    models = _fallback_models(model, fallback_models)
+    counted, estimated, fallbacks = _count_each(
+        model, models, messages, input_tokens, estimate_factors, CpuBudget(count_cpu_seconds)
+    )
     request_hash = None
     if idempotency_key is not None:
         request_hash = _request_hash(
             [route, model, max_tokens, lease_seconds, input_tokens, messages]
+            + ([priority, list(models), degrade] if priority or models or degrade is False else [])
         )
     return AdmitRequest(
         tenant=tenant,
@@ -91,7 +102,51 @@ def prepare_admit_request(
         lease_seconds=lease_seconds,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
+        priority=priority,
+        priority_any=priority_any,
+        degrade=degrade,
+        fallbacks=fallbacks,
     )
+
+
+def _count_each(  # noqa: PLR0917 (one private call site)
+    model: str,
+    fallback_models: tuple[str, ...],
+    messages: Sequence[Mapping[str, Any]] | None,
+    input_tokens: int | None,
+    estimate_factors: Mapping[str, float],
+    budget: CpuBudget,
+) -> tuple[int, bool, tuple[tuple[str, int], ...]]:
+    """(input tokens, whether estimated, (fallback, its input tokens) each).
+
+    Each fallback is counted with its own tokenizer: encodings differ by model.
+    A caller's own input_tokens stands for every model.
+    """
+    if input_tokens is not None:
+        counted = check_token_count("input_tokens", input_tokens)
+        return counted, False, tuple((m, counted) for m in fallback_models)
+    counted, estimated = _count(messages or [], model, estimate_factors, budget)
+    fallbacks = tuple(
+        (m, _count(messages or [], m, estimate_factors, budget)[0]) for m in fallback_models
+    )
+    return counted, estimated, fallbacks
+
+
+def _fallback_models(model: str, fallback_models: Sequence[str] | None) -> tuple[str, ...]:
+    """The explicit fallback list, checked: bounded, distinct, never the requested model."""
+    if fallback_models is None:
+        return ()
+    if isinstance(fallback_models, str) or not isinstance(fallback_models, Sequence):
+        raise InvalidRequest("fallback_models must be a list of model names")
+    if len(fallback_models) > MAX_FALLBACK_MODELS:
+        raise InvalidRequest(f"fallback_models: at most {MAX_FALLBACK_MODELS} models")
+    for name in fallback_models:
+        check_model(name)
+    try:
+        check_model_list("fallback_models", list(fallback_models), requested=model)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from exc
+    return tuple(fallback_models)
 
 
 def _count(

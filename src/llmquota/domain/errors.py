@@ -46,6 +46,14 @@ class UnknownTenant(LimiterError):
     """No such tenant is registered."""
 
 
+class UnknownName(LimiterError):
+    """No plan, ceiling or other named object of that name."""
+
+
+class NameInUse(LimiterError):
+    """The named object is still in use (a plan with tenants on it)."""
+
+
 class UnknownReport(LimiterError):
     """No report function of that name (that this database role may run)."""
 

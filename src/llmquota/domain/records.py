@@ -18,6 +18,8 @@ from llmquota.domain.vocabulary import (
     FinishAction,
     FinishStatus,
     LimitKind,
+    Priority,
+    RefusalReason,
     Scope,
 )
 
@@ -35,6 +37,13 @@ class AdmitRequest:
     lease_seconds: int | None
     idempotency_key: str | None
     request_hash: str | None
+    # The priority asked for (None: the plan's); only an admin may raise it.
+    priority: Priority | None = None
+    priority_any: bool = False
+    # False: never degrade; None or True: degrade when fallbacks exist.
+    degrade: bool | None = None
+    # Explicit fallback models, in order, each with its own input count.
+    fallbacks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,21 @@ class AdmitDecision:
     remaining_requests: int | None
     remaining_in_flight: int | None
     tenant: TenantFigures
+    # The model admitted (a fallback when degraded) and its input count; for a
+    # refusal, the requested model.
+    model: str | None = None
+    input_tokens: int | None = None
+    degraded: bool = False
+    # Of the requested model's refusal (also when degraded): why, and which
+    # provider ceiling, with its utilization after the request.
+    reason: RefusalReason | None = None
+    ceiling: str | None = None
+    utilization: float | None = None
+    priority: Priority | None = None
+    plan: str | None = None
+    # What the caller could do instead, now: a smaller max_tokens, other models.
+    alt_max_tokens: int | None = None
+    alt_models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +181,16 @@ class AuditSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class StoredPolicy:
+    """A layer's effective policy as stored, with its version, plan and fallback list."""
+
+    policy: Policy
+    policy_version: int
+    plan: str | None = None
+    fallback_models: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class LayerStatus:
     """One layer's policy and balances, refilled to now."""
 
@@ -168,6 +202,7 @@ class LayerStatus:
     tokens: float | None
     requests: float | None
     in_flight: int
+    plan: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

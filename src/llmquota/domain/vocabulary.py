@@ -11,8 +11,29 @@ from typing import Literal
 # What a refusal names as the limit that bound.
 LimitKind = Literal["tokens", "requests", "concurrency"]
 # Which layer of the stack a limit belongs to.
-Scope = Literal["global", "tenant", "route"]
-SCOPES: tuple[Scope, ...] = ("global", "tenant", "route")
+Scope = Literal["global", "tenant", "route", "ceiling"]
+SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling")
+
+# Why a layer refused: it lacks what the request needs (capacity), or a
+# provider ceiling's shedding ladder keeps what is left for higher priorities.
+RefusalReason = Literal["capacity", "shed"]
+
+# A request's priority, from its tenant's plan: who keeps working when a
+# provider ceiling gets tight. Stored as its rank (0 .. 3).
+Priority = Literal["low", "normal", "high", "critical"]
+PRIORITIES: tuple[Priority, ...] = ("low", "normal", "high", "critical")
+DEFAULT_PRIORITY: Priority = "normal"
+
+
+def priority_rank(priority: Priority) -> int:
+    """The rank the database stores: low 0, normal 1, high 2, critical 3."""
+    return PRIORITIES.index(priority)
+
+
+def priority_of(rank: int) -> Priority:
+    """The priority of a stored rank."""
+    return PRIORITIES[rank]
+
 
 # What a layer does when the store cannot decide within the deadline:
 #   closed  refuse (503 limiter_unavailable, never a 429);

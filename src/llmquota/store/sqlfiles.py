@@ -68,12 +68,13 @@ def report_scripts() -> list[str]:
 
 
 # The repeatable scripts, in the order they are applied: the admission
-# functions, the ledger's, the reliability functions (which call
-# lq_lock_idempotency_keys of admission.sql), the reporting schema (the base
-# views first), and last the grants, which cover every function and view the
-# scripts before them define.
+# functions, the plans' and ceilings' (which call lq_refilled), the ledger's,
+# the reliability functions (which call lq_lock_idempotency_keys of
+# admission.sql), the reporting schema (the base views first), and last the
+# grants, which cover every function and view the scripts before them define.
 REPEATABLE_SCRIPTS = (
     "admission.sql",
+    "plans.sql",
     "ledger.sql",
     "reliability.sql",
     "reports/*.sql",

@@ -32,11 +32,13 @@ from llmquota.domain.records import (
     LayerStatus,
     OutageAdmissionRecord,
     PolicySnapshotRows,
-    TenantFigures,
+    StoredPolicy,
     UsageTotals,
 )
 from llmquota.domain.vocabulary import Scope
+from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
+from llmquota.store.decisions import admit_arguments, admit_decision
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import queries
 
@@ -52,6 +54,8 @@ class Store:
     ) -> None:
         self._pool = pool
         self._sql = queries()
+        # Plans, tenant policies on them, provider ceilings (store/catalog.py).
+        self.catalog = Catalog(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
         self._admission_synchronous_commit = admission_synchronous_commit
 
@@ -98,49 +102,14 @@ class Store:
         With admission_synchronous_commit off, the statement's commit does not
         wait for the WAL flush (see admit_without_flush in queries.sql).
         """
-        arrays = (
-            [r.tenant for r in requests],
-            [r.route for r in requests],
-            [r.model for r in requests],
-            [r.input_tokens for r in requests],
-            [r.max_tokens for r in requests],
-            [r.input_estimated for r in requests],
-            [r.lease_seconds for r in requests],
-            [r.idempotency_key for r in requests],
-            [r.request_hash for r in requests],
-        )
-        args = (*arrays, self._concurrency_retry_ms)
+        args = admit_arguments(requests, self._concurrency_retry_ms)
         if self._admission_synchronous_commit:
             rows = await self._fetch("admit", *args, deadline_seconds=deadline_seconds)
         else:
             rows = await self._fetch(
                 "admit_without_flush", *args, deadline_seconds=deadline_seconds
             )
-        return [
-            AdmitDecision(
-                status=row["status"],
-                reservation_id=row["reservation_id"],
-                reserved_tokens=row["reserved_tokens"],
-                lease_expires_at=row["lease_expires_at"],
-                lease_generation=row["lease_generation"],
-                limit_kind=row["limit_kind"],
-                limit_scope=row["limit_scope"],
-                retry_after_ms=row["retry_after_ms"],
-                capacity=row["capacity"],
-                remaining_tokens=row["remaining_tokens"],
-                remaining_requests=row["remaining_requests"],
-                remaining_in_flight=row["remaining_in_flight"],
-                tenant=TenantFigures(
-                    tokens_per_minute=row["tenant_tokens_per_minute"],
-                    token_burst=row["tenant_token_burst"],
-                    tokens=row["tenant_tokens"],
-                    requests_per_minute=row["tenant_requests_per_minute"],
-                    request_burst=row["tenant_request_burst"],
-                    requests=row["tenant_requests"],
-                ),
-            )
-            for row in rows
-        ]
+        return [admit_decision(row) for row in rows]
 
     async def finish(
         self, requests: Sequence[FinishRequest], *, deadline_seconds: float | None = None
@@ -292,9 +261,23 @@ class Store:
         route: str | None,
         policy: Policy,
         *,
+        fallback_models: Sequence[str] = (),
         deadline_seconds: float | None = None,
     ) -> int:
-        """Create or replace a layer's policy; returns its policy version."""
+        """Create or replace a layer's policy; returns its policy version.
+
+        A tenant's goes through the catalog with the fields the policy was
+        given (no plan): the same row a tenant policy on no plan gets.
+        """
+        if scope == "tenant" and tenant is not None:
+            own = policy.model_dump(include=policy.model_fields_set, exclude_none=True)
+            if fallback_models:
+                own["fallback_models"] = list(fallback_models)
+            version = await self.catalog.put_tenant_policy(
+                tenant, None, own, deadline_seconds=deadline_seconds
+            )
+            assert version is not None  # no plan to miss
+            return version
         p = policy.resolved()
         rows = await self._fetch(
             "put_policy",
@@ -308,6 +291,7 @@ class Store:
             p.max_in_flight,
             p.lease_seconds,
             p.failure_mode,
+            list(fallback_models),
             deadline_seconds=deadline_seconds,
         )
         return int(rows[0]["policy_version"])
@@ -319,15 +303,20 @@ class Store:
         route: str | None,
         *,
         deadline_seconds: float | None = None,
-    ) -> tuple[Policy, int] | None:
-        """A layer's policy and version, or None when the layer has none."""
+    ) -> StoredPolicy | None:
+        """A layer's effective policy and version, or None when the layer has none."""
         rows = await self._fetch(
             "get_policy", scope, tenant, route, deadline_seconds=deadline_seconds
         )
         if not rows:
             return None
         row = rows[0]
-        return _policy_from_row(row), int(row["policy_version"])
+        return StoredPolicy(
+            policy=_policy_from_row(row),
+            policy_version=int(row["policy_version"]),
+            plan=row["plan"],
+            fallback_models=tuple(row["fallback_models"]),
+        )
 
     async def ensure_tenant(self, tenant: str, *, deadline_seconds: float | None = None) -> None:
         """Register a tenant if it is new."""
@@ -380,6 +369,7 @@ class Store:
                 tokens=row["tokens"],
                 requests=row["requests"],
                 in_flight=int(row["in_flight"]),
+                plan=row["plan"],
             )
             for row in rows
         ]

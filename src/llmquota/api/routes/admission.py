@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from llmquota.admission.reservation import Admission
 from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
 from llmquota.api.headers import rate_limit_headers
-from llmquota.api.refusals import refusal_response
+from llmquota.api.refusals import refusal_cause, refusal_response
 from llmquota.api.schemas import (
     AdmitBody,
     AdmitResponse,
@@ -47,6 +47,10 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
         input_tokens=body.input_tokens,
         lease_seconds=body.lease_seconds,
         idempotency_key=body.idempotency_key,
+        priority=body.priority,
+        priority_any=caller.is_admin,
+        fallback_models=body.fallback_models,
+        degrade=body.degrade,
     )
     admission = await limiter.decide(prepared)
     headers = rate_limit_headers(admission.decision.tenant)
@@ -58,17 +62,17 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
         return refused
     admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
     return JSONResponse(
-        _admitted(admission).model_dump(mode="json"), status_code=201, headers=headers
+        _admitted(admission, body.model).model_dump(mode="json"), status_code=201, headers=headers
     )
 
 
-def _admitted(admission: Admission) -> AdmitResponse:
+def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
     d = admission.decision
     assert d.reservation_id is not None and d.lease_expires_at is not None
     return AdmitResponse(
         reservation_id=str(d.reservation_id),
         reserved_tokens=int(d.reserved_tokens or 0),
-        input_tokens=admission.input_tokens,
+        input_tokens=d.input_tokens if d.input_tokens is not None else admission.input_tokens,
         input_estimated=admission.input_estimated,
         lease_expires_at=d.lease_expires_at,
         lease_generation=int(d.lease_generation or 1),
@@ -77,6 +81,11 @@ def _admitted(admission: Admission) -> AdmitResponse:
             requests=d.remaining_requests,
             in_flight=d.remaining_in_flight,
         ),
+        model=d.model or requested_model,
+        degraded=d.degraded,
+        degraded_from=requested_model if d.degraded else None,
+        degraded_because=refusal_cause(d) if d.degraded and d.limit_kind else None,
+        priority=d.priority,
     )
 
 

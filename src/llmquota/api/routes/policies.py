@@ -14,37 +14,53 @@ from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, TenantName
 from llmquota.api.schemas import PolicyBody, PolicyResponse
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.policy import Policy
+from llmquota.domain.records import StoredPolicy
 from llmquota.domain.vocabulary import Scope
 
 router = APIRouter(tags=["policies"])
 
 
 def _policy(body: PolicyBody) -> Policy:
-    fields = body.model_dump(exclude_none=True)
+    fields = body.model_dump(exclude_none=True, exclude={"plan", "fallback_models"})
     try:
         return Policy(**fields)
     except ValueError as exc:
         raise InvalidRequest(str(exc).replace("\n", " ")) from exc
 
 
-def policy_response(policy: Policy, version: int) -> PolicyResponse:
-    """A policy as the API shows it: every limit resolved, with its version."""
-    resolved = policy.resolved()
-    return PolicyResponse(**resolved.model_dump(), policy_version=version)
+def policy_response(stored: StoredPolicy) -> PolicyResponse:
+    """A policy as the API shows it: every limit resolved, with its version and plan."""
+    resolved = stored.policy.resolved()
+    return PolicyResponse(
+        **resolved.model_dump(),
+        policy_version=stored.policy_version,
+        plan=stored.plan,
+        fallback_models=list(stored.fallback_models),
+    )
 
 
 async def _put(
     admin: AdminService, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
 ) -> PolicyResponse:
-    policy = _policy(body)
-    version = await admin.put_policy(scope, tenant, route, policy)
-    return policy_response(policy, version)
+    if body.plan is not None and scope != "tenant":
+        raise InvalidRequest("plan: only a tenant policy may name a plan")
+    if body.fallback_models is not None and scope == "global":
+        raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
+    policy = _policy(body)  # checks the limits whatever the plan adds
+    if scope == "tenant" and tenant is not None:
+        own = body.model_dump(exclude_none=True, exclude={"plan"})
+        await admin.put_tenant_policy(tenant, body.plan, own)
+    else:
+        await admin.put_policy(
+            scope, tenant, route, policy, fallback_models=body.fallback_models or ()
+        )
+    return await _get(admin, scope, tenant, route)
 
 
 async def _get(
     admin: AdminService, scope: Scope, tenant: str | None, route: str | None
 ) -> PolicyResponse:
-    return policy_response(*await admin.get_policy(scope, tenant, route))
+    return policy_response(await admin.get_policy(scope, tenant, route))
 
 
 @router.put("/v1/policies/global", response_model=PolicyResponse)

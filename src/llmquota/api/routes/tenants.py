@@ -23,7 +23,7 @@ from llmquota.api.auth import Caller
 from llmquota.api.dependencies import AdminDep, CallerDep, LimiterDep, TenantName
 from llmquota.api.routes.policies import policy_response
 from llmquota.api.schemas import KeyResponse, LayerStatusResponse, StatusResponse, UsageResponse
-from llmquota.domain.records import LayerStatus
+from llmquota.domain.records import LayerStatus, StoredPolicy
 from llmquota.domain.refusals import binding_retry_ms, seconds_until_full
 
 router = APIRouter(tags=["tenants"])
@@ -51,8 +51,11 @@ async def tenant_status(
     caller.require_tenant(tenant)
     layers = await admin.tenant_status(tenant)
     retry_ms = limiter.settings.concurrency_retry_ms
+    plan = next((layer.plan for layer in layers if layer.scope == "tenant"), None)
     return StatusResponse(
-        tenant=tenant, layers=[_layer_status(layer, caller, retry_ms) for layer in layers]
+        tenant=tenant,
+        plan=plan,
+        layers=[_layer_status(layer, caller, retry_ms) for layer in layers],
     )
 
 
@@ -75,7 +78,7 @@ def _layer_status(layer: LayerStatus, caller: Caller, retry_ms: int) -> LayerSta
     return LayerStatusResponse(
         scope=layer.scope,
         route=layer.route,
-        limits=policy_response(layer.policy, layer.policy_version),
+        limits=policy_response(StoredPolicy(layer.policy, layer.policy_version, layer.plan)),
         remaining_tokens=None if layer.tokens is None else math.floor(layer.tokens),
         remaining_requests=None if layer.requests is None else math.floor(layer.requests),
         in_flight=layer.in_flight,

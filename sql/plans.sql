@@ -1,0 +1,225 @@
+-- Plans (tiers) and provider ceilings: the administration side.
+--
+-- A tenant layer keeps two things: `own_policy`, the fields its own policy
+-- set (a jsonb object of only those), and `plan`. Its limit columns are the
+-- effective ones, what lq_admit reads: each field from the tenant's own
+-- policy where it set it, else from the plan. A token (request) rate and its
+-- burst travel together: a tenant that sets tokens_per_minute takes its own
+-- token_burst (default: the rate), never the plan's. Whenever a tenant's
+-- policy or its plan changes, lq_materialize_layers recomputes the effective
+-- columns, so admission never joins plans on its hot path.
+--
+-- A provider ceiling is a limit_layers row of scope 'ceiling' (see migration
+-- 0008); these functions only write it.
+
+
+-- Recompute the effective limits of tenant layers from their own policy and
+-- their plan, in one statement, with the same balance rule as put_policy: the
+-- balance refills under the old rules up to now, then is clamped to the new
+-- capacity; a limit that did not exist before starts full. Every layer
+-- changed gets a new policy_version. The layers are locked in layer_id order
+-- first, the order admission locks them in, so a plan change over many
+-- tenants cannot deadlock with a batch of admissions.
+CREATE OR REPLACE FUNCTION lq_materialize_layers(p_layer_ids bigint[])
+RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts  timestamptz;
+    changed integer;
+BEGIN
+    PERFORM 1 FROM limit_layers
+      WHERE layer_id = ANY (p_layer_ids)
+      ORDER BY layer_id
+        FOR UPDATE;
+    now_ts := clock_timestamp();
+
+    UPDATE limit_layers AS l
+       SET tokens_per_minute   = e.tpm,
+           token_burst         = e.tburst,
+           requests_per_minute = e.rpm,
+           request_burst       = e.rburst,
+           max_in_flight       = e.max_if,
+           lease_seconds       = e.lease,
+           failure_mode        = e.failure_mode,
+           priority            = e.priority,
+           fallback_models     = e.fallback_models,
+           policy_version      = nextval('policy_version_seq'),
+           tokens = CASE
+               WHEN e.tpm IS NULL THEN NULL
+               WHEN l.tokens IS NULL THEN e.tburst
+               ELSE least(e.tburst, lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
+                                                l.refilled_at, now_ts))
+           END,
+           requests = CASE
+               WHEN e.rpm IS NULL THEN NULL
+               WHEN l.requests IS NULL THEN e.rburst
+               ELSE least(e.rburst, lq_refilled(l.requests, l.requests_per_minute,
+                                                l.request_burst, l.refilled_at, now_ts))
+           END,
+           refilled_at = greatest(l.refilled_at, now_ts)
+      FROM (SELECT x.layer_id,
+                   CASE WHEN own ? 'tokens_per_minute' THEN (own ->> 'tokens_per_minute')::bigint
+                        ELSE p.tokens_per_minute END AS tpm,
+                   CASE WHEN own ? 'tokens_per_minute'
+                        THEN coalesce((own ->> 'token_burst')::bigint,
+                                      (own ->> 'tokens_per_minute')::bigint)
+                        ELSE p.token_burst END AS tburst,
+                   CASE WHEN own ? 'requests_per_minute' THEN (own ->> 'requests_per_minute')::bigint
+                        ELSE p.requests_per_minute END AS rpm,
+                   CASE WHEN own ? 'requests_per_minute'
+                        THEN coalesce((own ->> 'request_burst')::bigint,
+                                      (own ->> 'requests_per_minute')::bigint)
+                        ELSE p.request_burst END AS rburst,
+                   coalesce((own ->> 'max_in_flight')::integer, p.max_in_flight) AS max_if,
+                   coalesce((own ->> 'lease_seconds')::integer, p.lease_seconds, 120) AS lease,
+                   coalesce(own ->> 'failure_mode', p.failure_mode, 'closed') AS failure_mode,
+                   coalesce(p.priority, 1::smallint) AS priority,
+                   CASE WHEN own ? 'fallback_models'
+                        THEN ARRAY(SELECT jsonb_array_elements_text(own -> 'fallback_models'))
+                        ELSE coalesce(p.fallback_models, '{}') END AS fallback_models
+              FROM limit_layers AS x
+                   CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
+                   LEFT JOIN plans AS p ON p.plan = x.plan
+             WHERE x.layer_id = ANY (p_layer_ids)
+               AND x.scope = 'tenant') AS e
+     WHERE l.layer_id = e.layer_id;
+    GET DIAGNOSTICS changed = ROW_COUNT;
+    RETURN changed;
+END
+$$;
+
+
+-- Set a tenant's own policy and plan (registering the tenant if new), then
+-- its effective limits. The plan row is read FOR SHARE: a concurrent change
+-- of that plan waits for this transaction, or this one for it, and the one
+-- that runs second sees the other's commit, so no tenant keeps a plan's old
+-- figures. Returns the new policy_version; NULL when the plan does not exist.
+CREATE OR REPLACE FUNCTION lq_put_tenant_policy(p_tenant text, p_plan text, p_own jsonb)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    layer   bigint;
+    version bigint;
+BEGIN
+    IF p_plan IS NOT NULL THEN
+        PERFORM 1 FROM plans WHERE plan = p_plan FOR SHARE;
+        IF NOT FOUND THEN
+            RETURN NULL;
+        END IF;
+    END IF;
+    INSERT INTO tenants (tenant) VALUES (p_tenant) ON CONFLICT DO NOTHING;
+    INSERT INTO limit_layers AS l (scope, tenant, own_policy, plan)
+    VALUES ('tenant', p_tenant, p_own, p_plan)
+    ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
+       SET own_policy = excluded.own_policy,
+           plan = excluded.plan
+    RETURNING l.layer_id INTO layer;
+    PERFORM lq_materialize_layers(ARRAY[layer]);
+    SELECT policy_version INTO version FROM limit_layers WHERE layer_id = layer;
+    RETURN version;
+END
+$$;
+
+
+-- Create or replace a plan and, in the same transaction, recompute every
+-- tenant on it: a plan change reaches all its tenants at once, each with a
+-- new policy_version. Returns how many tenants were changed.
+CREATE OR REPLACE FUNCTION lq_put_plan(
+    p_plan            text,
+    p_priority        smallint,
+    p_tpm             bigint,
+    p_tburst          bigint,
+    p_rpm             bigint,
+    p_rburst          bigint,
+    p_max_in_flight   integer,
+    p_lease_seconds   integer,
+    p_failure_mode    text,
+    p_fallback_models text[]
+) RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    members bigint[];
+BEGIN
+    INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
+                            request_burst, max_in_flight, lease_seconds, failure_mode,
+                            fallback_models)
+    VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
+            p_lease_seconds, p_failure_mode, p_fallback_models)
+    ON CONFLICT (plan) DO UPDATE
+       SET priority = excluded.priority,
+           tokens_per_minute = excluded.tokens_per_minute,
+           token_burst = excluded.token_burst,
+           requests_per_minute = excluded.requests_per_minute,
+           request_burst = excluded.request_burst,
+           max_in_flight = excluded.max_in_flight,
+           lease_seconds = excluded.lease_seconds,
+           failure_mode = excluded.failure_mode,
+           fallback_models = excluded.fallback_models,
+           updated_at = clock_timestamp();
+    -- A new statement: it sees every tenant that joined the plan and committed
+    -- while this transaction waited for the plan row.
+    SELECT array_agg(layer_id ORDER BY layer_id) INTO members
+      FROM limit_layers
+     WHERE plan = p_plan AND scope = 'tenant';
+    RETURN coalesce(lq_materialize_layers(members), 0);
+END
+$$;
+
+
+-- Create or replace a provider ceiling: a shared layer passed by every
+-- request whose model matches one of `p_models` (names and * globs). The
+-- balance rule is put_policy's. The ladder arrays are parallel (see
+-- migration 0008); the admin service validated them.
+CREATE OR REPLACE FUNCTION lq_put_ceiling(
+    p_ceiling        text,
+    p_models         text[],
+    p_tpm            bigint,
+    p_tburst         bigint,
+    p_rpm            bigint,
+    p_rburst         bigint,
+    p_max_in_flight  integer,
+    p_shed_above     double precision[],
+    p_shed_admit     smallint[],
+    p_shed_small     bigint[]
+) RETURNS bigint
+LANGUAGE sql
+AS $$
+    INSERT INTO limit_layers AS l (scope, ceiling, models, model_patterns, tokens_per_minute,
+                                   token_burst, requests_per_minute, request_burst,
+                                   max_in_flight, shed_above, shed_admit, shed_small,
+                                   tokens, requests)
+    VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
+            p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
+            p_tburst, p_rburst)
+    ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
+       SET models = excluded.models,
+           model_patterns = excluded.model_patterns,
+           tokens_per_minute = excluded.tokens_per_minute,
+           token_burst = excluded.token_burst,
+           requests_per_minute = excluded.requests_per_minute,
+           request_burst = excluded.request_burst,
+           max_in_flight = excluded.max_in_flight,
+           shed_above = excluded.shed_above,
+           shed_admit = excluded.shed_admit,
+           shed_small = excluded.shed_small,
+           policy_version = nextval('policy_version_seq'),
+           tokens = CASE
+               WHEN excluded.tokens_per_minute IS NULL THEN NULL
+               WHEN l.tokens IS NULL THEN excluded.token_burst
+               ELSE least(excluded.token_burst,
+                          lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
+                                      l.refilled_at, clock_timestamp()))
+           END,
+           requests = CASE
+               WHEN excluded.requests_per_minute IS NULL THEN NULL
+               WHEN l.requests IS NULL THEN excluded.request_burst
+               ELSE least(excluded.request_burst,
+                          lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
+                                      l.refilled_at, clock_timestamp()))
+           END,
+           refilled_at = greatest(l.refilled_at, clock_timestamp())
+    RETURNING l.policy_version
+$$;

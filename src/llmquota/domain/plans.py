@@ -1,0 +1,161 @@
+"""Plans (tiers) and provider ceilings, validated before anything is stored.
+
+Pure code. A plan is a policy with a priority and a default fallback list:
+tenants on it take every field their own policy leaves out from it. A
+provider ceiling is the provider's own limit on the whole account for some
+models, shared by every tenant, with a shedding ladder that keeps the last
+of it for the higher priorities.
+
+The ladder, read as floors: a step `{"above": a, "admit": [...]}` lets a
+priority it does not admit take the ceiling's utilization up to `a` at most,
+that is leave at least (1 - a) x token_burst of it. Each priority's floor is
+the highest its steps impose; a request whose reserved tokens are under a
+step's `small_request_tokens` is exempt from that step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Annotated, Self
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+
+from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
+from llmquota.domain.validation import MAX_MODEL_NAME_CHARS, storable_text_problem
+from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, priority_rank
+
+MAX_FALLBACK_MODELS = 8
+MAX_CEILING_MODELS = 64
+MAX_SHED_STEPS = 8
+
+ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
+
+
+def check_model_list(field: str, models: list[str], *, requested: str | None = None) -> None:
+    """A list of model names: storable, no duplicates, not the requested model."""
+    seen: set[str] = set()
+    for model in models:
+        problem = storable_text_problem(model)
+        if problem is not None:
+            raise ValueError(f"{field}: {problem}")
+        if model in seen:
+            raise ValueError(f"{field} names {model!r} twice")
+        if requested is not None and model == requested:
+            raise ValueError(f"{field} must not name the requested model {model!r}")
+        seen.add(model)
+
+
+class Plan(Policy):
+    """A tier: limits, a priority, and the fallback models its tenants degrade to."""
+
+    priority: Priority = DEFAULT_PRIORITY
+    fallback_models: Annotated[
+        list[ModelName], Field(max_length=MAX_FALLBACK_MODELS, default_factory=list)
+    ]
+
+    @model_validator(mode="after")
+    def _models_are_distinct(self) -> Self:
+        check_model_list("fallback_models", self.fallback_models)
+        return self
+
+
+class ShedStep(BaseModel):
+    """One step of a ceiling's ladder: above `above`, only `admit` (or small requests) pass."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    above: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1)]
+    admit: Annotated[list[Priority], Field(min_length=1, max_length=len(PRIORITIES))]
+    small_request_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+    @property
+    def admit_mask(self) -> int:
+        """The admitted priorities as a bit mask of their ranks (what SQL stores)."""
+        return sum(1 << priority_rank(p) for p in set(self.admit))
+
+
+class Ceiling(BaseModel):
+    """A provider's limit on the whole account for the models it names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_CEILING_MODELS)]
+    tokens_per_minute: TokenRate | None = None
+    token_burst: TokenRate | None = None
+    requests_per_minute: RequestRate | None = None
+    request_burst: RequestRate | None = None
+    max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    shed: Annotated[list[ShedStep], Field(max_length=MAX_SHED_STEPS, default_factory=list)]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        check_model_list("models", self.models)
+        for model in self.models:
+            if re.search(r"\*\*", model):
+                raise ValueError(f"models: {model!r} has an empty run of '*'")
+        if self.token_burst is not None and self.tokens_per_minute is None:
+            raise ValueError("token_burst needs tokens_per_minute (the refill rate)")
+        if self.request_burst is not None and self.requests_per_minute is None:
+            raise ValueError("request_burst needs requests_per_minute (the refill rate)")
+        if self.shed and self.tokens_per_minute is None:
+            raise ValueError("shed: a ladder needs tokens_per_minute (it sheds by tokens)")
+        aboves = [float(step.above) for step in self.shed]
+        if any(b <= a for a, b in itertools.pairwise(aboves)):
+            raise ValueError("shed: steps must be in increasing order of 'above'")
+        return self
+
+    @property
+    def effective_token_burst(self) -> int | None:
+        """Capacity of the token bucket; defaults to one minute of refill."""
+        return self.token_burst if self.token_burst is not None else self.tokens_per_minute
+
+    @property
+    def effective_request_burst(self) -> int | None:
+        """Capacity of the request bucket; defaults to one minute of refill."""
+        if self.request_burst is not None:
+            return self.request_burst
+        return self.requests_per_minute
+
+    def floor_tokens(self, priority: Priority, reserved_tokens: int) -> float:
+        """The balance a request of this priority and size may not take the ceiling below."""
+        burst = self.effective_token_burst
+        if burst is None:
+            return 0.0
+        floors = [
+            (1 - float(step.above)) * burst
+            for step in self.shed
+            if priority not in step.admit
+            and (step.small_request_tokens is None or reserved_tokens >= step.small_request_tokens)
+        ]
+        return max(floors, default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPlan:
+    """A plan and how many tenants are on it."""
+
+    name: str
+    plan: Plan
+    tenants: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCeiling:
+    """A provider ceiling with its balances refilled to now."""
+
+    name: str
+    ceiling: Ceiling
+    policy_version: int
+    tokens: float | None
+    requests: float | None
+    in_flight: int
+
+    @property
+    def utilization(self) -> float | None:
+        """The share of the token burst in use now (1 - balance / burst)."""
+        burst = self.ceiling.effective_token_burst
+        if burst is None or self.tokens is None:
+            return None
+        return max(0.0, 1.0 - self.tokens / burst)

@@ -1,0 +1,154 @@
+"""Plans, tenant policies on them, and provider ceilings: their statements.
+
+The same thin connector as the Store (one named statement per method, one
+round trip, typed records back), for the administration of the layers that
+the admission statement reads. The atomic work (recomputing every tenant of
+a plan in the plan's transaction) is in sql/plans.sql.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
+from llmquota.domain.vocabulary import PRIORITIES, priority_of, priority_rank
+from llmquota.store.connection import Row
+from llmquota.store.pool import DeadlinePool
+
+
+class Catalog:
+    """Typed access to the plan and ceiling statements."""
+
+    def __init__(self, pool: DeadlinePool, sql: dict[str, str]) -> None:
+        self._pool = pool
+        self._sql = sql
+
+    async def _fetch(self, name: str, *args: Any, deadline_seconds: float | None) -> list[Row]:
+        return await self._pool.fetch(self._sql[name], args, deadline_seconds=deadline_seconds)
+
+    async def put_tenant_policy(
+        self,
+        tenant: str,
+        plan: str | None,
+        own: dict[str, Any],
+        *,
+        deadline_seconds: float | None = None,
+    ) -> int | None:
+        """Set a tenant's own fields and plan; its policy version, None for an unknown plan."""
+        rows = await self._fetch(
+            "put_tenant_policy", tenant, plan, json.dumps(own), deadline_seconds=deadline_seconds
+        )
+        version = rows[0]["policy_version"]
+        return None if version is None else int(version)
+
+    async def put_plan(
+        self, name: str, plan: Plan, *, deadline_seconds: float | None = None
+    ) -> int:
+        """Create or replace a plan; how many tenants it changed."""
+        p = plan.resolved()
+        rows = await self._fetch(
+            "put_plan",
+            name,
+            priority_rank(plan.priority),
+            p.tokens_per_minute,
+            p.token_burst,
+            p.requests_per_minute,
+            p.request_burst,
+            p.max_in_flight,
+            p.lease_seconds,
+            p.failure_mode,
+            list(plan.fallback_models),
+            deadline_seconds=deadline_seconds,
+        )
+        return int(rows[0]["tenants"])
+
+    async def get_plans(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredPlan]:
+        """One plan (or none), or every plan when `name` is None."""
+        rows = await self._fetch("get_plans", name, deadline_seconds=deadline_seconds)
+        return [
+            StoredPlan(
+                name=row["plan"],
+                plan=Plan(
+                    priority=priority_of(row["priority"]),
+                    tokens_per_minute=row["tokens_per_minute"],
+                    token_burst=row["token_burst"],
+                    requests_per_minute=row["requests_per_minute"],
+                    request_burst=row["request_burst"],
+                    max_in_flight=row["max_in_flight"],
+                    lease_seconds=row["lease_seconds"],
+                    failure_mode=row["failure_mode"],
+                    fallback_models=list(row["fallback_models"]),
+                ),
+                tenants=int(row["tenants"]),
+            )
+            for row in rows
+        ]
+
+    async def delete_plan(self, name: str, *, deadline_seconds: float | None = None) -> str:
+        """'deleted', 'in_use' (tenants are on it) or 'not_found'."""
+        rows = await self._fetch("delete_plan", name, deadline_seconds=deadline_seconds)
+        return str(rows[0]["status"])
+
+    async def put_ceiling(
+        self, name: str, ceiling: Ceiling, *, deadline_seconds: float | None = None
+    ) -> int:
+        """Create or replace a provider ceiling; its policy version."""
+        rows = await self._fetch(
+            "put_ceiling",
+            name,
+            list(ceiling.models),
+            ceiling.tokens_per_minute,
+            ceiling.effective_token_burst,
+            ceiling.requests_per_minute,
+            ceiling.effective_request_burst,
+            ceiling.max_in_flight,
+            [float(step.above) for step in ceiling.shed],
+            [step.admit_mask for step in ceiling.shed],
+            [step.small_request_tokens for step in ceiling.shed],
+            deadline_seconds=deadline_seconds,
+        )
+        return int(rows[0]["policy_version"])
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]:
+        """One ceiling (or none), or every ceiling when `name` is None."""
+        rows = await self._fetch("get_ceilings", name, deadline_seconds=deadline_seconds)
+        return [_stored_ceiling(row) for row in rows]
+
+    async def delete_ceiling(self, name: str, *, deadline_seconds: float | None = None) -> bool:
+        """Delete a ceiling; whether it existed."""
+        rows = await self._fetch("delete_ceiling", name, deadline_seconds=deadline_seconds)
+        return bool(rows)
+
+
+def _stored_ceiling(row: Row) -> StoredCeiling:
+    steps = [
+        ShedStep(
+            above=above,
+            admit=[p for p in PRIORITIES if mask >> priority_rank(p) & 1],
+            small_request_tokens=small,
+        )
+        for above, mask, small in zip(
+            row["shed_above"] or (), row["shed_admit"] or (), row["shed_small"] or (), strict=True
+        )
+    ]
+    return StoredCeiling(
+        name=row["ceiling"],
+        ceiling=Ceiling(
+            models=list(row["models"]),
+            tokens_per_minute=row["tokens_per_minute"],
+            token_burst=row["token_burst"],
+            requests_per_minute=row["requests_per_minute"],
+            request_burst=row["request_burst"],
+            max_in_flight=row["max_in_flight"],
+            shed=steps,
+        ),
+        policy_version=int(row["policy_version"]),
+        tokens=row["tokens"],
+        requests=row["requests"],
+        in_flight=int(row["in_flight"]),
+    )
