@@ -47,7 +47,8 @@ CREATE TABLE plans (
     updated_at           timestamptz NOT NULL DEFAULT now()
 );
 COMMENT ON TABLE plans IS
-    'tiers: limits a tenant takes where its own policy is silent, and a priority (0 low .. 3 critical)';
+    'tiers: limits a tenant takes where its own policy is silent, '
+    'and a priority (0 low .. 3 critical)';
 
 ALTER TABLE limit_layers
     DROP CONSTRAINT limit_layers_scope_check,
