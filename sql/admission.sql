@@ -961,11 +961,13 @@ BEGIN
     END LOOP;
 
     -- (4) Layers: each credit goes to every layer its reservation debited;
-    -- a shared layer (global, a provider ceiling) gets the capped one. A layer's scope never
+    -- the global layer gets the capped one. A provider ceiling takes the
+    -- full charge: it mirrors what the provider itself counts against the
+    -- account, and refills within its own minute. A layer's scope never
     -- changes, so reading it unlocked is safe; lq_credit_layers locks the
     -- layers in layer_id order, after the reservations.
     PERFORM lq_credit_layers(array_agg(l.layer_id),
-                             array_agg(CASE WHEN ll.scope IN ('global', 'ceiling') THEN c.shared ELSE c.tokens END),
+                             array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END),
                              array_agg(c.reqs), array_agg(c.permits))
        FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits) AS c(i, tokens, shared, reqs, permits)
             CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id)
