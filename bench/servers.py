@@ -1,10 +1,11 @@
 """The servers a bench run needs, started on loopback and stopped when it ends.
 
-PostgreSQL is Debian's PostgreSQL 15 when installed (the issue's reference
-numbers were measured on it, synchronous_commit on), else the project's
-embedded PostgreSQL. Redis is Debian's redis-server when installed; without
-it the Redis columns are skipped and the report says so. Both run with their
-stock durability settings except where a comparison says otherwise.
+PostgreSQL is Debian's PostgreSQL 15 (the issue's reference numbers were
+measured on it, synchronous_commit on), or the project's embedded PostgreSQL
+with --postgres embedded. Redis is Debian's redis-server. `ensure_tools`
+installs what is missing through bench/setup.sh (apt-get), so nothing is
+skipped. Both run with their stock durability settings except where a
+comparison says otherwise.
 """
 
 from __future__ import annotations
