@@ -119,10 +119,18 @@ class LoadResult:
     p50_ms: float
     p99_ms: float
     failures: int
+    # This process's CPU time (every thread: a client's own I/O threads count)
+    # over the measured window.
+    cpu_seconds: float = math.nan
 
     @property
     def per_second(self) -> float:
         return self.calls / self.seconds if self.seconds else 0.0
+
+    @property
+    def cpu_us_per_call(self) -> float:
+        """Process CPU microseconds per completed call in the window."""
+        return self.cpu_seconds / self.calls * 1e6 if self.calls else math.nan
 
 
 async def closed_loop(
@@ -155,7 +163,15 @@ async def closed_loop(
                 latencies.append(time.perf_counter() - t0)
                 failures += not ok
 
-    await asyncio.gather(*(caller(i) for i in range(callers)))
+    cpu: list[float] = []
+
+    async def cpu_clock() -> None:
+        await asyncio.sleep(max(0.0, start - loop.time()))
+        cpu.append(time.process_time())
+        await asyncio.sleep(max(0.0, end - loop.time()))
+        cpu.append(time.process_time())
+
+    await asyncio.gather(cpu_clock(), *(caller(i) for i in range(callers)))
     latencies.sort()
     return LoadResult(
         calls=len(latencies),
@@ -163,6 +179,7 @@ async def closed_loop(
         p50_ms=percentile(latencies, 0.50) * 1_000,
         p99_ms=percentile(latencies, 0.99) * 1_000,
         failures=failures,
+        cpu_seconds=cpu[1] - cpu[0],
     )
 
 

@@ -21,7 +21,6 @@ from pathlib import Path
 from bench.servers import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
-WRK = shutil.which("wrk")
 WORKERS = 2
 ADMIN_KEY = "lq_bench_admin_key_0123456789abcdef"
 SERVER_START_TIMEOUT_S = 60.0
@@ -54,8 +53,12 @@ class HttpResult:
     non_2xx: int
 
 
-def wrk_available() -> bool:
-    return WRK is not None
+def wrk() -> str:
+    """wrk's path (bench/setup.sh installs it when missing)."""
+    path = shutil.which("wrk")
+    if path is None:
+        raise RuntimeError("wrk is not installed: run bench/setup.sh")
+    return path
 
 
 def _start(command: list[str], env: dict[str, str], port: int) -> subprocess.Popen[bytes]:
@@ -71,12 +74,12 @@ def _start(command: list[str], env: dict[str, str], port: int) -> subprocess.Pop
         wait_for_port("127.0.0.1", port, SERVER_START_TIMEOUT_S)
         time.sleep(1.0)  # both workers up, not only the first
     except BaseException:
-        _stop(process)
+        stop(process)
         raise
     return process
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
+def stop(process: subprocess.Popen[bytes]) -> None:
     # uvicorn's supervisor stops its workers on SIGINT; it leads its own session.
     if process.poll() is None:
         process.send_signal(signal.SIGINT)
@@ -87,7 +90,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def start_llmquota(dsn: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_llmquota(dsn: str, workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = {
         **os.environ,
@@ -97,17 +100,20 @@ def start_llmquota(dsn: str) -> tuple[subprocess.Popen[bytes], int]:
     }
     command = [
         str(Path(sys.executable).with_name("llmquota")),
-        *("serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(WORKERS)),
+        *("serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)),
     ]
     return _start(command, env, port), port
 
 
-def start_baseline(redis_host: str, redis_port: int) -> tuple[subprocess.Popen[bytes], int]:
+def start_baseline(
+    redis_host: str, redis_port: int, client: str
+) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     env = {
         **os.environ,
         "BENCH_REDIS_HOST": redis_host,
         "BENCH_REDIS_PORT": str(redis_port),
+        "BENCH_REDIS_CLIENT": client,
         "BENCH_ADMIN_KEY": ADMIN_KEY,
     }
     command = [
@@ -130,13 +136,12 @@ def run_wrk(
     port: int, *, system: str, workload: str, tenants: int, connections: int, seconds: float
 ) -> HttpResult:
     """One wrk run (1 thread, so the servers keep the cores); parse its report."""
-    assert WRK is not None
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(WRK_SCRIPT.format(key=ADMIN_KEY, tenants=tenants))
     try:
         out = subprocess.run(
             [
-                WRK,
+                wrk(),
                 *("-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency"),
                 *("-s", script.name, f"http://127.0.0.1:{port}/v1/admit"),
             ],
@@ -187,4 +192,4 @@ def measure(
             for name, count in workloads.items()
         ]
     finally:
-        _stop(process)
+        stop(process)

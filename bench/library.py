@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from bench import redis_lua
 from bench.common import (
     BENCH_DECISION_DEADLINE_MS,
     UNLIMITED_TOKENS_PER_MINUTE,
@@ -18,7 +19,6 @@ from bench.common import (
     closed_loop,
     reset_state,
 )
-from bench.redis_lua import RedisTokenBucket
 from llmquota import Limiter, RateLimited, Settings
 
 INPUT_TOKENS = 300
@@ -104,16 +104,22 @@ async def llmquota_point(
 
 
 async def redis_point(
-    host: str, port: int, *, workload: str, tenants: list[str], callers: int, seconds: float
+    host: str,
+    port: int,
+    client: redis_lua.Client,
+    *,
+    workload: str,
+    tenants: list[str],
+    callers: int,
+    seconds: float,
 ) -> Point:
-    bucket = RedisTokenBucket.connect(
-        host,
-        port,
+    limits = redis_lua.Limits(
         tenant_capacity=UNLIMITED_TOKENS_PER_MINUTE,
         tenant_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
         global_capacity=UNLIMITED_TOKENS_PER_MINUTE,
         global_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
     )
+    bucket = await redis_lua.connect(client, host, port, limits)
     await bucket.flush()
     picks = [tenant_picker(workload, tenants, seed) for seed in range(callers)]
     counters = [0] * callers
@@ -130,4 +136,4 @@ async def redis_point(
         result = await closed_loop(call, callers, seconds, warmup_s=min(1.0, seconds / 3))
     finally:
         await bucket.close()
-    return Point("redis-lua", workload, callers, result)
+    return Point(f"redis-lua, {client.name}", workload, callers, result)

@@ -1,10 +1,11 @@
 """The servers a bench run needs, started on loopback and stopped when it ends.
 
-PostgreSQL is Debian's PostgreSQL 15 when installed (the issue's reference
-numbers were measured on it, synchronous_commit on), else the project's
-embedded PostgreSQL. Redis is Debian's redis-server when installed; without
-it the Redis columns are skipped and the report says so. Both run with their
-stock durability settings except where a comparison says otherwise.
+PostgreSQL is Debian's PostgreSQL 15 (the issue's reference numbers were
+measured on it, synchronous_commit on), or the project's embedded PostgreSQL
+with --postgres embedded. Redis is Debian's redis-server. `ensure_tools`
+installs what is missing through bench/setup.sh (apt-get), so nothing is
+skipped. Both run with their stock durability settings except where a
+comparison says otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 PG15_BIN = Path("/usr/lib/postgresql/15/bin")
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_SERVER = "/usr/bin/redis-server"
 STARTUP_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 300
 
@@ -171,6 +172,29 @@ def pg15_available() -> bool:
 
 def redis_available() -> bool:
     return Path(REDIS_SERVER).exists()
+
+
+SETUP_SCRIPT = Path(__file__).with_name("setup.sh")
+
+
+def tools_missing() -> list[str]:
+    """The Debian tools a full run needs and this machine lacks."""
+    needed = {
+        "wrk": shutil.which("wrk") is not None,
+        "redis-server": redis_available(),
+        "pgbench": (PG15_BIN / "pgbench").exists(),
+    }
+    return [name for name, present in needed.items() if not present]
+
+
+def ensure_tools() -> None:
+    """Install what is missing (bench/setup.sh, apt-get); fail rather than skip a comparison."""
+    if not tools_missing():
+        return
+    subprocess.run(["bash", str(SETUP_SCRIPT)], check=True)
+    still = tools_missing()
+    if still:
+        raise SystemExit(f"bench: {', '.join(still)} missing after bench/setup.sh")
 
 
 @contextlib.contextmanager

@@ -52,9 +52,11 @@ class AdminService:
         )
 
     @classmethod
-    async def connect(cls, dsn: str) -> AdminService:
+    async def connect(cls, dsn: str, *, transaction_pooler: bool = False) -> AdminService:
         """A service over a pool of its own, of one connection (for the CLI)."""
-        return cls(await Store.connect(dsn, min_size=1, max_size=1))
+        return cls(
+            await Store.connect(dsn, min_size=1, max_size=1, transaction_pooler=transaction_pooler)
+        )
 
     async def close(self) -> None:
         """Close the store; only for a service that `connect` opened."""

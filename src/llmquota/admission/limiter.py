@@ -109,6 +109,7 @@ class Limiter:
             lock_timeout_ms=settings.lock_timeout_ms,
             concurrency_retry_ms=settings.concurrency_retry_ms,
             admission_synchronous_commit=settings.admission_synchronous_commit,
+            transaction_pooler=settings.transaction_pooler,
         )
         limiter = cls(store, settings)
         try:

@@ -42,7 +42,10 @@ def _run_on_connection(
 
     async def run(dsn: str) -> int:
         connection = await open_connection(
-            dsn, statement_timeout_ms=timeout_ms, lock_timeout_ms=settings.lock_timeout_ms
+            dsn,
+            statement_timeout_ms=timeout_ms,
+            lock_timeout_ms=settings.lock_timeout_ms,
+            transaction_pooler=settings.transaction_pooler and not reporting,
         )
         try:
             return await action(connection)

@@ -28,6 +28,7 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
             max_size=1,
             statement_timeout_ms=settings.statement_timeout_ms,
             lock_timeout_ms=settings.lock_timeout_ms,
+            transaction_pooler=settings.transaction_pooler,
         )
         sweeper = Sweeper(store, settings)
         try:
@@ -71,7 +72,9 @@ def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     from llmquota.store.store import Store
 
     async def run(dsn: str) -> int:
-        store = await Store.connect(dsn, min_size=1, max_size=1)
+        store = await Store.connect(
+            dsn, min_size=1, max_size=1, transaction_pooler=settings.transaction_pooler
+        )
         try:
             summary = await store.audit_summary()
             findings = await store.audit()

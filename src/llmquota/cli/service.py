@@ -31,7 +31,7 @@ async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
 
     if settings.admin_key:
         return None
-    admin = await AdminService.connect(dsn)
+    admin = await AdminService.connect(dsn, transaction_pooler=settings.transaction_pooler)
     try:
         return await admin.ensure_first_admin_key()
     finally:

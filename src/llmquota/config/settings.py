@@ -75,6 +75,12 @@ class Settings(BaseSettings):
     token_count_workers: int = Field(
         default=2, ge=1, le=64, description="threads counting big prompts, per worker"
     )
+    transaction_pooler: bool = Field(
+        default=False,
+        description="DATABASE_URL is a pooler in transaction mode (PgBouncer): no startup "
+        "parameters but application_name, no prepared-statement cache, no session reset; "
+        "the statement and lock timeouts are then the role's (docs/operations.md)",
+    )
     pool_min_size: int = Field(default=2, ge=1, le=100)
     pool_max_size: int = Field(default=10, ge=1, le=200)
     statement_timeout_ms: int = Field(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import asyncpg
 
@@ -70,21 +70,58 @@ def unavailable(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}")
 
 
+def session_options(
+    *,
+    statement_timeout_ms: int,
+    lock_timeout_ms: int,
+    transaction_pooler: bool,
+    application_name: str = "llmquota",
+    extra: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """asyncpg's connection arguments for a direct server or a transaction pooler.
+
+    Direct: the timeouts travel as startup parameters, and statements are
+    prepared once per connection and cached. Behind a pooler in transaction
+    mode (PgBouncer, `pool_mode = transaction`) a session is lent for one
+    transaction at a time, so nothing may live in it: PgBouncer refuses
+    startup parameters other than a few (application_name is one of them),
+    and Debian's PgBouncer 1.18 does not track prepared statements (1.21's
+    `max_prepared_statements` does), so a named statement prepared on one
+    server connection would be executed on another. There the statement cache
+    is off (asyncpg then uses the unnamed statement, parsed and executed within
+    one exchange), and the timeouts are the role's (`ALTER ROLE ... SET`, see
+    docs/operations.md), which no pooled session can lose.
+    """
+    if transaction_pooler:
+        return {
+            "server_settings": {"application_name": application_name},
+            "statement_cache_size": 0,
+        }
+    return {
+        "server_settings": {
+            "statement_timeout": str(statement_timeout_ms),
+            "lock_timeout": str(lock_timeout_ms),
+            "application_name": application_name,
+            **(extra or {}),
+        }
+    }
+
+
 async def open_connection(
     dsn: str,
     *,
     statement_timeout_ms: int,
     lock_timeout_ms: int,
     application_name: str = "llmquota",
+    transaction_pooler: bool = False,
 ) -> asyncpg.Connection:
     """One connection (for a CLI command) carrying the statement and lock timeouts."""
+    options = session_options(
+        statement_timeout_ms=statement_timeout_ms,
+        lock_timeout_ms=lock_timeout_ms,
+        transaction_pooler=transaction_pooler,
+        application_name=application_name,
+    )
     with translate_errors():
-        connection: asyncpg.Connection = await asyncpg.connect(
-            dsn,
-            server_settings={
-                "statement_timeout": str(statement_timeout_ms),
-                "lock_timeout": str(lock_timeout_ms),
-                "application_name": application_name,
-            },
-        )
+        connection: asyncpg.Connection = await asyncpg.connect(dsn, **options)
     return connection

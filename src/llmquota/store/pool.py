@@ -24,6 +24,7 @@ from llmquota.store.connection import (
     Connection,
     DatabaseError,
     Row,
+    session_options,
     translate_errors,
     translated,
     unavailable,
@@ -40,6 +41,25 @@ RELEASE_TIMEOUT_SECONDS = 1.0
 # How often a backend checks, during a long statement, that its client is still
 # there (PostgreSQL 14+); a client that gave up on its deadline frees its locks.
 CLIENT_CONNECTION_CHECK_MS = 1_000
+
+
+async def _no_reset(connection: asyncpg.Connection) -> None:
+    """Pool release behind a transaction pooler: there is no session state to reset."""
+
+
+async def _warn_without_role_timeouts(pool: asyncpg.Pool) -> None:
+    """Behind a pooler the timeouts are the role's; say so when they are missing."""
+    row = await pool.fetchrow(
+        "SELECT current_setting('statement_timeout') AS statement_timeout,"
+        " current_setting('lock_timeout') AS lock_timeout"
+    )
+    unset = [name for name in ("statement_timeout", "lock_timeout") if row[name] == "0"]
+    if unset:
+        log.warning(
+            "behind a transaction pooler, %s must be set on the role "
+            "(ALTER ROLE ... SET, see docs/operations.md); the server has none",
+            " and ".join(unset),
+        )
 
 
 class DeadlinePool:
@@ -59,20 +79,25 @@ class DeadlinePool:
         max_size: int,
         statement_timeout_ms: int,
         lock_timeout_ms: int,
+        transaction_pooler: bool = False,
     ) -> DeadlinePool:
-        """Open the pool."""
+        """Open the pool (behind a transaction pooler: see session_options)."""
+        options = session_options(
+            statement_timeout_ms=statement_timeout_ms,
+            lock_timeout_ms=lock_timeout_ms,
+            transaction_pooler=transaction_pooler,
+            extra={"client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS)},
+        )
+        if transaction_pooler:
+            # A pooled session holds nothing of ours (advisory locks are all
+            # transaction-scoped, no LISTEN, no cursor outlives its statement),
+            # and asyncpg's reset (RESET ALL and friends) would cost a round
+            # trip per release and undo what the pooler's own connect_query set.
+            options["reset"] = _no_reset
         with translate_errors():
-            pool = await asyncpg.create_pool(
-                dsn,
-                min_size=min_size,
-                max_size=max_size,
-                server_settings={
-                    "statement_timeout": str(statement_timeout_ms),
-                    "lock_timeout": str(lock_timeout_ms),
-                    "client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS),
-                    "application_name": "llmquota",
-                },
-            )
+            pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, **options)
+            if transaction_pooler:
+                await _warn_without_role_timeouts(pool)
         return cls(pool)
 
     async def close(self) -> None:

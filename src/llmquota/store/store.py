@@ -70,6 +70,7 @@ class Store:
         lock_timeout_ms: int = 2_000,
         concurrency_retry_ms: int = 1_000,
         admission_synchronous_commit: bool = True,
+        transaction_pooler: bool = False,
     ) -> Store:
         """Open a pool whose sessions carry the statement and lock timeouts."""
         pool = await DeadlinePool.connect(
@@ -78,6 +79,7 @@ class Store:
             max_size=max_size,
             statement_timeout_ms=statement_timeout_ms,
             lock_timeout_ms=lock_timeout_ms,
+            transaction_pooler=transaction_pooler,
         )
         return cls(
             pool,
