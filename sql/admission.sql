@@ -317,6 +317,7 @@ DECLARE
     ri           integer;
     prio         smallint;
     layers       integer[];
+    refused_layers integer[];
     cost         bigint;
     wait_ms      bigint;
     floor_tokens double precision;
@@ -653,6 +654,7 @@ BEGIN
                 EXIT;
             ELSIF c = 1 THEN
                 -- The requested model's refusal: what a 429 (or a degraded 201) says.
+                refused_layers := layers;
                 r_reserved[k] := cost;
                 IF too_cap IS NOT NULL THEN
                     r_status[k] := 'too_large';
@@ -681,9 +683,12 @@ BEGIN
             END IF;
         END LOOP;
         r_alt_models[k] := fits::text;
+        IF r_status[k] <> 'admitted' THEN
+            layers := refused_layers;   -- remaining: the requested model's layers
+        END IF;
 
         -- What is left after this decision: the tightest layer of each kind,
-        -- over the layers of the model admitted (or refused).
+        -- over the layers of the model admitted (or of the requested model, refused).
         rem_tok := NULL; rem_req := NULL; rem_if := NULL;
         FOREACH j IN ARRAY layers LOOP
             IF l_tpm[j] IS NOT NULL THEN
