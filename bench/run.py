@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import platform
 import sys
 import time
@@ -34,6 +35,7 @@ from bench import (  # noqa: E402
     growth,
     http_admission,
     library,
+    oversubscription,
     pgbench,
     servers,
 )
@@ -667,8 +669,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 7),
-        help="run only these comparisons (1-6)",
+        choices=range(1, 8),
+        help="run only these comparisons (1-7)",
     )
     return parser.parse_args()
 
@@ -683,7 +685,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 7))
+    wanted = set(args.only or range(1, 8))
     started = time.monotonic()
     load = common.machine_load()
     with contextlib.ExitStack() as stack:
@@ -706,6 +708,9 @@ def main() -> int:
             asyncio.run(compare_grid(pg, plan, report))
         if 6 in wanted:
             asyncio.run(compare_growth(pg, plan, report))
+        if 7 in wanted:
+            fresh = functools.partial(common.fresh_database, pg.dsn)
+            asyncio.run(oversubscription.section(fresh, plan.quick, report))
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
