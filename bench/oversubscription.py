@@ -67,9 +67,10 @@ SAMPLE_S = 0.1
 
 def floor_of(tier: str) -> float:
     """The ladder as floors: the lowest balance a tier's priority may leave."""
-    return Ceiling(
+    ceiling = Ceiling(
         models=[MODEL], tokens_per_minute=1, token_burst=CEILING_TOKENS_PER_MINUTE, shed=LADDER
-    ).floor_tokens(TIERS[tier][0], COST)
+    )
+    return float(ceiling.floor_tokens(TIERS[tier][0], COST))
 
 
 def scaled(per_minute: int) -> int:
@@ -330,7 +331,9 @@ class Report(Protocol):
 
 def chart(outcomes: list[Outcome], path: Path) -> None:
     """Ceiling utilization over time, against the ladder's steps."""
-    from bench.charts import DPI, plt  # matplotlib, with the Agg backend chosen there
+    import matplotlib.pyplot as plt
+
+    from bench.charts import DPI  # chooses matplotlib's Agg backend first
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for outcome in outcomes:
