@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import platform
 import sys
 import time
@@ -34,6 +35,7 @@ from bench import (  # noqa: E402
     growth,
     http_admission,
     library,
+    oversubscription,
     pgbench,
     redis_lua,
     scaleout,
@@ -745,8 +747,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 8),
-        help="run only these comparisons (1-7)",
+        choices=range(1, 9),
+        help="run only these comparisons (1-8)",
     )
     return parser.parse_args()
 
@@ -761,7 +763,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 8))
+    wanted = set(args.only or range(1, 9))
     servers.ensure_tools()
     started = time.monotonic()
     load = common.machine_load()
@@ -790,6 +792,9 @@ def main() -> int:
             asyncio.run(compare_growth(pg, plan, report))
         if 7 in wanted:
             compare_replicas(pg, plan, report)
+        if 8 in wanted:
+            fresh = functools.partial(common.fresh_database, pg.dsn)
+            asyncio.run(oversubscription.section(fresh, plan.quick, report))
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
