@@ -150,6 +150,9 @@ async def _admit(
             max_tokens=parsed.max_tokens,
             messages=parsed.messages,
             input_tokens=parsed.input_tokens,
+            # The body goes upstream as the client wrote it, model included:
+            # a fallback admitted here would be billed as a model never called.
+            degrade=False,
         )
     except InvalidRequest as exc:
         raise BadProxyRequest(400, str(exc)) from None
