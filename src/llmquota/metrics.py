@@ -219,7 +219,7 @@ class Metrics:
         self.wait_seconds = histogram(
             "llmquota_wait_seconds",
             "Time admissions spent waiting for room, by how the wait ended (admitted, "
-            "refused, left: the caller went away)",
+            "refused, left: the caller went away, error: the store could not decide)",
             ["outcome"],
             buckets=WAIT_BUCKETS_SECONDS,
         )

@@ -16,6 +16,9 @@ Concurrent admissions of one process are coalesced into batch statements
 (batching.py), and so are settlements and releases, which share one batch:
 the SQL decides a batch exactly as it would decide its requests one by one
 in arrival order, so callers see the same answers, only sooner.
+
+A caller that would rather wait than be refused passes `max_wait_ms`: its
+refusal is decided again at the hint, in its tenant's queue (waiting.py).
 """
 
 from __future__ import annotations

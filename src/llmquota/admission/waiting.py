@@ -196,10 +196,13 @@ class WaitQueue:
         self.metrics.waiting.inc()
         if on_queued is not None:
             on_queued()
-        outcome = "left"
+        outcome = "left"  # cancelled: the caller went away
         try:
             admission = await self._wait(queue, waiter, request)
             outcome = "admitted" if admission.decision.status == "admitted" else "refused"
+        except Exception:
+            outcome = "error"  # the store could not decide (a 503)
+            raise
         finally:
             self.metrics.waiting.dec()
             self.metrics.wait_seconds.labels(outcome).observe(loop.time() - started)
