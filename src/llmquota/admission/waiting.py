@@ -199,7 +199,8 @@ class WaitQueue:
         outcome = "left"  # cancelled: the caller went away
         try:
             admission = await self._wait(queue, waiter, request)
-            outcome = "admitted" if admission.decision.status == "admitted" else "refused"
+            status = admission.decision.status
+            outcome = "admitted" if status in ("admitted", "replayed") else "refused"
         except Exception:
             outcome = "error"  # the store could not decide (a 503)
             raise
