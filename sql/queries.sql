@@ -150,6 +150,18 @@ SELECT ceiling, models, tokens_per_minute, token_burst, requests_per_minute, req
    AND ($1::text IS NULL OR ceiling = $1::text)
  ORDER BY ceiling
 
+-- tenant_utilization --
+-- The share of each tenant's token burst in use now, 1 - balance / burst
+-- (above 1 while settlements have overdrawn it), the most utilized first, at
+-- most $1 tenants: the per-tenant gauge, when enabled (read only).
+SELECT tenant,
+       1 - lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
+           / token_burst AS utilization
+  FROM limit_layers
+ WHERE scope = 'tenant' AND tokens_per_minute IS NOT NULL AND token_burst > 0
+ ORDER BY utilization DESC, tenant
+ LIMIT $1::integer
+
 -- delete_ceiling --
 -- Delete a provider ceiling; one row when it existed. Reservations admitted
 -- through it settle as before: the credit to a layer that is gone is dropped.

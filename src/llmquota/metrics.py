@@ -5,12 +5,22 @@ limiters in one process never share counters. Policy denials (tokens and
 requests), concurrency denials, fallback decisions (made by a failure mode
 while the store was away), store errors and sweeper reclaims are separate
 series: a limiter doing its job and a broken dependency must never look alike.
+
+Every label is bounded. Outcomes and reasons are closed vocabularies
+(`decision_reason`); models and plans are what clients and admins name, so
+each process gives its first MAX_LABEL_VALUES distinct ones their own
+series and counts the rest as "other"; tenants get a series only when
+per-tenant utilization is enabled, and at most MAX_TENANT_UTILIZATION_SERIES.
+`docs/grafana-dashboard.json` charts the series of plans, ceilings and
+waiting (a unit test keeps the two in step).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -32,6 +42,65 @@ DECISION_BUCKETS_SECONDS = (
 )
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+WAIT_BUCKETS_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Distinct values a free-form label (model, plan) gets per process before the
+# rest are counted as OTHER_LABEL: a client inventing model names must not
+# grow the exposition without end.
+MAX_LABEL_VALUES = 64
+OTHER_LABEL = "other"
+# Tenants a utilization gauge is exported for, the most utilized first.
+MAX_TENANT_UTILIZATION_SERIES = 1_000
+# The reason label of a decision that nothing refused.
+NO_REASON = "none"
+
+# Outcomes of the decisions series: what the caller was answered, and "queued"
+# when it started waiting (a waiter also counts its final answer).
+DecisionOutcome = Literal["admitted", "degraded", "queued", "refused"]
+
+
+def decision_reason(d: AdmitDecision) -> str:
+    """The bounded reason label of a decision: what refused it (for a degraded
+    admission, what refused the requested model), or "none".
+
+    scope_kind for tokens and requests (tenant_tokens, global_requests, ...),
+    ceiling_shed or ceiling_capacity for a provider ceiling, concurrency at
+    any scope, too_large, unknown_tenant, idempotency_conflict.
+    """
+    if d.status in ("too_large", "unknown_tenant", "idempotency_conflict"):
+        return d.status
+    if d.limit_kind is None or d.limit_scope is None:
+        return NO_REASON
+    if d.limit_scope == "ceiling":
+        return f"ceiling_{d.reason or 'capacity'}"
+    if d.limit_kind == "concurrency":
+        return "concurrency"
+    return f"{d.limit_scope}_{d.limit_kind}"
+
+
+def decision_outcome(d: AdmitDecision) -> DecisionOutcome:
+    """What the caller was answered: admitted (a replay too), degraded, or refused."""
+    if d.status in ("admitted", "replayed"):
+        return "degraded" if d.degraded else "admitted"
+    return "refused"
+
+
+class BoundedLabels:
+    """A free-form label's values, at most `limit` of them; the rest are OTHER_LABEL."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: str | None) -> str:
+        if value is None:
+            return NO_REASON
+        if value in self._seen:
+            return value
+        if len(self._seen) < self.limit:
+            self._seen.add(value)
+            return value
+        return OTHER_LABEL
 
 
 class Metrics:
@@ -43,6 +112,7 @@ class Metrics:
         histogram = functools.partial(Histogram, registry=self.registry)
         self._declare_decisions(counter)
         self._declare_settlements(counter)
+        self._declare_plans_and_ceilings(counter, histogram)
         self.outage_journal_pending = Gauge(
             "llmquota_outage_journal_pending",
             "Outage admissions this worker holds that the store has not recorded yet",
@@ -99,6 +169,84 @@ class Metrics:
             "Decisions made by a failure mode because the store did not answer in time",
             ["mode", "decision"],
         )
+
+    def _declare_plans_and_ceilings(
+        self, counter: Callable[..., Counter], histogram: Callable[..., Histogram]
+    ) -> None:
+        """Answers by outcome and reason, tokens by model and plan, degradations,
+        ceiling (and tenant) utilization, waiting admissions."""
+        self.decisions = counter(
+            "llmquota_decisions",
+            "Admissions answered, by outcome (admitted, degraded, refused) and the reason "
+            "that refused them (or the requested model); queued: started waiting",
+            ["outcome", "reason"],
+        )
+        self.degradations = counter(
+            "llmquota_degradations",
+            "Admissions degraded to a fallback model, by what refused the requested one",
+            ["kind"],
+        )
+        self.reserved_tokens = counter(
+            "llmquota_reserved_tokens",
+            "Tokens reserved by admissions, by the model admitted and the tenant's plan",
+            ["model", "plan"],
+        )
+        self.charged_tokens = counter(
+            "llmquota_charged_tokens",
+            "Tokens charged at settlement, by model and plan (unknown: admitted by another worker)",
+            ["model", "plan"],
+        )
+        self.model_labels = BoundedLabels()
+        self.plan_labels = BoundedLabels()
+        self.ceiling_utilization = Gauge(
+            "llmquota_ceiling_utilization",
+            "Share of each provider ceiling's token burst in use, read from the database "
+            "every CEILING_METRICS_REFRESH_SECONDS",
+            ["ceiling"],
+            registry=self.registry,
+        )
+        self.tenant_utilization = Gauge(
+            "llmquota_tenant_utilization",
+            "Share of each tenant's token burst in use (only with TENANT_UTILIZATION_METRICS)",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "llmquota_waiting_admissions",
+            "Admissions of this worker waiting for room (max_wait_ms)",
+            registry=self.registry,
+        )
+        self.wait_seconds = histogram(
+            "llmquota_wait_seconds",
+            "Time admissions spent waiting for room, by how the wait ended (admitted, "
+            "refused, left: the caller went away, error: the store could not decide)",
+            ["outcome"],
+            buckets=WAIT_BUCKETS_SECONDS,
+        )
+
+    def count_answer(self, decision: AdmitDecision) -> None:
+        """Count what a caller was answered (once per admission, after any wait)."""
+        reason = decision_reason(decision)
+        outcome = decision_outcome(decision)
+        self.decisions.labels(outcome, reason).inc()
+        if outcome == "degraded":
+            self.degradations.labels(reason).inc()
+
+    def count_queued(self, refusal: AdmitDecision) -> None:
+        """Count an admission that started waiting, by the refusal it waits out."""
+        self.decisions.labels("queued", decision_reason(refusal)).inc()
+
+    def set_ceiling_utilization(self, utilization: Iterable[tuple[str, float]]) -> None:
+        """Replace every ceiling's gauge (a deleted ceiling's series goes away)."""
+        self.ceiling_utilization.clear()
+        for ceiling, value in utilization:
+            self.ceiling_utilization.labels(ceiling).set(value)
+
+    def set_tenant_utilization(self, utilization: Iterable[tuple[str, float]]) -> None:
+        """Replace every tenant's gauge, for at most MAX_TENANT_UTILIZATION_SERIES tenants."""
+        self.tenant_utilization.clear()
+        for tenant, value in itertools.islice(utilization, MAX_TENANT_UTILIZATION_SERIES):
+            self.tenant_utilization.labels(tenant).set(value)
 
     def _declare_settlements(self, counter: Callable[..., Counter]) -> None:
         """What settlements and releases gave back, and what they reported beyond reason."""

@@ -264,3 +264,19 @@ async def test_usage_up_to_a_moment_near_year_one_is_answered(
     assert usage.status_code == 200, usage.text
     assert usage.json()["requests"] == 0
     assert usage.json()["from"].startswith("0001-01-01")
+
+
+async def test_max_wait_ms_over_the_cap_is_422_naming_the_field(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    body = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 1, "max_tokens": 1}
+
+    over = await client.post("/v1/admit", json={**body, "max_wait_ms": 30_001}, headers=acme)
+    at_cap = await client.post("/v1/admit", json={**body, "max_wait_ms": 30_000}, headers=acme)
+
+    assert over.status_code == 422
+    assert over.json()["error"]["message"].startswith("max_wait_ms: at most 30000")
+    # Room now: a request that may wait is admitted at once, without waiting.
+    assert at_cap.status_code == 201
+    assert "llmquota-waited-ms" not in at_cap.headers

@@ -143,6 +143,12 @@ class AdminService:
             raise UnknownName(f"unknown ceiling {name!r}")
         return found
 
+    async def tenant_utilization(self, limit: int) -> list[tuple[str, float]]:
+        """The most utilized tenants' share of their token burst in use, at most `limit`."""
+        return await self._catalog.tenant_utilization(
+            limit, deadline_seconds=self._deadline_seconds
+        )
+
     async def delete_ceiling(self, name: str) -> None:
         """Delete a provider ceiling (UnknownName when there is none)."""
         if not await self._catalog.delete_ceiling(name, deadline_seconds=self._deadline_seconds):

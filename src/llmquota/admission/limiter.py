@@ -16,12 +16,16 @@ Concurrent admissions of one process are coalesced into batch statements
 (batching.py), and so are settlements and releases, which share one batch:
 the SQL decides a batch exactly as it would decide its requests one by one
 in arrival order, so callers see the same answers, only sooner.
+
+A caller that would rather wait than be refused passes `max_wait_ms`: its
+refusal is decided again at the hint, in its tenant's queue (waiting.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -29,11 +33,14 @@ from collections.abc import AsyncIterator
 from typing import NoReturn, Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
+from llmquota.admission.accounting import TokenAccounting
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
 from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
+from llmquota.admission.releases import BackgroundReleases
 from llmquota.admission.reservation import Admission, Reservation, Settlement
+from llmquota.admission.waiting import WaitQueue
 from llmquota.config import Settings
 from llmquota.domain.admit_request import AdmitArguments
 from llmquota.domain.errors import (
@@ -52,7 +59,11 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
 )
-from llmquota.domain.validation import check_lease_seconds, check_token_count
+from llmquota.domain.validation import (
+    check_lease_generation,
+    check_lease_seconds,
+    check_token_count,
+)
 from llmquota.domain.vocabulary import OUTCOMES
 from llmquota.metrics import Metrics
 from llmquota.store.deadline import within_store_deadline
@@ -77,6 +88,16 @@ class Limiter:
         self.fallback = self.outage.fallback
         self._sweeper = Sweeper(store, settings, self.metrics)
         self.counter = TokenCounter(settings)
+        self.accounting = TokenAccounting(self.metrics)
+        # Releases of admissions whose caller was cancelled or left.
+        self.orphans = BackgroundReleases(self.release)
+        self.waiting = WaitQueue(
+            functools.partial(self.decide, answer=False),
+            self.orphans,
+            self.metrics,
+            cap_ms=settings.max_wait_ms_cap,
+            max_per_tenant=settings.wait_queue_per_tenant,
+        )
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
         if settings.batching:
@@ -86,7 +107,7 @@ class Limiter:
                 max_batch_size=settings.batch_max_size,
                 window_seconds=window_seconds,
                 max_in_flight=settings.batch_max_in_flight,
-                on_orphan=self._release_orphan,
+                on_orphan=self.orphans.orphan,
             )
             self._finishes = Coalescer(
                 self._finish_batch,
@@ -94,8 +115,6 @@ class Limiter:
                 window_seconds=window_seconds,
                 max_in_flight=settings.batch_max_in_flight,
             )
-        # Releases of admissions whose caller was cancelled mid-batch.
-        self._orphan_releases: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, dsn: str, settings: Settings | None = None) -> Limiter:
@@ -127,8 +146,7 @@ class Limiter:
         answers, then close the pool."""
         if self._admissions is not None:
             await self._admissions.close()
-        while self._orphan_releases:
-            await asyncio.wait(set(self._orphan_releases))
+        await self.orphans.close()
         if self._finishes is not None:
             await self._finishes.close()
         await self.outage.close()
@@ -175,7 +193,7 @@ class Limiter:
         """The store's decision within the deadline, waiting for a batch included.
 
         A caller that gives up while its batch is in flight loses nothing: an
-        admission nobody heard of is released (see _release_orphan).
+        admission nobody heard of is released (see releases.py).
         """
         return await within_store_deadline(
             self._admissions.submit(request)
@@ -193,33 +211,22 @@ class Limiter:
     async def _finish_alone(self, request: FinishRequest) -> FinishResult:
         return single(await self._finish_batch([request]))
 
-    def _release_orphan(self, request: AdmitRequest, decision: AdmitDecision) -> None:
-        """Give back an admission whose caller was cancelled before it heard of it.
-
-        Nobody holds its id, so nobody can call the provider with it: without
-        this it would hold its tokens and permit until the sweeper expired it.
-        A replayed admission belongs to whoever made it first and is left alone.
-        """
-        if decision.status != "admitted" or decision.reservation_id is None:
-            return
-        reservation_id = decision.reservation_id
-
-        async def release() -> None:
-            with contextlib.suppress(StoreUnavailable, ReservationNotFound, ReservationConflict):
-                await self.release(reservation_id)
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._orphan_releases.add(task)
-        task.add_done_callback(self._orphan_releases.discard)
-
-    async def decide(self, request: AdmitRequest) -> Admission:
+    async def decide(self, request: AdmitRequest, *, answer: bool = True) -> Admission:
         """One admission decision; refusals are returned, not raised.
 
         Concurrent calls share one statement (see batching.py); the answer is
         the one deciding the requests one by one in arrival order would give.
         Raises StoreUnavailable only when the store cannot decide in time and
         the failure mode of some layer is `closed` (or nothing is cached).
+        `answer=False`: a waiter's decision, which the wait queue counts as an
+        answer only when it is final (waiting.py).
         """
+        admission = await self._decide(request)
+        if answer:
+            self.metrics.count_answer(admission.decision)
+        return admission
+
+    async def _decide(self, request: AdmitRequest) -> Admission:
         started = time.perf_counter()
         try:
             decision = await self._store_decision(request)
@@ -231,7 +238,7 @@ class Limiter:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.outage.store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.count_decision(decision)
+        self.accounting.decided(decision)
         return Admission(decision, request.input_tokens, request.input_estimated)
 
     def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
@@ -257,24 +264,32 @@ class Limiter:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
         return await self.outage.flush()
 
-    async def admit(self, **request: Unpack[AdmitArguments]) -> Reservation:
+    async def admit(
+        self, *, max_wait_ms: int | None = None, **request: Unpack[AdmitArguments]
+    ) -> Reservation:
         """Reserve capacity for one request, or raise why not.
 
-        Keyword arguments are those of `prepare`.
+        Keyword arguments are those of `prepare`, and `max_wait_ms`: wait up
+        to that long for room rather than raise RateLimited (waiting.py).
         """
         prepared = await self.prepare_off_loop(**request)
-        admission = await self.decide(prepared)
+        if max_wait_ms:
+            admission = (await self.waiting.decide(prepared, max_wait_ms)).admission
+        else:
+            admission = await self.decide(prepared)
         admission.raise_for_refusal(prepared.tenant)
         return Reservation(self, prepared.tenant, admission)
 
     @contextlib.asynccontextmanager
-    async def reservation(self, **request: Unpack[AdmitArguments]) -> AsyncIterator[Reservation]:
+    async def reservation(
+        self, *, max_wait_ms: int | None = None, **request: Unpack[AdmitArguments]
+    ) -> AsyncIterator[Reservation]:
         """Hold a reservation for a block; leaving it unsettled releases it.
 
         The release also runs on exceptions and cancellation (shielded, so a
         cancelled caller still returns its capacity).
         """
-        held = await self.admit(**request)
+        held = await self.admit(max_wait_ms=max_wait_ms, **request)
         try:
             yield held
         finally:
@@ -352,18 +367,7 @@ class Limiter:
             excess_tokens=int(result.excess_tokens or 0),
         )
         if result.status == "settled":
-            self.metrics.settlements.labels(str(settlement.late).lower()).inc()
-            self.metrics.refunded_tokens.inc(settlement.refunded_tokens)
-            if settlement.excess_tokens:
-                self.metrics.excess_settlements.inc()
-                self.metrics.excess_tokens.inc(settlement.excess_tokens)
-                log.warning(
-                    "reservation %s of tenant %s settled %d tokens above its possible "
-                    "maximum; shared layers were charged the maximum only",
-                    reservation_id,
-                    result.tenant,
-                    settlement.excess_tokens,
-                )
+            self.accounting.settled(reservation_id, result, settlement)
         return settlement
 
     async def release(self, reservation_id: uuid.UUID, caller: str | None = None) -> None:
@@ -374,7 +378,7 @@ class Limiter:
                 f"reservation is {result.state}; it cannot be released", state=result.state
             )
         if result.status == "released":
-            self.metrics.releases.inc()
+            self.accounting.released(reservation_id)
 
     async def heartbeat(
         self,
@@ -390,12 +394,7 @@ class Limiter:
         a worker that was paused while another took over cannot extend it.
         """
         check_lease_seconds(lease_seconds)
-        if lease_generation is not None and (
-            isinstance(lease_generation, bool)
-            or not isinstance(lease_generation, int)
-            or lease_generation < 1
-        ):
-            raise InvalidRequest("lease_generation must be a positive integer")
+        check_lease_generation(lease_generation)
         if is_outage_id(reservation_id):
             offline = self.fallback.heartbeat(reservation_id, caller, lease_seconds)
             if offline is not None:

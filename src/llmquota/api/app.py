@@ -10,11 +10,14 @@ provider's format.
 The middlewares, outermost first: request ids (and the last word on errors
 no handler took), the tenant fair share, then the request's size and time
 limits. The lifespan also hands the server protocol its limits on request
-heads (llmquota.api.protocols), through the lifespan state uvicorn keeps.
+heads (llmquota.api.protocols), through the lifespan state uvicorn keeps,
+and runs the task that reads utilization gauges from the database
+(llmquota.admin.gauges), so that no request pays for them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import Scope
 
+from llmquota.admin.gauges import UtilizationGauges
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator, Triage
@@ -82,9 +86,16 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.admin = admin
         app.state.authenticator = authenticator
         app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
+        app.state.gauges = UtilizationGauges(
+            admin, limiter.metrics, tenants=settings.tenant_utilization_metrics
+        )
+        gauges = asyncio.create_task(app.state.gauges.run(settings.ceiling_metrics_refresh_seconds))
         try:
             yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
+            gauges.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gauges
             try:
                 await app.state.proxy.close()  # streams still running settle first
             finally:

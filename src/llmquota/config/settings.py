@@ -143,6 +143,32 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="requests of one tenant queued per worker before 429",
     )
+    max_wait_ms_cap: int = Field(
+        default=30_000,
+        ge=0,
+        le=600_000,
+        description="largest max_wait_ms an admission may ask for (422 above it); 0 turns "
+        "waiting off",
+    )
+    wait_queue_per_tenant: int = Field(
+        default=64,
+        ge=0,
+        le=100_000,
+        description="admissions of one tenant a worker holds waiting for room (max_wait_ms); "
+        "past it 429 at once",
+    )
+    ceiling_metrics_refresh_seconds: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3_600.0,
+        description="how often a worker reads the provider ceilings' utilization (and, when "
+        "enabled, the tenants') into its gauges",
+    )
+    tenant_utilization_metrics: bool = Field(
+        default=False,
+        description="export a utilization gauge per tenant (one series per tenant with a "
+        "token limit, at most MAX_TENANT_UTILIZATION_SERIES)",
+    )
     key_cache_refresh_seconds: float = Field(
         default=30.0,
         gt=0.0,

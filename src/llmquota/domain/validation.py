@@ -79,6 +79,12 @@ def check_lease_seconds(value: object) -> None:
         raise InvalidRequest(f"lease_seconds must be an integer from 1 to {MAX_LEASE_SECONDS}")
 
 
+def check_lease_generation(value: object) -> None:
+    """A fencing token, when given: a positive integer."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidRequest("lease_generation must be a positive integer")
+
+
 def check_idempotency_key(value: object) -> None:
     """An idempotency key, when given: 1 to MAX_IDEMPOTENCY_KEY_CHARS storable characters."""
     if value is not None:

@@ -119,6 +119,13 @@ class Catalog:
         rows = await self._fetch("get_ceilings", name, deadline_seconds=deadline_seconds)
         return [_stored_ceiling(row) for row in rows]
 
+    async def tenant_utilization(
+        self, limit: int, *, deadline_seconds: float | None = None
+    ) -> list[tuple[str, float]]:
+        """(tenant, share of its token burst in use), the most utilized first, at most `limit`."""
+        rows = await self._fetch("tenant_utilization", limit, deadline_seconds=deadline_seconds)
+        return [(row["tenant"], float(row["utilization"])) for row in rows]
+
     async def delete_ceiling(self, name: str, *, deadline_seconds: float | None = None) -> bool:
         """Delete a ceiling; whether it existed."""
         rows = await self._fetch("delete_ceiling", name, deadline_seconds=deadline_seconds)

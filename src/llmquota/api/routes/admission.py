@@ -4,6 +4,13 @@ These are the hot path a client calls around every provider request. Each
 route authenticates, asks the Limiter, and renders its answer; a refusal
 (429, 413) is rendered by llmquota.api.refusals, in the exact shape clients
 branch on.
+
+An admit with `max_wait_ms` may wait for room in its tenant's queue
+(llmquota.admission.waiting). While it waits it gives its fair-share permit
+back (a waiter holds no worker slot and no database connection), and a
+watcher on the ASGI receive channel notices the client hanging up: the
+request then leaves the queue, and an admission made just as it left is
+released.
 """
 
 from __future__ import annotations
@@ -11,11 +18,13 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Body
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import JSONResponse, Response
 
 from llmquota.admission.reservation import Admission
+from llmquota.admission.waiting import ClientLeft
 from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
+from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.headers import rate_limit_headers
 from llmquota.api.refusals import refusal_cause, refusal_response
 from llmquota.api.schemas import (
@@ -31,13 +40,22 @@ from llmquota.api.schemas import (
 
 router = APIRouter(tags=["admission"])
 
+# The status logged for a waiting admission whose client hung up (nginx's
+# convention); nobody receives it.
+CLIENT_CLOSED_REQUEST = 499
+
 
 @router.post(
     "/v1/admit", status_code=201, response_model=AdmitResponse, responses=error_responses(429)
 )
-async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSONResponse:
-    """Reserve input + max_tokens on every layer, or say which limit refused."""
+async def admit(
+    body: AdmitBody, caller: CallerDep, limiter: LimiterDep, request: Request
+) -> Response:
+    """Reserve input + max_tokens on every layer, or say which limit refused;
+    with max_wait_ms, wait that long at most for room first."""
     caller.require_tenant(body.tenant)
+    if body.max_wait_ms is not None:
+        limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
     prepared = await limiter.prepare_off_loop(
         tenant=body.tenant,
         route=body.route,
@@ -52,8 +70,25 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
         fallback_models=body.fallback_models,
         degrade=body.degrade,
     )
-    admission = await limiter.decide(prepared)
-    headers = rate_limit_headers(admission.decision.tenant)
+    headers: dict[str, str] = {}
+    if body.max_wait_ms:
+        try:
+            waited = await limiter.waiting.decide(
+                prepared,
+                body.max_wait_ms,
+                left=_client_left(request),
+                on_queued=request.scope.get(RELEASE_EARLY),
+            )
+        except ClientLeft:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        admission = waited.admission
+        if waited.waited_ms:
+            headers["llmquota-waited-ms"] = str(waited.waited_ms)
+        if waited.queue_full:
+            headers["llmquota-wait-queue"] = "full"
+    else:
+        admission = await limiter.decide(prepared)
+    headers.update(rate_limit_headers(admission.decision.tenant))
     if admission.fallback is not None:
         # Decided by the failure mode while the store was away.
         headers["llmquota-fallback"] = admission.fallback
@@ -64,6 +99,16 @@ async def admit(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> JSON
     return JSONResponse(
         _admitted(admission, body.model).model_dump(mode="json"), status_code=201, headers=headers
     )
+
+
+async def _client_left(request: Request) -> None:
+    """Return when the client disconnects.
+
+    The body is read by now, so the next message of the receive channel is
+    the disconnect (uvicorn also answers it once the response is sent).
+    """
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
