@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import Scope
 
+from llmquota.admin.alerts import AlertService
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator, Triage
@@ -32,7 +33,9 @@ from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
+from llmquota.api.webhooks import delivery_running
 from llmquota.config import Settings
+from llmquota.store.alerts import AlertStore
 
 # The paths whose endpoints all take an API key. The others (healthz, metrics,
 # the docs) take none, or a credential of their own: they are neither gated
@@ -82,8 +85,17 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.admin = admin
         app.state.authenticator = authenticator
         app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
+        app.state.alert_service = AlertService(
+            limiter.store, deadline_seconds=limiter.deadline_seconds
+        )
         try:
-            yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
+            # Alerts are delivered by every server worker (and `sweep --loop`): the
+            # claim's SKIP LOCKED keeps them from sending one delivery twice.
+            delivery_store = AlertStore(
+                limiter.store.pool, deadline_seconds=settings.statement_timeout_ms / 1000.0 + 1.0
+            )
+            async with delivery_running(delivery_store, settings, limiter.metrics):
+                yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
             try:
                 await app.state.proxy.close()  # streams still running settle first
