@@ -77,9 +77,8 @@ class Receiver:
                 status,
             )
         )
-        await send(
-            {"type": "http.response.start", "status": status, "headers": [(b"content-length", b"0")]}
-        )
+        start = {"type": "http.response.start", "status": status}
+        await send({**start, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
     async def start(self) -> Receiver:

@@ -56,7 +56,7 @@ async def test_an_alert_fires_once_under_100_concurrent_callers_with_one_deliver
     await service.put_webhook("other-only", "http://127.0.0.1:9/c", "s" * 16, "other")
     fire = (
         "SELECT lq_fire_alert('quota.threshold', 'acme', 'quota:acme:*:monthly:tokens', 0.8,"
-        " $1, $2, 800, 1000, NULL, '{\"quota\": \"monthly\"}')"
+        ' $1, $2, 800, 1000, NULL, \'{"quota": "monthly"}\')'
     )
     start, end = datetime(2026, 3, 1, tzinfo=UTC), datetime(2026, 4, 1, tzinfo=UTC)
     results = await asyncio.gather(*(_in_transaction(pool, fire, start, end) for _ in range(100)))
@@ -73,7 +73,10 @@ async def test_an_alert_fires_once_under_100_concurrent_callers_with_one_deliver
 async def test_an_alert_of_a_rolled_back_change_never_fired(
     service: AlertService, db: asyncpg.Connection
 ) -> None:
-    fire = "SELECT lq_fire_alert('credits.threshold', 'acme', 'credits:acme', 0.5, $1, NULL, 5, 10, NULL)"
+    fire = (
+        "SELECT lq_fire_alert('credits.threshold', 'acme', 'credits:acme', 0.5,"
+        " $1, NULL, 5, 10, NULL)"
+    )
     transaction = db.transaction()
     await transaction.start()
     assert await db.fetchval(fire, AT) is not None
@@ -103,7 +106,7 @@ async def test_100_concurrent_settlements_crossing_the_thresholds_give_one_alert
     assert await count(db, "alert_outbox") == 4  # settling moved usage, crossed nothing new
     row = await db.fetchrow("SELECT reserved_tokens, charged_tokens FROM quota_windows")
     assert tuple(row) == (0, 1000)
-    body = (await db.fetchrow("SELECT payload, window_start FROM alert_outbox LIMIT 1"))
+    body = await db.fetchrow("SELECT payload, window_start FROM alert_outbox LIMIT 1")
     assert '"quota": "daily"' in body["payload"]
     assert body["window_start"] == datetime(2026, 3, 28, 23, 0, tzinfo=UTC)
 
