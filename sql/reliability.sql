@@ -141,6 +141,9 @@ $$;
 --   refunded_tokens  reserved - charged, clamped at zero, for an on-time settle
 --   ledger_tokens    the 'usage' row of a settle carries the settled figures
 --   over_capacity    a balance above its capacity (the schema forbids it)
+--   credit_balance   a prepaid balance against the sum of its credit_ledger
+--                    rows (top-ups, charges, adjustments), in millionths of
+--                    the currency; compared exactly, shown rounded
 --
 -- STABLE: the whole report reads one snapshot, so it is consistent even
 -- while admissions and settlements run.
@@ -218,4 +221,12 @@ AS $$
            ll.token_burst, ceil(ll.tokens)::bigint
       FROM limit_layers AS ll
      WHERE ll.tokens > ll.token_burst
+    UNION ALL
+    SELECT 'credit_balance', format('tenant %s (millionths)', ca.tenant),
+           round(coalesce(cl.total, 0) * 1000000)::bigint, round(ca.balance * 1000000)::bigint
+      FROM credit_accounts AS ca
+           LEFT JOIN (SELECT l.tenant, sum(l.amount) AS total
+                        FROM credit_ledger AS l
+                       GROUP BY l.tenant) AS cl ON cl.tenant = ca.tenant
+     WHERE ca.balance <> coalesce(cl.total, 0)
 $$;

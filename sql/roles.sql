@@ -43,6 +43,12 @@ GRANT SELECT, INSERT ON ledger_export_positions TO llmquota_app;
 GRANT SELECT, UPDATE ON ledger_export_state TO llmquota_app;
 GRANT SELECT ON alembic_version TO llmquota_app;
 GRANT SELECT ON outage_id_key TO llmquota_app;
+-- Quotas, credits and alerts. The credit ledger is append-only like the usage
+-- ledger; delivery rows are updated by the delivery loop.
+GRANT SELECT, INSERT, UPDATE, DELETE ON quotas, quota_windows, credit_accounts, webhooks,
+    alert_deliveries TO llmquota_app;
+GRANT SELECT, INSERT ON credit_ledger, alert_outbox, alert_delivery_attempts TO llmquota_app;
+REVOKE UPDATE, DELETE, TRUNCATE ON credit_ledger FROM llmquota_app;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO llmquota_app;
 
 -- Functions: nobody but the service (and the owner) runs the admission and

@@ -123,6 +123,12 @@ class Metrics:
             "Outage admissions and their settlements written to the store on recovery",
             ["what"],
         )
+        self.alerts = counter(
+            "llmquota_alerts",
+            "Alert deliveries attempted, by alert type (quota.threshold, credits.threshold, "
+            "ceiling.utilization) and result (delivered, retry, gave_up)",
+            ["type", "result"],
+        )
         self.sweeper_reclaims = counter(
             "llmquota_sweeper_reclaims",
             "Reservations expired by the sweeper",

@@ -82,6 +82,7 @@ async def test_an_empty_period_gives_empty_reports(finance: asyncpg.Connection) 
         "reservation_accuracy",
         "reconciliation_daily",
         "expired_reservations",
+        "quota_usage",
     ):
         assert await _report(finance, name, fx.EMPTY) == []
 

@@ -26,11 +26,13 @@ REPEATABLES = [
     "plans.sql",
     "ledger.sql",
     "reliability.sql",
+    "quotas.sql",
     "reports/00_base.sql",
     "reports/10_usage.sql",
     "reports/20_accuracy.sql",
     "reports/30_reconciliation.sql",
     "reports/40_expired.sql",
+    "reports/50_quotas.sql",
     "roles.sql",
 ]
 

@@ -133,14 +133,21 @@ def test_headers_must_be_whole_lines() -> None:
 def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
     # A new file in sql/ is either read by the code (named queries) or
     # applied by `llmquota migrate`; it cannot be silently neither.
-    named = {"queries.sql", "finance_queries.sql"}
+    named = {"queries.sql", "finance_queries.sql", "alerts_queries.sql"}
     every = {path.relative_to(sql_dir()).as_posix() for path in sql_dir().rglob("*.sql")}
     assert every - named == {s.name for s in repeatable_scripts()}
 
 
 def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     (tmp_path / "reports").mkdir()
-    for name in ("admission.sql", "plans.sql", "ledger.sql", "reliability.sql", "roles.sql"):
+    for name in (
+        "admission.sql",
+        "plans.sql",
+        "ledger.sql",
+        "reliability.sql",
+        "quotas.sql",
+        "roles.sql",
+    ):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
     (tmp_path / "reports" / "10_b.sql").write_text("SELECT 2;\n", encoding="utf-8")
     (tmp_path / "reports" / "00_a.sql").write_text("SELECT 1;\n", encoding="utf-8")
@@ -150,9 +157,10 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "plans.sql",
         "ledger.sql",
         "reliability.sql",
+        "quotas.sql",
         "reports/00_a.sql",
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[4].text == "SELECT 1;\n"
-    assert scripts[4].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[5].text == "SELECT 1;\n"
+    assert scripts[5].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -91,9 +91,7 @@ class Reservation:
         self.tenant = tenant
         self.reservation_id: uuid.UUID = d.reservation_id
         self.reserved_tokens = int(d.reserved_tokens or 0)
-        self.input_tokens = (
-            d.input_tokens if d.input_tokens is not None else admission.input_tokens
-        )
+        self.input_tokens = d.input_tokens if d.input_tokens is not None else admission.input_tokens
         self.input_estimated = admission.input_estimated
         # The model admitted: a fallback when the requested one was refused.
         self.model: str | None = d.model

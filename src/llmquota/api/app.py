@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import Scope
 
+from llmquota.admin.alerts import AlertService
 from llmquota.admin.gauges import UtilizationGauges
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
@@ -36,7 +37,9 @@ from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.requestids import RequestIds
 from llmquota.api.routes import router
+from llmquota.api.webhooks import delivery_running
 from llmquota.config import Settings
+from llmquota.store.alerts import AlertStore
 
 # The paths whose endpoints all take an API key. The others (healthz, metrics,
 # the docs) take none, or a credential of their own: they are neither gated
@@ -66,6 +69,30 @@ def _client_address(scope: Scope) -> str:
     return str(client[0]) if client else ""
 
 
+@contextlib.asynccontextmanager
+async def _background_tasks(
+    app: FastAPI, limiter: Limiter, admin: AdminService, settings: Settings
+) -> AsyncIterator[None]:
+    """The server's own loops: utilization gauges read from the database, and
+    alert delivery, for as long as the app runs."""
+    app.state.gauges = UtilizationGauges(
+        admin, limiter.metrics, tenants=settings.tenant_utilization_metrics
+    )
+    gauges = asyncio.create_task(app.state.gauges.run(settings.ceiling_metrics_refresh_seconds))
+    try:
+        # Alerts are delivered by every server worker (and `sweep --loop`): the
+        # claim's SKIP LOCKED keeps them from sending one delivery twice.
+        delivery_store = AlertStore(
+            limiter.store.pool, deadline_seconds=settings.statement_timeout_ms / 1000.0 + 1.0
+        )
+        async with delivery_running(delivery_store, settings, limiter.metrics):
+            yield
+    finally:
+        gauges.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await gauges
+
+
 def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
     """Build the app; the database is `dsn`, else settings.database_url."""
     settings = settings or Settings()
@@ -86,16 +113,13 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.admin = admin
         app.state.authenticator = authenticator
         app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
-        app.state.gauges = UtilizationGauges(
-            admin, limiter.metrics, tenants=settings.tenant_utilization_metrics
+        app.state.alert_service = AlertService(
+            limiter.store, deadline_seconds=limiter.deadline_seconds
         )
-        gauges = asyncio.create_task(app.state.gauges.run(settings.ceiling_metrics_refresh_seconds))
         try:
-            yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
+            async with _background_tasks(app, limiter, admin, settings):
+                yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
-            gauges.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gauges
             try:
                 await app.state.proxy.close()  # streams still running settle first
             finally:

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Header, Path, Request
 
+from llmquota.admin.alerts import AlertService
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Caller
@@ -48,6 +49,11 @@ def get_admin(request: Request) -> AdminService:
     return admin
 
 
+def get_alert_service(request: Request) -> AlertService:
+    service: AlertService = request.app.state.alert_service
+    return service
+
+
 async def get_caller(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Caller:
@@ -59,6 +65,9 @@ async def get_caller(
 LimiterDep = Annotated[Limiter, Depends(get_limiter)]
 AdminDep = Annotated[AdminService, Depends(get_admin)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
+AlertServiceDep = Annotated[AlertService, Depends(get_alert_service)]
 
 TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
 RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]
+# Quotas and webhooks are named like tenants and routes.
+ObjectName = Annotated[str, Path(pattern=NAME_PATTERN)]

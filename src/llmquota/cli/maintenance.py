@@ -7,55 +7,44 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmquota.cli.options import add_converted_flag, add_flag
 from llmquota.config import Settings
 from llmquota.store.database import open_database
 
+if TYPE_CHECKING:
+    from llmquota.admin.sweeper import Sweeper
+
 
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     """Expire reservations whose lease ran out; once, or every --loop seconds."""
     from llmquota.admin.sweeper import Sweeper
-    from llmquota.domain.errors import StoreUnavailable
+    from llmquota.api.webhooks import delivery_running
+    from llmquota.store.alerts import AlertStore
     from llmquota.store.store import Store
 
     async def run(dsn: str) -> None:
-        # One statement at a time: a pool of one is all the sweeper needs.
+        # One statement at a time: a pool of one is all the sweeper needs (a
+        # second connection for the alert delivery loop that runs beside it).
         store = await Store.connect(
             dsn,
             min_size=1,
-            max_size=1,
+            max_size=2 if args.loop else 1,
             statement_timeout_ms=settings.statement_timeout_ms,
             lock_timeout_ms=settings.lock_timeout_ms,
             transaction_pooler=settings.transaction_pooler,
         )
         sweeper = Sweeper(store, settings)
+        deadline_seconds = settings.statement_timeout_ms / 1000.0 + 1.0
         try:
-            while True:
-                try:
-                    report = await sweeper.sweep(args.batch_size, args.max_batches)
-                except StoreUnavailable as exc:
-                    if not args.loop:
-                        raise
-                    # A sweeper loop outlives an outage: try again next round.
-                    print(f"sweep skipped: {exc}", flush=True)
-                    await asyncio.sleep(args.loop)
-                    continue
-                print(
-                    f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
-                    f"batches={report.batches} purged={report.purged} "
-                    f"partitions_created={report.partitions_created}",
-                    flush=True,
-                )
-                if args.heartbeat_file:
-                    # A container healthcheck reads this file's age.
-                    await asyncio.to_thread(
-                        Path(args.heartbeat_file).write_text, f"{time.time():.0f}\n"
-                    )
-                if not args.loop:
-                    return
-                await asyncio.sleep(args.loop)
+            if args.loop:
+                # `sweep --loop` delivers alerts too, as `serve` does.
+                alerts = AlertStore(store.pool, deadline_seconds=deadline_seconds)
+                async with delivery_running(alerts, settings, sweeper.metrics):
+                    await _sweep_loop(sweeper, args)
+            else:
+                await _sweep_loop(sweeper, args)
         finally:
             await store.close()
 
@@ -65,6 +54,34 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
         except KeyboardInterrupt:
             return 130
     return 0
+
+
+async def _sweep_loop(sweeper: Sweeper, args: argparse.Namespace) -> None:
+    """Sweep once, or every --loop seconds, outliving outages when looping."""
+    from llmquota.domain.errors import StoreUnavailable
+
+    while True:
+        try:
+            report = await sweeper.sweep(args.batch_size, args.max_batches)
+        except StoreUnavailable as exc:
+            if not args.loop:
+                raise
+            # A sweeper loop outlives an outage: try again next round.
+            print(f"sweep skipped: {exc}", flush=True)
+            await asyncio.sleep(args.loop)
+            continue
+        print(
+            f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
+            f"batches={report.batches} purged={report.purged} "
+            f"partitions_created={report.partitions_created}",
+            flush=True,
+        )
+        if args.heartbeat_file:
+            # A container healthcheck reads this file's age.
+            await asyncio.to_thread(Path(args.heartbeat_file).write_text, f"{time.time():.0f}\n")
+        if not args.loop:
+            return
+        await asyncio.sleep(args.loop)
 
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:

@@ -291,6 +291,27 @@ class Settings(BaseSettings):
         min_length=16,
         description="bearer token GET /metrics requires; unset: /metrics is open",
     )
+    # Alert delivery (llmquota.admin.delivery), in `serve` and in `sweep --loop`.
+    alert_delivery: bool = Field(
+        default=True,
+        description="run the webhook delivery loop in this process (serve, sweep --loop)",
+    )
+    alert_delivery_interval_seconds: float = Field(
+        default=1.0, gt=0, le=300.0, description="pause of the delivery loop when nothing is due"
+    )
+    alert_delivery_batch_size: int = Field(
+        default=50, ge=1, le=1_000, description="deliveries one loop claims and sends at once"
+    )
+    alert_delivery_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=120.0, description="longest wait for one webhook's answer"
+    )
+    alert_delivery_claim_seconds: float = Field(
+        default=60.0,
+        ge=1.0,
+        le=3_600.0,
+        description="how long a claimed delivery is this loop's alone; after a crash it is "
+        "due again then (keep it above the timeout)",
+    )
     # Proxy mode (llmquota.api.proxy): each upstream needs its base URL and its key.
     openai_base_url: str | None = Field(
         default=None,

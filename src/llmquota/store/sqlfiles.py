@@ -70,13 +70,16 @@ def report_scripts() -> list[str]:
 # The repeatable scripts, in the order they are applied: the admission
 # functions, the plans' and ceilings' (which call lq_refilled), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
-# admission.sql), the reporting schema (the base views first), and last the
-# grants, which cover every function and view the scripts before them define.
+# admission.sql), the quota, credit and alert helpers (which admission and
+# settlement call in their own transaction), the reporting schema (the base
+# views first), and last the grants, which cover every function and view the
+# scripts before them define.
 REPEATABLE_SCRIPTS = (
     "admission.sql",
     "plans.sql",
     "ledger.sql",
     "reliability.sql",
+    "quotas.sql",
     "reports/*.sql",
     "roles.sql",
 )

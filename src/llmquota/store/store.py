@@ -87,6 +87,11 @@ class Store:
             admission_synchronous_commit=admission_synchronous_commit,
         )
 
+    @property
+    def pool(self) -> DeadlinePool:
+        """The pool, for the stores of other tables that share it (store.alerts)."""
+        return self._pool
+
     async def close(self) -> None:
         """Close every connection of the pool; cut them if the server does not answer."""
         await self._pool.close()

@@ -1,0 +1,165 @@
+-- Named statements of quotas, credits, webhooks and alert delivery (the
+-- AlertStore's). The helpers admission and settlement will call in their
+-- own transaction are functions in quotas.sql; these are the administration
+-- around them and the delivery loop's claim and record.
+
+-- put_quota --
+-- Create or replace a quota of a tenant ($2 NULL) or of one of its routes.
+-- created: whether the row is new (xmax = 0 only for a freshly inserted row).
+INSERT INTO quotas AS q (tenant, route, name, period, timezone, tokens, cost, models,
+                         model_patterns, alerts, enforce)
+VALUES ($1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::numeric, $8::text[],
+        $9::text[], $10::numeric[], $11::text)
+ON CONFLICT (tenant, (coalesce(route, '')), name) DO UPDATE
+   SET period = EXCLUDED.period, timezone = EXCLUDED.timezone, tokens = EXCLUDED.tokens,
+       cost = EXCLUDED.cost, models = EXCLUDED.models, model_patterns = EXCLUDED.model_patterns,
+       alerts = EXCLUDED.alerts, enforce = EXCLUDED.enforce, updated_at = clock_timestamp()
+RETURNING q.quota_id, (q.xmax = 0) AS created
+
+-- list_quotas --
+-- A tenant's quotas ($2 NULL and $3 false: all, its routes' too; else those of
+-- route $2, or of the tenant itself when $3), optionally one ($4), with the
+-- current window's usage (zero when the window has no row yet).
+SELECT q.quota_id, q.tenant, q.route, q.name, q.period, q.timezone, q.tokens, q.cost, q.models,
+       q.alerts, q.enforce, q.created_at, q.updated_at,
+       cw.window_start, cw.window_end,
+       coalesce(w.reserved_tokens + w.charged_tokens, 0) AS usage_tokens,
+       coalesce(w.reserved_cost + w.charged_cost, 0) AS usage_cost
+  FROM quotas AS q
+       CROSS JOIN LATERAL lq_quota_window(q.period, q.timezone, clock_timestamp()) AS cw
+       LEFT JOIN quota_windows AS w
+              ON w.quota_id = q.quota_id AND w.window_start = cw.window_start
+ WHERE q.tenant = $1::text
+   AND ($2::text IS NULL OR q.route = $2::text)
+   AND (NOT $3::boolean OR q.route IS NULL)
+   AND ($4::text IS NULL OR q.name = $4::text)
+ ORDER BY q.route NULLS FIRST, q.name
+
+-- delete_quota --
+-- Delete one quota; its windows stay (quota_id set NULL) for the reports.
+DELETE FROM quotas
+ WHERE tenant = $1::text AND coalesce(route, '') = coalesce($2::text, '') AND name = $3::text
+RETURNING quota_id
+
+-- credit_topup --
+-- Add credit once per reference (see lq_credit_topup).
+SELECT * FROM lq_credit_topup($1::text, $2::numeric, $3::text)
+
+-- credit_account --
+-- A tenant's balance and reserved credit (no row: never topped up).
+SELECT balance, reserved, funded_at, funded_balance
+  FROM credit_accounts
+ WHERE tenant = $1::text
+
+-- credit_topups --
+-- A tenant's last $2 top-ups, newest first.
+SELECT entry_id, amount, reference, recorded_at, balance_after
+  FROM credit_ledger
+ WHERE tenant = $1::text AND entry_kind = 'topup'
+ ORDER BY recorded_at DESC, entry_id DESC
+ LIMIT $2::integer
+
+-- put_webhook --
+-- Create or replace a webhook; created: whether it is new.
+INSERT INTO webhooks AS w (name, url, secret, tenant)
+VALUES ($1::text, $2::text, $3::text, $4::text)
+ON CONFLICT (name) DO UPDATE
+   SET url = EXCLUDED.url, secret = EXCLUDED.secret, tenant = EXCLUDED.tenant,
+       updated_at = clock_timestamp()
+RETURNING (w.xmax = 0) AS created, w.created_at, w.updated_at
+
+-- list_webhooks --
+-- Webhooks (one when $1 is given), without their secrets.
+SELECT name, url, tenant, created_at, updated_at
+  FROM webhooks
+ WHERE $1::text IS NULL OR name = $1::text
+ ORDER BY name
+
+-- delete_webhook --
+-- Delete a webhook; its pending deliveries go with it.
+DELETE FROM webhooks WHERE name = $1::text RETURNING name
+
+-- fire_alert --
+-- Put one alert into the outbox unless it fired already (see lq_fire_alert).
+SELECT lq_fire_alert($1::text, $2::text, $3::text, $4::numeric, $5::timestamptz,
+                     $6::timestamptz, $7::numeric, $8::numeric, $9::timestamptz,
+                     $10::jsonb) AS event_id
+
+-- list_alerts --
+-- A tenant's last $2 alerts, newest first, with how their deliveries stand.
+SELECT o.event_id, o.event_type, o.tenant, o.subject, o.threshold, o.window_start,
+       o.window_end, o.usage, o.limit_value, o.projected_exhaustion_at, o.payload, o.created_at,
+       count(d.webhook) AS deliveries,
+       count(d.delivered_at) AS delivered,
+       count(d.gave_up_at) AS gave_up
+  FROM alert_outbox AS o
+       LEFT JOIN alert_deliveries AS d ON d.event_id = o.event_id
+ WHERE o.tenant = $1::text
+ GROUP BY o.event_id
+ ORDER BY o.created_at DESC, o.event_id
+ LIMIT $2::integer
+
+-- claim_deliveries --
+-- Claim up to $1 due deliveries for this loop: each claimed row is locked
+-- (SKIP LOCKED: another loop takes other rows, never waits for these), its
+-- attempt counted, and moved $2 seconds ahead, so that no loop claims it
+-- again while this one sends. If this loop dies, the delivery is due again
+-- when that lease passes: at least once, and the event id lets a receiver
+-- drop the repeat.
+WITH due AS (
+    SELECT d.event_id, d.webhook
+      FROM alert_deliveries AS d
+     WHERE d.delivered_at IS NULL
+       AND d.gave_up_at IS NULL
+       AND d.next_attempt_at <= clock_timestamp()
+     ORDER BY d.next_attempt_at
+     LIMIT $1::integer
+       FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE alert_deliveries AS d
+       SET attempts = d.attempts + 1,
+           next_attempt_at = clock_timestamp() + make_interval(secs => $2::float8),
+           last_attempt_at = clock_timestamp()
+      FROM due
+     WHERE d.event_id = due.event_id AND d.webhook = due.webhook
+    RETURNING d.event_id, d.webhook, d.attempts, d.created_at
+)
+SELECT c.event_id, c.webhook, c.attempts, w.url, w.secret,
+       extract(epoch FROM clock_timestamp() - c.created_at)::float8 AS age_seconds,
+       o.event_type, o.tenant, o.subject, o.threshold, o.window_start, o.window_end, o.usage,
+       o.limit_value, o.projected_exhaustion_at, o.payload
+  FROM claimed AS c
+       JOIN webhooks AS w ON w.name = c.webhook
+       JOIN alert_outbox AS o ON o.event_id = c.event_id
+
+-- record_delivery --
+-- Record one attempt ($3, the attempt number the claim gave): delivered ($6),
+-- due again in $7 seconds, or given up ($7 NULL). Only the holder of the
+-- latest claim changes the delivery (a loop whose lease ran out and was
+-- overtaken changes nothing); every attempt gets its row either way.
+-- updated: whether the delivery row changed.
+WITH updated AS (
+    UPDATE alert_deliveries AS d
+       SET delivered_at = CASE WHEN $6::boolean THEN clock_timestamp() END,
+           gave_up_at = CASE WHEN NOT $6::boolean AND $7::float8 IS NULL
+                             THEN clock_timestamp() END,
+           next_attempt_at = CASE WHEN NOT $6::boolean AND $7::float8 IS NOT NULL
+                                  THEN clock_timestamp() + make_interval(secs => $7::float8)
+                                  ELSE d.next_attempt_at END,
+           last_status = $4::integer,
+           last_error = $5::text
+     WHERE d.event_id = $1::uuid
+       AND d.webhook = $2::text
+       AND d.attempts = $3::integer
+       AND d.delivered_at IS NULL
+       AND d.gave_up_at IS NULL
+    RETURNING 1
+), attempt AS (
+    INSERT INTO alert_delivery_attempts (event_id, webhook, attempt, status, error, duration_ms)
+    SELECT $1::uuid, $2::text, $3::integer, $4::integer, $5::text, $8::integer
+     WHERE EXISTS (SELECT 1 FROM alert_deliveries AS d
+                    WHERE d.event_id = $1::uuid AND d.webhook = $2::text)
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM updated) AS updated

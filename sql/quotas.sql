@@ -1,0 +1,388 @@
+-- Calendar quotas, prepaid credits and the alert outbox: the helpers that
+-- admission and settlement call inside their own transaction.
+--
+-- Nothing here commits or opens a transaction: every function runs in the
+-- caller's, so an alert row exists exactly when the change that crossed its
+-- threshold commits, and vanishes with it on a rollback.
+--
+-- Lock order, after admission.sql's (idempotency keys, reservations, then
+-- limit_layers by layer_id): quota_windows rows by (quota_id, window_start),
+-- then credit_accounts by tenant, then alert_outbox (its unique index). An
+-- alert never locks anything but its own new rows.
+--
+-- Time: p_at is the caller's moment (admission passes its clock_timestamp();
+-- tests pass explicit timestamps), never read here behind the caller's back,
+-- except for created_at defaults and projections made "now".
+
+
+-- The calendar window of a quota holding the moment p_at: [window_start,
+-- window_end) in the quota's time zone. A day is midnight to midnight local
+-- time, so 23 or 25 hours at a DST change; a month is the first of the month
+-- to the first of the next, 28 to 31 days. STABLE, not IMMUTABLE: the zone
+-- rules come from the server's time zone database.
+CREATE OR REPLACE FUNCTION lq_quota_window(
+    p_period   text,
+    p_timezone text,
+    p_at       timestamptz,
+    OUT window_start timestamptz,
+    OUT window_end   timestamptz
+)
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    local_start timestamp;
+BEGIN
+    IF p_period NOT IN ('day', 'month') THEN
+        RAISE EXCEPTION 'quota period must be day or month, not %', p_period
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    local_start := date_trunc(p_period, p_at AT TIME ZONE p_timezone);
+    window_start := local_start AT TIME ZONE p_timezone;
+    -- Local calendar arithmetic, then back to an instant: a local midnight
+    -- that DST skips resolves as PostgreSQL resolves any skipped local time.
+    window_end := (local_start + CASE p_period WHEN 'day' THEN interval '1 day'
+                                               ELSE interval '1 month' END)
+                  AT TIME ZONE p_timezone;
+END
+$$;
+
+
+-- When usage reaches the limit at the window's average rate so far; p_at
+-- itself once reached; NULL without usage or elapsed time to project from.
+CREATE OR REPLACE FUNCTION lq_projected_exhaustion(
+    p_usage        numeric,
+    p_limit        numeric,
+    p_window_start timestamptz,
+    p_at           timestamptz
+) RETURNS timestamptz
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT CASE
+               WHEN p_usage >= p_limit THEN p_at
+               WHEN p_usage <= 0 OR p_at <= p_window_start THEN NULL
+               ELSE p_at + (p_at - p_window_start) * ((p_limit - p_usage) / p_usage)::float8
+           END
+$$;
+
+
+-- Put one alert into the outbox, at most once per (type, subject, threshold,
+-- window_start), and one delivery per webhook that takes it (the tenant's,
+-- and those of every tenant). Returns the new event id, or NULL when the
+-- alert had fired already.
+--
+-- Concurrency: the unique index alert_outbox_once decides. A second caller
+-- inserting the same key waits for the first's transaction: if it commits,
+-- ON CONFLICT DO NOTHING makes the second a no-op; if it rolls back, the
+-- second inserts. So exactly one committed alert, whatever the concurrency,
+-- and none for a change that rolled back.
+CREATE OR REPLACE FUNCTION lq_fire_alert(
+    p_type                    text,
+    p_tenant                  text,
+    p_subject                 text,
+    p_threshold               numeric,
+    p_window_start            timestamptz,
+    p_window_end              timestamptz,
+    p_usage                   numeric,
+    p_limit                   numeric,
+    p_projected_exhaustion_at timestamptz,
+    p_payload                 jsonb DEFAULT '{}'
+) RETURNS uuid
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    fired uuid;
+BEGIN
+    INSERT INTO alert_outbox (event_type, tenant, subject, threshold, window_start, window_end,
+                              usage, limit_value, projected_exhaustion_at, payload)
+    VALUES (p_type, p_tenant, p_subject, p_threshold, p_window_start, p_window_end,
+            p_usage, p_limit, p_projected_exhaustion_at, coalesce(p_payload, '{}'))
+    ON CONFLICT ON CONSTRAINT alert_outbox_once DO NOTHING
+    RETURNING event_id INTO fired;
+    IF fired IS NOT NULL THEN
+        INSERT INTO alert_deliveries (event_id, webhook)
+        SELECT fired, w.name
+          FROM webhooks AS w
+         WHERE w.tenant IS NULL OR w.tenant = p_tenant
+         ORDER BY w.name;
+    END IF;
+    RETURN fired;
+END
+$$;
+
+
+-- Fire every threshold a change of usage crossed upwards: those t with
+-- p_before < t * p_limit <= p_after. Returns how many alerts this call put
+-- into the outbox (a threshold that fired before in the window counts 0).
+-- A change downwards (a refund) fires nothing, and a threshold stays fired
+-- for the window: usage that dips and rises again does not repeat it.
+CREATE OR REPLACE FUNCTION lq_fire_crossed(
+    p_type         text,
+    p_tenant       text,
+    p_subject      text,
+    p_thresholds   numeric[],
+    p_window_start timestamptz,
+    p_window_end   timestamptz,
+    p_before       numeric,
+    p_after        numeric,
+    p_limit        numeric,
+    p_at           timestamptz,
+    p_payload      jsonb DEFAULT '{}'
+) RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    fired integer := 0;
+    t     numeric;
+BEGIN
+    IF p_limit IS NULL OR p_limit <= 0 OR p_after <= p_before THEN
+        RETURN 0;
+    END IF;
+    FOREACH t IN ARRAY coalesce(p_thresholds, '{}') LOOP
+        IF p_before < t * p_limit AND t * p_limit <= p_after THEN
+            IF lq_fire_alert(p_type, p_tenant, p_subject, t, p_window_start, p_window_end,
+                             p_after, p_limit,
+                             lq_projected_exhaustion(p_after, p_limit, p_window_start, p_at),
+                             p_payload) IS NOT NULL THEN
+                fired := fired + 1;
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN fired;
+END
+$$;
+
+
+-- The quotas a request of (tenant, route, model) counts against: the
+-- tenant's own and its route's, whose models (LIKE patterns) match or are
+-- empty (every model). In quota_id order: the order their windows are locked.
+CREATE OR REPLACE FUNCTION lq_matching_quotas(p_tenant text, p_route text, p_model text)
+RETURNS SETOF quotas
+LANGUAGE sql STABLE
+AS $$
+    SELECT q.*
+      FROM quotas AS q
+     WHERE q.tenant = p_tenant
+       AND coalesce(q.route, '') IN ('', coalesce(p_route, ''))
+       AND (cardinality(q.model_patterns) = 0 OR p_model LIKE ANY (q.model_patterns))
+     ORDER BY q.quota_id
+$$;
+
+
+-- The window row of a quota holding p_at, created if new, locked FOR UPDATE
+-- until the caller's transaction ends. Two transactions creating the same
+-- window meet on quota_windows_once: the second waits, then finds the row.
+CREATE OR REPLACE FUNCTION lq_quota_window_row(p_quota_id bigint, p_at timestamptz)
+RETURNS quota_windows
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    q   quotas;
+    w   record;
+    row quota_windows;
+BEGIN
+    SELECT * INTO q FROM quotas WHERE quota_id = p_quota_id;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no quota %', p_quota_id USING ERRCODE = 'no_data_found';
+    END IF;
+    w := lq_quota_window(q.period, q.timezone, p_at);
+    INSERT INTO quota_windows (quota_id, tenant, route, quota_name, window_start, window_end)
+    VALUES (q.quota_id, q.tenant, q.route, q.name, w.window_start, w.window_end)
+    ON CONFLICT ON CONSTRAINT quota_windows_once DO NOTHING;
+    SELECT * INTO row FROM quota_windows
+     WHERE quota_id = p_quota_id AND window_start = w.window_start
+       FOR UPDATE;
+    RETURN row;
+END
+$$;
+
+
+-- Apply signed changes to the window of a quota holding p_at, and fire
+-- every alert threshold the change crossed (tokens and cost apart), in the
+-- caller's transaction. Usage of a window = reserved + charged.
+--
+-- Admission: (quota, now, +reserved tokens, 0, +reserved cost, 0) once it
+-- decided to admit. Settlement: lq_quota_settle below. Reserved amounts are
+-- clamped at zero rather than fail a settlement (a refund of more than the
+-- window holds would be a bug upstream, never a reason to lose the usage).
+CREATE OR REPLACE FUNCTION lq_quota_apply(
+    p_quota_id        bigint,
+    p_at              timestamptz,
+    p_reserved_tokens bigint,
+    p_charged_tokens  bigint,
+    p_reserved_cost   numeric,
+    p_charged_cost    numeric
+) RETURNS quota_windows
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    q      quotas;
+    before quota_windows;
+    after  quota_windows;
+    info   jsonb;
+BEGIN
+    before := lq_quota_window_row(p_quota_id, p_at);
+    UPDATE quota_windows AS w
+       SET reserved_tokens = greatest(w.reserved_tokens + coalesce(p_reserved_tokens, 0), 0),
+           charged_tokens  = greatest(w.charged_tokens + coalesce(p_charged_tokens, 0), 0),
+           reserved_cost   = greatest(w.reserved_cost + coalesce(p_reserved_cost, 0), 0),
+           charged_cost    = greatest(w.charged_cost + coalesce(p_charged_cost, 0), 0),
+           updated_at      = clock_timestamp()
+     WHERE w.window_id = before.window_id
+    RETURNING w.* INTO after;
+    SELECT * INTO q FROM quotas WHERE quota_id = p_quota_id;
+    info := jsonb_build_object('quota', q.name, 'route', q.route, 'enforce', q.enforce);
+    IF q.tokens IS NOT NULL THEN
+        PERFORM lq_fire_crossed('quota.threshold', q.tenant,
+                                format('quota:%s:%s:%s:tokens', q.tenant,
+                                       coalesce(q.route, '*'), q.name),
+                                q.alerts, after.window_start, after.window_end,
+                                before.reserved_tokens + before.charged_tokens,
+                                after.reserved_tokens + after.charged_tokens,
+                                q.tokens, p_at, info || '{"unit": "tokens"}');
+    END IF;
+    IF q.cost IS NOT NULL THEN
+        PERFORM lq_fire_crossed('quota.threshold', q.tenant,
+                                format('quota:%s:%s:%s:cost', q.tenant,
+                                       coalesce(q.route, '*'), q.name),
+                                q.alerts, after.window_start, after.window_end,
+                                before.reserved_cost + before.charged_cost,
+                                after.reserved_cost + after.charged_cost,
+                                q.cost, p_at, info || '{"unit": "cost"}');
+    END IF;
+    RETURN after;
+END
+$$;
+
+
+-- Settle a quota's share of one reservation: take its reservation off the
+-- window it was reserved in (the one holding p_reserved_at) and charge the
+-- actual usage to the window the settlement happens in (holding p_at). A
+-- reservation open across a window boundary thus charges the new window:
+-- usage counts when it is known, as the ledger records it. The older window
+-- is locked first, so two settlements never lock the same pair crosswise.
+CREATE OR REPLACE FUNCTION lq_quota_settle(
+    p_quota_id        bigint,
+    p_reserved_at     timestamptz,
+    p_reserved_tokens bigint,
+    p_reserved_cost   numeric,
+    p_at              timestamptz,
+    p_charged_tokens  bigint,
+    p_charged_cost    numeric
+) RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    q quotas;
+BEGIN
+    SELECT * INTO q FROM quotas WHERE quota_id = p_quota_id;
+    IF NOT FOUND THEN
+        RETURN;  -- deleted meanwhile: its windows keep what they had
+    END IF;
+    IF (lq_quota_window(q.period, q.timezone, p_reserved_at)).window_start
+       = (lq_quota_window(q.period, q.timezone, p_at)).window_start THEN
+        PERFORM lq_quota_apply(p_quota_id, p_at, -p_reserved_tokens, p_charged_tokens,
+                               -p_reserved_cost, p_charged_cost);
+    ELSE
+        PERFORM lq_quota_apply(p_quota_id, p_reserved_at, -p_reserved_tokens, 0,
+                               -p_reserved_cost, 0);
+        PERFORM lq_quota_apply(p_quota_id, p_at, 0, p_charged_tokens, 0, p_charged_cost);
+    END IF;
+END
+$$;
+
+
+-- Add prepaid credit once per (tenant, reference). The account row is
+-- locked first, so two top-ups of one tenant queue; the second of the same
+-- reference then finds the first's ledger row (each statement of PL/pgSQL
+-- reads a fresh snapshot) and adds nothing. The unique constraint
+-- credit_ledger_reference_once is the backstop.
+--
+-- applied: true when this call added the amount; false when the reference
+-- was used before (amount is then the first top-up's, for the caller to
+-- compare). The credit alerts' window restarts at every top-up: it is "the
+-- balance since the last top-up", of the available balance it left.
+CREATE OR REPLACE FUNCTION lq_credit_topup(p_tenant text, p_amount numeric, p_reference text)
+RETURNS TABLE (entry_id bigint, applied boolean, amount numeric, balance numeric,
+               reserved numeric, recorded_at timestamptz)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    account credit_accounts;
+    earlier credit_ledger;
+    entry   credit_ledger;
+BEGIN
+    IF p_amount IS NULL OR p_amount <= 0 THEN
+        RAISE EXCEPTION 'a top-up must be positive' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    INSERT INTO credit_accounts (tenant) VALUES (p_tenant) ON CONFLICT (tenant) DO NOTHING;
+    SELECT * INTO account FROM credit_accounts AS a WHERE a.tenant = p_tenant FOR UPDATE;
+    SELECT * INTO earlier FROM credit_ledger AS l
+     WHERE l.tenant = p_tenant AND l.reference = p_reference AND l.entry_kind = 'topup';
+    IF FOUND THEN
+        RETURN QUERY SELECT earlier.entry_id, false, earlier.amount, account.balance,
+                            account.reserved, earlier.recorded_at;
+        RETURN;
+    END IF;
+    INSERT INTO credit_ledger (tenant, entry_kind, amount, balance_after, reference)
+    VALUES (p_tenant, 'topup', p_amount, account.balance + p_amount, p_reference)
+    RETURNING * INTO entry;
+    UPDATE credit_accounts AS a
+       SET balance = entry.balance_after,
+           funded_at = entry.recorded_at,
+           funded_balance = entry.balance_after - a.reserved,
+           updated_at = clock_timestamp()
+     WHERE a.tenant = p_tenant
+    RETURNING * INTO account;
+    RETURN QUERY SELECT entry.entry_id, true, entry.amount, account.balance, account.reserved,
+                        entry.recorded_at;
+END
+$$;
+
+
+-- Change a prepaid account in the caller's transaction: p_reserved_delta
+-- (admission: +maximum cost; settlement or release: -what was reserved),
+-- and on settlement p_charge, the actual cost, written to the credit ledger
+-- once per reservation (a repeat changes neither ledger nor balance). Fires
+-- the credits.threshold alerts the change crossed, as fractions of the
+-- balance the last top-up left. The balance may go negative by what a
+-- settlement used beyond its reservation; the next admission then refuses.
+CREATE OR REPLACE FUNCTION lq_credit_apply(
+    p_tenant         text,
+    p_reservation_id uuid,
+    p_reserved_delta numeric,
+    p_charge         numeric
+) RETURNS credit_accounts
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    before  credit_accounts;
+    after   credit_accounts;
+    charged numeric := 0;
+BEGIN
+    INSERT INTO credit_accounts (tenant) VALUES (p_tenant) ON CONFLICT (tenant) DO NOTHING;
+    SELECT * INTO before FROM credit_accounts WHERE tenant = p_tenant FOR UPDATE;
+    IF p_charge IS NOT NULL AND p_reservation_id IS NOT NULL THEN
+        INSERT INTO credit_ledger (tenant, entry_kind, amount, balance_after, reservation_id)
+        VALUES (p_tenant, 'charge', -p_charge, before.balance - p_charge, p_reservation_id)
+        ON CONFLICT ON CONSTRAINT credit_ledger_charge_once DO NOTHING;
+        IF FOUND THEN
+            charged := p_charge;
+        END IF;
+    END IF;
+    UPDATE credit_accounts AS a
+       SET reserved = greatest(a.reserved + coalesce(p_reserved_delta, 0), 0),
+           balance = a.balance - charged,
+           updated_at = clock_timestamp()
+     WHERE a.tenant = p_tenant
+    RETURNING * INTO after;
+    IF before.funded_at IS NOT NULL THEN
+        PERFORM lq_fire_crossed('credits.threshold', p_tenant, 'credits:' || p_tenant,
+                                after.alerts, after.funded_at, NULL,
+                                before.funded_balance - (before.balance - before.reserved),
+                                after.funded_balance - (after.balance - after.reserved),
+                                after.funded_balance, clock_timestamp(),
+                                '{"unit": "credits"}');
+    END IF;
+    RETURN after;
+END
+$$;

@@ -1,0 +1,229 @@
+"""Calendar quotas, prepaid credits and a tenant's alerts.
+
+Admin key only. The bodies are parsed loosely by pydantic (so a wrong JSON
+type is a 422 naming the field) and checked by domain.quotas, which names
+the field of any value it refuses; the AlertService stores them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from llmquota.admin.alerts import AlertService
+from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName, RouteName, TenantName
+from llmquota.domain.alerts import AlertEvent
+from llmquota.domain.quotas import Quota, TopUp, check_amount, check_reference, quota_spec
+
+router = APIRouter(tags=["quotas"])
+
+
+class QuotaBody(BaseModel):
+    """PUT body of a quota: `tokens` and/or `cost` per calendar `period`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    period: str
+    timezone: str = "UTC"
+    tokens: int | None = None
+    cost: str | None = None
+    models: list[str] | None = None
+    alerts: list[float] | None = None
+    enforce: str = "block"
+
+
+class TopUpBody(BaseModel):
+    """POST body of a top-up: `amount` a decimal string; `reference` makes it idempotent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    amount: str
+    reference: str
+
+
+def quota_json(quota: Quota) -> dict[str, Any]:
+    """A quota as the API shows it, with its current window and that window's usage."""
+    spec = quota.spec
+    return {
+        "tenant": quota.tenant,
+        "route": quota.route,
+        "name": quota.name,
+        "period": spec.period,
+        "timezone": spec.timezone,
+        "tokens": spec.tokens,
+        "cost": None if spec.cost is None else str(spec.cost),
+        "models": list(spec.models),
+        "alerts": [float(a) for a in spec.alerts],
+        "enforce": spec.enforce,
+        "window": {
+            "start": quota.window_start.isoformat(),
+            "end": quota.window_end.isoformat(),
+            "usage_tokens": quota.usage_tokens,
+            "usage_cost": format(quota.usage_cost.normalize(), "f"),
+        },
+        "created_at": quota.created_at.isoformat(),
+        "updated_at": quota.updated_at.isoformat(),
+    }
+
+
+def alert_json(event: AlertEvent) -> dict[str, Any]:
+    """An alert as the API lists it: the webhook body plus how delivery stands."""
+    return {
+        **event.body(),
+        "subject": event.subject,
+        "created_at": event.created_at.isoformat() if event.created_at else None,
+        "deliveries": {
+            "total": event.deliveries,
+            "delivered": event.delivered,
+            "gave_up": event.gave_up,
+        },
+    }
+
+
+def _topup_json(topup: TopUp) -> dict[str, Any]:
+    return {
+        "entry_id": topup.entry_id,
+        "amount": format(topup.amount.normalize(), "f"),
+        "reference": topup.reference,
+        "recorded_at": topup.recorded_at.isoformat(),
+    }
+
+
+async def _put(
+    service: AlertService, tenant: str, route: str | None, name: str, body: QuotaBody
+) -> JSONResponse:
+    spec = quota_spec(**body.model_dump())
+    quota, created = await service.put_quota(tenant, route, name, spec)
+    return JSONResponse(quota_json(quota), status_code=201 if created else 200)
+
+
+@router.put("/v1/tenants/{tenant}/quotas/{name}", status_code=200)
+async def put_tenant_quota(
+    tenant: TenantName, name: ObjectName, body: QuotaBody, caller: CallerDep, svc: AlertServiceDep
+) -> JSONResponse:
+    """Create (201) or replace (200) a calendar quota over all the tenant's routes."""
+    caller.require_admin()
+    return await _put(svc, tenant, None, name, body)
+
+
+@router.put("/v1/tenants/{tenant}/routes/{route}/quotas/{name}", status_code=200)
+async def put_route_quota(
+    *,
+    tenant: TenantName,
+    route: RouteName,
+    name: ObjectName,
+    body: QuotaBody,
+    caller: CallerDep,
+    svc: AlertServiceDep,
+) -> JSONResponse:
+    """Create (201) or replace (200) a calendar quota of one route of the tenant."""
+    caller.require_admin()
+    return await _put(svc, tenant, route, name, body)
+
+
+@router.get("/v1/tenants/{tenant}/quotas/{name}")
+async def get_tenant_quota(
+    tenant: TenantName, name: ObjectName, caller: CallerDep, svc: AlertServiceDep
+) -> dict[str, Any]:
+    """One tenant quota with its current window's usage."""
+    caller.require_admin()
+    return quota_json(await svc.get_quota(tenant, None, name))
+
+
+@router.get("/v1/tenants/{tenant}/routes/{route}/quotas/{name}")
+async def get_route_quota(
+    tenant: TenantName, route: RouteName, name: ObjectName, caller: CallerDep, svc: AlertServiceDep
+) -> dict[str, Any]:
+    """One route quota with its current window's usage."""
+    caller.require_admin()
+    return quota_json(await svc.get_quota(tenant, route, name))
+
+
+@router.get("/v1/tenants/{tenant}/quotas")
+async def list_tenant_quotas(
+    tenant: TenantName, caller: CallerDep, svc: AlertServiceDep
+) -> dict[str, Any]:
+    """Every quota of the tenant, its routes' included."""
+    caller.require_admin()
+    return {"tenant": tenant, "quotas": [quota_json(q) for q in await svc.list_quotas(tenant)]}
+
+
+@router.get("/v1/tenants/{tenant}/routes/{route}/quotas")
+async def list_route_quotas(
+    tenant: TenantName, route: RouteName, caller: CallerDep, svc: AlertServiceDep
+) -> dict[str, Any]:
+    """The quotas of one route of the tenant."""
+    caller.require_admin()
+    quotas = await svc.list_quotas(tenant, route)
+    return {"tenant": tenant, "route": route, "quotas": [quota_json(q) for q in quotas]}
+
+
+@router.delete("/v1/tenants/{tenant}/quotas/{name}", status_code=204)
+async def delete_tenant_quota(
+    tenant: TenantName, name: ObjectName, caller: CallerDep, svc: AlertServiceDep
+) -> None:
+    """Delete a tenant quota; its past windows stay in the reports."""
+    caller.require_admin()
+    await svc.delete_quota(tenant, None, name)
+
+
+@router.delete("/v1/tenants/{tenant}/routes/{route}/quotas/{name}", status_code=204)
+async def delete_route_quota(
+    tenant: TenantName, route: RouteName, name: ObjectName, caller: CallerDep, svc: AlertServiceDep
+) -> None:
+    """Delete a route quota; its past windows stay in the reports."""
+    caller.require_admin()
+    await svc.delete_quota(tenant, route, name)
+
+
+@router.post("/v1/tenants/{tenant}/credits")
+async def top_up(
+    tenant: TenantName, body: TopUpBody, caller: CallerDep, svc: AlertServiceDep
+) -> JSONResponse:
+    """Add prepaid credit: 201 when added, 200 when this reference was added before
+    (`applied` false: nothing was added again)."""
+    caller.require_admin()
+    amount = check_amount("amount", body.amount)
+    reference = check_reference(body.reference)
+    topup = await svc.top_up(tenant, amount, reference)
+    account = await svc.credits(tenant)
+    answer = {
+        "tenant": tenant,
+        "applied": topup.applied,
+        **_topup_json(topup),
+        "balance": format(account.balance.normalize(), "f"),
+        "reserved": format(account.reserved.normalize(), "f"),
+    }
+    return JSONResponse(answer, status_code=201 if topup.applied else 200)
+
+
+@router.get("/v1/tenants/{tenant}/credits")
+async def get_credits(
+    tenant: TenantName, caller: CallerDep, svc: AlertServiceDep
+) -> dict[str, Any]:
+    """Balance, what open reservations hold, what is available, and the last top-ups."""
+    caller.require_admin()
+    account = await svc.credits(tenant)
+    return {
+        "tenant": tenant,
+        "balance": format(account.balance.normalize(), "f"),
+        "reserved": format(account.reserved.normalize(), "f"),
+        "available": format(account.available.normalize(), "f"),
+        "topups": [_topup_json(t) for t in account.topups],
+    }
+
+
+@router.get("/v1/tenants/{tenant}/alerts")
+async def list_alerts(
+    tenant: TenantName,
+    caller: CallerDep,
+    svc: AlertServiceDep,
+    limit: Annotated[int, Query(ge=1, le=1_000)] = 100,
+) -> dict[str, Any]:
+    """The tenant's alerts, newest first, with how their deliveries stand."""
+    caller.require_admin()
+    alerts = await svc.list_alerts(tenant, limit)
+    return {"tenant": tenant, "alerts": [alert_json(a) for a in alerts]}

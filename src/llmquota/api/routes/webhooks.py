@@ -1,0 +1,91 @@
+"""Webhooks: where alerts are POSTed. Admin key only.
+
+A webhook takes every tenant's alerts, or one tenant's. Its URL must be
+http(s) and may not point at a link-local address (cloud metadata) or at
+this service itself (SSRF); loopback and private addresses are fine, since
+receivers often run beside the service. The secret signs every delivery and
+is never shown again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName
+from llmquota.api.webhooks import check_webhook_target
+from llmquota.domain.alerts import Webhook, check_secret
+from llmquota.domain.validation import check_name
+
+router = APIRouter(tags=["webhooks"])
+
+
+class WebhookBody(BaseModel):
+    """PUT body of a webhook: `url`, `secret` (16 bytes or more), optional `tenant`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    secret: str
+    tenant: str | None = None
+
+
+def webhook_json(hook: Webhook) -> dict[str, Any]:
+    """A webhook as the API shows it: never its secret."""
+    return {
+        "name": hook.name,
+        "url": hook.url,
+        "tenant": hook.tenant,
+        "created_at": hook.created_at.isoformat() if hook.created_at else None,
+        "updated_at": hook.updated_at.isoformat() if hook.updated_at else None,
+    }
+
+
+def own_addresses(request: Request) -> list[tuple[str, int]]:
+    """Where this service is listening, as far as the request tells: the socket it
+    arrived on and the host the client addressed."""
+    own: list[tuple[str, int]] = []
+    server = request.scope.get("server")
+    if server and server[1] is not None:
+        own.append((str(server[0]), int(server[1])))
+    url = request.url
+    if url.hostname:
+        own.append((url.hostname, url.port or (443 if url.scheme == "https" else 80)))
+    return own
+
+
+@router.put("/v1/webhooks/{name}")
+async def put_webhook(
+    name: ObjectName, body: WebhookBody, request: Request, caller: CallerDep, svc: AlertServiceDep
+) -> JSONResponse:
+    """Create (201) or replace (200) a webhook."""
+    caller.require_admin()
+    url = await check_webhook_target(body.url, own_addresses(request))
+    secret = check_secret(body.secret)
+    tenant = None if body.tenant is None else check_name("tenant", body.tenant)
+    hook, created = await svc.put_webhook(name, url, secret, tenant)
+    return JSONResponse(webhook_json(hook), status_code=201 if created else 200)
+
+
+@router.get("/v1/webhooks/{name}")
+async def get_webhook(name: ObjectName, caller: CallerDep, svc: AlertServiceDep) -> dict[str, Any]:
+    """One webhook (without its secret)."""
+    caller.require_admin()
+    return webhook_json(await svc.get_webhook(name))
+
+
+@router.get("/v1/webhooks")
+async def list_webhooks(caller: CallerDep, svc: AlertServiceDep) -> dict[str, Any]:
+    """Every webhook (without their secrets)."""
+    caller.require_admin()
+    return {"webhooks": [webhook_json(h) for h in await svc.list_webhooks()]}
+
+
+@router.delete("/v1/webhooks/{name}", status_code=204)
+async def delete_webhook(name: ObjectName, caller: CallerDep, svc: AlertServiceDep) -> None:
+    """Delete a webhook; its pending deliveries go with it."""
+    caller.require_admin()
+    await svc.delete_webhook(name)

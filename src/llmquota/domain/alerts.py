@@ -1,0 +1,233 @@
+"""Alerts and their webhooks: records, input checks, signatures, retry timing.
+
+Pure. What fires an alert is SQL (lq_fire_alert, in the transaction of the
+change that crossed a threshold); what is here is everything around its
+delivery that can be decided without I/O: whether a webhook URL may be
+called at all (SSRF), the signature a receiver verifies, the JSON body, and
+when to try again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+from llmquota.domain.errors import InvalidRequest
+
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 1024
+MAX_URL_CHARS = 2048
+# Retries: the first after about FIRST_RETRY_SECONDS, doubling up to
+# MAX_RETRY_SECONDS, each scaled by a jitter in [0.5, 1.0) so that receivers
+# coming back are not hit by every loop at once; given up once the delivery
+# is older than MAX_DELIVERY_AGE_SECONDS (a day).
+FIRST_RETRY_SECONDS = 5.0
+MAX_RETRY_SECONDS = 3_600.0
+MAX_DELIVERY_AGE_SECONDS = 86_400.0
+
+# Cloud metadata lives at link-local addresses (169.254.169.254, fd00:ec2::254
+# aside): never a receiver of ours.
+_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+_UNSPECIFIED_HOSTS = frozenset({"0.0.0.0", "::", ""})
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
+
+@dataclass(frozen=True, slots=True)
+class Webhook:
+    """A receiver of alerts: every tenant's (tenant None) or one tenant's."""
+
+    name: str
+    url: str
+    tenant: str | None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AlertEvent:
+    """One alert of the outbox: a threshold crossed once in a window."""
+
+    event_id: uuid.UUID
+    event_type: str
+    tenant: str | None
+    subject: str
+    threshold: Decimal
+    window_start: datetime
+    window_end: datetime | None
+    usage: Decimal
+    limit: Decimal
+    projected_exhaustion_at: datetime | None
+    payload: Mapping[str, Any]
+    created_at: datetime | None = None
+    deliveries: int = 0
+    delivered: int = 0
+    gave_up: int = 0
+
+    def body(self) -> dict[str, Any]:
+        """The JSON a webhook receives; numbers as decimal strings, times in ISO 8601."""
+        return {
+            "id": str(self.event_id),
+            "type": self.event_type,
+            "tenant": self.tenant,
+            "quota": self.payload.get("quota"),
+            "route": self.payload.get("route"),
+            "unit": self.payload.get("unit"),
+            "threshold": _number(self.threshold),
+            "usage": _number(self.usage),
+            "limit": _number(self.limit),
+            "window_start": self.window_start.isoformat(),
+            "window_end": self.window_end.isoformat() if self.window_end else None,
+            "projected_exhaustion_at": (
+                self.projected_exhaustion_at.isoformat() if self.projected_exhaustion_at else None
+            ),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A claimed delivery: one event to one webhook, attempt number `attempt`."""
+
+    event: AlertEvent
+    webhook: str
+    url: str
+    secret: str
+    attempt: int
+    age_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What one POST gave: delivered (a 2xx), else the status or error for the record."""
+
+    delivered: bool
+    status: int | None = None
+    error: str | None = None
+
+
+def _number(value: Decimal) -> str:
+    """A decimal as a plain string without trailing zeros ("0.8", "1200")."""
+    return format(value.normalize(), "f")
+
+
+def encode_body(event: AlertEvent) -> bytes:
+    """The exact bytes POSTed (and signed): compact JSON, keys in a fixed order."""
+    return json.dumps(event.body(), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def signature(secret: str, timestamp: int, body: bytes) -> str:
+    """The `llmquota-signature` header: t=<unix seconds>,v1=<hex HMAC-SHA256 of "t.body">.
+
+    The timestamp is inside the MAC so a receiver can refuse an old replay.
+    """
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},v1={mac.hexdigest()}"
+
+
+def verify_signature(secret: str, header: str, body: bytes) -> bool:
+    """What a receiver does: recompute the MAC and compare in constant time."""
+    try:
+        fields = dict(part.split("=", 1) for part in header.split(","))
+        timestamp = int(fields["t"])
+    except (KeyError, ValueError):
+        return False
+    expected = signature(secret, timestamp, body)
+    return hmac.compare_digest(expected, header)
+
+
+def retry_delay_seconds(attempt: int, age_seconds: float, jitter: float) -> float | None:
+    """Seconds until the next attempt after failed attempt `attempt` (1-based), or
+    None to give up: the delivery would be older than MAX_DELIVERY_AGE_SECONDS.
+
+    `jitter` in [0, 1) comes from the caller's random source.
+    """
+    exponent = min(max(attempt - 1, 0), 30)
+    base = min(FIRST_RETRY_SECONDS * 2.0**exponent, MAX_RETRY_SECONDS)
+    delay = base * (0.5 + 0.5 * min(max(jitter, 0.0), 1.0))
+    if age_seconds + delay > MAX_DELIVERY_AGE_SECONDS:
+        remaining = MAX_DELIVERY_AGE_SECONDS - age_seconds
+        # One last try at the day's end, when there is time left for one.
+        return remaining if remaining >= 1.0 else None
+    return delay
+
+
+def check_secret(value: object) -> str:
+    """A webhook secret: MIN_SECRET_BYTES to MAX_SECRET_BYTES bytes of UTF-8."""
+    if not isinstance(value, str):
+        raise InvalidRequest("secret must be a string")
+    size = len(value.encode("utf-8", errors="replace"))
+    if not MIN_SECRET_BYTES <= size <= MAX_SECRET_BYTES or "\x00" in value:
+        raise InvalidRequest(
+            f"secret must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes (no NUL)"
+        )
+    return value
+
+
+def forbidden_address(host: str) -> str | None:
+    """Why an IP address may not receive webhooks (link-local), or None."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if any(address in network for network in _LINK_LOCAL):
+        return f"url: {host} is a link-local address (cloud metadata), refused"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() in _LOOPBACK_NAMES or host in _UNSPECIFIED_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_own_address(host: str, port: int, own: Iterable[tuple[str, int]]) -> bool:
+    """Whether (host, port) is where this service listens: the same port at its
+    own address, or at loopback when it listens there or on every address."""
+    for own_host, own_port in own:
+        if port != own_port:
+            continue
+        if host.lower() == own_host.lower():
+            return True
+        if _is_loopback(host) and (_is_loopback(own_host) or own_host in _UNSPECIFIED_HOSTS):
+            return True
+    return False
+
+
+def check_webhook_url(value: object, own: Iterable[tuple[str, int]] = ()) -> str:
+    """An http(s) URL with a host that is neither link-local nor this service itself.
+
+    Loopback and private addresses are allowed: receivers often run beside the
+    service. A host name is checked again at delivery, once resolved.
+    """
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_URL_CHARS:
+        raise InvalidRequest(f"url must be an http(s) URL of at most {MAX_URL_CHARS} characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidRequest("url is not a valid URL") from exc
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest("url must be an http:// or https:// URL with a host")
+    if any(ch.isspace() for ch in value) or not value.isascii():
+        raise InvalidRequest("url must be ASCII without spaces")
+    host = parts.hostname
+    problem = forbidden_address(host)
+    if problem is not None:
+        raise InvalidRequest(problem)
+    effective_port = port if port is not None else (443 if parts.scheme == "https" else 80)
+    if is_own_address(host, effective_port, own):
+        raise InvalidRequest("url: that is this service's own listening address, refused")
+    return value
