@@ -61,6 +61,7 @@ models = ["claude-sonnet-4*"]
 
 async def test_models_go_to_the_upstream_that_lists_them_with_its_own_key(
     fake: tuple[FakeProvider, str],
+    *,
     second_fake: tuple[FakeProvider, str],
     database_dsn: str,
     db: asyncpg.Connection,

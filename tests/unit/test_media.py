@@ -131,7 +131,8 @@ def test_audio_is_ten_tokens_a_second_read_from_a_wav_or_assumed_slow() -> None:
 
 
 def test_documents_are_priced_per_page_as_text_and_an_image() -> None:
-    pdf = b"%PDF-1.7\n1 0 obj <</Type /Pages /Count 2>>\n2 0 obj <</Type /Page>>\n3 0 obj <</Type/Page>>"
+    pdf = b"%PDF-1.7\n1 0 obj <</Type /Pages /Count 2>>\n2 0 obj <</Type /Page>>\n"
+    pdf += b"3 0 obj <</Type/Page>>"
     page = PAGE_TEXT_TOKENS + ANTHROPIC_MAX_IMAGE_TOKENS
     file = {"type": "file", "file": {"file_data": data_url(pdf, "application/pdf")}}
     assert media_tokens(file, "gpt-4o") == 2 * page
