@@ -251,3 +251,30 @@ async def test_n_completions_are_reserved_n_times(stack: Stack, db: asyncpg.Conn
         (PROMPT_TOKENS, completion_tokens(6))
     ] * 2
     assert len(stack.fake.requests) == 2
+
+
+async def test_a_wrong_key_is_refused_in_the_providers_format_also_when_remembered(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    wrong = "lq_not_a_key_of_anyone_0123456789"
+    # The first answer comes from the route's lookup, the repeats from the middleware's
+    # memory of the wrong key (the negative cache), before the body is read: alike.
+    for _ in range(3):
+        with pytest.raises(openai.AuthenticationError) as refused:
+            await stack.openai(api_key=wrong).chat.completions.create(
+                model="gpt-4o", messages=MESSAGES, max_tokens=5
+            )
+        assert isinstance(refused.value.body, dict)
+        assert refused.value.body["code"] == "invalid_api_key"
+        with pytest.raises(anthropic.AuthenticationError) as refused_claude:
+            await stack.anthropic(api_key=wrong).messages.create(
+                model="claude-sonnet-4", messages=MESSAGES, max_tokens=5
+            )
+        assert isinstance(refused_claude.value.body, dict)
+        assert refused_claude.value.body["error"]["type"] == "authentication_error"
+    rest = await stack.admin.get(
+        "/v1/tenants/acme/status", headers={"authorization": f"Bearer {wrong}"}
+    )
+    assert rest.status_code == 401 and "request_id" in rest.json()
+    assert stack.fake.requests == [] and await ledger(db) == []
+    assert await db.fetchval("SELECT count(*) FROM reservations") == 0
