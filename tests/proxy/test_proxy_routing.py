@@ -85,9 +85,8 @@ async def test_models_go_to_the_upstream_that_lists_them_with_its_own_key(
             model="claude-sonnet-4-5", messages=MESSAGES, max_tokens=20
         )
         with pytest.raises(openai.NotFoundError) as unserved:
-            await client.chat.completions.create(
-                model="mistral-large", messages=MESSAGES, max_tokens=20
-            )
+            # Unserved comes first: no max_tokens and no known bound would be a 400 otherwise.
+            await client.chat.completions.create(model="mistral-large", messages=MESSAGES)
         with pytest.raises(anthropic.NotFoundError) as unserved_claude:
             await stack.anthropic().messages.create(
                 model="claude-opus-4", messages=MESSAGES, max_tokens=20

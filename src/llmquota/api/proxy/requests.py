@@ -19,7 +19,7 @@ forwarded with a guessed reservation.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,8 +57,14 @@ class ProxyRequest:
     client_wants_usage: bool
 
 
-def parse(endpoint: Endpoint, raw: bytes, default_max_tokens: int | None) -> ProxyRequest:
-    """Validate a request body; raises BadProxyRequest (400)."""
+def parse(
+    endpoint: Endpoint,
+    raw: bytes,
+    default_max_tokens: int | None,
+    unserved: Callable[[str], str | None] = lambda _model: None,
+) -> ProxyRequest:
+    """Validate a request body; raises BadProxyRequest (400, or 404 for a model
+    `unserved` explains no upstream serves, checked before anything else about it)."""
     kind = kind_of(endpoint)
     try:
         body = json.loads(raw)
@@ -69,6 +75,8 @@ def parse(endpoint: Endpoint, raw: bytes, default_max_tokens: int | None) -> Pro
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadProxyRequest(400, "'model' is required and must be a string", "model")
+    if (why := unserved(model)) is not None:
+        raise BadProxyRequest(404, why, "model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) or (stream and endpoint == "embeddings"):
         message = "'stream' must be a boolean (and false for embeddings)"

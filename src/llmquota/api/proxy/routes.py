@@ -113,9 +113,14 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         tenant = await _tenant(kind, request)
         if isinstance(tenant, Response):
             return tenant
-        parsed = parse(endpoint, await request.body(), proxy.settings.proxy_default_max_tokens)
+        parsed = parse(
+            endpoint,
+            await request.body(),
+            proxy.settings.proxy_default_max_tokens,
+            lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
+        )
         upstream = proxy.route(kind, parsed.model)
-        if upstream is None:  # before admission: nothing is reserved for it
+        if upstream is None:  # parse refused it already; kept for the type checker
             return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
         exchange = await _admit(kind, request, tenant, parsed)
     except BadProxyRequest as exc:
