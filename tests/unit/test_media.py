@@ -176,3 +176,12 @@ def test_counting_messages_adds_media_and_marks_the_count_estimated() -> None:
     )
     assert claude.tokens > claude_text.tokens + ANTHROPIC_MAX_IMAGE_TOKENS
     assert claude.tokens < claude_text.tokens + ANTHROPIC_MAX_IMAGE_TOKENS + 10
+
+
+def test_only_an_images_header_is_decoded_and_a_far_header_costs_the_most() -> None:
+    app1 = b"\xff\xe1" + struct.pack(">H", 65_000) + b"\x00" * 64_998  # EXIF-sized segments
+    near, far = jpeg(100, 100), jpeg(100, 100)
+    near = near[:2] + app1 + near[2:]
+    far = far[:2] + app1 * 5 + far[2:]  # the frame header past IMAGE_HEADER_CHARS
+    assert media_tokens(openai_image(data_url(near, "image/jpeg")), "gpt-4o") == 85 + 170
+    assert media_tokens(openai_image(data_url(far, "image/jpeg")), "gpt-4o") == 85 + 170 * 8

@@ -78,6 +78,10 @@ ASSUMED_AUDIO_BYTES_PER_SECOND = 1_000
 WAV_HEADER_BYTES = 44
 PAGE_TEXT_TOKENS = 3_000
 UNKNOWN_DOCUMENT_PAGES = 10
+# An image's size is in its header: only this much of its base64 is decoded
+# (a JPEG's frame header may follow 64 KiB of EXIF); not found there, the
+# image is priced at the most it can cost.
+IMAGE_HEADER_CHARS = 262_144
 _T = TypeVar("_T")
 _DATA_URL = re.compile(r"data:[^;,]*(?:;[^;,]*)*?;base64,", re.IGNORECASE)
 _PDF_PAGE = re.compile(rb"/Type\s*/Page(?![a-zA-Z])")
@@ -93,7 +97,7 @@ def media_tokens(block: Mapping[str, Any], model: str) -> int:
         data = audio.get("data") if isinstance(audio, Mapping) else None
         return _audio_tokens(_decoded(data) if isinstance(data, str) else None)
     if kind == "image":
-        return _anthropic_image(_source_bytes(block.get("source")))
+        return _anthropic_image(_source_bytes(block.get("source"), IMAGE_HEADER_CHARS))
     page = PAGE_TEXT_TOKENS + max(_tile_price_max(model), ANTHROPIC_MAX_IMAGE_TOKENS)
     if kind == "file":
         file = block.get("file")
@@ -102,28 +106,34 @@ def media_tokens(block: Mapping[str, Any], model: str) -> int:
     return page * _pages(_source_bytes(block.get("source")))  # document
 
 
-def _decoded(data: str) -> bytes | None:
-    """The bytes of base64 data, bare or as a data: URL; None if it is not base64."""
+def _decoded(data: str, max_chars: int | None = None) -> bytes | None:
+    """The bytes of base64 data, bare or as a data: URL (only its first `max_chars`
+    characters when given); None if it is not base64."""
     match = _DATA_URL.match(data)
     payload = data[match.end() :] if match else data
+    if max_chars is not None:
+        payload = payload[:max_chars]
     try:
         return base64.b64decode(payload, validate=False)
     except (binascii.Error, ValueError):
         return None
 
 
-def _source_bytes(source: object) -> bytes | None:
+def _source_bytes(source: object, max_chars: int | None = None) -> bytes | None:
     """The inline bytes of an Anthropic source (type base64), else None."""
     if isinstance(source, Mapping) and source.get("type") == "base64":
         data = source.get("data")
-        return _decoded(data) if isinstance(data, str) else None
+        return _decoded(data, max_chars) if isinstance(data, str) else None
     return None
 
 
 def _openai_image(image: object, model: str) -> int:
     url = image.get("url") if isinstance(image, Mapping) else None
     detail = image.get("detail") if isinstance(image, Mapping) else None
-    size = image_size(_decoded(url)) if isinstance(url, str) and url.startswith("data:") else None
+    inline = isinstance(url, str) and url.startswith("data:")
+    size = (
+        image_size(_decoded(url, IMAGE_HEADER_CHARS)) if isinstance(url, str) and inline else None
+    )
     multiplier = _longest(PATCH_MULTIPLIERS, model)
     if multiplier is not None:
         return math.ceil(_patches(size) * multiplier)
