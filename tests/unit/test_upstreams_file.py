@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pydantic
 import pytest
+from pydantic import SecretStr
 
-from llmquota.config import Settings, route
+from llmquota.config import Settings, UpstreamConfig, route
 
 SECRET = "sk-never-print-this-0123"
 
@@ -158,3 +159,12 @@ def test_the_command_stops_with_a_clear_message_and_no_traceback(tmp_path: Path)
     assert result.returncode == 2
     assert f"invalid configuration: {path}: upstream[0] (openai-main).format" in result.stderr
     assert "Traceback" not in result.stderr and SECRET not in result.stderr + result.stdout
+
+
+def test_only_star_is_a_wildcard_in_model_patterns() -> None:
+    config = UpstreamConfig(
+        "x", "openai", "http://x/v1", SecretStr("k"), ("ft:gpt-4o:[acme]*", "o3*")
+    )
+    assert config.serves("ft:gpt-4o:[acme]:run-7") == "glob"
+    assert config.serves("ft:gpt-4o:a:run-7") is None  # [acme] is not a character class
+    assert config.serves("o3") == "glob" and config.serves("gpt-o3") is None

@@ -23,8 +23,9 @@ the one reader), and no message ever contains a key.
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import math
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -75,9 +76,15 @@ class UpstreamConfig:
         """How this upstream names `model`: exactly, by a glob, or not at all."""
         if model in self.models:
             return "exact"
-        if any("*" in p and fnmatch.fnmatchcase(model, p) for p in self.models):
+        if any("*" in p and _glob(p).fullmatch(model) for p in self.models):
             return "glob"
         return None
+
+
+@functools.lru_cache(maxsize=MAX_MODEL_PATTERNS)
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A `models` glob: `*` is any run of characters; everything else is itself."""
+    return re.compile(".*".join(re.escape(part) for part in pattern.split("*")), re.DOTALL)
 
 
 def route(
