@@ -48,7 +48,8 @@ def test_reading_requests() -> None:
         None,
     )
     assert chat.max_tokens == 14  # max_completion_tokens wins, times n
-    assert chat.messages == [{"role": "user", "content": ["hi"]}]  # the image is not text
+    image = {"type": "image_url", "image_url": {"url": "data:..."}}
+    assert chat.messages == [{"role": "user", "content": ["hi", image]}]  # priced, not encoded
     claude = parse(
         "messages",
         b'{"model": "claude-3-5-haiku", "system": "be brief", "messages": []}',
@@ -59,7 +60,7 @@ def test_reading_requests() -> None:
     assert parse("chat", b'{"model": "x", "messages": []}', 300).max_tokens == 300
     with pytest.raises(BadProxyRequest) as bad:
         parse("embeddings", b'{"model": "x", "input": "a", "stream": true}', None)
-    assert bad.value.status == 422
+    assert bad.value.status == 400 and bad.value.param == "stream"
 
 
 def test_event_data() -> None:

@@ -135,13 +135,9 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     _add_middlewares(app, settings)
     install_error_handlers(app)
     app.include_router(router)
+    formats = {upstream.format for upstream in settings.upstreams()}
     app.include_router(
-        proxy_router(
-            {
-                "openai": settings.openai_base_url is not None,
-                "anthropic": settings.anthropic_base_url is not None,
-            }
-        )
+        proxy_router({"openai": "openai" in formats, "anthropic": "anthropic" in formats})
     )
     return app
 

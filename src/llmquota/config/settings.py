@@ -17,9 +17,15 @@ from __future__ import annotations
 import os
 from typing import Annotated, Literal, Self
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from llmquota.config.upstreams import (
+    EVERY_MODEL,
+    UpstreamConfig,
+    check_names,
+    load_upstreams_file,
+)
 from llmquota.domain.validation import MAX_ESTIMATE_FACTOR
 
 # Bounds on the batching settings, so a typo cannot make a batch unbounded or
@@ -43,6 +49,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True
     )
+    _upstreams: tuple[UpstreamConfig, ...] = PrivateAttr(default=())
 
     database_url: str | None = Field(
         default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
@@ -329,6 +336,11 @@ class Settings(BaseSettings):
     anthropic_api_key: SecretStr | None = Field(
         default=None, description="the provider key sent upstream; never shown to clients"
     )
+    upstreams_file: str | None = Field(
+        default=None,
+        description="TOML file of several upstreams and the models each serves (see "
+        "llmquota.config.upstreams); read and checked at start-up",
+    )
     proxy_default_max_tokens: int | None = Field(
         default=None,
         ge=1,
@@ -376,7 +388,24 @@ class Settings(BaseSettings):
                     f"{ENV_PREFIX}{name.upper()}_{have} is set without "
                     f"{ENV_PREFIX}{name.upper()}_{missing}"
                 )
+        self._upstreams = self._read_upstreams()
         return self
+
+    def _read_upstreams(self) -> tuple[UpstreamConfig, ...]:
+        """The file's upstreams first (routing by their models), then the simple ones."""
+        found: list[UpstreamConfig] = []
+        if self.upstreams_file is not None:
+            found.extend(load_upstreams_file(self.upstreams_file, environment_value))
+        for form in ("openai", "anthropic"):
+            url, key = getattr(self, f"{form}_base_url"), getattr(self, f"{form}_api_key")
+            if url is not None and key is not None:
+                found.append(UpstreamConfig(form, form, url, key, EVERY_MODEL))
+        check_names(found, self.upstreams_file)
+        return tuple(found)
+
+    def upstreams(self) -> tuple[UpstreamConfig, ...]:
+        """Every configured upstream, checked when the settings were built."""
+        return self._upstreams
 
 
 def environment_value(variable: str, default: str | None = None) -> str | None:

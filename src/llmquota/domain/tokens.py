@@ -19,6 +19,7 @@ from typing import Any
 import tiktoken
 from tiktoken.model import encoding_name_for_model
 
+from llmquota.domain.media import MEDIA_TYPES, media_tokens
 from llmquota.resources import encodings_dir
 
 # The SHA-256 of each rank file, as pinned by tiktoken_ext/openai_public.py.
@@ -156,9 +157,28 @@ def encoding_for_model(model: str) -> tuple[str, bool]:
 
 def _message_text(message: Mapping[str, Any]) -> list[str]:
     """The strings of one chat message that the model reads."""
+    return _message_parts(message)[0]
+
+
+def _inline_text(block: Mapping[str, Any]) -> str | None:
+    """The text of a plain-text document block (Anthropic's source type text), else None."""
+    source = block.get("source")
+    if (
+        block.get("type") == "document"
+        and isinstance(source, Mapping)
+        and source.get("type") == "text"
+        and isinstance(source.get("data"), str)
+    ):
+        return str(source["data"])
+    return None
+
+
+def _message_parts(message: Mapping[str, Any]) -> tuple[list[str], list[Mapping[str, Any]]]:
+    """The strings of one chat message that the model reads, and its media blocks."""
     if not isinstance(message, Mapping):
         raise TokenCountError("each message must be an object with 'role' and 'content'")
     parts: list[str] = []
+    media: list[Mapping[str, Any]] = []
     for key in ("role", "name"):
         value = message.get(key)
         if value is not None:
@@ -167,21 +187,32 @@ def _message_text(message: Mapping[str, Any]) -> list[str]:
             parts.append(value)
     content = message.get("content")
     if content is None:
-        return parts
+        return parts, media
     if isinstance(content, str):
         parts.append(content)
     elif isinstance(content, list):
-        # Content blocks: only text blocks are counted here.
-        for block in content:
-            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
-                parts.append(block["text"])
-            elif isinstance(block, str):
-                parts.append(block)
-            else:
-                raise TokenCountError("content blocks must be strings or objects with a 'text'")
+        _content_blocks(content, parts, media)
     else:
         raise TokenCountError("message content must be a string or a list of blocks")
-    return parts
+    return parts, media
+
+
+def _content_blocks(content: list[Any], parts: list[str], media: list[Mapping[str, Any]]) -> None:
+    """Sort content blocks: text is encoded, images, audio and documents priced (media.py)."""
+    for block in content:
+        if isinstance(block, Mapping) and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif isinstance(block, str):
+            parts.append(block)
+        elif isinstance(block, Mapping) and (text := _inline_text(block)) is not None:
+            parts.append(text)
+        elif isinstance(block, Mapping) and block.get("type") in MEDIA_TYPES:
+            media.append(block)
+        else:
+            raise TokenCountError(
+                "content blocks must be strings, objects with a 'text', or images, "
+                "audio and documents"
+            )
 
 
 def count_text(
@@ -203,22 +234,30 @@ def count_messages(
 
     Past its CPU budget the count stops encoding and bounds what is left from
     above (see encoded_length): marked as an estimate, never an undercount.
+    Images, audio and documents are priced in the provider's own tokens
+    (media.py), added after the tokenizer's scaling, and mark the count as
+    an estimate.
     """
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         raise TokenCountError("messages must be a list of message objects")
     encoding_name, exact = encoding_for_model(model)
     encoding = get_encoding(encoding_name)
     budget = budget or CpuBudget()
-    raw = TOKENS_REPLY_PRIMING
+    raw, priced = TOKENS_REPLY_PRIMING, 0
     for message in messages:
         raw += TOKENS_PER_MESSAGE
         if isinstance(message, Mapping) and message.get("name") is not None:
             raw += TOKENS_PER_NAME
-        for part in _message_text(message):
+        parts, media = _message_parts(message)
+        for part in parts:
             tokens, estimated = encoded_length(encoding, part, budget)
             raw += tokens
             exact = exact and not estimated
-    return _scaled(raw, model, encoding_name, exact, estimate_factors)
+        priced += sum(media_tokens(block, model) for block in media)
+    counted = _scaled(raw, model, encoding_name, exact, estimate_factors)
+    if not priced:
+        return counted
+    return TokenCount(tokens=counted.tokens + priced, encoding=encoding_name, estimated=True)
 
 
 def message_chars(messages: Sequence[Mapping[str, Any]]) -> int:

@@ -4,35 +4,42 @@ Everything a refusal depends on is checked here, before a reservation is
 made or a byte goes upstream: a request the provider would refuse for its
 shape costs the tenant nothing. The messages are turned into the form
 /v1/admit counts (role, name, text), so the proxy counts input exactly as
-admission does: text blocks as text; tool calls, tool results and tool
-definitions as their JSON; images and other media are not counted up front
-(the provider's usage settles them). Legacy completions and embeddings count
-their prompt or input texts the same way, and token-id inputs one token each.
+admission does: text blocks as text; tool calls and tool definitions as
+their JSON; tool results as their text and media; images, audio and
+documents priced as the provider prices them (llmquota.domain.media, an
+estimate, so the reservation is marked `input_estimated`). Legacy
+completions and embeddings count their prompt or input texts the same way,
+and token-id inputs one token each.
+
+A bad parameter is a 400 naming it, as the providers answer it; a model no
+output bound is known for, asked without max_tokens, is refused rather than
+forwarded with a guessed reservation.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from llmquota.api.proxy.wire import Endpoint, Kind, kind_of
+from llmquota.domain.media import MEDIA_TYPES
 from llmquota.domain.model_limits import max_output_tokens
 
 MAX_CHOICES = 128
 # OpenAI's own default for the legacy completions endpoint: what it generates
 # when max_tokens is absent, so what the proxy reserves.
 LEGACY_DEFAULT_MAX_TOKENS = 16
-_MEDIA = frozenset({"image", "image_url", "input_audio", "document", "file"})
 
 
 class BadProxyRequest(Exception):
     """A request answered with a provider-format error before anything is reserved."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.param = param  # the request field at fault, as OpenAI's errors name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +57,14 @@ class ProxyRequest:
     client_wants_usage: bool
 
 
-def parse(endpoint: Endpoint, raw: bytes, default_max_tokens: int | None) -> ProxyRequest:
-    """Validate a request body; raises BadProxyRequest (400, 404 or 422)."""
+def parse(
+    endpoint: Endpoint,
+    raw: bytes,
+    default_max_tokens: int | None,
+    unserved: Callable[[str], str | None] = lambda _model: None,
+) -> ProxyRequest:
+    """Validate a request body; raises BadProxyRequest (400, or 404 for a model
+    `unserved` explains no upstream serves, checked before anything else about it)."""
     kind = kind_of(endpoint)
     try:
         body = json.loads(raw)
@@ -61,10 +74,13 @@ def parse(endpoint: Endpoint, raw: bytes, default_max_tokens: int | None) -> Pro
         raise BadProxyRequest(400, "the body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise BadProxyRequest(400, "'model' is required and must be a string")
+        raise BadProxyRequest(400, "'model' is required and must be a string", "model")
+    if (why := unserved(model)) is not None:
+        raise BadProxyRequest(404, why, "model")
     stream = body.get("stream", False)
     if not isinstance(stream, bool) or (stream and endpoint == "embeddings"):
-        raise BadProxyRequest(422, "'stream' must be a boolean (and false for embeddings)")
+        message = "'stream' must be a boolean (and false for embeddings)"
+        raise BadProxyRequest(400, message, "stream")
     if endpoint == "embeddings":
         output = 0
     elif endpoint == "completions":
@@ -97,14 +113,15 @@ def _input(
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise BadProxyRequest(400, f"'{field}' is required: a string or a list")
+        raise BadProxyRequest(400, f"'{field}' is required: a string or a list", field)
     if all(isinstance(v, str) for v in value):
         return [{"role": "user", "content": value}], None
     if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return None, len(value)  # token ids: each one is a token
     if all(isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value):
         return None, sum(len(v) for v in value)
-    raise BadProxyRequest(400, f"'{field}' must be text, a list of texts or of token ids")
+    message = f"'{field}' must be text, a list of texts or of token ids"
+    raise BadProxyRequest(400, message, field)
 
 
 def _positive(body: Mapping[str, Any], field: str) -> int | None:
@@ -112,7 +129,7 @@ def _positive(body: Mapping[str, Any], field: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise BadProxyRequest(422, f"'{field}' must be a positive integer")
+        raise BadProxyRequest(400, f"'{field}' must be a positive integer", field)
     return value
 
 
@@ -122,7 +139,7 @@ def _choices(kind: Kind, body: Mapping[str, Any]) -> int:
         return 1
     n = _positive(body, "n") or 1
     if n > MAX_CHOICES:
-        raise BadProxyRequest(422, f"'n' must be at most {MAX_CHOICES}")
+        raise BadProxyRequest(400, f"'n' must be at most {MAX_CHOICES}", "n")
     return n
 
 
@@ -140,9 +157,11 @@ def _output_tokens(
     ceiling = max_output_tokens(model)
     if ceiling is None:
         raise BadProxyRequest(
-            404,
-            f"model {model!r} is unknown to llmquota, so it cannot tell how many output "
-            "tokens to reserve: give max_tokens, or set LLMQUOTA_PROXY_DEFAULT_MAX_TOKENS",
+            400,
+            f"model {model!r} has no known maximum output, so llmquota cannot bound what "
+            f"to reserve for it: give {fields[0]}, or the operator sets "
+            "LLMQUOTA_PROXY_DEFAULT_MAX_TOKENS",
+            fields[0],
         )
     return ceiling
 
@@ -151,28 +170,33 @@ def _text(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
-def _blocks(content: object) -> list[str]:
-    """The countable text of a message's content."""
+def _blocks(content: object) -> list[str | Mapping[str, Any]]:
+    """The countable parts of a message's content: text, and media blocks as they are."""
     if content is None:
         return []
     if not isinstance(content, list):
         return [_text(content)]
-    texts: list[str] = []
+    parts: list[str | Mapping[str, Any]] = []
     for block in content:
-        if isinstance(block, Mapping) and block.get("type") in _MEDIA:
-            continue
-        if isinstance(block, Mapping) and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+        if isinstance(block, Mapping) and block.get("type") in MEDIA_TYPES:
+            parts.append(block)
+        elif isinstance(block, Mapping) and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif isinstance(block, Mapping) and block.get("type") == "tool_result":
+            # Its own content may hold images (a screenshot tool): priced, not encoded as JSON.
+            rest = {k: v for k, v in block.items() if k != "content"}
+            parts.append(_text(rest))
+            parts.extend(_blocks(block.get("content")))
         else:
-            texts.append(_text(block))
-    return texts
+            parts.append(_text(block))
+    return parts
 
 
 def _countable(kind: Kind, body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The messages (system prompt and tools included) in the form admission counts."""
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise BadProxyRequest(400, "'messages' is required and must be a list")
+        raise BadProxyRequest(400, "'messages' is required and must be a list", "messages")
     counted: list[dict[str, Any]] = []
     if kind == "anthropic" and body.get("system") is not None:
         counted.append({"role": "system", "content": _blocks(body["system"])})
@@ -180,7 +204,8 @@ def _countable(kind: Kind, body: Mapping[str, Any]) -> list[dict[str, Any]]:
         counted.append({"role": "system", "content": [_text(body["tools"])]})
     for message in messages:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise BadProxyRequest(400, "each message must be an object with a string 'role'")
+            message_error = "each message must be an object with a string 'role'"
+            raise BadProxyRequest(400, message_error, "messages")
         parts = _blocks(message.get("content"))
         if message.get("tool_calls") is not None:
             parts.append(_text(message["tool_calls"]))

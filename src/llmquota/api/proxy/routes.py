@@ -35,6 +35,7 @@ from llmquota.api.proxy.upstream import (
     Proxy,
     Upstream,
     missing_upstream,
+    unserved_model,
 )
 from llmquota.api.proxy.wire import (
     Endpoint,
@@ -103,20 +104,27 @@ async def _tenant(kind: Kind, request: Request) -> str | Response:
 
 
 async def _handle(endpoint: Endpoint, request: Request) -> Response:
-    """Authenticate, read, admit, then forward (or answer why not)."""
+    """Authenticate, read, route, admit, then forward (or answer why not)."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
-    upstream = proxy.upstreams.get(kind)
-    if upstream is None:
+    if not proxy.configured(kind):
         return error_response(kind, 404, missing_upstream(kind), code="not_configured")
     try:
         tenant = await _tenant(kind, request)
         if isinstance(tenant, Response):
             return tenant
-        parsed = parse(endpoint, await request.body(), proxy.settings.proxy_default_max_tokens)
+        parsed = parse(
+            endpoint,
+            await request.body(),
+            proxy.settings.proxy_default_max_tokens,
+            lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
+        )
+        upstream = proxy.route(kind, parsed.model)
+        if upstream is None:  # parse refused it already; kept for the type checker
+            return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
         exchange = await _admit(kind, request, tenant, parsed)
     except BadProxyRequest as exc:
-        return error_response(kind, exc.status, str(exc))
+        return error_response(kind, exc.status, str(exc), param=exc.param)
     except StoreUnavailable as exc:
         return error_response(kind, 503, str(exc), headers={"retry-after": "1"})
     if isinstance(exchange, Response):
@@ -218,6 +226,7 @@ class Call:
             self.upstream.url(self.endpoint),
             content=content,
             headers=self.upstream.headers(self.request.headers),
+            timeout=self.upstream.timeout or self.proxy.client.timeout,
         )
 
 

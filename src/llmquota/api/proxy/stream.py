@@ -6,8 +6,11 @@ the provider to its final usage (bounded by LLMQUOTA_PROXY_DRAIN_SECONDS)
 and in `cancel` mode it is cancelled, closes the upstream and settles the
 output counted so far. Either way the pump, and only the pump, finishes the
 reservation, once. Events pass through as they arrive through a small
-bounded queue (backpressure, no buffering of the whole stream); OpenAI's
-usage-only chunk, which the proxy asked for itself, is held back.
+bounded queue (backpressure, no buffering of the whole stream). When the
+proxy asked OpenAI for the usage chunk itself (the client did not), the
+client sees the stream it asked for: the usage-only chunk is held back, and
+the `"usage": null` every other chunk then carries is taken out of it. A
+client that asked gets every byte unchanged.
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ def event_data(event: bytes) -> object:
         return None
 
 
+def without_usage(event: bytes, data: object) -> bytes:
+    """`event` without the `"usage": null` the client did not ask for; else unchanged."""
+    if not isinstance(data, dict) or "usage" not in data or data["usage"] is not None:
+        return event
+    rest = {k: v for k, v in data.items() if k != "usage"}
+    other = [line for line in event.split(b"\n") if line and not line.startswith(b"data:")]
+    payload = json.dumps(rest, ensure_ascii=False, separators=(",", ":")).encode()
+    return b"".join(line + b"\n" for line in other) + b"data: " + payload + b"\n\n"
+
+
 def error_event(kind: Kind) -> bytes:
     """The event each SDK raises on when a stream breaks off (502: the provider failed)."""
     data = json.dumps(error_body(kind, 502, "the provider's stream broke off")).encode()
@@ -114,11 +127,12 @@ class StreamRelay:
         outcome: Outcome = "ok"
         try:
             async for event in sse_events(self.upstream.aiter_bytes()):
-                usage_only = self.tracker.observe(event_data(event))
+                data = event_data(event)
+                usage_only = self.tracker.observe(data)
                 self._observe_output()
                 if self.client_gone or (usage_only and self.hold_back_usage):
                     continue
-                await self._forward(event)
+                await self._forward(without_usage(event, data) if self.hold_back_usage else event)
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

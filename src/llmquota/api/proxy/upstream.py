@@ -1,4 +1,10 @@
-"""The configured providers and the one pooled HTTP client that calls them.
+"""The configured providers, which model goes where, and the one pooled HTTP client.
+
+Upstreams come from the settings (the simple per-format variables and
+LLMQUOTA_UPSTREAMS_FILE, see llmquota.config.upstreams); a request goes to
+the upstream of its endpoint's wire format that names its model exactly,
+else to the first whose glob matches it, else nowhere (a 404, nothing
+reserved). Each upstream may have its own timeouts on the shared pool.
 
 The provider key lives here and goes only into the upstream request's
 headers: nothing the proxy answers, and nothing it logs, contains it. An
@@ -20,7 +26,7 @@ from pydantic import SecretStr
 
 from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.wire import Endpoint, Kind
-from llmquota.config import ENV_PREFIX, Settings
+from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
 
 ANTHROPIC_VERSION = "2023-06-01"
 # Client headers a provider needs to read the request as it was meant.
@@ -40,11 +46,14 @@ PATHS: dict[Endpoint, str] = {
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
-    """One provider: where it is and the key llmquota calls it with."""
+    """One provider: where it is, the key llmquota calls it with, its timeouts."""
 
     kind: Kind
     base_url: str
     api_key: SecretStr
+    name: str = ""
+    # None: the pool's timeouts (LLMQUOTA_PROXY_*_TIMEOUT_SECONDS).
+    timeout: httpx.Timeout | None = None
 
     def url(self, endpoint: Endpoint) -> str:
         return self.base_url.rstrip("/") + PATHS[endpoint]
@@ -73,8 +82,27 @@ def missing_upstream(kind: Kind) -> str:
     name = kind.upper()
     return (
         f"the {kind} proxy is not configured: set {ENV_PREFIX}{name}_BASE_URL and "
-        f"{ENV_PREFIX}{name}_API_KEY"
+        f"{ENV_PREFIX}{name}_API_KEY, or list a {kind} upstream in {ENV_PREFIX}UPSTREAMS_FILE"
     )
+
+
+def unserved_model(kind: Kind, model: str) -> str:
+    """Why a model no upstream serves is refused (a 404, as the provider says it)."""
+    return (
+        f"the model {model!r} is not served here: no {kind} upstream of this llmquota "
+        "lists it (their 'models' in the upstreams file)"
+    )
+
+
+def _upstream(config: UpstreamConfig, settings: Settings) -> Upstream:
+    """The proxy's view of a configured upstream, its timeouts completed from the settings."""
+    timeout = None
+    if config.connect_timeout_seconds is not None or config.read_timeout_seconds is not None:
+        timeout = httpx.Timeout(
+            config.read_timeout_seconds or settings.proxy_read_timeout_seconds,
+            connect=config.connect_timeout_seconds or settings.proxy_connect_timeout_seconds,
+        )
+    return Upstream(config.format, config.base_url, config.api_key, config.name, timeout)
 
 
 class Proxy:
@@ -83,15 +111,8 @@ class Proxy:
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics(registry or CollectorRegistry())
-        self.upstreams: dict[Kind, Upstream] = {}
-        if settings.openai_base_url and settings.openai_api_key:
-            self.upstreams["openai"] = Upstream(
-                "openai", settings.openai_base_url, settings.openai_api_key
-            )
-        if settings.anthropic_base_url and settings.anthropic_api_key:
-            self.upstreams["anthropic"] = Upstream(
-                "anthropic", settings.anthropic_base_url, settings.anthropic_api_key
-            )
+        self.configs = settings.upstreams()
+        self.upstreams = {c.name: _upstream(c, settings) for c in self.configs}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(
                 settings.proxy_read_timeout_seconds, connect=settings.proxy_connect_timeout_seconds
@@ -104,6 +125,15 @@ class Proxy:
             follow_redirects=False,
         )
         self.pumps: set[asyncio.Task[None]] = set()
+
+    def configured(self, kind: Kind) -> bool:
+        """Whether any upstream speaks `kind` (else its endpoints answer 404)."""
+        return any(c.format == kind for c in self.configs)
+
+    def route(self, kind: Kind, model: str) -> Upstream | None:
+        """The upstream serving `model` in format `kind`; None if none does."""
+        config = route(self.configs, kind, model)
+        return None if config is None else self.upstreams[config.name]
 
     async def close(self) -> None:
         """Let running streams finish (up to the drain bound), then cancel them and close."""

@@ -13,15 +13,27 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi.responses import JSONResponse
 
 from llmquota.api.headers import rate_limit_headers
+from llmquota.api.provider_errors import Kind, error_body
 from llmquota.domain.records import AdmitDecision, TenantFigures
 from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
 
-Kind = Literal["openai", "anthropic"]
+__all__ = [
+    "Endpoint",
+    "Kind",
+    "anthropic_rate_limit_headers",
+    "error_body",
+    "error_response",
+    "kind_of",
+    "limit_headers",
+    "refusal",
+    "usage_of",
+]
+
 # The proxied endpoints; each speaks the format of its kind.
 Endpoint = Literal["chat", "completions", "embeddings", "messages"]
 
@@ -29,45 +41,6 @@ Endpoint = Literal["chat", "completions", "embeddings", "messages"]
 def kind_of(endpoint: Endpoint) -> Kind:
     """The wire format of an endpoint."""
     return "anthropic" if endpoint == "messages" else "openai"
-
-
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-_OPENAI_CODES = {
-    401: "invalid_api_key",
-    403: "permission_denied",
-    404: "model_not_found",
-    413: "request_too_large",
-    422: "invalid_value",
-    429: "rate_limit_exceeded",
-}
-
-
-def error_body(
-    kind: Kind, status: int, message: str, error_type: str | None = None, code: str | None = None
-) -> Any:
-    """The provider's error body for `status`; `error_type` (and OpenAI's `code`)
-    override the usual ones."""
-    if kind == "anthropic":
-        kind_type = error_type or _ANTHROPIC_TYPES.get(status, "api_error")
-        return {"type": "error", "error": {"type": kind_type, "message": message}}
-    default_type = "invalid_request_error" if status < 500 else "server_error"
-    return {
-        "error": {
-            "message": message,
-            "type": error_type or default_type,
-            "param": None,
-            "code": code or _OPENAI_CODES.get(status),
-        }
-    }
 
 
 def error_response(
@@ -78,10 +51,13 @@ def error_response(
     headers: Mapping[str, str] | None = None,
     error_type: str | None = None,
     code: str | None = None,
+    param: str | None = None,
 ) -> JSONResponse:
     """An answer the proxy makes itself, in the provider's format."""
     return JSONResponse(
-        error_body(kind, status, message, error_type, code), status_code=status, headers=headers
+        error_body(kind, status, message, error_type=error_type, code=code, param=param),
+        status_code=status,
+        headers=headers,
     )
 
 
