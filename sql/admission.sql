@@ -176,6 +176,11 @@ $$;
 -- every locked layer whatever the outcome.
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer);
+-- The result gained quota, resets_at and credit_balance (a changed result
+-- type needs the old function gone first).
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[]);
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],
@@ -222,7 +227,10 @@ CREATE OR REPLACE FUNCTION lq_admit(
     priority                   smallint,
     plan                       text,
     alt_max_tokens             bigint,
-    alt_models                 text[]
+    alt_models                 text[],
+    quota                      text,
+    resets_at                  timestamptz,
+    credit_balance             numeric
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -296,11 +304,42 @@ DECLARE
     r_plan       text[] := array_fill(NULL::text, ARRAY[n]);
     r_alt_max    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_alt_models text[] := array_fill('{}'::text, ARRAY[n]);  -- array text, as l_fallback
+    r_quota      text[] := array_fill(NULL::text, ARRAY[n]);
+    r_resets     timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
+    r_credit     numeric[] := array_fill(NULL::numeric, ARRAY[n]);
+    -- Calendar quotas of the batch's tenants, their current windows locked
+    -- (step 4b): running usage (reserved + charged) and what this batch adds.
+    has_quotas   boolean := false;
+    q_id         bigint[];
+    q_name       text[];
+    q_tenant     text[];
+    q_route      text[];
+    q_patterns   text[];     -- as array text, as l_fallback
+    q_tokens     bigint[];
+    q_cost       numeric[];
+    q_block      boolean[];
+    q_end        timestamptz[];
+    q_used_tok   numeric[];
+    q_used_cost  numeric[];
+    q_add_tok    bigint[];
+    q_add_cost   numeric[];
+    -- Prices in force of the candidate models (USD per million tokens).
+    pr_model     text[];
+    pr_in        numeric[];
+    pr_out       numeric[];
+    -- Prepaid balances of the batch's tenants (locked), running.
+    l_prepaid    boolean[];
+    cr_tenant    text[];
+    cr_avail     numeric[];
+    cr_add       numeric[];
     -- Admitted requests, for the single INSERT at the end.
     a_ord        integer[] := '{}';
     a_layers     text[] := '{}';     -- layer ids as '{1,2,3}' text; parsed in the INSERT
     a_version    bigint[] := '{}';
     a_lease      integer[] := '{}';
+    a_quotas     text[] := '{}';     -- quota ids as '{1,2}' text
+    a_cost       numeric[] := '{}';
+    a_credit     numeric[] := '{}';
     -- Idempotency keys admitted earlier in this same batch.
     b_key        text[] := '{}';
     b_ord        integer[] := '{}';
@@ -318,6 +357,12 @@ DECLARE
     prio         smallint;
     layers       integer[];
     refused_layers integer[];
+    budget       text;       -- a quota or credit refusal of the candidate
+    q_hit        integer;
+    qs           integer[];
+    qid          bigint;
+    money        numeric;
+    avail        numeric;
     cost         bigint;
     wait_ms      bigint;
     floor_tokens double precision;
@@ -402,10 +447,11 @@ BEGIN
            array_agg(x.plan ORDER BY x.layer_id),
            array_agg(x.fallback_models::text ORDER BY x.layer_id),
            array_agg(coalesce(cardinality(x.shed_above), 0) > 0 ORDER BY x.layer_id),
+           array_agg(x.prepaid ORDER BY x.layer_id),
            max(x.refilled_at)
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
            l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_ladder, now_ts
+           l_fallback, l_ladder, l_prepaid, now_ts
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
@@ -456,6 +502,61 @@ BEGIN
         l_tokens[j] := lq_refilled(l_tokens[j], l_tpm[j], l_tburst[j], l_refilled[j], now_ts);
         l_requests[j] := lq_refilled(l_requests[j], l_rpm[j], l_rburst[j], l_refilled[j], now_ts);
     END LOOP;
+
+    -- (4b) Budgets beyond tokens, only for a batch that has any. The quotas
+    -- of the batch's tenants are read FOR SHARE (a quota deleted meanwhile is
+    -- simply not there) and their current windows created if new and locked,
+    -- in quota_id order; then the prices in force of every candidate model;
+    -- then the prepaid balances, locked in tenant order. This is the lock
+    -- order of quotas.sql, after the layers.
+    has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
+    IF has_quotas THEN
+        FOR qid IN SELECT q.quota_id FROM quotas AS q
+                    WHERE q.tenant = ANY (p_tenants)
+                    ORDER BY q.quota_id
+                      FOR SHARE LOOP
+            PERFORM lq_quota_window_row(qid, now_ts);
+        END LOOP;
+        SELECT array_agg(q.quota_id ORDER BY q.quota_id), array_agg(q.name ORDER BY q.quota_id),
+               array_agg(q.tenant ORDER BY q.quota_id), array_agg(q.route ORDER BY q.quota_id),
+               array_agg(q.model_patterns::text ORDER BY q.quota_id),
+               array_agg(q.tokens ORDER BY q.quota_id), array_agg(q.cost ORDER BY q.quota_id),
+               array_agg(q.enforce = 'block' ORDER BY q.quota_id),
+               array_agg(w.window_end ORDER BY q.quota_id),
+               array_agg(w.reserved_tokens + w.charged_tokens ORDER BY q.quota_id),
+               array_agg(w.reserved_cost + w.charged_cost ORDER BY q.quota_id)
+          INTO q_id, q_name, q_tenant, q_route, q_patterns, q_tokens, q_cost, q_block, q_end,
+               q_used_tok, q_used_cost
+          FROM quotas AS q
+          JOIN quota_windows AS w
+            ON w.quota_id = q.quota_id
+           AND w.window_start = (lq_quota_window(q.period, q.timezone, now_ts)).window_start
+         WHERE q.tenant = ANY (p_tenants);
+        q_add_tok := array_fill(0::bigint, ARRAY[coalesce(cardinality(q_id), 0)]);
+        q_add_cost := array_fill(0::numeric, ARRAY[coalesce(cardinality(q_id), 0)]);
+    END IF;
+    IF has_quotas OR true = ANY (l_prepaid) THEN
+        SELECT array_agg(m.model), array_agg(pr.input_usd_per_million),
+               array_agg(pr.output_usd_per_million)
+          INTO pr_model, pr_in, pr_out
+          FROM unnest(m_all) AS m(model)
+          LEFT JOIN LATERAL (
+                SELECT mp.input_usd_per_million, mp.output_usd_per_million
+                  FROM model_prices AS mp
+                 WHERE mp.model = m.model AND mp.effective_from <= now_ts
+                 ORDER BY mp.effective_from DESC
+                 LIMIT 1) AS pr ON true;
+    END IF;
+    IF true = ANY (l_prepaid) THEN
+        SELECT array_agg(a.tenant ORDER BY a.tenant), array_agg(a.balance - a.reserved ORDER BY a.tenant)
+          INTO cr_tenant, cr_avail
+          FROM (SELECT ca.tenant, ca.balance, ca.reserved
+                  FROM credit_accounts AS ca
+                 WHERE ca.tenant = ANY (p_tenants)
+                 ORDER BY ca.tenant
+                   FOR UPDATE) AS a;
+        cr_add := array_fill(0::numeric, ARRAY[coalesce(cardinality(cr_tenant), 0)]);
+    END IF;
 
     -- (5) Decide each request in order against the running balances.
     FOR k IN 1 .. n LOOP
@@ -616,7 +717,48 @@ BEGIN
                 END IF;
             END LOOP;
 
-            IF too_cap IS NULL AND best_wait < 0 THEN
+            -- Calendar quotas and prepaid credits, once every layer passes:
+            -- reserved like tokens, against the running figures of (4b).
+            -- Money is the request's maximum: input and max_tokens, each at
+            -- its price in force.
+            budget := NULL; q_hit := NULL; qs := '{}'; money := NULL; avail := NULL;
+            IF too_cap IS NULL AND best_wait < 0 AND (has_quotas OR l_prepaid[ti]) THEN
+                x := array_position(pr_model, c_models[c]);
+                IF x IS NOT NULL AND pr_in[x] IS NOT NULL THEN
+                    money := (c_inputs[c] * pr_in[x] + p_max_tokens[k] * pr_out[x]) / 1000000;
+                END IF;
+                FOR x IN 1 .. coalesce(cardinality(q_id), 0) LOOP
+                    CONTINUE WHEN q_tenant[x] <> p_tenants[k]
+                               OR (q_route[x] IS NOT NULL AND q_route[x] IS DISTINCT FROM p_routes[k])
+                               OR NOT (q_patterns[x] = '{}'
+                                       OR c_models[c] LIKE ANY (q_patterns[x]::text[]));
+                    qs := qs || x;
+                    IF q_cost[x] IS NOT NULL AND money IS NULL THEN
+                        budget := 'unpriced_model';
+                        EXIT;
+                    END IF;
+                    IF q_block[x] AND q_tokens[x] IS NOT NULL THEN
+                        best_room := least(best_room, q_tokens[x] - q_used_tok[x] - c_inputs[c]);
+                    END IF;
+                    IF q_block[x] AND q_hit IS NULL
+                       AND ((q_tokens[x] IS NOT NULL AND q_used_tok[x] + cost > q_tokens[x])
+                         OR (q_cost[x] IS NOT NULL AND q_used_cost[x] + money > q_cost[x])) THEN
+                        q_hit := x;
+                        budget := 'quota_exceeded';
+                    END IF;
+                END LOOP;
+                IF budget IS NULL AND l_prepaid[ti] THEN
+                    x := array_position(cr_tenant, p_tenants[k]);
+                    avail := CASE WHEN x IS NULL THEN 0 ELSE cr_avail[x] END;
+                    IF money IS NULL THEN
+                        budget := 'unpriced_model';
+                    ELSIF avail < money THEN
+                        budget := 'credits_exhausted';
+                    END IF;
+                END IF;
+            END IF;
+
+            IF too_cap IS NULL AND best_wait < 0 AND budget IS NULL THEN
                 IF c > 1 AND p_degrade[k] IS NOT DISTINCT FROM false THEN
                     -- Not degrading: only say that this fallback would fit now.
                     fits := fits || c_models[c];
@@ -634,6 +776,23 @@ BEGIN
                     l_in_flight[j] := l_in_flight[j] + 1;
                     version := greatest(version, l_version[j]);
                 END LOOP;
+                FOREACH x IN ARRAY qs LOOP
+                    q_used_tok[x] := q_used_tok[x] + cost;
+                    q_used_cost[x] := q_used_cost[x] + coalesce(money, 0);
+                    q_add_tok[x] := q_add_tok[x] + cost;
+                    q_add_cost[x] := q_add_cost[x] + coalesce(money, 0);
+                END LOOP;
+                a_quotas := a_quotas || ('{' || coalesce(array_to_string(
+                    (SELECT array_agg(q_id[y]) FROM unnest(qs) AS y), ','), '') || '}');
+                a_cost := a_cost || money;
+                IF l_prepaid[ti] THEN
+                    x := array_position(cr_tenant, p_tenants[k]);
+                    cr_avail[x] := cr_avail[x] - money;
+                    cr_add[x] := cr_add[x] + money;
+                    a_credit := a_credit || money;
+                ELSE
+                    a_credit := a_credit || NULL::numeric;
+                END IF;
                 r_status[k] := 'admitted';
                 r_model[k] := c_models[c];
                 r_input[k] := c_inputs[c];
@@ -663,7 +822,7 @@ BEGIN
                     r_capacity[k] := too_cap;
                     r_reason[k] := 'capacity';
                     r_ceiling[k] := too_name;
-                ELSE
+                ELSIF best_wait >= 0 THEN
                     r_status[k] := 'rate_limited';
                     r_kind[k] := best_kind;
                     r_scope[k] := best_scope;
@@ -671,6 +830,20 @@ BEGIN
                     r_reason[k] := best_reason;
                     r_ceiling[k] := best_name;
                     r_util[k] := best_util;
+                ELSE
+                    -- A quota (retryable when its window resets), the prepaid
+                    -- balance (until a top-up), or a model without a price.
+                    r_status[k] := budget;
+                    r_kind[k] := CASE budget WHEN 'quota_exceeded' THEN 'quota'
+                                             WHEN 'credits_exhausted' THEN 'credits' END;
+                    r_scope[k] := CASE WHEN q_hit IS NULL THEN 'tenant'
+                                       WHEN q_route[q_hit] IS NULL THEN 'tenant' ELSE 'route' END;
+                    IF q_hit IS NOT NULL THEN
+                        r_quota[k] := q_name[q_hit];
+                        r_resets[k] := q_end[q_hit];
+                        r_wait[k] := greatest(1, ceil(extract(epoch FROM q_end[q_hit] - now_ts) * 1000));
+                    END IF;
+                    r_credit[k] := avail;
                 END IF;
                 -- The largest max_tokens that fits now with the same input and
                 -- priority: none when a request or permit is lacking.
@@ -718,18 +891,34 @@ BEGIN
       FROM unnest(l_id, l_tokens, l_requests, l_in_flight) AS u(layer_id, tokens, requests, in_flight)
      WHERE ll.layer_id = u.layer_id;
 
+    -- (6b) What the batch reserved on each quota window and prepaid balance,
+    -- in the lock order of (4b); each crossing of an alert threshold fires
+    -- in this transaction (see quotas.sql).
+    FOR x IN 1 .. coalesce(cardinality(q_id), 0) LOOP
+        IF q_add_tok[x] <> 0 OR q_add_cost[x] <> 0 THEN
+            PERFORM lq_quota_apply(q_id[x], now_ts, q_add_tok[x], 0, q_add_cost[x], 0);
+        END IF;
+    END LOOP;
+    FOR x IN 1 .. coalesce(cardinality(cr_tenant), 0) LOOP
+        IF cr_add[x] <> 0 THEN
+            PERFORM lq_credit_apply(cr_tenant[x], NULL, cr_add[x], NULL);
+        END IF;
+    END LOOP;
+
     -- (7) Journal the admitted reservations, so a dead worker's can be swept.
     -- The model and input are the admitted candidate's: a fallback's usage is
     -- settled and billed as that model.
     INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
-                              idempotency_key, request_hash)
+                              idempotency_key, request_hash, quota_ids, reserved_cost,
+                              credit_reserved)
     SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
            r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
-           p_idempotency_keys[a.k], p_request_hashes[a.k]
-      FROM unnest(a_ord, a_layers, a_version, a_lease) AS a(k, layers, version, lease);
+           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit
+      FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
+           AS a(k, layers, version, lease, quotas, cost, credit);
 
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_id[o.i], r_reserved[o.i], r_expires[o.i],
@@ -738,7 +927,8 @@ BEGIN
            r_t_tpm[o.i], r_t_tburst[o.i], r_t_tokens[o.i],
            r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i],
            r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
-           r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[]
+           r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
+           r_quota[o.i], r_resets[o.i], r_credit[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;
@@ -775,6 +965,20 @@ RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
     SELECT ceil(input_tokens * 1.25)::bigint + 64 + max_tokens
+$$;
+
+
+-- What usage costs at the prices in force at p_at (USD; input and output
+-- priced apart, per million tokens); NULL for a model without a price.
+CREATE OR REPLACE FUNCTION lq_cost(p_model text, p_input bigint, p_output bigint, p_at timestamptz)
+RETURNS numeric
+LANGUAGE sql STABLE
+AS $$
+    SELECT (p_input * mp.input_usd_per_million + p_output * mp.output_usd_per_million) / 1000000
+      FROM model_prices AS mp
+     WHERE mp.model = p_model AND mp.effective_from <= p_at
+     ORDER BY mp.effective_from DESC
+     LIMIT 1
 $$;
 
 
@@ -831,6 +1035,14 @@ DECLARE
     g_held    bigint[] := '{}';
     g_outcome text[] := '{}';
     g_excess  bigint[] := '{}';
+    -- quotas and credits to give back or charge, for reservation res[u_res[x]]:
+    -- u_mode settle | late | release | expire
+    u_res     integer[] := '{}';
+    u_mode    text[] := '{}';
+    u_in      bigint[] := '{}';
+    u_out     bigint[] := '{}';
+    b         record;
+    money     numeric;
     -- results
     r_status  text[] := array_fill(NULL::text, ARRAY[n]);
     r_state   text[] := array_fill(NULL::text, ARRAY[n]);
@@ -880,6 +1092,8 @@ BEGIN
             g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
             g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
             g_excess := g_excess || 0::bigint;
+            u_res := u_res || i; u_mode := u_mode || 'expire'::text;
+            u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
             rec.state := 'expired';
             rec.finished_at := now_ts;
             changed[i] := true;
@@ -906,6 +1120,8 @@ BEGIN
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
                 g_excess := g_excess || greatest(charged - cap, 0);
+                u_res := u_res || i; u_mode := u_mode || 'settle'::text;
+                u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.state := 'settled';
                 rec.finished_at := now_ts;
                 rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
@@ -921,6 +1137,8 @@ BEGIN
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || 0::bigint; g_outcome := g_outcome || 'late'::text;
                 g_excess := g_excess || greatest(charged - cap, 0);
+                u_res := u_res || i; u_mode := u_mode || 'late'::text;
+                u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.refunded_tokens := 0;
                 rec.late := true;
                 r_status[k] := 'settled';
@@ -947,6 +1165,8 @@ BEGIN
                 c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
                 c_shared := c_shared || rec.reserved_tokens::double precision;
                 c_reqs := c_reqs || 1::double precision; c_permits := c_permits || 1;
+                u_res := u_res || i; u_mode := u_mode || 'release'::text;
+                u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
                 rec.state := 'released';
                 rec.finished_at := now_ts;
                 changed[i] := true;
@@ -977,6 +1197,46 @@ BEGIN
        FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits) AS c(i, tokens, shared, reqs, permits)
             CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id)
             JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
+
+    -- (4b) The calendar quotas and the prepaid balance the reservations
+    -- held: each gives back what it reserved, and a settlement charges what
+    -- was used (tokens, and money at the prices in force now) to the window
+    -- it happens in (a window boundary crossed while the reservation was open
+    -- takes the charge in the new window; see lq_quota_settle). In the lock
+    -- order of quotas.sql, after the layers: windows by quota and window,
+    -- then credit accounts by tenant.
+    FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok, q.qid
+               FROM unnest(u_res, u_mode, u_in, u_out) WITH ORDINALITY
+                    AS u(i, mode, in_tok, out_tok, o),
+                    unnest((res[u.i]).quota_ids) AS q(qid)
+              ORDER BY q.qid, (res[u.i]).created_at, u.o LOOP
+        rec := res[b.i];
+        money := CASE WHEN b.mode IN ('settle', 'late')
+                      THEN coalesce(lq_cost(rec.model, b.in_tok, b.out_tok, now_ts), 0) ELSE 0 END;
+        IF b.mode = 'late' THEN
+            -- the expiry gave the reservation back already
+            PERFORM lq_quota_apply(b.qid, now_ts, 0, b.in_tok + b.out_tok, 0, money);
+        ELSE
+            PERFORM lq_quota_settle(b.qid, rec.created_at, rec.reserved_tokens,
+                                    coalesce(rec.reserved_cost, 0), now_ts,
+                                    b.in_tok + b.out_tok, money);
+        END IF;
+    END LOOP;
+    FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok
+               FROM unnest(u_res, u_mode, u_in, u_out) WITH ORDINALITY
+                    AS u(i, mode, in_tok, out_tok, o)
+              WHERE (res[u.i]).credit_reserved IS NOT NULL
+              ORDER BY (res[u.i]).tenant, u.o LOOP
+        rec := res[b.i];
+        money := NULL;
+        IF b.mode IN ('settle', 'late') THEN
+            -- priced now; a price removed since admission charges what was held
+            money := coalesce(lq_cost(rec.model, b.in_tok, b.out_tok, now_ts), rec.credit_reserved);
+        END IF;
+        PERFORM lq_credit_apply(rec.tenant, rec.reservation_id,
+                                CASE WHEN b.mode = 'late' THEN 0 ELSE -rec.credit_reserved END,
+                                money);
+    END LOOP;
 
     -- (5) Write back the reservations that changed.
     UPDATE reservations AS rs

@@ -106,13 +106,13 @@ SELECT lq_put_tenant_policy($1::text, $2::text, $3::jsonb) AS policy_version
 -- Create or replace a plan and recompute every tenant on it, in one
 -- transaction; how many tenants changed (see lq_put_plan).
 SELECT lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-                   $7::integer, $8::integer, $9::text, $10::text[]) AS tenants
+                   $7::integer, $8::integer, $9::text, $10::text[], $11::boolean) AS tenants
 
 -- get_plans --
 -- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
 SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
        p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
-       (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
+       p.prepaid, (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
   FROM plans AS p
  WHERE $1::text IS NULL OR p.plan = $1::text
  ORDER BY p.plan
@@ -171,7 +171,7 @@ DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNIN
 -- One layer's policy, or no row.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
-       own_policy::text AS own_policy
+       prepaid, own_policy::text AS own_policy
   FROM limit_layers
  WHERE scope = $1::text
    AND tenant IS NOT DISTINCT FROM $2::text

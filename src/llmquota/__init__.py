@@ -9,24 +9,29 @@ from llmquota.admission.limiter import Limiter
 from llmquota.admission.reservation import Reservation, Settlement
 from llmquota.config import Settings
 from llmquota.domain.errors import (
+    CreditsExhausted,
     IdempotencyConflict,
     InvalidRequest,
     LimiterError,
+    QuotaExceeded,
     RateLimited,
     RequestTooLarge,
     ReservationConflict,
     ReservationNotFound,
     StoreUnavailable,
     UnknownTenant,
+    UnpricedModel,
 )
 from llmquota.domain.policy import Policy
 
 __all__ = [
+    "CreditsExhausted",
     "IdempotencyConflict",
     "InvalidRequest",
     "Limiter",
     "LimiterError",
     "Policy",
+    "QuotaExceeded",
     "RateLimited",
     "RequestTooLarge",
     "Reservation",
@@ -37,4 +42,5 @@ __all__ = [
     "StoreUnavailable",
     "SweepReport",
     "UnknownTenant",
+    "UnpricedModel",
 ]

@@ -67,7 +67,14 @@ def decision_reason(d: AdmitDecision) -> str:
     ceiling_shed or ceiling_capacity for a provider ceiling, concurrency at
     any scope, too_large, unknown_tenant, idempotency_conflict.
     """
-    if d.status in ("too_large", "unknown_tenant", "idempotency_conflict"):
+    if d.status in (
+        "too_large",
+        "unknown_tenant",
+        "idempotency_conflict",
+        "quota_exceeded",
+        "credits_exhausted",
+        "unpriced_model",
+    ):
         return d.status
     if d.limit_kind is None or d.limit_scope is None:
         return NO_REASON

@@ -11,13 +11,17 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import TYPE_CHECKING
 
 from llmquota.domain.errors import (
+    CreditsExhausted,
     IdempotencyConflict,
+    QuotaExceeded,
     RateLimited,
     RequestTooLarge,
     UnknownTenant,
+    UnpricedModel,
 )
 from llmquota.domain.records import AdmitDecision
 from llmquota.domain.refusals import refusal_message
@@ -42,6 +46,20 @@ class Admission:
         d = self.decision
         if d.status in ("admitted", "replayed"):
             return
+        if d.status == "quota_exceeded" and d.quota and d.resets_at and d.limit_scope:
+            raise QuotaExceeded(
+                quota=d.quota,
+                scope=d.limit_scope,
+                resets_at=d.resets_at,
+                retry_after_ms=int(d.retry_after_ms or 0),
+                message=refusal_message(tenant, d),
+            )
+        if d.status == "credits_exhausted":
+            raise CreditsExhausted(
+                balance=d.credit_balance or Decimal(0), message=refusal_message(tenant, d)
+            )
+        if d.status == "unpriced_model":
+            raise UnpricedModel(refusal_message(tenant, d))
         if d.status == "rate_limited" and d.limit_kind and d.limit_scope:
             raise RateLimited(
                 limit=d.limit_kind,

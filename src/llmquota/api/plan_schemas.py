@@ -26,6 +26,7 @@ class PlanResponse(BaseModel):
     lease_seconds: int
     failure_mode: FailureMode
     fallback_models: list[str]
+    prepaid: bool = Field(description="its tenants pay from a prepaid credit balance")
     tenants: int = Field(description="tenants on this plan")
 
 

@@ -19,6 +19,8 @@ from llmquota.domain.refusals import ceil_seconds, refusal_message
 
 RATE_LIMITED = 429
 TOO_LARGE = 413
+PAYMENT_REQUIRED = 402
+UNPROCESSABLE = 422
 
 
 def refusal_response(
@@ -46,6 +48,41 @@ def refusal_response(
             message=refusal_message(tenant, d),
             retry_after_ms=retry_ms,
             **extra,
+        )
+    if d.status == "quota_exceeded":
+        retry_ms = int(d.retry_after_ms or 1)
+        return error_response(
+            RATE_LIMITED,
+            "insufficient_quota",
+            headers={
+                **headers,
+                "Retry-After": str(ceil_seconds(retry_ms)),
+                "retry-after-ms": str(retry_ms),
+            },
+            limit="quota",
+            scope=d.limit_scope,
+            quota=d.quota,
+            resets_at=d.resets_at.isoformat() if d.resets_at else None,
+            message=refusal_message(tenant, d),
+            retry_after_ms=retry_ms,
+            **extra,
+        )
+    if d.status == "credits_exhausted":
+        return error_response(
+            PAYMENT_REQUIRED,
+            "credits_exhausted",
+            headers=headers,
+            limit="credits",
+            balance=str(d.credit_balance if d.credit_balance is not None else 0),
+            message=refusal_message(tenant, d),
+        )
+    if d.status == "unpriced_model":
+        return error_response(
+            UNPROCESSABLE,
+            "invalid_request_error",
+            headers=headers,
+            model=d.model,
+            message=refusal_message(tenant, d),
         )
     if d.status == "too_large":
         return error_response(

@@ -186,6 +186,11 @@ class PolicyBody(BaseModel):
             description="tenant and route policies: the default models to degrade to, in order",
         )
     )
+    prepaid: StrictBool | None = Field(
+        default=None,
+        description="tenant policies only: pay from the prepaid credit balance (default: "
+        "the plan's, else false)",
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -201,6 +206,7 @@ class PolicyResponse(BaseModel):
     policy_version: int
     plan: str | None = None
     fallback_models: list[str] = Field(default_factory=list)
+    prepaid: bool = False
 
 
 class KeyResponse(BaseModel):

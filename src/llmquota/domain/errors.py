@@ -7,6 +7,9 @@ mistake (the rest).
 
 from __future__ import annotations
 
+from datetime import datetime
+from decimal import Decimal
+
 from llmquota.domain.vocabulary import LimitKind, Scope
 
 
@@ -28,6 +31,25 @@ class RateLimited(LimiterError):
     def retry_after(self) -> float:
         """The retry hint in seconds."""
         return self.retry_after_ms / 1000.0
+
+
+class QuotaExceeded(RateLimited):
+    """A calendar quota is used up; it resets at `resets_at` (the window's end)."""
+
+    def __init__(
+        self, quota: str, scope: Scope, resets_at: datetime, retry_after_ms: int, message: str
+    ) -> None:
+        super().__init__("quota", scope, retry_after_ms, message)
+        self.quota = quota
+        self.resets_at = resets_at
+
+
+class CreditsExhausted(LimiterError):
+    """A prepaid balance cannot cover the request's maximum cost; retry after a top-up."""
+
+    def __init__(self, balance: Decimal, message: str) -> None:
+        super().__init__(message)
+        self.balance = balance
 
 
 class RequestTooLarge(LimiterError):
@@ -60,6 +82,10 @@ class UnknownReport(LimiterError):
 
 class InvalidRequest(LimiterError):
     """The request's values are out of range or of the wrong kind."""
+
+
+class UnpricedModel(InvalidRequest):
+    """A cost quota or a prepaid balance applies and the model has no price: never free."""
 
 
 class RefusedValue(InvalidRequest):

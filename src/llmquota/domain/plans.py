@@ -20,7 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
 from llmquota.domain.validation import MAX_MODEL_NAME_CHARS, storable_text_problem
@@ -51,6 +59,9 @@ class Plan(Policy):
     """A tier: limits, a priority, and the fallback models its tenants degrade to."""
 
     priority: Priority = DEFAULT_PRIORITY
+    # Tenants on it pay from a prepaid balance: admission reserves a request's
+    # maximum cost against it (402 when it cannot cover it).
+    prepaid: StrictBool = False
     fallback_models: Annotated[
         list[ModelName], Field(max_length=MAX_FALLBACK_MODELS, default_factory=list)
     ]

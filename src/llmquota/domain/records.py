@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import (
@@ -90,6 +91,11 @@ class AdmitDecision:
     # What the caller could do instead, now: a smaller max_tokens, other models.
     alt_max_tokens: int | None = None
     alt_models: tuple[str, ...] = ()
+    # A calendar quota's refusal: its name and when its window resets; a
+    # prepaid refusal: the balance available (in the price currency).
+    quota: str | None = None
+    resets_at: datetime | None = None
+    credit_balance: Decimal | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +194,7 @@ class StoredPolicy:
     policy_version: int
     plan: str | None = None
     fallback_models: tuple[str, ...] = ()
+    prepaid: bool = False
 
 
 @dataclass(frozen=True, slots=True)

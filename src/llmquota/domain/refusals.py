@@ -13,6 +13,21 @@ from llmquota.domain.records import AdmitDecision, LayerStatus
 
 def refusal_message(tenant: str, d: AdmitDecision) -> str:
     """A sentence a developer can act on: what bound, and what to do."""
+    if d.status == "quota_exceeded":
+        return (
+            f"The {d.limit_scope} quota {d.quota!r} of tenant {tenant} is used up until "
+            f"{d.resets_at.isoformat() if d.resets_at else 'its window resets'}."
+        )
+    if d.status == "credits_exhausted":
+        return (
+            f"The prepaid balance of tenant {tenant} ({d.credit_balance}) cannot cover this "
+            f"request's maximum cost; top up the credits or lower max_tokens."
+        )
+    if d.status == "unpriced_model":
+        return (
+            f"Model {d.model!r} has no price, and a cost quota or a prepaid balance of tenant "
+            f"{tenant} applies to it; set its price (llmquota prices set) first."
+        )
     if d.status == "too_large":
         return (
             f"Request reserves {d.reserved_tokens} tokens but the {d.limit_scope} token "

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Literal
 
 # What a refusal names as the limit that bound.
-LimitKind = Literal["tokens", "requests", "concurrency"]
+# quota: a calendar quota; credits: a prepaid balance.
+LimitKind = Literal["tokens", "requests", "concurrency", "quota", "credits"]
 # Which layer of the stack a limit belongs to.
 Scope = Literal["global", "tenant", "route", "ceiling"]
 SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling")
@@ -44,7 +45,18 @@ FAILURE_MODES: tuple[FailureMode, ...] = ("closed", "open", "local")
 DEFAULT_FAILURE_MODE: FailureMode = "closed"
 
 AdmitStatus = Literal[
-    "admitted", "replayed", "rate_limited", "too_large", "unknown_tenant", "idempotency_conflict"
+    "admitted",
+    "replayed",
+    "rate_limited",
+    "too_large",
+    "unknown_tenant",
+    "idempotency_conflict",
+    # a calendar quota is used up until its window resets
+    "quota_exceeded",
+    # a prepaid tenant's balance cannot cover the request's maximum cost
+    "credits_exhausted",
+    # a cost quota or a prepaid balance applies and the model has no price
+    "unpriced_model",
 ]
 FinishAction = Literal["settle", "release", "expire"]
 FinishStatus = Literal[

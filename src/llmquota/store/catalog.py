@@ -59,6 +59,7 @@ class Catalog:
             p.lease_seconds,
             p.failure_mode,
             list(plan.fallback_models),
+            plan.prepaid,
             deadline_seconds=deadline_seconds,
         )
         return int(rows[0]["tenants"])
@@ -81,6 +82,7 @@ class Catalog:
                     lease_seconds=row["lease_seconds"],
                     failure_mode=row["failure_mode"],
                     fallback_models=list(row["fallback_models"]),
+                    prepaid=row["prepaid"],
                 ),
                 tenants=int(row["tenants"]),
             )

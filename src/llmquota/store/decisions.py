@@ -79,4 +79,7 @@ def admit_decision(row: Row) -> AdmitDecision:
         plan=row["plan"],
         alt_max_tokens=row["alt_max_tokens"],
         alt_models=tuple(row["alt_models"] or ()),
+        quota=row["quota"],
+        resets_at=row["resets_at"],
+        credit_balance=row["credit_balance"],
     )

@@ -323,6 +323,7 @@ class Store:
             policy_version=int(row["policy_version"]),
             plan=row["plan"],
             fallback_models=tuple(row["fallback_models"]),
+            prepaid=bool(row["prepaid"]),
         )
 
     async def ensure_tenant(self, tenant: str, *, deadline_seconds: float | None = None) -> None:

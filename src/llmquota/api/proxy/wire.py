@@ -96,6 +96,19 @@ def refusal(kind: Kind, tenant: str, decision: AdmitDecision) -> JSONResponse | 
         headers["retry-after-ms"] = str(retry_ms)
         error_type = decision.limit_kind if kind == "openai" else None
         return error_response(kind, 429, message, headers=headers, error_type=error_type)
+    if decision.status == "quota_exceeded":
+        retry_ms = int(decision.retry_after_ms or 1)
+        headers["retry-after"] = str(ceil_seconds(retry_ms))
+        headers["retry-after-ms"] = str(retry_ms)
+        quota_type = "insufficient_quota" if kind == "openai" else None
+        return error_response(
+            kind, 429, message, headers=headers, error_type=quota_type, code=quota_type
+        )
+    if decision.status == "credits_exhausted":
+        headers["x-should-retry"] = "false"  # not before a top-up
+        return error_response(kind, 402, message, headers=headers)
+    if decision.status == "unpriced_model":
+        return error_response(kind, 422, message, headers=headers)
     if decision.status == "too_large":
         headers["x-should-retry"] = "false"  # it can never fit: the SDKs must not retry
         return error_response(kind, 413, message, headers=headers)

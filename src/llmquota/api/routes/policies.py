@@ -21,7 +21,7 @@ router = APIRouter(tags=["policies"])
 
 
 def _policy(body: PolicyBody) -> Policy:
-    fields = body.model_dump(exclude_none=True, exclude={"plan", "fallback_models"})
+    fields = body.model_dump(exclude_none=True, exclude={"plan", "fallback_models", "prepaid"})
     try:
         return Policy(**fields)
     except ValueError as exc:
@@ -36,6 +36,7 @@ def policy_response(stored: StoredPolicy) -> PolicyResponse:
         policy_version=stored.policy_version,
         plan=stored.plan,
         fallback_models=list(stored.fallback_models),
+        prepaid=stored.prepaid,
     )
 
 
@@ -44,6 +45,8 @@ async def _put(
 ) -> PolicyResponse:
     if body.plan is not None and scope != "tenant":
         raise InvalidRequest("plan: only a tenant policy may name a plan")
+    if body.prepaid is not None and scope != "tenant":
+        raise InvalidRequest("prepaid: only a tenant policy (or a plan) may be prepaid")
     if body.fallback_models is not None and scope == "global":
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
     policy = _policy(body)  # checks the limits whatever the plan adds
