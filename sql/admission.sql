@@ -329,6 +329,7 @@ DECLARE
     pr_out       numeric[];
     -- Prepaid balances of the batch's tenants (locked), running.
     l_prepaid    boolean[];
+    l_start      double precision[];  -- balances before this batch (ceiling alerts)
     cr_tenant    text[];
     cr_avail     numeric[];
     cr_add       numeric[];
@@ -502,6 +503,8 @@ BEGIN
         l_tokens[j] := lq_refilled(l_tokens[j], l_tpm[j], l_tburst[j], l_refilled[j], now_ts);
         l_requests[j] := lq_refilled(l_requests[j], l_rpm[j], l_rburst[j], l_refilled[j], now_ts);
     END LOOP;
+
+    l_start := l_tokens;
 
     -- (4b) Budgets beyond tokens, only for a batch that has any. The quotas
     -- of the batch's tenants are read FOR SHARE (a quota deleted meanwhile is
@@ -902,6 +905,21 @@ BEGIN
     FOR x IN 1 .. coalesce(cardinality(cr_tenant), 0) LOOP
         IF cr_add[x] <> 0 THEN
             PERFORM lq_credit_apply(cr_tenant[x], NULL, cr_add[x], NULL);
+        END IF;
+    END LOOP;
+
+    -- (6c) A provider ceiling whose utilization this batch took past a step
+    -- of its ladder alerts, once per step and clock hour (lq_fire_crossed:
+    -- after the quota windows and balances, the outbox comes last).
+    FOR j IN 1 .. coalesce(cardinality(l_id), 0) LOOP
+        IF l_ladder[j] AND l_tokens[j] < l_start[j] THEN
+            PERFORM lq_fire_crossed(
+                'ceiling.utilization', NULL, 'ceiling:' || l_name[j],
+                (SELECT array_agg(s.above::numeric ORDER BY s.above)
+                   FROM unnest(s_pos, s_above) AS s(pos, above) WHERE s.pos = j),
+                date_trunc('hour', now_ts), date_trunc('hour', now_ts) + interval '1 hour',
+                round((l_tburst[j] - l_start[j])::numeric), round((l_tburst[j] - l_tokens[j])::numeric),
+                l_tburst[j]::numeric, now_ts, jsonb_build_object('ceiling', l_name[j]));
         END IF;
     END LOOP;
 

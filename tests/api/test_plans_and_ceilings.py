@@ -6,6 +6,8 @@ the few milliseconds a test takes is far below one token.
 
 from __future__ import annotations
 
+import uuid
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
@@ -284,7 +286,7 @@ async def test_a_refused_model_degrades_to_the_first_fallback_that_fits_and_bill
     assert settled.status_code == 200
     row = await db.fetchrow(
         "SELECT model, input_tokens, output_tokens FROM usage_ledger WHERE reservation_id = $1",
-        __import__("uuid").UUID(body["reservation_id"]),
+        uuid.UUID(body["reservation_id"]),
     )
     assert dict(row) == {"model": "gpt-4o-mini", "input_tokens": 100, "output_tokens": 50}
 
@@ -364,3 +366,29 @@ async def test_a_deleted_ceiling_stops_applying_and_its_reservations_still_settl
     )
     assert settled.status_code == 200
     assert (await client.get("/v1/ceilings/openai-gpt4o", headers=admin)).status_code == 404
+
+
+async def test_a_ceiling_alerts_once_per_ladder_step_it_crosses(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    s = await ceiling_setup(client, admin)
+    ent = s["enterprise"]
+    for _ in range(3):  # 4,000, 8,000, then 9,000 of 10,000: past 0.5 and 0.8, each once
+        await admit(client, ent, tenant="ent-co", input_tokens=0, max_tokens=3_000)
+    alerts = await db.fetch(
+        """SELECT tenant, subject, threshold, usage, limit_value FROM alert_outbox
+            WHERE event_type = 'ceiling.utilization' ORDER BY threshold"""
+    )
+    assert [dict(a) for a in alerts] == [
+        {
+            "tenant": None,
+            "subject": "ceiling:openai-gpt4o",
+            "threshold": threshold,
+            "usage": usage,
+            "limit_value": 10_000,
+        }
+        for threshold, usage in (
+            (Decimal("0.5"), 6_000),
+            (Decimal("0.8"), 9_000),
+        )
+    ]
