@@ -162,6 +162,29 @@ SELECT tenant,
  ORDER BY utilization DESC, tenant
  LIMIT $1::integer
 
+-- cool_down_ceilings --
+-- The provider refused model $1 (429): every ceiling matching it is emptied
+-- and debited the refill of $2 seconds, so that it admits nothing for that
+-- long and then refills at its own rate. Locked in layer_id order, the
+-- admission's order. The names of the ceilings cooled down.
+WITH locked AS (
+    SELECT l.layer_id
+      FROM limit_layers AS l
+     WHERE l.scope = 'ceiling'
+       AND l.tokens_per_minute IS NOT NULL
+       AND $1::text LIKE ANY (l.model_patterns)
+     ORDER BY l.layer_id
+       FOR UPDATE
+)
+UPDATE limit_layers AS l
+   SET tokens = least(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                                  greatest(l.refilled_at, clock_timestamp())), 0)
+                - l.tokens_per_minute / 60.0 * $2::float8,
+       refilled_at = greatest(l.refilled_at, clock_timestamp())
+  FROM locked
+ WHERE l.layer_id = locked.layer_id
+RETURNING l.ceiling
+
 -- delete_ceiling --
 -- Delete a provider ceiling; one row when it existed. Reservations admitted
 -- through it settle as before: the credit to a layer that is gone is dropped.

@@ -149,6 +149,12 @@ class AdminService:
             limit, deadline_seconds=self._deadline_seconds
         )
 
+    async def cool_down_ceilings(self, model: str, seconds: float) -> list[str]:
+        """The provider refused `model`: its ceilings admit nothing for `seconds`."""
+        return await self._catalog.cool_down_ceilings(
+            model, seconds, deadline_seconds=self._deadline_seconds
+        )
+
     async def delete_ceiling(self, name: str) -> None:
         """Delete a provider ceiling (UnknownName when there is none)."""
         if not await self._catalog.delete_ceiling(name, deadline_seconds=self._deadline_seconds):

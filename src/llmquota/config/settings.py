@@ -370,6 +370,14 @@ class Settings(BaseSettings):
     proxy_max_connections: int = Field(
         default=200, ge=1, le=100_000, description="pooled upstream connections per worker"
     )
+    proxy_ceiling_cooldown_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        le=3_600.0,
+        description="0: off. Otherwise an upstream 429 for a model empties the provider "
+        "ceilings matching it and debits their refill for the provider's retry-after (this "
+        "many seconds when it gives none), so llmquota refuses that model itself meanwhile",
+    )
     proxy_heartbeat_seconds: float = Field(
         default=20.0,
         gt=0,

@@ -128,6 +128,15 @@ class Catalog:
         rows = await self._fetch("tenant_utilization", limit, deadline_seconds=deadline_seconds)
         return [(row["tenant"], float(row["utilization"])) for row in rows]
 
+    async def cool_down_ceilings(
+        self, model: str, seconds: float, *, deadline_seconds: float | None = None
+    ) -> list[str]:
+        """Empty the ceilings matching `model` for `seconds` of refill; their names."""
+        rows = await self._fetch(
+            "cool_down_ceilings", model, seconds, deadline_seconds=deadline_seconds
+        )
+        return [str(row["ceiling"]) for row in rows]
+
     async def delete_ceiling(self, name: str, *, deadline_seconds: float | None = None) -> bool:
         """Delete a ceiling; whether it existed."""
         rows = await self._fetch("delete_ceiling", name, deadline_seconds=deadline_seconds)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 
 import httpx
 from fastapi import APIRouter, Request, Response
 
+from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import (
     AuthenticationFailed,
@@ -45,7 +47,9 @@ from llmquota.api.proxy.wire import (
     limit_headers,
     refusal,
 )
-from llmquota.domain.errors import InvalidRequest, StoreUnavailable
+from llmquota.domain.errors import InvalidRequest, LimiterError, StoreUnavailable
+
+log = logging.getLogger("llmquota.proxy")
 
 
 def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
@@ -230,6 +234,38 @@ class Call:
         )
 
 
+async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
+    """An upstream 429: the provider's own limit is reached, whatever our ceilings say.
+
+    With PROXY_CEILING_COOLDOWN_SECONDS set, the ceilings of the model are
+    emptied for the provider's retry-after (or that setting), so llmquota
+    refuses the model itself meanwhile instead of sending requests the
+    provider will refuse. Best effort: the client's answer never waits on it
+    failing.
+    """
+    setting = call.proxy.settings.proxy_ceiling_cooldown_seconds
+    if response.status_code != 429 or setting <= 0:
+        return
+    seconds = _retry_after_seconds(response.headers) or setting
+    admin: AdminService = call.request.app.state.admin
+    try:
+        await admin.cool_down_ceilings(call.exchange.model, min(seconds, 3_600.0))
+    except LimiterError as exc:
+        log.warning("ceiling cool-down for %r not recorded: %s", call.exchange.model, exc)
+
+
+def _retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """The provider's retry hint in seconds (retry-after-ms first), if it gave one."""
+    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
+        try:
+            value = float(headers.get(name, ""))
+        except ValueError:
+            continue
+        if value > 0:
+            return value * scale
+    return None
+
+
 async def _complete(call: Call) -> Response:
     """Forward a whole request; pass the provider's body through unchanged."""
     kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
@@ -246,6 +282,7 @@ async def _complete(call: Call) -> Response:
         calls.failed(exc)
         return _upstream_failed(kind, exc, headers)
     if response.status_code >= 400:
+        await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
@@ -281,6 +318,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
             await response.aread()
         finally:
             await response.aclose()
+        await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     settings = proxy.settings
     relay = StreamRelay(
