@@ -99,8 +99,8 @@ async def _workload(limiter: Limiter, db: asyncpg.Connection, dsn: str) -> dict[
         made = await asyncio.gather(*(_admit(limiter, rng, 600) for _ in range(80)))
         doomed = await asyncio.gather(*(_admit(limiter, rng, 1) for _ in range(15)))
         ok = [r for r in made if not isinstance(r, Exception)]
-        counts["refused"] += len(made) + len(doomed) - len(ok)
-        counts["refused_quota"] += sum(type(r).__name__ == "QuotaExceeded" for r in made + doomed)
+        for refusal in (r for r in made + doomed if isinstance(r, Exception)):
+            counts[f"refused {type(refusal).__name__}"] += 1
         settled, released, still_open = ok[: len(ok) * 7 // 10], ok[len(ok) * 7 // 10 : -5], ok[-5:]
         await asyncio.gather(*(_settle(limiter, rng, r) for r in settled))
         await asyncio.gather(*(limiter.release(r.reservation_id) for r in released))

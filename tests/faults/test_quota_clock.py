@@ -314,6 +314,6 @@ async def test_a_quota_window_boundary_crossed_by_real_admissions_on_a_moved_clo
     assert ledger[0]["recorded_at"] < boundary <= ledger[1]["recorded_at"]
     print(
         f"FIGURE quota-clock {name}: windows {b.hours_before} h | {b.hours_after} h, "
-        f"boundary {boundary.isoformat()}, resets_at said {said}; old window charged 200 reserved 0, "
-        f"new window charged 250 + 750 reserved 0"
+        f"boundary {boundary.isoformat()}, resets_at said {said}; "
+        f"old window charged 200 reserved 0, new window charged 250 + 750 reserved 0"
     )
