@@ -90,6 +90,27 @@ BOUNDARIES = {
         24,
         25,
     ),
+    # America/Santiago changes at local midnight: on 2026-04-05 00:00 the
+    # clocks go back to 04-04 23:00 (04-04 has 25 hours, its last hour twice),
+    # and 2026-09-06 00:00 does not exist (the day starts at 01:00, 23 hours).
+    "santiago-25h-at-midnight": Boundary(
+        "America/Santiago",
+        "day",
+        "2026-04-03 00:00",
+        "2026-04-04 00:00",
+        "2026-04-05 00:00",
+        24,
+        25,
+    ),
+    "santiago-missing-midnight": Boundary(
+        "America/Santiago",
+        "day",
+        "2026-09-05 00:00",
+        "2026-09-06 00:00",
+        "2026-09-07 00:00",
+        24,
+        23,
+    ),
     # Months: January (31 days) into February (28, 2026 is no leap year) ...
     "jan-31-feb-1": Boundary(
         "Europe/Berlin",
@@ -179,8 +200,10 @@ class Clock:
         self.set_at = time.monotonic()
 
     def set(self, at: datetime) -> None:
-        self.server.set_clock(at)
+        # Taken first: the database clock reads `at` from the moment set_clock
+        # computes its offset, so this bounds the drift from above.
         self.set_at = time.monotonic()
+        self.server.set_clock(at)
 
     def drift_ms(self) -> int:
         """How far the database clock can have run since it was set, in ms (rounded up)."""
