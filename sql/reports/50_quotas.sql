@@ -59,8 +59,22 @@ SELECT a.tenant,
 COMMENT ON VIEW reporting.credit_balances IS
     'prepaid balance, reserved and available per tenant, with the ledger sum it derives from';
 
--- Quota usage per tenant, quota and window, for the windows that start in
--- the period.
+-- Quota usage per tenant, quota and window: the windows whose first day, in
+-- the quota's own time zone, falls in the period [p_from, p_to). A window is
+-- a local calendar day or month, so it is picked by its local start date:
+-- Berlin's day of 2026-03-29 starts at 2026-03-28 23:00 UTC and belongs to
+-- the 29th, Auckland's December to December (picking by the UTC date, as
+-- this did first, listed such windows under the day before, or the wrong
+-- month). A deleted quota's windows have lost their zone; their local start
+-- date is taken as the UTC date twelve hours after the start, right for
+-- every offset from -11:59 to +12:00.
+--
+-- charged_* is exactly what the usage ledger holds for the quota's tenant,
+-- route and models in the window: each settlement's (and each late
+-- settle's) tokens, priced at the model's price in force when it was
+-- recorded (tests/acceptance/test_quota_report.py recomputes it from the
+-- ledger). usage_* adds what open reservations hold. Ledger adjustments
+-- (`llmquota ledger adjust`) are no quota's usage and are not counted.
 CREATE OR REPLACE FUNCTION reporting.quota_usage(
     p_from date, p_to date, p_tenant text DEFAULT NULL
 ) RETURNS TABLE (
@@ -82,10 +96,19 @@ AS $$
            w.tokens_limit, w.usage_tokens, w.charged_tokens,
            w.cost_limit, trim_scale(w.usage_cost), trim_scale(w.charged_cost)
       FROM reporting.quota_windows AS w
-     WHERE w.window_start >= reporting.utc_start(p_from)
-       AND w.window_start < reporting.utc_start(p_to)
+     -- Local midnight of a date D is between D - 14 h and D + 12 h in UTC
+     -- (offsets -12:00 to +14:00): a range on window_start for the index,
+     -- then the exact local date.
+     WHERE w.window_start >= reporting.utc_start(p_from) - interval '14 hours'
+       AND w.window_start < reporting.utc_start(p_to) + interval '12 hours'
+       AND (CASE WHEN w.timezone IS NULL
+                 THEN ((w.window_start + interval '12 hours') AT TIME ZONE 'UTC')::date
+                 ELSE (w.window_start AT TIME ZONE w.timezone)::date END) >= p_from
+       AND (CASE WHEN w.timezone IS NULL
+                 THEN ((w.window_start + interval '12 hours') AT TIME ZONE 'UTC')::date
+                 ELSE (w.window_start AT TIME ZONE w.timezone)::date END) < p_to
        AND (p_tenant IS NULL OR w.tenant = p_tenant)
      ORDER BY w.tenant, w.quota_name, w.route NULLS FIRST, w.window_start
 $$;
 COMMENT ON FUNCTION reporting.quota_usage(date, date, text) IS
-    'quota usage per tenant, quota and calendar window (windows starting in the period)';
+    'quota usage per tenant, quota and calendar window (windows whose local first day is in the period)';
