@@ -230,6 +230,7 @@ CREATE OR REPLACE FUNCTION lq_admit(
     alt_models                 text[],
     quota                      text,
     resets_at                  timestamptz,
+    quota_timezone             text,       -- the zone resets_at is shown in
     credit_balance             numeric
 )
 LANGUAGE plpgsql
@@ -306,6 +307,7 @@ DECLARE
     r_alt_models text[] := array_fill('{}'::text, ARRAY[n]);  -- array text, as l_fallback
     r_quota      text[] := array_fill(NULL::text, ARRAY[n]);
     r_resets     timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
+    r_zone       text[] := array_fill(NULL::text, ARRAY[n]);
     r_credit     numeric[] := array_fill(NULL::numeric, ARRAY[n]);
     -- Calendar quotas of the batch's tenants, their current windows locked
     -- (step 4b): running usage (reserved + charged) and what this batch adds.
@@ -319,6 +321,7 @@ DECLARE
     q_cost       numeric[];
     q_block      boolean[];
     q_end        timestamptz[];
+    q_zone       text[];
     q_used_tok   numeric[];
     q_used_cost  numeric[];
     q_add_tok    bigint[];
@@ -526,10 +529,11 @@ BEGIN
                array_agg(q.tokens ORDER BY q.quota_id), array_agg(q.cost ORDER BY q.quota_id),
                array_agg(q.enforce = 'block' ORDER BY q.quota_id),
                array_agg(w.window_end ORDER BY q.quota_id),
+               array_agg(q.timezone ORDER BY q.quota_id),
                array_agg(w.reserved_tokens + w.charged_tokens ORDER BY q.quota_id),
                array_agg(w.reserved_cost + w.charged_cost ORDER BY q.quota_id)
           INTO q_id, q_name, q_tenant, q_route, q_patterns, q_tokens, q_cost, q_block, q_end,
-               q_used_tok, q_used_cost
+               q_zone, q_used_tok, q_used_cost
           FROM quotas AS q
           JOIN quota_windows AS w
             ON w.quota_id = q.quota_id
@@ -844,6 +848,7 @@ BEGIN
                     IF q_hit IS NOT NULL THEN
                         r_quota[k] := q_name[q_hit];
                         r_resets[k] := q_end[q_hit];
+                        r_zone[k] := q_zone[q_hit];
                         r_wait[k] := greatest(1, ceil(extract(epoch FROM q_end[q_hit] - now_ts) * 1000));
                     END IF;
                     r_credit[k] := avail;
@@ -946,7 +951,7 @@ BEGIN
            r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i],
            r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
            r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
-           r_quota[o.i], r_resets[o.i], r_credit[o.i]
+           r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;

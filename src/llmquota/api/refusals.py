@@ -26,77 +26,66 @@ UNPROCESSABLE = 422
 def refusal_response(
     tenant: str, decision: AdmitDecision, headers: Mapping[str, str]
 ) -> JSONResponse | None:
-    """The answer to a rate-limited or too-large decision; None for any other.
+    """The answer to a refused decision (429, 413, 402, 422); None for any other.
 
-    `headers` (the rate-limit headers) are sent with it, a 429's retry
-    hints after them.
+    `headers` (the rate-limit headers) are sent with it, a retryable
+    refusal's retry hints after them.
     """
     d = decision
-    extra = refusal_details(d)
-    if d.status == "rate_limited":
+    answer = _answers(d).get(d.status)
+    if answer is None:
+        return None
+    status, error_type, fields = answer
+    sent = dict(headers)
+    if status == RATE_LIMITED:
         retry_ms = int(d.retry_after_ms or 1)
-        return error_response(
+        sent |= {"Retry-After": str(ceil_seconds(retry_ms)), "retry-after-ms": str(retry_ms)}
+        fields["retry_after_ms"] = retry_ms
+    return error_response(
+        status, error_type, headers=sent, message=refusal_message(tenant, d), **fields
+    )
+
+
+def _answers(d: AdmitDecision) -> dict[str, tuple[int, str, dict[str, Any]]]:
+    """(status, error type, body fields) of each refusal, by decision status."""
+    return {
+        "rate_limited": (
             RATE_LIMITED,
             "rate_limit_error",
-            headers={
-                **headers,
-                "Retry-After": str(ceil_seconds(retry_ms)),
-                "retry-after-ms": str(retry_ms),
-            },
-            limit=d.limit_kind,
-            scope=d.limit_scope,
-            message=refusal_message(tenant, d),
-            retry_after_ms=retry_ms,
-            **extra,
-        )
-    if d.status == "quota_exceeded":
-        retry_ms = int(d.retry_after_ms or 1)
-        return error_response(
+            {"limit": d.limit_kind, "scope": d.limit_scope, **refusal_details(d)},
+        ),
+        "quota_exceeded": (
             RATE_LIMITED,
             "insufficient_quota",
-            headers={
-                **headers,
-                "Retry-After": str(ceil_seconds(retry_ms)),
-                "retry-after-ms": str(retry_ms),
+            {
+                "limit": "quota",
+                "scope": d.limit_scope,
+                "quota": d.quota,
+                "resets_at": d.resets_at.isoformat() if d.resets_at else None,
+                **refusal_details(d),
             },
-            limit="quota",
-            scope=d.limit_scope,
-            quota=d.quota,
-            resets_at=d.resets_at.isoformat() if d.resets_at else None,
-            message=refusal_message(tenant, d),
-            retry_after_ms=retry_ms,
-            **extra,
-        )
-    if d.status == "credits_exhausted":
-        return error_response(
+        ),
+        "credits_exhausted": (
             PAYMENT_REQUIRED,
             "credits_exhausted",
-            headers=headers,
-            limit="credits",
-            balance=str(d.credit_balance if d.credit_balance is not None else 0),
-            message=refusal_message(tenant, d),
-        )
-    if d.status == "unpriced_model":
-        return error_response(
-            UNPROCESSABLE,
-            "invalid_request_error",
-            headers=headers,
-            model=d.model,
-            message=refusal_message(tenant, d),
-        )
-    if d.status == "too_large":
-        return error_response(
+            {
+                "limit": "credits",
+                "balance": str(d.credit_balance if d.credit_balance is not None else 0),
+            },
+        ),
+        "unpriced_model": (UNPROCESSABLE, "invalid_request_error", {"model": d.model}),
+        "too_large": (
             TOO_LARGE,
             "request_too_large",
-            headers=headers,
-            limit="tokens",
-            scope=d.limit_scope,
-            requested=d.reserved_tokens,
-            capacity=d.capacity,
-            message=refusal_message(tenant, d),
-            **extra,
-        )
-    return None
+            {
+                "limit": "tokens",
+                "scope": d.limit_scope,
+                "requested": d.reserved_tokens,
+                "capacity": d.capacity,
+                **refusal_details(d),
+            },
+        ),
+    }
 
 
 def refusal_cause(d: AdmitDecision) -> dict[str, Any]:

@@ -8,7 +8,9 @@ from the Store so that its shape is read in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from llmquota.domain.records import AdmitDecision, AdmitRequest, TenantFigures
 from llmquota.domain.vocabulary import priority_of, priority_rank
@@ -80,6 +82,16 @@ def admit_decision(row: Row) -> AdmitDecision:
         alt_max_tokens=row["alt_max_tokens"],
         alt_models=tuple(row["alt_models"] or ()),
         quota=row["quota"],
-        resets_at=row["resets_at"],
+        resets_at=_local(row["resets_at"], row["quota_timezone"]),
         credit_balance=row["credit_balance"],
     )
+
+
+def _local(instant: datetime | None, zone: str | None) -> datetime | None:
+    """A quota's reset instant in the quota's own time zone (its local midnight)."""
+    if instant is None or zone is None:
+        return instant
+    try:
+        return instant.astimezone(ZoneInfo(zone))
+    except ZoneInfoNotFoundError:  # a zone the server knows and Python does not: UTC
+        return instant
