@@ -44,6 +44,7 @@ BEGIN
            failure_mode        = e.failure_mode,
            priority            = e.priority,
            fallback_models     = e.fallback_models,
+           output_estimate     = e.output_estimate,
            policy_version      = nextval('policy_version_seq'),
            tokens = CASE
                WHEN e.tpm IS NULL THEN NULL
@@ -77,7 +78,9 @@ BEGIN
                    coalesce(p.priority, 1::smallint) AS priority,
                    CASE WHEN own ? 'fallback_models'
                         THEN ARRAY(SELECT jsonb_array_elements_text(own -> 'fallback_models'))
-                        ELSE coalesce(p.fallback_models, '{}') END AS fallback_models
+                        ELSE coalesce(p.fallback_models, '{}') END AS fallback_models,
+                   -- the output reservation strategy (learned estimates): own else plan's
+                   coalesce(own -> 'output_estimate', p.output_estimate) AS output_estimate
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan
@@ -126,6 +129,9 @@ $$;
 -- Create or replace a plan and, in the same transaction, recompute every
 -- tenant on it: a plan change reaches all its tenants at once, each with a
 -- new policy_version. Returns how many tenants were changed.
+-- p_output_estimate was added (learned output reservations).
+DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
+                                    integer, text, text[]);
 CREATE OR REPLACE FUNCTION lq_put_plan(
     p_plan            text,
     p_priority        smallint,
@@ -136,7 +142,8 @@ CREATE OR REPLACE FUNCTION lq_put_plan(
     p_max_in_flight   integer,
     p_lease_seconds   integer,
     p_failure_mode    text,
-    p_fallback_models text[]
+    p_fallback_models text[],
+    p_output_estimate jsonb DEFAULT NULL   -- NULL: max_tokens
 ) RETURNS integer
 LANGUAGE plpgsql
 AS $$
@@ -145,9 +152,9 @@ DECLARE
 BEGIN
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
-                            fallback_models)
+                            fallback_models, output_estimate)
     VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
-            p_lease_seconds, p_failure_mode, p_fallback_models)
+            p_lease_seconds, p_failure_mode, p_fallback_models, p_output_estimate)
     ON CONFLICT (plan) DO UPDATE
        SET priority = excluded.priority,
            tokens_per_minute = excluded.tokens_per_minute,
@@ -158,6 +165,7 @@ BEGIN
            lease_seconds = excluded.lease_seconds,
            failure_mode = excluded.failure_mode,
            fallback_models = excluded.fallback_models,
+           output_estimate = excluded.output_estimate,
            updated_at = clock_timestamp();
     -- A new statement: it sees every tenant that joined the plan and committed
     -- while this transaction waited for the plan row.

@@ -101,6 +101,8 @@ def test_queries_call_the_admission_functions() -> None:
     functions = script("admission.sql")
     for name in ("lq_refilled", "lq_credit_layers", "lq_admit", "lq_finish", "lq_sweep"):
         assert f"CREATE OR REPLACE FUNCTION {name}(" in functions
+    assert "PERFORM lq_record_output_samples(" in functions
+    assert "CREATE OR REPLACE FUNCTION lq_record_output_samples(" in script("estimates.sql")
 
 
 def test_parse_queries_splits_named_blocks() -> None:
@@ -140,7 +142,8 @@ def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
 
 def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     (tmp_path / "reports").mkdir()
-    for name in ("admission.sql", "plans.sql", "ledger.sql", "reliability.sql", "roles.sql"):
+    names = ("admission.sql", "plans.sql", "estimates.sql", "ledger.sql", "reliability.sql")
+    for name in (*names, "roles.sql"):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
     (tmp_path / "reports" / "10_b.sql").write_text("SELECT 2;\n", encoding="utf-8")
     (tmp_path / "reports" / "00_a.sql").write_text("SELECT 1;\n", encoding="utf-8")
@@ -148,11 +151,12 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     assert [s.name for s in scripts] == [
         "admission.sql",
         "plans.sql",
+        "estimates.sql",
         "ledger.sql",
         "reliability.sql",
         "reports/00_a.sql",
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[4].text == "SELECT 1;\n"
-    assert scripts[4].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[5].text == "SELECT 1;\n"
+    assert scripts[5].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -31,6 +31,7 @@ from typing import NoReturn, Unpack
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
+from llmquota.admission.estimates import OutputEstimator
 from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.reservation import Admission, Reservation, Settlement
@@ -75,6 +76,7 @@ class Limiter:
         self.policies = self.outage.policies
         self.journal = self.outage.journal
         self.fallback = self.outage.fallback
+        self.estimates = OutputEstimator(store, self.policies, settings)
         self._sweeper = Sweeper(store, settings, self.metrics)
         self.counter = TokenCounter(settings)
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
@@ -132,6 +134,7 @@ class Limiter:
         if self._finishes is not None:
             await self._finishes.close()
         await self.outage.close()
+        await self.estimates.close()
         self.counter.close()
         await self.store.close()
 
@@ -221,6 +224,7 @@ class Limiter:
         the failure mode of some layer is `closed` (or nothing is cached).
         """
         started = time.perf_counter()
+        request = self.estimates.apply(request)  # the output to reserve (estimates.py)
         try:
             decision = await self._store_decision(request)
         except StoreUnavailable as exc:
@@ -232,7 +236,9 @@ class Limiter:
         self.outage.store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.metrics.count_decision(decision)
-        return Admission(decision, request.input_tokens, request.input_estimated)
+        return Admission(
+            decision, request.input_tokens, request.input_estimated, None, request.output_strategy
+        )
 
     def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
         """The store did not decide in time: the layers' failure modes do (see fallback.py)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.plans import ShedStep
 from llmquota.domain.vocabulary import FailureMode, Priority
 
@@ -26,6 +27,7 @@ class PlanResponse(BaseModel):
     lease_seconds: int
     failure_mode: FailureMode
     fallback_models: list[str]
+    output_estimate: OutputEstimate | None = None
     tenants: int = Field(description="tenants on this plan")
 
 

@@ -19,6 +19,7 @@ from pydantic import (
     StrictStr,
 )
 
+from llmquota.domain.output_estimates import OutputEstimate, OutputEstimateInfo
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
 from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
@@ -114,6 +115,10 @@ class AdmitResponse(BaseModel):
         description="the refusal the requested model got: limit, scope, reason, ceiling",
     )
     priority: Priority | None = None
+    output_estimate: OutputEstimateInfo = Field(
+        description="what was reserved for output and how: reserved_tokens is input_tokens "
+        "plus tokens; strategy max_tokens, learned or fixed"
+    )
 
 
 class SettleBody(BaseModel):
@@ -186,6 +191,12 @@ class PolicyBody(BaseModel):
             description="tenant and route policies: the default models to degrade to, in order",
         )
     )
+    output_estimate: OutputEstimate | None = Field(
+        default=None,
+        description="tenant and route policies: what to reserve for output: "
+        '{"strategy": "max_tokens"} (the default), {"strategy": "learned", "quantile": 0.95, '
+        '"min_samples": 50} or {"strategy": "fixed", "tokens": N}',
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -201,6 +212,7 @@ class PolicyResponse(BaseModel):
     policy_version: int
     plan: str | None = None
     fallback_models: list[str] = Field(default_factory=list)
+    output_estimate: OutputEstimate | None = None
 
 
 class KeyResponse(BaseModel):

@@ -11,6 +11,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from llmquota.domain.output_estimates import OutputStrategy
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
@@ -44,6 +45,11 @@ class AdmitRequest:
     degrade: bool | None = None
     # Explicit fallback models, in order, each with its own input count.
     fallbacks: tuple[tuple[str, int], ...] = ()
+    # What to reserve for output (admission/estimates.py); None: max_tokens.
+    output_reserve: int | None = None
+    output_strategy: OutputStrategy = "max_tokens"
+    # False: the caller gave no max_tokens, which is then the model's maximum output.
+    max_tokens_given: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,13 +68,15 @@ def report_scripts() -> list[str]:
 
 
 # The repeatable scripts, in the order they are applied: the admission
-# functions, the plans' and ceilings' (which call lq_refilled), the ledger's,
+# functions, the plans' and ceilings' (which call lq_refilled), the learned
+# output estimates' (which lq_finish calls), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the reporting schema (the base views first), and last the
 # grants, which cover every function and view the scripts before them define.
 REPEATABLE_SCRIPTS = (
     "admission.sql",
     "plans.sql",
+    "estimates.sql",
     "ledger.sql",
     "reliability.sql",
     "reports/*.sql",

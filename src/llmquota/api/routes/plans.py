@@ -35,6 +35,7 @@ def _plan_response(stored: StoredPlan) -> PlanResponse:
         lease_seconds=plan.lease_seconds,
         failure_mode=plan.failure_mode,
         fallback_models=list(plan.fallback_models),
+        output_estimate=plan.output_estimate,
         tenants=stored.tenants,
     )
 
