@@ -105,7 +105,12 @@ BEGIN
        SET weights = lq_output_merge(e.weights,
                                      extract(epoch FROM now_ts - e.updated_at)::double precision,
                                      excluded.weights),
-           samples = e.samples + excluded.samples,
+           -- A histogram that decayed to nothing starts counting again.
+           samples = excluded.samples + CASE
+               WHEN (SELECT max(w) FROM unnest(lq_output_merge(
+                        e.weights, extract(epoch FROM now_ts - e.updated_at)::double precision,
+                        '{}')) AS w) > 0
+               THEN e.samples ELSE 0 END,
            updated_at = greatest(e.updated_at, now_ts);
 END
 $$;

@@ -8,9 +8,9 @@
 - `output_estimates`: one row per (tenant, route, model) with the decayed
   histogram of the output tokens its settled completions used
   (`weights[i]`: bucket i's weight as of `updated_at`, buckets as
-  lq_output_bucket_bounds() in sql/estimates.sql), and `samples`, every
-  sample ever recorded. `route` is '' for requests without one (a route
-  name is never empty).
+  lq_output_bucket_bounds() in sql/estimates.sql), and `samples`, the
+  samples recorded since the histogram last decayed to nothing. `route`
+  is '' for requests without one (a route name is never empty).
 
 Revision ID: 0009
 Revises: 0008

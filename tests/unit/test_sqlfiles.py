@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from llmquota.resources import sql_dir
-from llmquota.store import catalog, store
+from llmquota.store import catalog, estimates, store
 from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
 def _names_the_store_runs() -> set[str]:
     """String literals passed first to self._fetch(...) or used as self._sql[...]
-    in the modules that run queries.sql (the Store and its catalog)."""
+    in the modules that run queries.sql (the Store, its catalog and estimates)."""
     tree = ast.parse(_sources())
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -41,7 +41,8 @@ def _names_the_store_runs() -> set[str]:
 
 
 def _sources() -> str:
-    return inspect.getsource(store) + "\n" + inspect.getsource(catalog)
+    modules = (store, catalog, estimates)
+    return "\n".join(inspect.getsource(module) for module in modules)
 
 
 def test_the_scan_finds_the_statements_of_every_store_method() -> None:
@@ -63,6 +64,7 @@ def test_the_scan_finds_the_statements_of_every_store_method() -> None:
         "purge_finished",
         "put_plan",
         "put_ceiling",
+        "output_histograms",
     }
 
 

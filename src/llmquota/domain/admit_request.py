@@ -80,9 +80,7 @@ def prepare_admit_request(
     if route is not None:
         check_name("route", route)
     check_model(model)
-    if max_tokens is None:
-        max_tokens, max_tokens_given = _model_max_output(model), False
-    check_token_count("max_tokens", max_tokens)
+    max_tokens, max_tokens_given = _output_limit(model, max_tokens, max_tokens_given)
     check_lease_seconds(lease_seconds)
     check_idempotency_key(idempotency_key)
     if (messages is None) == (input_tokens is None):
@@ -117,14 +115,16 @@ def prepare_admit_request(
     )
 
 
-def _model_max_output(model: str) -> int:
-    """The output limit of a request that gives none: the model's published maximum."""
+def _output_limit(model: str, max_tokens: int | None, given: bool) -> tuple[int, bool]:
+    """(max_tokens, whether the caller gave it); none given: the model's published maximum."""
+    if max_tokens is not None:
+        return check_token_count("max_tokens", max_tokens), given
     ceiling = max_output_tokens(model)
     if ceiling is None:
         raise InvalidRequest(
             f"give max_tokens: model {model!r} has no known maximum output (domain/model_limits.py)"
         )
-    return ceiling
+    return ceiling, False
 
 
 def _count_each(  # noqa: PLR0917 (one private call site)

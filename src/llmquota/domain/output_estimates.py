@@ -118,8 +118,11 @@ def bucket_counts(samples: Sequence[int]) -> tuple[float, ...]:
 class OutputHistogram:
     """The decayed completions of one (tenant, route, model), as of `updated_at`.
 
-    `samples` counts every sample ever recorded (no decay); `weights[i]` is
-    bucket i's decayed weight at `updated_at` (seconds, any clock).
+    `weights[i]` is bucket i's decayed weight at `updated_at` (seconds, any
+    clock). `samples` counts the samples recorded (not decayed) since the
+    histogram last decayed to nothing: a key idle for about 30 half-lives
+    forgets its past and starts counting again, so min_samples is met by
+    samples that still weigh.
     """
 
     weights: tuple[float, ...] = ()
@@ -128,7 +131,7 @@ class OutputHistogram:
 
     @property
     def effective_samples(self) -> float:
-        """The decayed number of samples: what min_samples is compared with."""
+        """The decayed number of samples (what the quantile weighs)."""
         return math.fsum(self.weights)
 
     def record(self, outputs: Sequence[int], now: float) -> OutputHistogram:
@@ -136,9 +139,10 @@ class OutputHistogram:
         if not outputs:
             return self
         factor = decay_factor(now - self.updated_at) if self.samples else 1.0
+        forgotten = not any(merge(self.weights, factor, ()))
         return OutputHistogram(
             weights=merge(self.weights, factor, bucket_counts(outputs)),
-            samples=self.samples + len(outputs),
+            samples=len(outputs) + (0 if forgotten else self.samples),
             updated_at=max(self.updated_at, now),
         )
 
@@ -235,10 +239,11 @@ def output_reserve(
 ) -> OutputReserve:
     """The output tokens to reserve for a request under its layers' policy.
 
-    Never more than max_tokens. `learned` without `min_samples` (decayed)
-    reserves max_tokens, and says so. A request that gave no max_tokens (its
-    max_tokens is the model's maximum output) reserves the learned quantile
-    whatever the policy, unless the policy is `fixed`.
+    Never more than max_tokens. `learned` without `min_samples` (see
+    OutputHistogram.samples) reserves max_tokens, and says so. A request
+    that gave no max_tokens (its max_tokens is then the model's maximum
+    output) reserves the learned quantile whatever the policy, unless the
+    policy is `fixed`.
     """
     if policy is None or isinstance(policy, MaxTokensEstimate):
         if max_tokens_given:
@@ -246,7 +251,7 @@ def output_reserve(
         policy = DEFAULT_LEARNED
     if isinstance(policy, FixedEstimate):
         return OutputReserve("fixed", min(policy.tokens, max_tokens))
-    if histogram is not None and histogram.effective_samples >= policy.min_samples:
+    if histogram is not None and histogram.samples >= policy.min_samples:
         learned = histogram.quantile(policy.quantile)
         if learned is not None:
             return OutputReserve("learned", min(learned, max_tokens))
