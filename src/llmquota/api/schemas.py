@@ -19,7 +19,7 @@ from pydantic import (
     StrictStr,
 )
 
-from llmquota.domain.output_estimates import OutputEstimate, OutputEstimateInfo
+from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
 from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
@@ -97,6 +97,13 @@ class Remaining(BaseModel):
     in_flight: int | None
 
 
+class OutputEstimateUsed(BaseModel):
+    """What an admission reserved for output, and by which strategy."""
+
+    strategy: OutputStrategy
+    tokens: int
+
+
 class AdmitResponse(BaseModel):
     """201 from POST /v1/admit."""
 
@@ -115,7 +122,7 @@ class AdmitResponse(BaseModel):
         description="the refusal the requested model got: limit, scope, reason, ceiling",
     )
     priority: Priority | None = None
-    output_estimate: OutputEstimateInfo = Field(
+    output_estimate: OutputEstimateUsed = Field(
         description="what was reserved for output and how: reserved_tokens is input_tokens "
         "plus tokens; strategy max_tokens, learned or fixed"
     )
