@@ -94,6 +94,7 @@ async def test_policy_round_trip_and_defaults(
         "policy_version": put.json()["policy_version"],
         "plan": None,
         "fallback_models": [],
+        "output_estimate": None,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",
