@@ -31,6 +31,7 @@ from bench import (  # noqa: E402
     charts,
     common,
     crash,
+    estimates,
     grid,
     growth,
     http_admission,
@@ -747,8 +748,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 9),
-        help="run only these comparisons (1-8)",
+        choices=range(1, 10),
+        help="run only these comparisons (1-9)",
     )
     return parser.parse_args()
 
@@ -763,7 +764,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 9))
+    wanted = set(args.only or range(1, 10))
     servers.ensure_tools()
     started = time.monotonic()
     load = common.machine_load()
@@ -795,6 +796,8 @@ def main() -> int:
         if 8 in wanted:
             fresh = functools.partial(common.fresh_database, pg.dsn)
             asyncio.run(oversubscription.section(fresh, plan.quick, report))
+        if 9 in wanted:
+            estimates.section(report)  # simulated time: needs no server
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"

@@ -7,7 +7,9 @@
 -- Locking discipline (the reason concurrent transitions never deadlock):
 --   1. advisory locks on idempotency keys, in hash order (admission only);
 --   2. reservation rows, in reservation_id order (never waited on by admission);
---   3. limit_layers rows, in layer_id order.
+--   3. limit_layers rows, in layer_id order;
+--   4. output_estimates rows, in (tenant, route, model) order (settlement
+--      only, see estimates.sql).
 -- A transaction only ever waits for a lock of a later class, or of the same
 -- class further along the same order, so no cycle can form.
 --
@@ -178,6 +180,7 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  integer[], text[], text[], integer);
 -- The result gained quota, resets_at and credit_balance (a changed result
 -- type needs the old function gone first).
+-- p_output_reserve was added (learned output reservations).
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[]);
@@ -197,7 +200,8 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_degrade          boolean[] DEFAULT NULL,   -- false: never degrade
     p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
     p_alt_models       text[] DEFAULT NULL,      -- model, in order,
-    p_alt_inputs       bigint[] DEFAULT NULL     -- and its input count
+    p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
+    p_output_reserve   bigint[] DEFAULT NULL     -- output tokens to reserve, NULL: max_tokens
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -662,7 +666,10 @@ BEGIN
                     layers := layers || array_position(l_id, mc_layer[x]);
                 END IF;
             END LOOP;
-            cost := c_inputs[c] + p_max_tokens[k];
+            -- The output reserved is the policy's estimate (see
+            -- admission/estimates.py), at most max_tokens; the reservation
+            -- keeps max_tokens itself for lq_shared_charge_cap.
+            cost := c_inputs[c] + coalesce(p_output_reserve[k], p_max_tokens[k]);
 
             too_cap := NULL;
             best_wait := -1;
@@ -1289,6 +1296,13 @@ BEGIN
            (res[g.i]).policy_version, g.excess, now_ts
       FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess)
            AS g(i, kind, input_tokens, output_tokens, held, outcome, excess);
+
+    -- (7) Completions settled on time and 'ok' feed the learned output
+    -- estimates (estimates.sql), whose rows are locked last, in key order.
+    PERFORM lq_record_output_samples(array_agg((res[g.i]).tenant), array_agg((res[g.i]).route),
+                                     array_agg((res[g.i]).model), array_agg(g.output_tokens))
+       FROM unnest(g_res, g_kind, g_out, g_outcome) AS g(i, kind, output_tokens, outcome)
+      WHERE g.kind = 'usage' AND g.outcome = 'ok';
 
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],

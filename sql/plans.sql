@@ -45,6 +45,7 @@ BEGIN
            priority            = e.priority,
            fallback_models     = e.fallback_models,
            prepaid             = e.prepaid,
+           output_estimate     = e.output_estimate,
            policy_version      = nextval('policy_version_seq'),
            tokens = CASE
                WHEN e.tpm IS NULL THEN NULL
@@ -79,7 +80,9 @@ BEGIN
                    CASE WHEN own ? 'fallback_models'
                         THEN ARRAY(SELECT jsonb_array_elements_text(own -> 'fallback_models'))
                         ELSE coalesce(p.fallback_models, '{}') END AS fallback_models,
-                   coalesce((own ->> 'prepaid')::boolean, p.prepaid, false) AS prepaid
+                   coalesce((own ->> 'prepaid')::boolean, p.prepaid, false) AS prepaid,
+                   -- the output reservation strategy (learned estimates): own else plan's
+                   coalesce(own -> 'output_estimate', p.output_estimate) AS output_estimate
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan
@@ -128,6 +131,7 @@ $$;
 -- Create or replace a plan and, in the same transaction, recompute every
 -- tenant on it: a plan change reaches all its tenants at once, each with a
 -- new policy_version. Returns how many tenants were changed.
+-- p_output_estimate was added (learned output reservations).
 DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
                                     integer, text, text[]);
 CREATE OR REPLACE FUNCTION lq_put_plan(
@@ -141,7 +145,8 @@ CREATE OR REPLACE FUNCTION lq_put_plan(
     p_lease_seconds   integer,
     p_failure_mode    text,
     p_fallback_models text[],
-    p_prepaid         boolean
+    p_prepaid         boolean,
+    p_output_estimate jsonb DEFAULT NULL   -- NULL: max_tokens
 ) RETURNS integer
 LANGUAGE plpgsql
 AS $$
@@ -150,9 +155,9 @@ DECLARE
 BEGIN
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
-                            fallback_models, prepaid)
+                            fallback_models, prepaid, output_estimate)
     VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
-            p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid)
+            p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid, p_output_estimate)
     ON CONFLICT (plan) DO UPDATE
        SET priority = excluded.priority,
            tokens_per_minute = excluded.tokens_per_minute,
@@ -164,6 +169,7 @@ BEGIN
            failure_mode = excluded.failure_mode,
            fallback_models = excluded.fallback_models,
            prepaid = excluded.prepaid,
+           output_estimate = excluded.output_estimate,
            updated_at = clock_timestamp();
     -- A new statement: it sees every tenant that joined the plan and committed
     -- while this transaction waited for the plan row.

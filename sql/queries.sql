@@ -8,7 +8,7 @@
 SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
                        $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                        $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
-                       $15::text[], $16::bigint[])
+                       $15::text[], $16::bigint[], $17::bigint[])
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -22,7 +22,7 @@ SELECT a.*
        lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
-                $15::text[], $16::bigint[]) AS a
+                $15::text[], $16::bigint[], $17::bigint[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish).
@@ -66,9 +66,10 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
 -- capacity; a limit that did not exist before starts full.
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
-                               lease_seconds, failure_mode, fallback_models, tokens, requests)
+                               lease_seconds, failure_mode, fallback_models, tokens, requests,
+                               output_estimate)
 VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint)
+        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb)
 ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
@@ -78,6 +79,7 @@ ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
        lease_seconds       = excluded.lease_seconds,
        failure_mode        = excluded.failure_mode,
        fallback_models     = excluded.fallback_models,
+       output_estimate     = excluded.output_estimate,
        policy_version      = nextval('policy_version_seq'),
        tokens = CASE
            WHEN excluded.tokens_per_minute IS NULL THEN NULL
@@ -106,13 +108,15 @@ SELECT lq_put_tenant_policy($1::text, $2::text, $3::jsonb) AS policy_version
 -- Create or replace a plan and recompute every tenant on it, in one
 -- transaction; how many tenants changed (see lq_put_plan).
 SELECT lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-                   $7::integer, $8::integer, $9::text, $10::text[], $11::boolean) AS tenants
+                   $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
+                   $12::jsonb) AS tenants
 
 -- get_plans --
 -- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
 SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
        p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
-       p.prepaid, (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
+       p.prepaid, p.output_estimate::text AS output_estimate,
+       (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
   FROM plans AS p
  WHERE $1::text IS NULL OR p.plan = $1::text
  ORDER BY p.plan
@@ -194,7 +198,7 @@ DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNIN
 -- One layer's policy, or no row.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
-       prepaid, own_policy::text AS own_policy
+       prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate
   FROM limit_layers
  WHERE scope = $1::text
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -295,7 +299,8 @@ WITH version AS (
 )
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
-       l.lease_seconds, l.failure_mode, l.policy_version
+       l.lease_seconds, l.failure_mode, l.policy_version,
+       l.output_estimate::text AS output_estimate
   FROM version AS v
        LEFT JOIN LATERAL (
            SELECT ll.*
@@ -327,3 +332,21 @@ SELECT (SELECT count(*) FROM reservations WHERE state = 'active') AS active,
        (SELECT count(*) FROM reservations WHERE state <> 'active') AS finished,
        (SELECT count(*) FROM reservations WHERE outage_mode IS NOT NULL) AS outage_admissions,
        (SELECT count(*) FROM usage_ledger) AS ledger_rows
+
+-- output_histograms --
+-- The learned output histograms (see estimates.sql) changed after $1 (NULL:
+-- all), of one tenant ($2) and model ($3) when given, at most $4, in key
+-- order. The first column is the database clock now, also when no row
+-- matches (the histogram columns are then NULL): the next refresh asks from
+-- there. updated_epoch is updated_at in seconds since the epoch.
+SELECT clock_timestamp() AS read_at, h.tenant, h.route, h.model, h.weights, h.samples,
+       h.updated_at, extract(epoch FROM h.updated_at)::double precision AS updated_epoch
+  FROM (SELECT 1) AS one
+       LEFT JOIN LATERAL (
+           SELECT e.*
+             FROM output_estimates AS e
+            WHERE ($1::timestamptz IS NULL OR e.updated_at > $1::timestamptz)
+              AND ($2::text IS NULL OR e.tenant = $2::text)
+              AND ($3::text IS NULL OR e.model = $3::text)
+            ORDER BY e.tenant, e.route, e.model
+            LIMIT $4::integer) AS h ON true

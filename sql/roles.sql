@@ -37,6 +37,7 @@ GRANT USAGE ON SCHEMA public TO llmquota_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON tenants, limit_layers, reservations, api_keys
     TO llmquota_app;
 GRANT SELECT, INSERT ON usage_ledger TO llmquota_app;
+GRANT SELECT, INSERT, UPDATE, DELETE ON output_estimates TO llmquota_app;
 REVOKE UPDATE, DELETE, TRUNCATE ON usage_ledger FROM llmquota_app;
 GRANT SELECT, INSERT, UPDATE ON model_prices TO llmquota_app;
 GRANT SELECT, INSERT ON ledger_export_positions TO llmquota_app;

@@ -95,6 +95,7 @@ async def test_policy_round_trip_and_defaults(
         "plan": None,
         "fallback_models": [],
         "prepaid": False,
+        "output_estimate": None,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",

@@ -441,7 +441,9 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("bool max_tokens", {"max_tokens": True}),
     ("nan max_tokens", {"max_tokens": math.nan}),
     ("string max_tokens", {"max_tokens": "100"}),
-    ("missing max_tokens", {"max_tokens": None}),
+    # Without max_tokens the model's maximum output applies (model_limits.py),
+    # so only a model missing there is refused.
+    ("missing max_tokens, unknown model", {"max_tokens": None, "model": "llama-3"}),
     ("negative input_tokens", {"input_tokens": -5}),
     ("input_tokens over 10M", {"input_tokens": 10_000_001}),
     ("float input_tokens", {"input_tokens": 2.0}),

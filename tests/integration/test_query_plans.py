@@ -87,7 +87,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         [None] * n,
         [None] * n,
         1000,
-        *([None] * 6),  # priorities, degradation: none
+        *([None] * 7),  # priorities, degradation, output reserve: none
     )
 
     lookup = plan_of(plans, "FROM limit_layers AS ll")
@@ -124,7 +124,7 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         [None] * n,
         1000,
-        *([None] * 6),  # priorities, degradation: none
+        *([None] * 7),  # priorities, degradation, output reserve: none
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(

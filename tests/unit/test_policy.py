@@ -126,6 +126,7 @@ def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
         "max_in_flight": None,
         "lease_seconds": 120,
         "failure_mode": "closed",
+        "output_estimate": None,
     }
     assert DEFAULT_LEASE_SECONDS == 120
     assert policy.resolved() == policy

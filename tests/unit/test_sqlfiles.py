@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from llmquota.resources import sql_dir
-from llmquota.store import catalog, store
+from llmquota.store import catalog, estimates, store
 from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
 def _names_the_store_runs() -> set[str]:
     """String literals passed first to self._fetch(...) or used as self._sql[...]
-    in the modules that run queries.sql (the Store and its catalog)."""
+    in the modules that run queries.sql (the Store, its catalog and estimates)."""
     tree = ast.parse(_sources())
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -41,7 +41,8 @@ def _names_the_store_runs() -> set[str]:
 
 
 def _sources() -> str:
-    return inspect.getsource(store) + "\n" + inspect.getsource(catalog)
+    modules = (store, catalog, estimates)
+    return "\n".join(inspect.getsource(module) for module in modules)
 
 
 def test_the_scan_finds_the_statements_of_every_store_method() -> None:
@@ -63,6 +64,7 @@ def test_the_scan_finds_the_statements_of_every_store_method() -> None:
         "purge_finished",
         "put_plan",
         "put_ceiling",
+        "output_histograms",
     }
 
 
@@ -101,6 +103,8 @@ def test_queries_call_the_admission_functions() -> None:
     functions = script("admission.sql")
     for name in ("lq_refilled", "lq_credit_layers", "lq_admit", "lq_finish", "lq_sweep"):
         assert f"CREATE OR REPLACE FUNCTION {name}(" in functions
+    assert "PERFORM lq_record_output_samples(" in functions
+    assert "CREATE OR REPLACE FUNCTION lq_record_output_samples(" in script("estimates.sql")
 
 
 def test_parse_queries_splits_named_blocks() -> None:
@@ -140,14 +144,15 @@ def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
 
 def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     (tmp_path / "reports").mkdir()
-    for name in (
+    names = (
         "admission.sql",
         "plans.sql",
+        "estimates.sql",
         "ledger.sql",
         "reliability.sql",
         "quotas.sql",
-        "roles.sql",
-    ):
+    )
+    for name in (*names, "roles.sql"):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
     (tmp_path / "reports" / "10_b.sql").write_text("SELECT 2;\n", encoding="utf-8")
     (tmp_path / "reports" / "00_a.sql").write_text("SELECT 1;\n", encoding="utf-8")
@@ -155,6 +160,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     assert [s.name for s in scripts] == [
         "admission.sql",
         "plans.sql",
+        "estimates.sql",
         "ledger.sql",
         "reliability.sql",
         "quotas.sql",
@@ -162,5 +168,5 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[5].text == "SELECT 1;\n"
-    assert scripts[5].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[6].text == "SELECT 1;\n"
+    assert scripts[6].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -36,6 +36,7 @@ from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.accounting import TokenAccounting
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
+from llmquota.admission.estimates import OutputEstimator
 from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.releases import BackgroundReleases
@@ -86,6 +87,7 @@ class Limiter:
         self.policies = self.outage.policies
         self.journal = self.outage.journal
         self.fallback = self.outage.fallback
+        self.estimates = OutputEstimator(store, self.policies, settings)
         self._sweeper = Sweeper(store, settings, self.metrics)
         self.counter = TokenCounter(settings)
         self.accounting = TokenAccounting(self.metrics)
@@ -150,6 +152,7 @@ class Limiter:
         if self._finishes is not None:
             await self._finishes.close()
         await self.outage.close()
+        await self.estimates.close()
         self.counter.close()
         await self.store.close()
 
@@ -228,6 +231,7 @@ class Limiter:
 
     async def _decide(self, request: AdmitRequest) -> Admission:
         started = time.perf_counter()
+        request = self.estimates.apply(request)  # the output to reserve (estimates.py)
         try:
             decision = await self._store_decision(request)
         except StoreUnavailable as exc:
@@ -239,7 +243,9 @@ class Limiter:
         self.outage.store_answered()
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.accounting.decided(decision)
-        return Admission(decision, request.input_tokens, request.input_estimated)
+        return Admission(
+            decision, request.input_tokens, request.input_estimated, None, request.output_strategy
+        )
 
     def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
         """The store did not decide in time: the layers' failure modes do (see fallback.py)."""

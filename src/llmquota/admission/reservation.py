@@ -23,6 +23,7 @@ from llmquota.domain.errors import (
     UnknownTenant,
     UnpricedModel,
 )
+from llmquota.domain.output_estimates import OutputEstimateInfo, OutputStrategy
 from llmquota.domain.records import AdmitDecision
 from llmquota.domain.refusals import refusal_message
 from llmquota.domain.vocabulary import FailureMode, Outcome
@@ -40,6 +41,16 @@ class Admission:
     input_estimated: bool
     # The failure mode that admitted or refused it while the store was away.
     fallback: FailureMode | None = None
+    # How its output reservation was chosen (a failure mode reserves max_tokens).
+    output_strategy: OutputStrategy = "max_tokens"
+
+    @property
+    def output_estimate(self) -> OutputEstimateInfo:
+        """What was reserved for output, and how: reserved_tokens minus the input."""
+        d = self.decision
+        input_tokens = d.input_tokens if d.input_tokens is not None else self.input_tokens
+        tokens = max(int(d.reserved_tokens or 0) - input_tokens, 0)
+        return {"strategy": self.output_strategy, "tokens": tokens}
 
     def raise_for_refusal(self, tenant: str) -> None:
         """Raise the typed error for anything but an admission (or its replay)."""
@@ -115,6 +126,9 @@ class Reservation:
         self.model: str | None = d.model
         self.degraded = d.degraded
         self.lease_expires_at: datetime = d.lease_expires_at
+        # {"strategy": "max_tokens" | "learned" | "fixed", "tokens": N}: reserved_tokens
+        # is the input plus N (see admission/estimates.py).
+        self.output_estimate = admission.output_estimate
         self.replayed = d.status == "replayed"
         self.settlement: Settlement | None = None
         self.released = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.plans import ShedStep
 from llmquota.domain.vocabulary import FailureMode, Priority
 
@@ -27,6 +28,7 @@ class PlanResponse(BaseModel):
     failure_mode: FailureMode
     fallback_models: list[str]
     prepaid: bool = Field(description="its tenants pay from a prepaid credit balance")
+    output_estimate: OutputEstimate | None = None
     tenants: int = Field(description="tenants on this plan")
 
 

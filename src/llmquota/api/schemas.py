@@ -19,6 +19,7 @@ from pydantic import (
     StrictStr,
 )
 
+from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
 from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
@@ -96,6 +97,13 @@ class Remaining(BaseModel):
     in_flight: int | None
 
 
+class OutputEstimateUsed(BaseModel):
+    """What an admission reserved for output, and by which strategy."""
+
+    strategy: OutputStrategy
+    tokens: int
+
+
 class AdmitResponse(BaseModel):
     """201 from POST /v1/admit."""
 
@@ -114,6 +122,10 @@ class AdmitResponse(BaseModel):
         description="the refusal the requested model got: limit, scope, reason, ceiling",
     )
     priority: Priority | None = None
+    output_estimate: OutputEstimateUsed = Field(
+        description="what was reserved for output and how: reserved_tokens is input_tokens "
+        "plus tokens; strategy max_tokens, learned or fixed"
+    )
 
 
 class SettleBody(BaseModel):
@@ -191,6 +203,12 @@ class PolicyBody(BaseModel):
         description="tenant policies only: pay from the prepaid credit balance (default: "
         "the plan's, else false)",
     )
+    output_estimate: OutputEstimate | None = Field(
+        default=None,
+        description="tenant and route policies: what to reserve for output: "
+        '{"strategy": "max_tokens"} (the default), {"strategy": "learned", "quantile": 0.95, '
+        '"min_samples": 50} or {"strategy": "fixed", "tokens": N}',
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -207,6 +225,7 @@ class PolicyResponse(BaseModel):
     plan: str | None = None
     fallback_models: list[str] = Field(default_factory=list)
     prepaid: bool = False
+    output_estimate: OutputEstimate | None = None
 
 
 class KeyResponse(BaseModel):

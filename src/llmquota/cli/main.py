@@ -7,7 +7,8 @@ LLMQUOTA_DATABASE_URL when set, otherwise the embedded PostgreSQL in
 LLMQUOTA_DATA_DIR, shared by every command using the same directory.
 
 The commands live by group: `service` (serve, migrate), `maintenance`
-(sweep, audit, tokens) and `finance` (ledger, prices, report).
+(sweep, audit, tokens), `finance` (ledger, prices, report) and `estimates`
+(the learned output distributions).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 
 import pydantic
 
+from llmquota.cli.estimates import add_estimates_command
 from llmquota.cli.finance import add_finance_commands
 from llmquota.cli.maintenance import add_maintenance_commands
 from llmquota.cli.service import add_service_commands
@@ -36,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_commands(commands)
     add_maintenance_commands(commands)
     add_finance_commands(commands)
+    add_estimates_command(commands)
     return parser
 
 

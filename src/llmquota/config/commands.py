@@ -137,6 +137,9 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
     CommandDefault("report", "--to", "REPORT_TO", "day after the last, YYYY-MM-DD (exclusive)"),
     CommandDefault("report", "--tenant", "REPORT_TENANT", "only this tenant"),
     CommandDefault("report", "--format", "REPORT_FORMAT", "output format", "table"),
+    CommandDefault("estimates", "--tenant", "ESTIMATES_TENANT", "only this tenant"),
+    CommandDefault("estimates", "--model", "ESTIMATES_MODEL", "only this model"),
+    CommandDefault("estimates", "--format", "REPORT_FORMAT", "output format", "table"),
 )
 
 

@@ -136,6 +136,19 @@ class Settings(BaseSettings):
         description="oldest cached policies a worker decides by during an outage",
     )
     policy_cache_max_layers: int = Field(default=100_000, ge=1, le=10_000_000)
+    estimate_refresh_seconds: float = Field(
+        default=5.0,
+        gt=0.0,
+        le=3_600.0,
+        description="how often workers reload the learned output estimates that changed",
+    )
+    estimate_cache_max_keys: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="learned (tenant, route, model) histograms a worker keeps; the rest "
+        "reserve max_tokens",
+    )
     tenant_max_in_progress: int = Field(
         # High enough that one busy tenant's admissions still share batches
         # (group admission); low enough that a flood queues in its own line.

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.model_limits import max_output_tokens
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
 from llmquota.domain.records import AdmitRequest
 from llmquota.domain.tokens import (
@@ -37,7 +38,10 @@ class AdmitArguments(TypedDict, total=False):
 
     tenant: Required[str]
     model: Required[str]
-    max_tokens: Required[int]
+    # None: the model's maximum output (model_limits.py), and admission
+    # reserves the learned estimate where it has one.
+    max_tokens: int | None
+    max_tokens_given: bool
     messages: Sequence[Mapping[str, Any]] | None
     input_tokens: int | None
     route: str | None
@@ -53,8 +57,9 @@ def prepare_admit_request(
     *,
     tenant: str,
     model: str,
-    max_tokens: int,
     estimate_factors: Mapping[str, float],
+    max_tokens: int | None = None,
+    max_tokens_given: bool = True,
     messages: Sequence[Mapping[str, Any]] | None = None,
     input_tokens: int | None = None,
     route: str | None = None,
@@ -75,7 +80,7 @@ def prepare_admit_request(
     if route is not None:
         check_name("route", route)
     check_model(model)
-    check_token_count("max_tokens", max_tokens)
+    max_tokens, max_tokens_given = _output_limit(model, max_tokens, max_tokens_given)
     check_lease_seconds(lease_seconds)
     check_idempotency_key(idempotency_key)
     if (messages is None) == (input_tokens is None):
@@ -106,7 +111,20 @@ def prepare_admit_request(
         priority_any=priority_any,
         degrade=degrade,
         fallbacks=fallbacks,
+        max_tokens_given=max_tokens_given,
     )
+
+
+def _output_limit(model: str, max_tokens: int | None, given: bool) -> tuple[int, bool]:
+    """(max_tokens, whether the caller gave it); none given: the model's published maximum."""
+    if max_tokens is not None:
+        return check_token_count("max_tokens", max_tokens), given
+    ceiling = max_output_tokens(model)
+    if ceiling is None:
+        raise InvalidRequest(
+            f"give max_tokens: model {model!r} has no known maximum output (domain/model_limits.py)"
+        )
+    return ceiling, False
 
 
 def _count_each(  # noqa: PLR0917 (one private call site)

@@ -9,6 +9,7 @@ from typing import Annotated, Self
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
+from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.vocabulary import DEFAULT_FAILURE_MODE, FailureMode
 
 # Ceilings on every configurable number, so a typo cannot store a value the
@@ -37,6 +38,9 @@ class Policy(BaseModel):
     max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
     lease_seconds: Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)] = DEFAULT_LEASE_SECONDS
     failure_mode: FailureMode = DEFAULT_FAILURE_MODE
+    # What admission reserves for output (tenant, route and plan policies);
+    # None: the whole max_tokens.
+    output_estimate: OutputEstimate | None = None
 
     @property
     def has_limits(self) -> bool:

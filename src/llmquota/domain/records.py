@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 
+from llmquota.domain.output_estimates import OutputStrategy
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
@@ -45,6 +46,11 @@ class AdmitRequest:
     degrade: bool | None = None
     # Explicit fallback models, in order, each with its own input count.
     fallbacks: tuple[tuple[str, int], ...] = ()
+    # What to reserve for output (admission/estimates.py); None: max_tokens.
+    output_reserve: int | None = None
+    output_strategy: OutputStrategy = "max_tokens"
+    # False: the caller gave no max_tokens, which is then the model's maximum output.
+    max_tokens_given: bool = True
 
 
 @dataclass(frozen=True, slots=True)

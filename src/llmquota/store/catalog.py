@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
 from llmquota.domain.vocabulary import PRIORITIES, priority_of, priority_rank
 from llmquota.store.connection import Row
@@ -60,6 +61,7 @@ class Catalog:
             p.failure_mode,
             list(plan.fallback_models),
             plan.prepaid,
+            None if plan.output_estimate is None else plan.output_estimate.model_dump_json(),
             deadline_seconds=deadline_seconds,
         )
         return int(rows[0]["tenants"])
@@ -83,6 +85,7 @@ class Catalog:
                     failure_mode=row["failure_mode"],
                     fallback_models=list(row["fallback_models"]),
                     prepaid=row["prepaid"],
+                    output_estimate=parse_output_estimate(row["output_estimate"]),
                 ),
                 tenants=int(row["tenants"]),
             )

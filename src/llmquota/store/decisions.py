@@ -18,7 +18,7 @@ from llmquota.store.connection import Row
 
 
 def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int) -> tuple[Any, ...]:
-    """The sixteen arrays (and the retry hint) of lq_admit for a batch, in order."""
+    """The seventeen arrays (and the retry hint) of lq_admit for a batch, in order."""
     alt_ord: list[int] = []
     alt_models: list[str] = []
     alt_inputs: list[int] = []
@@ -44,6 +44,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         alt_ord,
         alt_models,
         alt_inputs,
+        [r.output_reserve for r in requests],
     )
 
 

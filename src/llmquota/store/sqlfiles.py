@@ -68,7 +68,8 @@ def report_scripts() -> list[str]:
 
 
 # The repeatable scripts, in the order they are applied: the admission
-# functions, the plans' and ceilings' (which call lq_refilled), the ledger's,
+# functions, the plans' and ceilings' (which call lq_refilled), the learned
+# output estimates' (which lq_finish calls), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the quota, credit and alert helpers (which admission and
 # settlement call in their own transaction), the reporting schema (the base
@@ -77,6 +78,7 @@ def report_scripts() -> list[str]:
 REPEATABLE_SCRIPTS = (
     "admission.sql",
     "plans.sql",
+    "estimates.sql",
     "ledger.sql",
     "reliability.sql",
     "quotas.sql",

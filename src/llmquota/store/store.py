@@ -19,6 +19,7 @@ from typing import Any
 
 import asyncpg
 
+from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import (
     AdmitDecision,
@@ -39,6 +40,7 @@ from llmquota.domain.vocabulary import Scope
 from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
 from llmquota.store.decisions import admit_arguments, admit_decision
+from llmquota.store.estimates import EstimateStore
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import queries
 
@@ -56,6 +58,8 @@ class Store:
         self._sql = queries()
         # Plans, tenant policies on them, provider ceilings (store/catalog.py).
         self.catalog = Catalog(pool, self._sql)
+        # The learned output histograms (store/estimates.py).
+        self.estimates = EstimateStore(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
         self._admission_synchronous_commit = admission_synchronous_commit
 
@@ -299,6 +303,7 @@ class Store:
             p.lease_seconds,
             p.failure_mode,
             list(fallback_models),
+            _estimate_json(p),
             deadline_seconds=deadline_seconds,
         )
         return int(rows[0]["policy_version"])
@@ -429,4 +434,11 @@ def _policy_from_row(row: asyncpg.Record) -> Policy:
         max_in_flight=row["max_in_flight"],
         lease_seconds=row["lease_seconds"],
         failure_mode=row["failure_mode"],
+        output_estimate=parse_output_estimate(row.get("output_estimate")),
     )
+
+
+def _estimate_json(policy: Policy) -> str | None:
+    """A policy's output_estimate as the jsonb the layer stores (None: unset)."""
+    estimate = policy.output_estimate
+    return None if estimate is None else estimate.model_dump_json()

@@ -55,6 +55,9 @@ class ProxyRequest:
     stream: bool
     # OpenAI streams: whether the client asked for the usage chunk itself.
     client_wants_usage: bool
+    # False: the body gave no output limit; max_tokens is a default, and
+    # admission reserves the learned estimate where it has one.
+    max_tokens_given: bool = True
 
 
 def parse(
@@ -81,13 +84,15 @@ def parse(
     if not isinstance(stream, bool) or (stream and endpoint == "embeddings"):
         message = "'stream' must be a boolean (and false for embeddings)"
         raise BadProxyRequest(400, message, "stream")
+    given = True
     if endpoint == "embeddings":
         output = 0
     elif endpoint == "completions":
         output = _positive(body, "max_tokens") or default_max_tokens or LEGACY_DEFAULT_MAX_TOKENS
         output *= max(_choices(kind, body), _positive(body, "best_of") or 1)
     else:
-        output = _output_tokens(kind, body, model, default_max_tokens) * _choices(kind, body)
+        output, given = _output_tokens(kind, body, model, default_max_tokens)
+        output *= _choices(kind, body)
     options = body.get("stream_options")
     wants_usage = isinstance(options, Mapping) and options.get("include_usage") is True
     messages, input_tokens = _input(endpoint, body)
@@ -99,6 +104,7 @@ def parse(
         max_tokens=output,
         stream=stream,
         client_wants_usage=wants_usage,
+        max_tokens_given=given,
     )
 
 
@@ -145,15 +151,16 @@ def _choices(kind: Kind, body: Mapping[str, Any]) -> int:
 
 def _output_tokens(
     kind: Kind, body: Mapping[str, Any], model: str, default_max_tokens: int | None
-) -> int:
-    """The output reservation of one completion: asked for, else the configured default."""
+) -> tuple[int, bool]:
+    """The output limit of one completion: asked for, else the configured default,
+    else the model's maximum output; and whether the body asked for it."""
     fields = ("max_completion_tokens", "max_tokens") if kind == "openai" else ("max_tokens",)
     for field in fields:
         asked = _positive(body, field)
         if asked is not None:
-            return asked
+            return asked, True
     if default_max_tokens is not None:
-        return default_max_tokens
+        return default_max_tokens, False
     ceiling = max_output_tokens(model)
     if ceiling is None:
         raise BadProxyRequest(
@@ -163,7 +170,7 @@ def _output_tokens(
             "LLMQUOTA_PROXY_DEFAULT_MAX_TOKENS",
             fields[0],
         )
-    return ceiling
+    return ceiling, False
 
 
 def _text(value: object) -> str:

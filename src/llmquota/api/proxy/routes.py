@@ -160,6 +160,7 @@ async def _admit(
             route=request.headers.get("llmquota-route"),
             model=parsed.model,
             max_tokens=parsed.max_tokens,
+            max_tokens_given=parsed.max_tokens_given,
             messages=parsed.messages,
             input_tokens=parsed.input_tokens,
             # The body goes upstream as the client wrote it, model included:

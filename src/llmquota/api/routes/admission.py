@@ -32,6 +32,7 @@ from llmquota.api.schemas import (
     AdmitResponse,
     HeartbeatBody,
     HeartbeatResponse,
+    OutputEstimateUsed,
     ReleaseResponse,
     Remaining,
     SettleBody,
@@ -119,6 +120,7 @@ def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
         reserved_tokens=int(d.reserved_tokens or 0),
         input_tokens=d.input_tokens if d.input_tokens is not None else admission.input_tokens,
         input_estimated=admission.input_estimated,
+        output_estimate=OutputEstimateUsed(**admission.output_estimate),
         lease_expires_at=d.lease_expires_at,
         lease_generation=int(d.lease_generation or 1),
         remaining=Remaining(

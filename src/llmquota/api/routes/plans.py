@@ -36,6 +36,7 @@ def _plan_response(stored: StoredPlan) -> PlanResponse:
         failure_mode=plan.failure_mode,
         fallback_models=list(plan.fallback_models),
         prepaid=plan.prepaid,
+        output_estimate=plan.output_estimate,
         tenants=stored.tenants,
     )
 

@@ -49,6 +49,8 @@ async def _put(
         raise InvalidRequest("prepaid: only a tenant policy (or a plan) may be prepaid")
     if body.fallback_models is not None and scope == "global":
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
+    if body.output_estimate is not None and scope == "global":
+        raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
     policy = _policy(body)  # checks the limits whatever the plan adds
     if scope == "tenant" and tenant is not None:
         own = body.model_dump(exclude_none=True, exclude={"plan"})

@@ -1,0 +1,116 @@
+-- Learned output reservations: the settle-time statistics.
+--
+-- One row of output_estimates per (tenant, route, model) holds a histogram
+-- of the output tokens its completions used, with log-spaced buckets and
+-- exponential decay. lq_finish feeds it the settlements that ended 'ok', in
+-- its own transaction, with one call to lq_record_output_samples; admission
+-- never reads it (each worker caches it, see admission/estimates.py).
+-- The arithmetic is domain/output_estimates.py's, and tests compare them.
+
+
+-- Every sample loses half its weight after this many seconds.
+CREATE OR REPLACE FUNCTION lq_output_half_life_seconds()
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT 3600.0::double precision
+$$;
+
+
+-- The lower bound of every bucket, ascending: 0, then for each power of two
+-- 2^e (e = 0 .. 23) eight equal steps of 2^e / 8, in integer arithmetic (the
+-- steps below 8 coincide and count once). Bucket i (1-based, as
+-- width_bucket numbers them) holds the counts from bounds[i] to
+-- bounds[i + 1] - 1.
+CREATE OR REPLACE FUNCTION lq_output_bucket_bounds()
+RETURNS bigint[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT array_agg(DISTINCT b.bound ORDER BY b.bound)
+      FROM (SELECT 0::bigint AS bound
+            UNION ALL
+            SELECT ((8 + s)::bigint << e) >> 3
+              FROM generate_series(0, 23) AS e, generate_series(0, 7) AS s) AS b
+$$;
+
+
+-- Counts per bucket of a list of (1-based) bucket numbers, up to the highest.
+CREATE OR REPLACE FUNCTION lq_output_bucket_counts(p_buckets integer[])
+RETURNS double precision[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT array_agg(coalesce(c.n, 0)::double precision ORDER BY i.i)
+      FROM generate_series(1, (SELECT max(b) FROM unnest(p_buckets) AS b)) AS i(i)
+           LEFT JOIN (SELECT b, count(*) AS n FROM unnest(p_buckets) AS b GROUP BY b) AS c
+                  ON c.b = i.i
+$$;
+
+
+-- A histogram decayed for p_elapsed seconds, plus new counts, bucket by
+-- bucket. Decay covers at most 60 half-lives (older weight is forgotten)
+-- and a weight under 1e-9 becomes 0, so no product can underflow.
+CREATE OR REPLACE FUNCTION lq_output_merge(
+    p_weights double precision[],
+    p_elapsed double precision,
+    p_counts  double precision[]
+) RETURNS double precision[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT array_agg(CASE WHEN coalesce(w.w, 0) * f.f < 1e-9 THEN 0
+                          ELSE w.w * f.f END + coalesce(c.c, 0)
+                     ORDER BY coalesce(w.i, c.i))
+      FROM (SELECT CASE WHEN greatest(p_elapsed, 0) / lq_output_half_life_seconds() > 60 THEN 0
+                        ELSE power(2.0::double precision,
+                                   -greatest(p_elapsed, 0) / lq_output_half_life_seconds())
+                   END AS f) AS f,
+           unnest(p_weights) WITH ORDINALITY AS w(w, i)
+           FULL JOIN unnest(p_counts) WITH ORDINALITY AS c(c, i) ON c.i = w.i
+$$;
+
+
+-- Record settled output token counts: one sample each for the histogram of
+-- its (tenant, route, model). Called by lq_finish after it locked the
+-- reservations and the layers; the histogram rows are locked last (the
+-- fourth class of admission.sql's locking order), in (tenant, route, model)
+-- order: the INSERT takes the rows in the order of its sorted input, so two
+-- settlements never wait for each other's rows in opposite orders. Each key
+-- appears once per statement (the samples are counted per bucket first), and
+-- ON CONFLICT DO UPDATE re-reads a row another transaction changed before
+-- adding to it: concurrent settlements never lose a sample.
+CREATE OR REPLACE FUNCTION lq_record_output_samples(
+    p_tenants text[],
+    p_routes  text[],   -- NULL: no route
+    p_models  text[],
+    p_outputs bigint[]
+) RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    bounds bigint[] := lq_output_bucket_bounds();
+    now_ts timestamptz := clock_timestamp();
+BEGIN
+    IF coalesce(cardinality(p_tenants), 0) = 0 THEN
+        RETURN;
+    END IF;
+    INSERT INTO output_estimates AS e (tenant, route, model, weights, samples, updated_at)
+    SELECT s.tenant, s.route, s.model, lq_output_bucket_counts(s.buckets), s.samples, now_ts
+      FROM (SELECT u.t AS tenant, coalesce(u.r, '') AS route, u.m AS model,
+                   array_agg(width_bucket(greatest(u.o, 0), bounds)) AS buckets,
+                   count(*) AS samples
+              FROM unnest(p_tenants, p_routes, p_models, p_outputs) AS u(t, r, m, o)
+             WHERE u.t IS NOT NULL AND u.m IS NOT NULL AND u.o IS NOT NULL
+             GROUP BY u.t, coalesce(u.r, ''), u.m
+             ORDER BY u.t, coalesce(u.r, ''), u.m) AS s
+    ON CONFLICT (tenant, route, model) DO UPDATE
+       SET weights = lq_output_merge(e.weights,
+                                     extract(epoch FROM now_ts - e.updated_at)::double precision,
+                                     excluded.weights),
+           -- A histogram that decayed to nothing starts counting again.
+           samples = excluded.samples + CASE
+               WHEN (SELECT max(w) FROM unnest(lq_output_merge(
+                        e.weights, extract(epoch FROM now_ts - e.updated_at)::double precision,
+                        '{}')) AS w) > 0
+               THEN e.samples ELSE 0 END,
+           updated_at = greatest(e.updated_at, now_ts);
+END
+$$;

@@ -1,0 +1,141 @@
+"""What a worker reserves for a request's output: its policy and the learned estimates.
+
+Admission never reads the histograms from the database: each worker keeps a
+copy, refreshed in the background every `estimate_refresh_seconds` (only
+the histograms that changed since the last read, plus a full reload every
+`FULL_RELOAD_EVERY` refreshes), and reads the policy from the policy cache
+(policy_cache.py, refreshed the same way). A request is then prepared with
+the output tokens to reserve (domain/output_estimates.py decides), and the
+admission statement reserves input + that instead of input + max_tokens.
+
+Whatever this worker does not know reserves max_tokens: a tenant or route
+not in the policy cache yet, a strategy a newer release stored, a key with
+fewer than `min_samples` (decayed) samples, a histogram not loaded yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from datetime import datetime, timedelta
+
+from llmquota.admission.policy_cache import PolicyCache
+from llmquota.config import Settings
+from llmquota.domain.errors import StoreUnavailable
+from llmquota.domain.output_estimates import (
+    FixedEstimate,
+    LearnedEstimate,
+    MaxTokensEstimate,
+    OutputHistogram,
+    output_reserve,
+)
+from llmquota.domain.records import AdmitRequest
+from llmquota.store.store import Store
+
+log = logging.getLogger(__name__)
+
+HistogramKey = tuple[str, str | None, str]
+
+# A histogram row is stamped with the database clock when its settlement
+# runs, and becomes visible when that transaction commits, a little later:
+# each refresh asks again from this far before the last read's clock, so a
+# commit slower than this is only picked up by the next full reload.
+VISIBILITY_MARGIN = timedelta(seconds=30)
+FULL_RELOAD_EVERY = 60
+
+
+class OutputEstimator:
+    """One worker's learned output histograms, and the reservation they give."""
+
+    def __init__(self, store: Store, policies: PolicyCache, settings: Settings) -> None:
+        self._store = store
+        self._policies = policies
+        self.refresh_seconds = settings.estimate_refresh_seconds
+        self.max_keys = settings.estimate_cache_max_keys
+        self._deadline_seconds = settings.statement_timeout_ms / 1000.0
+        self._histograms: dict[HistogramKey, OutputHistogram] = {}
+        self._read_at: datetime | None = None
+        self._loaded_at: float | None = None
+        self._refreshes = 0
+        self._refreshing: asyncio.Task[None] | None = None
+
+    def histogram(self, tenant: str, route: str | None, model: str) -> OutputHistogram | None:
+        """The cached histogram of a key, if any."""
+        return self._histograms.get((tenant, route, model))
+
+    def policy(
+        self, tenant: str, route: str | None
+    ) -> MaxTokensEstimate | LearnedEstimate | FixedEstimate | None:
+        """The route's output_estimate, else the tenant's (its plan's); None when unknown."""
+        layers = self._policies.layers_for(tenant, route)
+        for layer in reversed(layers or []):
+            if layer.scope in ("route", "tenant") and layer.policy.output_estimate is not None:
+                return layer.policy.output_estimate
+        return None
+
+    def apply(self, request: AdmitRequest) -> AdmitRequest:
+        """The request with the output tokens to reserve; starts a refresh when due."""
+        self._refresh_when_due()
+        reserve = output_reserve(
+            self.policy(request.tenant, request.route),
+            self.histogram(request.tenant, request.route, request.model),
+            request.max_tokens,
+            max_tokens_given=request.max_tokens_given,
+        )
+        return dataclasses.replace(
+            request, output_reserve=reserve.tokens, output_strategy=reserve.strategy
+        )
+
+    def _refresh_when_due(self) -> None:
+        now = time.monotonic()
+        if self._loaded_at is not None and now - self._loaded_at < self.refresh_seconds:
+            return
+        if self._refreshing is None or self._refreshing.done():
+            self._loaded_at = now  # one attempt per period, answered or not
+            self._refreshing = asyncio.ensure_future(self._refresh_quietly())
+
+    async def _refresh_quietly(self) -> None:
+        """A background refresh: whatever goes wrong, decisions carry on with the last copy."""
+        try:
+            await self.refresh()
+        except StoreUnavailable:
+            log.info("refreshing the output estimates failed: the store did not answer")
+        except Exception:
+            log.warning("refreshing the output estimates failed", exc_info=True)
+
+    async def refresh(self) -> None:
+        """Read the histograms that changed since the last read (all, now and then)."""
+        full = self._read_at is None or self._refreshes % FULL_RELOAD_EVERY == 0
+        since = None if full or self._read_at is None else self._read_at - VISIBILITY_MARGIN
+        read = await self._store.estimates.histograms(
+            changed_after=since, limit=self.max_keys, deadline_seconds=self._deadline_seconds
+        )
+        fresh = {stored.key: stored.histogram for stored in read.histograms}
+        if full:
+            self._histograms = fresh
+        else:
+            self._histograms.update(fresh)
+            while len(self._histograms) > self.max_keys:
+                self._histograms.pop(next(iter(self._histograms)))
+        if full and len(read.histograms) >= self.max_keys:
+            log.warning(
+                "output estimate cache holds %d histograms (estimate_cache_max_keys); "
+                "the rest reserve max_tokens",
+                len(self._histograms),
+            )
+        self._read_at = read.read_at
+        self._loaded_at = time.monotonic()
+        self._refreshes += 1
+
+    async def close(self) -> None:
+        """Stop a refresh in flight (the pool is about to close)."""
+        if self._refreshing is not None and not self._refreshing.done():
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refreshing
+
+    def __len__(self) -> int:
+        return len(self._histograms)

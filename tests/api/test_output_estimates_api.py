@@ -1,0 +1,108 @@
+"""Learned output reservations over the REST API: the policy field and the 201."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from llmquota.api.app import create_app
+from llmquota.config import Settings
+from llmquota.domain.output_estimates import bucket_of, bucket_top
+from tests.api.conftest import ADMIN_KEY
+
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+LEARNED = {"strategy": "learned", "quantile": 0.9, "min_samples": 10}
+
+
+@pytest.fixture
+async def served(database_dsn: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """A client, and the app (to refresh its worker caches now rather than in a few seconds)."""
+    settings = Settings(  # type: ignore[call-arg]
+        admin_key=ADMIN_KEY, pool_max_size=10, decision_deadline_ms=60_000, _env_file=None
+    )
+    app = create_app(settings, dsn=database_dsn)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
+            yield c, app
+
+
+async def _put(client: httpx.AsyncClient, path: str, body: Any) -> Any:
+    response = await client.put(path, json=body, headers=ADMIN)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def _admit(client: httpx.AsyncClient, key: dict[str, str], **body: Any) -> Any:
+    payload: dict[str, Any] = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 20}
+    payload.update(body)
+    response = await client.post("/v1/admit", json=payload, headers=key)
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def test_the_201_says_what_was_reserved_for_output_and_how(
+    served: tuple[httpx.AsyncClient, FastAPI],
+) -> None:
+    client, app = served
+    plan = await _put(
+        client, "/v1/plans/pro", {"tokens_per_minute": 90_000, "output_estimate": LEARNED}
+    )
+    assert plan["output_estimate"] == LEARNED
+    policy = await _put(client, "/v1/tenants/acme/policy", {"plan": "pro"})
+    assert policy["output_estimate"] == LEARNED  # the plan's, where the tenant sets none
+    route = await _put(
+        client,
+        "/v1/tenants/acme/routes/tiny/policy",
+        {"output_estimate": {"strategy": "fixed", "tokens": 32}},
+    )
+    assert route["output_estimate"] == {"strategy": "fixed", "tokens": 32}
+    created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
+    key = {"Authorization": f"Bearer {created.json()['key']}"}
+    await app.state.limiter.refresh_policies()
+
+    cold = await _admit(client, key, max_tokens=1000)
+    assert cold["output_estimate"] == {"strategy": "max_tokens", "tokens": 1000}
+    assert cold["reserved_tokens"] == 1020
+    for _ in range(10):
+        held = await _admit(client, key, max_tokens=1000)
+        settled = await client.post(
+            f"/v1/reservations/{held['reservation_id']}/settle",
+            json={"input_tokens": 20, "output_tokens": 250},
+            headers=key,
+        )
+        assert settled.status_code == 200, settled.text
+    await app.state.limiter.estimates.refresh()
+
+    warm = await _admit(client, key, max_tokens=1000)
+    learned = bucket_top(bucket_of(250))
+    assert warm["output_estimate"] == {"strategy": "learned", "tokens": learned}
+    assert warm["reserved_tokens"] == 20 + learned
+    fixed = await _admit(client, key, route="tiny", max_tokens=1000)
+    assert fixed["output_estimate"] == {"strategy": "fixed", "tokens": 32}
+    assert fixed["reserved_tokens"] == 52
+
+
+async def test_the_policy_field_is_checked_and_not_for_the_global_layer(
+    served: tuple[httpx.AsyncClient, FastAPI],
+) -> None:
+    client, _ = served
+    for bad in (
+        {"strategy": "guess"},
+        {"strategy": "fixed"},
+        {"strategy": "learned", "quantile": 0},
+        {"strategy": "max_tokens", "tokens": 5},
+    ):
+        response = await client.put(
+            "/v1/tenants/acme/policy", json={"output_estimate": bad}, headers=ADMIN
+        )
+        assert response.status_code == 422, (bad, response.text)
+    response = await client.put(
+        "/v1/policies/global", json={"output_estimate": {"strategy": "max_tokens"}}, headers=ADMIN
+    )
+    assert response.status_code == 422, response.text
+    assert "output_estimate" in response.json()["error"]["message"]
