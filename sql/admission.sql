@@ -277,6 +277,10 @@ DECLARE
     s_above      double precision[];
     s_admit      smallint[];
     s_small      bigint[];
+    -- Each request's tenant and route layer: positions in l_*.
+    x_ti         integer[];
+    x_ri         integer[];
+    ids          bigint[];
     -- Explicit fallbacks of request k: p_alt_*[x_first[k] .. x_first[k] + x_count[k] - 1].
     x_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
     x_count      integer[] := array_fill(0, ARRAY[n]);
@@ -401,13 +405,18 @@ BEGIN
 
     -- (1) Serialize requests that share an idempotency key, so that the
     -- second one sees the first one's committed reservation below.
-    PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
+    IF cardinality(array_remove(p_idempotency_keys, NULL)) > 0 THEN
+        PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
+    END IF;
 
     -- (2) Every model a candidate may name: requested, explicit fallbacks, and
     -- the default lists of the batch's tenants and routes. Those lists are
     -- policy, read here without a lock; a default model added after this
     -- read is not tried in this statement (step 5 skips it), so the set of
-    -- ceilings locked below covers every candidate that is tried.
+    -- ceilings locked below covers every candidate that is tried. Without
+    -- any ceiling there is nothing to find: the step is skipped (a ceiling
+    -- created meanwhile applies from the next statement on).
+    IF EXISTS (SELECT 1 FROM limit_layers AS c WHERE c.scope = 'ceiling') THEN
     SELECT array_agg(DISTINCT m.model)
       INTO m_all
       FROM (SELECT unnest(p_models) AS model
@@ -429,6 +438,7 @@ BEGIN
       FROM limit_layers AS c
       JOIN unnest(m_all) AS m(model) ON m.model LIKE ANY (c.model_patterns)
      WHERE c.scope = 'ceiling';
+    END IF;
 
     -- (3) Lock every layer any request touches, in layer_id order. FOR UPDATE
     -- re-reads a row changed by a transaction we waited for, so the balances
@@ -485,6 +495,7 @@ BEGIN
                FOR UPDATE) AS x;
 
     -- The ladders of the locked ceilings, flattened.
+    IF mc_layer IS NOT NULL THEN
     SELECT array_agg(array_position(l_id, c.layer_id) ORDER BY c.layer_id, s.o),
            array_agg(s.above ORDER BY c.layer_id, s.o),
            array_agg(s.admit ORDER BY c.layer_id, s.o),
@@ -493,6 +504,7 @@ BEGIN
       FROM limit_layers AS c,
            unnest(c.shed_above, c.shed_admit, c.shed_small) WITH ORDINALITY AS s(above, admit, small, o)
      WHERE c.layer_id = ANY (mc_layer);
+    END IF;
 
     -- Where each request's explicit fallbacks are (they come grouped by request).
     FOR x IN 1 .. coalesce(cardinality(p_alt_ord), 0) LOOP
@@ -506,12 +518,21 @@ BEGIN
     -- refill (max(refilled_at) above), so elapsed time is never negative.
     -- Then refill every locked layer to it.
     now_ts := greatest(clock_timestamp(), now_ts);
-    FOR j IN 1 .. coalesce(cardinality(l_id), 0) LOOP
-        l_tokens[j] := lq_refilled(l_tokens[j], l_tpm[j], l_tburst[j], l_refilled[j], now_ts);
-        l_requests[j] := lq_refilled(l_requests[j], l_rpm[j], l_rburst[j], l_refilled[j], now_ts);
-    END LOOP;
+    SELECT array_agg(lq_refilled(u.tokens, u.tpm, u.tburst, u.refilled, now_ts) ORDER BY u.o),
+           array_agg(lq_refilled(u.requests, u.rpm, u.rburst, u.refilled, now_ts) ORDER BY u.o)
+      INTO l_tokens, l_requests
+      FROM unnest(l_tokens, l_tpm, l_tburst, l_requests, l_rpm, l_rburst, l_refilled)
+           WITH ORDINALITY AS u(tokens, tpm, tburst, requests, rpm, rburst, refilled, o);
 
     l_start := l_tokens;
+
+    -- Each request's tenant and route layer, found once for the batch.
+    gi := array_position(l_key, 'g');
+    SELECT array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
+           array_agg(CASE WHEN u.r IS NULL THEN NULL
+                          ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o)
+      INTO x_ti, x_ri
+      FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
 
     -- (4b) Budgets beyond tokens, only for a batch that has any. The quotas
     -- of the batch's tenants are read FOR SHARE (a quota deleted meanwhile is
@@ -546,6 +567,18 @@ BEGIN
         q_add_tok := array_fill(0::bigint, ARRAY[coalesce(cardinality(q_id), 0)]);
         q_add_cost := array_fill(0::numeric, ARRAY[coalesce(cardinality(q_id), 0)]);
     END IF;
+    IF (has_quotas OR true = ANY (l_prepaid)) AND m_all IS NULL THEN
+        -- Skipped in (2) for want of ceilings: every model a candidate may
+        -- name, the default lists read from the locked layers.
+        SELECT array_agg(DISTINCT x.m)
+          INTO m_all
+          FROM (SELECT unnest(p_models)
+                UNION ALL
+                SELECT unnest(p_alt_models)
+                UNION ALL
+                SELECT unnest(f::text[]) FROM unnest(l_fallback) AS f) AS x(m)
+         WHERE x.m IS NOT NULL;
+    END IF;
     IF has_quotas OR true = ANY (l_prepaid) THEN
         SELECT array_agg(m.model), array_agg(pr.input_usd_per_million),
                array_agg(pr.output_usd_per_million)
@@ -569,9 +602,100 @@ BEGIN
         cr_add := array_fill(0::numeric, ARRAY[coalesce(cardinality(cr_tenant), 0)]);
     END IF;
 
+    -- (4c) The fast path, one set-based statement: when no request of the
+    -- batch touches a provider ceiling, a quota or a prepaid balance, none
+    -- has an idempotency key or explicit fallbacks, every tenant is known,
+    -- and every layer has room for everything the batch asks of it, then the
+    -- one-by-one decision of (5) admits every request in order. Each
+    -- request's figures are then running sums per layer (a window over the
+    -- requests in array order), and debiting the layers, journaling the
+    -- reservations and answering take one statement instead of a loop of
+    -- statements per request. `fits` checks exactly the conditions of (5)
+    -- (too large, tokens, requests, permits) against those running sums;
+    -- when any fails, nothing here writes or returns, and (5) decides. The
+    -- property test of batched == one by one covers both paths.
+    IF NOT has_quotas AND mc_layer IS NULL AND NOT (true = ANY (l_prepaid))
+       AND coalesce(cardinality(p_alt_ord), 0) = 0
+       AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0
+       AND array_position(x_ti, NULL) IS NULL THEN
+        RETURN QUERY
+        WITH pairs AS (
+            SELECT u.o::integer AS k, u.ti, u.ri, u.inp + coalesce(u.res, u.mx) AS cost, l.j, l.n
+              FROM unnest(p_input_tokens, p_max_tokens, p_output_reserve, x_ti, x_ri)
+                   WITH ORDINALITY AS u(inp, mx, res, ti, ri, o),
+                   unnest(array_remove(ARRAY[gi, u.ti, u.ri], NULL)) WITH ORDINALITY AS l(j, n)
+        ), running AS (
+            SELECT p.k, p.ti, p.ri, p.cost, p.j, p.n,
+                   sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
+              FROM pairs AS p
+            WINDOW w AS (PARTITION BY p.j ORDER BY p.k)
+        ), fits AS (
+            SELECT coalesce(bool_and(
+                       (l_tpm[r.j] IS NULL
+                        OR (r.cost <= l_tburst[r.j] AND l_tokens[r.j] - r.tok_used + epsilon >= 0))
+                       AND (l_rpm[r.j] IS NULL OR l_requests[r.j] - r.req_used + epsilon >= 0)
+                       AND (l_max_if[r.j] IS NULL
+                            OR l_in_flight[r.j] + r.req_used <= l_max_if[r.j])), false) AS ok
+              FROM running AS r
+        ), decided AS (
+            SELECT r.k, min(r.cost) AS cost, min(r.ti) AS ti, gen_random_uuid() AS id,
+                   coalesce(p_lease_seconds[r.k], l_lease[coalesce(min(r.ri), min(r.ti))]) AS lease,
+                   array_agg(l_id[r.j] ORDER BY r.n) AS ids,
+                   max(l_version[r.j]) AS version,
+                   min(l_tokens[r.j] - r.tok_used) AS rem_tok,
+                   min(l_requests[r.j] - r.req_used) AS rem_req,
+                   min(l_max_if[r.j] - l_in_flight[r.j] - r.req_used) AS rem_if,
+                   min(CASE WHEN r.j = r.ti THEN l_tokens[r.j] - r.tok_used END) AS t_tokens,
+                   min(CASE WHEN r.j = r.ti THEN l_requests[r.j] - r.req_used END) AS t_requests
+              FROM running AS r, fits
+             WHERE fits.ok
+             GROUP BY r.k
+        ), debited AS (
+            -- every locked layer: its refill state, less what the batch takes
+            UPDATE limit_layers AS ll
+               SET tokens = l_tokens[l.j] - CASE WHEN l_tpm[l.j] IS NULL THEN 0
+                                                 ELSE coalesce(d.tokens, 0) END,
+                   requests = l_requests[l.j] - CASE WHEN l_rpm[l.j] IS NULL THEN 0
+                                                     ELSE coalesce(d.requests, 0) END,
+                   in_flight = l_in_flight[l.j] + coalesce(d.requests, 0)::integer,
+                   refilled_at = now_ts
+              FROM fits,
+                   unnest(l_id) WITH ORDINALITY AS l(layer_id, j)
+                   LEFT JOIN (SELECT p.j, sum(p.cost) AS tokens, count(*) AS requests
+                                FROM pairs AS p GROUP BY p.j) AS d ON d.j = l.j
+             WHERE fits.ok AND ll.layer_id = l.layer_id
+        ), journal AS (
+            INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
+                                      input_tokens, input_estimated, max_tokens, reserved_tokens,
+                                      policy_version, created_at, lease_seconds, lease_expires_at,
+                                      idempotency_key, request_hash)
+            SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
+                   p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
+                   d.version, now_ts, d.lease, now_ts + make_interval(secs => d.lease),
+                   NULL, p_request_hashes[d.k]
+              FROM decided AS d
+        )
+        SELECT d.k, 'admitted'::text, d.id, d.cost, now_ts + make_interval(secs => d.lease), 1,
+               NULL::text, NULL::text, NULL::bigint, NULL::bigint,
+               floor(d.rem_tok)::bigint, floor(d.rem_req)::bigint, d.rem_if::integer,
+               l_tpm[d.ti], l_tburst[d.ti], d.t_tokens, l_rpm[d.ti], l_rburst[d.ti], d.t_requests,
+               p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
+               NULL::double precision,
+               CASE WHEN p_priorities[d.k] IS NULL THEN l_priority[d.ti]
+                    WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
+                    ELSE least(p_priorities[d.k], l_priority[d.ti]) END,
+               l_plan[d.ti], NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
+               NULL::text, NULL::numeric
+          FROM decided AS d
+         ORDER BY d.k;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+
     -- (5) Decide each request in order against the running balances.
     FOR k IN 1 .. n LOOP
-        ti := array_position(l_key, 't/' || p_tenants[k]);
+        ti := x_ti[k];
         IF ti IS NULL THEN
             r_status[k] := 'unknown_tenant';
             CONTINUE;
@@ -635,9 +759,7 @@ BEGIN
             END IF;
         END IF;
 
-        gi := array_position(l_key, 'g');
-        ri := CASE WHEN p_routes[k] IS NULL THEN NULL
-                   ELSE array_position(l_key, 'r/' || p_tenants[k] || '/' || p_routes[k]) END;
+        ri := x_ri[k];
 
         -- The candidates: the requested model, then the explicit fallbacks, or
         -- else the route's or the tenant's default list (models read in (2) only).
@@ -646,13 +768,13 @@ BEGIN
         IF x_count[k] > 0 THEN
             c_models := c_models || p_alt_models[x_first[k] : x_first[k] + x_count[k] - 1];
             c_inputs := c_inputs || p_alt_inputs[x_first[k] : x_first[k] + x_count[k] - 1];
-        ELSE
+        ELSIF l_fallback[ti] <> '{}' OR (ri IS NOT NULL AND l_fallback[ri] <> '{}') THEN
             c_models := c_models || coalesce(
                 (SELECT array_agg(d.m ORDER BY d.o)
                    FROM unnest(coalesce(
                             nullif((CASE WHEN ri IS NULL THEN '{}' ELSE l_fallback[ri] END)::text[], '{}'),
                             l_fallback[ti]::text[])) WITH ORDINALITY AS d(m, o)
-                  WHERE d.m = ANY (m_all) AND d.m <> p_models[k]),
+                  WHERE (m_all IS NULL OR d.m = ANY (m_all)) AND d.m <> p_models[k]),
                 '{}');
             c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
         END IF;
@@ -818,8 +940,11 @@ BEGIN
                 r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
                 a_ord := a_ord || k;
                 a_version := a_version || version;
-                a_layers := a_layers || ('{' || array_to_string(
-                    (SELECT array_agg(l_id[y]) FROM unnest(layers) AS y), ',') || '}');
+                ids := '{}';
+                FOREACH j IN ARRAY layers LOOP
+                    ids := ids || l_id[j];
+                END LOOP;
+                a_layers := a_layers || ids::text;
                 IF p_idempotency_keys[k] IS NOT NULL THEN
                     b_key := b_key || (p_tenants[k] || '/' || p_idempotency_keys[k]);
                     b_ord := b_ord || k;

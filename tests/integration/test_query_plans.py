@@ -72,6 +72,13 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
     db: asyncpg.Connection,
 ) -> None:
     await seed(db)
+    # A provider ceiling for another model: the default-list and ceiling
+    # lookups run (they are skipped without any ceiling), and match nothing,
+    # so the batch still takes the set-based fast path.
+    await db.execute(
+        """INSERT INTO limit_layers (scope, ceiling, models, model_patterns)
+           VALUES ('ceiling', 'other', ARRAY['claude-*'], ARRAY['claude-%'])"""
+    )
     tenants = [f"t{g}" for g in range(1, BATCH * 30, 30)]
     n = len(tenants)
     plans = await nested_plans(
@@ -99,6 +106,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
     # The default fallback lists of the batch's tenants and routes: probes too.
     defaults = plan_of(plans, "JOIN limit_layers AS d")
     assert "Seq Scan on limit_layers" not in defaults, defaults
+    # The fast path's one statement debits every layer by primary key.
     persist = plan_of(plans, "UPDATE limit_layers AS ll")
     assert "Index Scan using limit_layers_pkey" in persist
     assert "Seq Scan on limit_layers" not in persist
