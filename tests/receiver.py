@@ -61,6 +61,8 @@ class Receiver:
         body = b""
         while True:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the sender died mid-body (kill -9): nothing was delivered
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
