@@ -36,6 +36,29 @@ AS $$
 $$;
 
 
+-- The balance of a bucket whose limits change: refilled under the old rules
+-- up to now_ts, then clamped to the new capacity. A limit that did not exist
+-- before starts full; a limit that is removed has no balance.
+CREATE OR REPLACE FUNCTION lq_rebalanced(
+    balance        double precision,
+    old_per_minute bigint,
+    old_burst      bigint,
+    refilled_at    timestamptz,
+    new_per_minute bigint,
+    new_burst      bigint,
+    now_ts         timestamptz
+) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE
+        WHEN new_per_minute IS NULL THEN NULL
+        WHEN balance IS NULL THEN new_burst::double precision
+        ELSE least(new_burst::double precision,
+                   lq_refilled(balance, old_per_minute, old_burst, refilled_at, now_ts))
+    END
+$$;
+
+
 -- Credit (or debit, when negative) layers, clamped to capacity, and free
 -- in-flight permits. The rows are locked in layer_id order before any is
 -- changed. Settlement, release and expiry all end here, so "a balance never

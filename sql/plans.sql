@@ -47,18 +47,10 @@ BEGIN
            prepaid             = e.prepaid,
            output_estimate     = e.output_estimate,
            policy_version      = nextval('policy_version_seq'),
-           tokens = CASE
-               WHEN e.tpm IS NULL THEN NULL
-               WHEN l.tokens IS NULL THEN e.tburst
-               ELSE least(e.tburst, lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
-                                                l.refilled_at, now_ts))
-           END,
-           requests = CASE
-               WHEN e.rpm IS NULL THEN NULL
-               WHEN l.requests IS NULL THEN e.rburst
-               ELSE least(e.rburst, lq_refilled(l.requests, l.requests_per_minute,
-                                                l.request_burst, l.refilled_at, now_ts))
-           END,
+           tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                                   e.tpm, e.tburst, now_ts),
+           requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
+                                     l.refilled_at, e.rpm, e.rburst, now_ts),
            refilled_at = greatest(l.refilled_at, now_ts)
       FROM (SELECT x.layer_id,
                    CASE WHEN own ? 'tokens_per_minute' THEN (own ->> 'tokens_per_minute')::bigint
@@ -218,20 +210,12 @@ AS $$
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,
            policy_version = nextval('policy_version_seq'),
-           tokens = CASE
-               WHEN excluded.tokens_per_minute IS NULL THEN NULL
-               WHEN l.tokens IS NULL THEN excluded.token_burst
-               ELSE least(excluded.token_burst,
-                          lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
-                                      l.refilled_at, clock_timestamp()))
-           END,
-           requests = CASE
-               WHEN excluded.requests_per_minute IS NULL THEN NULL
-               WHEN l.requests IS NULL THEN excluded.request_burst
-               ELSE least(excluded.request_burst,
-                          lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
-                                      l.refilled_at, clock_timestamp()))
-           END,
+           tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                                   excluded.tokens_per_minute, excluded.token_burst,
+                                   clock_timestamp()),
+           requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
+                                     l.refilled_at, excluded.requests_per_minute,
+                                 excluded.request_burst, clock_timestamp()),
            refilled_at = greatest(l.refilled_at, clock_timestamp())
     RETURNING l.policy_version
 $$;

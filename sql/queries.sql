@@ -81,20 +81,12 @@ ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
        fallback_models     = excluded.fallback_models,
        output_estimate     = excluded.output_estimate,
        policy_version      = nextval('policy_version_seq'),
-       tokens = CASE
-           WHEN excluded.tokens_per_minute IS NULL THEN NULL
-           WHEN l.tokens IS NULL THEN excluded.token_burst
-           ELSE least(excluded.token_burst,
-                      lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
-                                  l.refilled_at, clock_timestamp()))
-       END,
-       requests = CASE
-           WHEN excluded.requests_per_minute IS NULL THEN NULL
-           WHEN l.requests IS NULL THEN excluded.request_burst
-           ELSE least(excluded.request_burst,
-                      lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
-                                  l.refilled_at, clock_timestamp()))
-       END,
+       tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                               excluded.tokens_per_minute, excluded.token_burst,
+                               clock_timestamp()),
+       requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
+                                 l.refilled_at, excluded.requests_per_minute,
+                                 excluded.request_burst, clock_timestamp()),
        refilled_at = greatest(l.refilled_at, clock_timestamp())
 RETURNING l.policy_version
 
