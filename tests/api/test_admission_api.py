@@ -220,7 +220,9 @@ async def test_status_and_usage(client: httpx.AsyncClient, admin: dict[str, str]
     assert (shared["binding"], shared["retry_after_ms"]) == (False, None)
     as_admin = await client.get("/v1/tenants/acme/status", headers=admin)
     full = {layer["scope"]: layer for layer in as_admin.json()["layers"]}["global"]
-    assert (full["remaining_requests"], full["binding"]) == (999, False)
+    # One request taken of 1,000; at 16.7 a second it may have refilled already.
+    assert full["remaining_requests"] in (999, 1_000)
+    assert full["binding"] is False
     usage = await client.get("/v1/tenants/acme/usage", headers=acme)
     assert usage.status_code == 200
     assert usage.json()["requests"] == 1
