@@ -2,11 +2,14 @@
 
 Both servers run 2 uvicorn workers on loopback and take the same request
 (the same JSON body, messages counted with tiktoken, the same bearer key),
-driven by the same load generator, wrk, at the same number of connections.
+driven by the same load generator, wrk, at the same number of connections
+(closed loop, throughput at saturation), then at a fixed open-loop rate
+(bench/open_loop.py: latency at a load both can carry).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -167,6 +170,37 @@ def run_wrk(
     )
 
 
+def run_open_loop(port: int, *, system: str, tenants: int, rate: int, seconds: float) -> HttpResult:
+    """bench/open_loop.py in a process of its own: `rate` requests/s whatever the
+    answers, latency from each request's due time (no coordinated omission)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            *("-m", "bench.open_loop", "--port", str(port), "--rate", str(rate)),
+            *("--seconds", str(seconds), "--tenants", str(tenants), "--key", ADMIN_KEY),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=seconds + 120,
+    ).stdout
+    data = json.loads(out.splitlines()[-1])
+    return HttpResult(
+        system=system,
+        workload=open_loop_workload(rate),
+        connections=int(data["connections"]),
+        per_second=data["answered"] / data["seconds"],
+        p50_ms=float(data["p50_ms"]),
+        p99_ms=float(data["p99_ms"]),
+        non_2xx=int(data["errors"]),
+    )
+
+
+def open_loop_workload(rate: int) -> str:
+    return f"open loop {rate}/s"
+
+
 def measure(
     start: tuple[subprocess.Popen[bytes], int],
     *,
@@ -174,13 +208,15 @@ def measure(
     workloads: dict[str, int],
     connections: int,
     seconds: float,
+    open_loop: tuple[int, int] | None = None,
 ) -> list[HttpResult]:
-    """Warm a started server up, then measure each workload; always stop it."""
+    """Warm a started server up, then measure each workload (and, given
+    (tenants, rate), an open-loop run after them); always stop it."""
     process, port = start
     try:
         # Both workers load their token encodings and open their pools before measuring.
         run_wrk(port, system=system, workload="warm-up", tenants=2, connections=64, seconds=3)
-        return [
+        results = [
             run_wrk(
                 port,
                 system=system,
@@ -191,5 +227,11 @@ def measure(
             )
             for name, count in workloads.items()
         ]
+        if open_loop is not None:
+            tenants, rate = open_loop
+            results.append(
+                run_open_loop(port, system=system, tenants=tenants, rate=rate, seconds=seconds)
+            )
+        return results
     finally:
         stop(process)

@@ -194,6 +194,9 @@ class Metrics:
             "that refused them (or the requested model); queued: started waiting",
             ["outcome", "reason"],
         )
+        # Bound children of `decisions` by (outcome, reason): a labels() lookup
+        # per answer costs more than the increment.
+        self._answer_children: dict[tuple[str, str], Counter] = {}
         self.degradations = counter(
             "llmquota_degradations",
             "Admissions degraded to a fallback model, by what refused the requested one",
@@ -241,7 +244,12 @@ class Metrics:
         """Count what a caller was answered (once per admission, after any wait)."""
         reason = decision_reason(decision)
         outcome = decision_outcome(decision)
-        self.decisions.labels(outcome, reason).inc()
+        key = (outcome, reason)
+        child = self._answer_children.get(key)
+        if child is None:
+            # Both labels are closed vocabularies: the cache stays small.
+            child = self._answer_children[key] = self.decisions.labels(outcome, reason)
+        child.inc()
         if outcome == "degraded":
             self.degradations.labels(reason).inc()
 

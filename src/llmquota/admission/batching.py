@@ -31,9 +31,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from llmquota.config import MAX_BATCH_SIZE, MAX_BATCH_WINDOW_SECONDS, MAX_BATCHES_IN_FLIGHT
@@ -46,7 +45,8 @@ Res = TypeVar("Res")
 class _Waiter(Generic[Req, Res]):
     request: Req
     future: asyncio.Future[Res]
-    arrived: float = field(default_factory=time.monotonic)
+    # The loop's clock when it arrived.
+    arrived: float
 
 
 class Coalescer(Generic[Req, Res]):
@@ -95,15 +95,21 @@ class Coalescer(Generic[Req, Res]):
 
     async def submit(self, request: Req) -> Res:
         """Decide `request` together with whoever else is asking now."""
+        return await self.enqueue(request)
+
+    def enqueue(self, request: Req) -> asyncio.Future[Res]:
+        """`submit` without the coroutine: the future of `request`'s result.
+
+        Cancelling the future is the caller leaving: a batch not yet sent
+        leaves it out, a batch in flight delivers its result to on_orphan.
+        """
         if self._closed:
             raise RuntimeError("coalescer is closed")
         loop = asyncio.get_running_loop()
-        waiter: _Waiter[Req, Res] = _Waiter(request, loop.create_future())
-        self._waiting.append(waiter)
+        future: asyncio.Future[Res] = loop.create_future()
+        self._waiting.append(_Waiter(request, future, loop.time()))
         self._schedule(loop)
-        # A cancelled caller cancels its own future only: a batch not yet sent
-        # leaves it out, a batch in flight delivers its result to on_orphan.
-        return await waiter.future
+        return future
 
     async def close(self) -> None:
         """Refuse new callers and wait for the batches already gathered or running."""
@@ -126,7 +132,7 @@ class Coalescer(Generic[Req, Res]):
                 self._flush_soon = loop.call_soon(self._flush)
             return
         if self._timer is None:
-            waited = time.monotonic() - self._waiting[0].arrived
+            waited = loop.time() - self._waiting[0].arrived
             self._timer = loop.call_later(max(0.0, self._window_seconds - waited), self._on_window)
 
     def _on_window(self) -> None:

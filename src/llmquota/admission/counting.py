@@ -76,6 +76,8 @@ class TokenCounter:
 
 def _large(messages: Sequence[Mapping[str, Any]] | None, inline_chars: int) -> bool:
     """Whether counting `messages` is worth a trip to the pool."""
+    if messages is None:
+        return False  # input_tokens given: nothing to count
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
         return False  # nothing to count, or a shape prepare() refuses at once
     try:

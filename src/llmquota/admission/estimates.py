@@ -70,9 +70,8 @@ class OutputEstimator:
         self, tenant: str, route: str | None
     ) -> MaxTokensEstimate | LearnedEstimate | FixedEstimate | None:
         """The route's output_estimate, else the tenant's (its plan's); None when unknown."""
-        layers = self._policies.layers_for(tenant, route)
-        for layer in reversed(layers or []):
-            if layer.scope in ("route", "tenant") and layer.policy.output_estimate is not None:
+        for layer in self._policies.own_layers(tenant, route):
+            if layer is not None and layer.policy.output_estimate is not None:
                 return layer.policy.output_estimate
         return None
 
@@ -85,6 +84,10 @@ class OutputEstimator:
             request.max_tokens,
             max_tokens_given=request.max_tokens_given,
         )
+        reserved = request.max_tokens if request.output_reserve is None else request.output_reserve
+        if reserve.strategy == request.output_strategy and reserve.tokens == reserved:
+            # Nothing to change (output_reserve None means max_tokens): no copy.
+            return request
         return dataclasses.replace(
             request, output_reserve=reserve.tokens, output_strategy=reserve.strategy
         )

@@ -199,7 +199,7 @@ class Limiter:
         admission nobody heard of is released (see releases.py).
         """
         return await within_store_deadline(
-            self._admissions.submit(request)
+            self._admissions.enqueue(request)
             if self._admissions is not None
             else self._admit_alone(request),
             self.deadline_seconds,
@@ -278,7 +278,7 @@ class Limiter:
         Keyword arguments are those of `prepare`, and `max_wait_ms`: wait up
         to that long for room rather than raise RateLimited (waiting.py).
         """
-        prepared = await self.prepare_off_loop(**request)
+        prepared = await self.counter.prepare_off_loop(**request)
         if max_wait_ms:
             admission = (await self.waiting.decide(prepared, max_wait_ms)).admission
         else:
@@ -318,7 +318,7 @@ class Limiter:
                 return offline
         try:
             result = await within_store_deadline(
-                self._finishes.submit(request)
+                self._finishes.enqueue(request)
                 if self._finishes is not None
                 else self._finish_alone(request),
                 self.deadline_seconds,

@@ -60,5 +60,16 @@ class PolicyCache:
                 layers.append(route_layer)
         return layers
 
+    def own_layers(self, tenant: str, route: str | None) -> tuple[CachedLayer | None, ...]:
+        """The route's layer then the tenant's, as layers_for finds them (a missing
+        route layer is None); () when the tenant is not cached. No list is built:
+        admission reads this for every request."""
+        tenant_layer = self._layers.get(("tenant", tenant, None))
+        if tenant_layer is None:
+            return ()
+        if route is None:
+            return (tenant_layer,)
+        return (self._layers.get(("route", tenant, route)), tenant_layer)
+
     def __len__(self) -> int:
         return len(self._layers)

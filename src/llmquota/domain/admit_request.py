@@ -89,7 +89,7 @@ def prepare_admit_request(
         raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}")
     models = _fallback_models(model, fallback_models)
     counted, estimated, fallbacks = _count_each(
-        model, models, messages, input_tokens, estimate_factors, CpuBudget(count_cpu_seconds)
+        model, models, messages, input_tokens, estimate_factors, count_cpu_seconds
     )
     request_hash = None
     if idempotency_key is not None:
@@ -133,7 +133,7 @@ def _count_each(  # noqa: PLR0917 (one private call site)
     messages: Sequence[Mapping[str, Any]] | None,
     input_tokens: int | None,
     estimate_factors: Mapping[str, float],
-    budget: CpuBudget,
+    count_cpu_seconds: float,
 ) -> tuple[int, bool, tuple[tuple[str, int], ...]]:
     """(input tokens, whether estimated, (fallback, its input tokens) each).
 
@@ -142,7 +142,12 @@ def _count_each(  # noqa: PLR0917 (one private call site)
     """
     if input_tokens is not None:
         counted = check_token_count("input_tokens", input_tokens)
+        if not fallback_models:
+            return counted, False, ()
         return counted, False, tuple((m, counted) for m in fallback_models)
+    # The budget's clock starts here, and only when there is something to
+    # count: reading a thread's CPU clock is a system call.
+    budget = CpuBudget(count_cpu_seconds)
     counted, estimated = _count(messages or [], model, estimate_factors, budget)
     fallbacks = tuple(
         (m, _count(messages or [], m, estimate_factors, budget)[0]) for m in fallback_models

@@ -1,0 +1,251 @@
+"""Where the Python CPU of an admission goes: `python bench/profile_admission.py`.
+
+Standalone, not part of bench/run.py: it starts Debian's PostgreSQL 15 (or
+the embedded one), seeds 10,000 tenants and runs comparison 1's llmquota
+point (64 closed-loop callers, `limiter.admit`, random tenants) for
+`--seconds`, then prints the process CPU per admission the way run.py does.
+With `--cprofile FILE` the measured window runs under cProfile and the
+functions taking the most CPU (own time, and own plus callees) are printed;
+cProfile slows everything down, so read its shares, not its microseconds.
+For a sampling profile with no such distortion run it under py-spy:
+`py-spy record -o profile.svg -- python bench/profile_admission.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import datetime
+import os
+import pstats
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[0] = str(ROOT)
+
+from bench import common, library, servers  # noqa: E402
+from llmquota import Limiter  # noqa: E402
+from llmquota.domain.errors import StoreUnavailable  # noqa: E402
+from llmquota.domain.records import AdmitDecision, AdmitRequest  # noqa: E402
+from llmquota.store.decisions import admit_arguments, admit_decision  # noqa: E402
+
+TENANTS = 10_000
+CALLERS = 64
+# Lines of the cProfile tables printed.
+TOP_FUNCTIONS = 30
+
+
+def batch_sizes(limiter: Limiter) -> tuple[float, float]:
+    """(admission batches, requests in them) this limiter has sent so far."""
+    count = total = 0.0
+    for metric in limiter.metrics.batch_size.collect():
+        for sample in metric.samples:
+            if sample.labels.get("operation") == "admit":
+                if sample.name.endswith("_count"):
+                    count = sample.value
+                elif sample.name.endswith("_sum"):
+                    total = sample.value
+    return count, total
+
+
+async def measure(dsn: str, seconds: float, profile: cProfile.Profile | None) -> None:
+    tenants = await common.seed_tenants(dsn, TENANTS)
+    limiters: list[Limiter] = []
+    connect = Limiter.connect
+
+    async def remembered(*args: Any, **kwargs: Any) -> Limiter:
+        limiter = await connect(*args, **kwargs)
+        limiters.append(limiter)
+        return limiter
+
+    Limiter.connect = remembered  # type: ignore[method-assign]
+    # A short unprofiled point first: connections, caches and plans warm up.
+    await library.llmquota_point(
+        dsn, library.LLMQUOTA, workload="10k", tenants=tenants, callers=CALLERS, seconds=1.0
+    )
+    before = os.times()
+    if profile is not None:
+        profile.enable()
+    try:
+        point = await library.llmquota_point(
+            dsn,
+            library.LLMQUOTA,
+            workload="10k",
+            tenants=tenants,
+            callers=CALLERS,
+            seconds=seconds,
+        )
+    finally:
+        if profile is not None:
+            profile.disable()
+    after = os.times()
+    result = point.result
+    # The whole point, warm-up included: the share of kernel time in the CPU.
+    user, system = after.user - before.user, after.system - before.system
+    batches, requests = batch_sizes(limiters[-1])
+    print(
+        f"llmquota 10k tenants {CALLERS} callers: {result.per_second:.0f}/s  "
+        f"p50 {result.p50_ms:.2f} ms  p99 {result.p99_ms:.2f} ms  "
+        f"python cpu {result.cpu_us_per_call:.1f} us per admission, "
+        f"{requests / batches if batches else 0:.1f} per batch, "
+        f"{100 * system / (user + system):.0f}% of it in the kernel ({common.machine_load()})"
+    )
+
+
+class NoDatabase:
+    """A store that decides every batch without PostgreSQL: `--no-database`.
+
+    Its admit builds lq_admit's arguments and parses made-up rows with the
+    store's own functions (store/decisions.py) after one turn of the loop,
+    so what remains is the library's Python per admission without asyncpg,
+    the socket and the database: the part this profile is about, measured
+    without the noise of a database sharing the cores.
+    """
+
+    def __init__(self) -> None:
+        self.estimates = self
+
+    async def admit(
+        self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
+    ) -> list[AdmitDecision]:
+        admit_arguments(requests, 1_000)
+        await asyncio.sleep(0)
+        expires = datetime.datetime.now(datetime.UTC)
+        return [admit_decision(_admitted_row(r, expires)) for r in requests]
+
+    async def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        async def unavailable(*args: Any, **kwargs: Any) -> Any:
+            raise StoreUnavailable(f"no database: {name}")
+
+        return unavailable
+
+
+def _admitted_row(request: AdmitRequest, expires: datetime.datetime) -> dict[str, Any]:
+    row: dict[str, Any] = dict.fromkeys(ROW_COLUMNS)
+    row.update(
+        status="admitted",
+        reservation_id=uuid.uuid4(),
+        reserved_tokens=request.input_tokens + request.max_tokens,
+        lease_expires_at=expires,
+        lease_generation=1,
+        model=request.model,
+        input_tokens=request.input_tokens,
+        degraded=False,
+    )
+    return row
+
+
+ROW_COLUMNS = [
+    "status",
+    "reservation_id",
+    "reserved_tokens",
+    "lease_expires_at",
+    "lease_generation",
+    "limit_kind",
+    "limit_scope",
+    "retry_after_ms",
+    "capacity",
+    "remaining_tokens",
+    "remaining_requests",
+    "remaining_in_flight",
+    "tenant_tokens_per_minute",
+    "tenant_token_burst",
+    "tenant_tokens",
+    "tenant_requests_per_minute",
+    "tenant_request_burst",
+    "tenant_requests",
+    "model",
+    "input_tokens",
+    "degraded",
+    "reason",
+    "ceiling",
+    "utilization",
+    "priority",
+    "plan",
+    "alt_max_tokens",
+    "alt_models",
+    "quota",
+    "resets_at",
+    "quota_timezone",
+    "credit_balance",
+]
+
+
+async def measure_without_database(seconds: float, profile: cProfile.Profile | None) -> None:
+    """64 callers admitting against NoDatabase: the library's own CPU per admission."""
+    settings = library.LLMQUOTA.settings()
+    limiter = Limiter(NoDatabase(), settings)  # type: ignore[arg-type]
+    tenants = [f"t{i}" for i in range(TENANTS)]
+    picks = [library.tenant_picker("10k", tenants, seed) for seed in range(CALLERS)]
+    counters = [0] * CALLERS
+
+    async def call(index: int) -> bool:
+        sequence = picks[index]
+        counters[index] += 1
+        await limiter.admit(
+            tenant=sequence[counters[index] % len(sequence)],
+            model="gpt-4o",
+            input_tokens=library.INPUT_TOKENS,
+            max_tokens=library.MAX_TOKENS,
+        )
+        return True
+
+    await common.closed_loop(call, CALLERS, 1.0, warmup_s=0.3)
+    if profile is not None:
+        profile.enable()
+    try:
+        result = await common.closed_loop(call, CALLERS, seconds, warmup_s=0.3)
+    finally:
+        if profile is not None:
+            profile.disable()
+        await limiter.close()
+    print(
+        f"llmquota without a database, {CALLERS} callers: {result.per_second:.0f}/s  "
+        f"python cpu {result.cpu_us_per_call:.1f} us per admission ({common.machine_load()})"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--cprofile", type=Path, help="profile the window into this file")
+    parser.add_argument(
+        "--no-database",
+        action="store_true",
+        help="decide against a store that answers at once (the library's own Python only)",
+    )
+    parser.add_argument(
+        "--postgres",
+        choices=("pg15", "embedded"),
+        default="pg15" if servers.pg15_available() else "embedded",
+    )
+    args = parser.parse_args()
+    profile = cProfile.Profile() if args.cprofile else None
+    if args.no_database:
+        asyncio.run(measure_without_database(args.seconds, profile))
+    else:
+        run_with_database(args.postgres, args.seconds, profile)
+    if profile is not None:
+        profile.dump_stats(args.cprofile)
+        stats = pstats.Stats(str(args.cprofile))
+        stats.sort_stats("tottime").print_stats(TOP_FUNCTIONS)
+        stats.sort_stats("cumulative").print_stats(TOP_FUNCTIONS)
+    return 0
+
+
+def run_with_database(kind: str, seconds: float, profile: cProfile.Profile | None) -> None:
+    with servers.postgres(kind) as pg:
+        dsn = asyncio.run(common.fresh_database(pg.dsn, "bench_profile"))
+        asyncio.run(measure(dsn, seconds, profile))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

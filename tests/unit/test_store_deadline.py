@@ -1,0 +1,77 @@
+"""The decision deadline (store/deadline.py) on a bare future, as the coalescer hands it over.
+
+Outcomes only, no durations: what the caller gets and what becomes of the
+future its producer holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from llmquota.domain.errors import StoreTimeout
+from llmquota.store.deadline import within_store_deadline
+
+
+def _timeout() -> StoreTimeout:
+    return StoreTimeout("no answer")
+
+
+async def test_an_answer_in_time_is_returned() -> None:
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(future.set_result, 7)
+    assert await within_store_deadline(future, 5.0, _timeout) == 7
+
+
+async def test_no_answer_fails_the_future_with_the_timeout() -> None:
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    with pytest.raises(StoreTimeout):
+        await within_store_deadline(future, 0.01, _timeout)
+    # The producer sees it done: nobody will read an answer it sets later.
+    assert future.done()
+    assert isinstance(future.exception(), StoreTimeout)
+
+
+async def test_an_answer_that_waited_behind_a_stalled_loop_is_not_a_timeout() -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[int] = loop.create_future()
+    waiting = asyncio.ensure_future(within_store_deadline(future, 0.02, _timeout))
+    await asyncio.sleep(0)  # the wait has started and its timer is set
+    # The loop stalls for 0.1 s, far past the deadline: that lateness is given
+    # back to the store, so an answer after the stall (and after the grace
+    # turns) is still in time.
+    loop.call_later(0.15, future.set_result, 3)
+    time.sleep(0.1)  # noqa: ASYNC251 (the stall is the point)
+    assert await waiting == 3
+
+
+async def test_a_cancelled_caller_cancels_the_future() -> None:
+    future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.ensure_future(within_store_deadline(future, 5.0, _timeout))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert future.cancelled()
+
+
+async def test_a_coroutine_runs_in_a_task_cancelled_on_timeout() -> None:
+    started = asyncio.Event()
+    cancelled = asyncio.Event()
+
+    async def never() -> int:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return 0
+
+    with pytest.raises(StoreTimeout):
+        await within_store_deadline(never(), 0.01, _timeout)
+    await asyncio.sleep(0)
+    assert started.is_set()
+    assert cancelled.is_set()
