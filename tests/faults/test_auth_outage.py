@@ -42,8 +42,9 @@ ADMIN_KEY = "lq_auth_admin_key_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 DEADLINE_MS = 250
 # A hung lookup or decision answers within the deadline plus scheduling slack
-# on a shared 2-core machine; the promise is "within 1 s".
-ANSWER_BOUND_SECONDS = DEADLINE_MS / 1000 + 0.5
+# on a shared 2-core machine: the promise is "within 1 s" (a request held by
+# the hung store would take the whole 60 s outage).
+ANSWER_BOUND_SECONDS = 1.0
 LOOKUPS = "llmquota_key_lookups_total"
 FLOODER = str(Path(__file__).with_name("flooder.py"))
 FLOODERS = 4
