@@ -164,6 +164,18 @@ AS $$
 $$;
 
 
+-- The global shard a tenant's requests take: a hash of its name modulo the
+-- shard count. Any spread is correct (the shards' bursts sum to the global
+-- one and a short shard borrows); the hash only has to be the same for
+-- every statement at one time, which hashtext is within a server version.
+CREATE OR REPLACE FUNCTION lq_tenant_shard(p_tenant text, p_shards smallint)
+RETURNS smallint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT ((hashtext(p_tenant) & 2147483647) % p_shards)::smallint
+$$;
+
+
 -- Decide a batch of admission requests, exactly as if they were applied one
 -- by one in array order, and debit every layer of each admitted request.
 --
@@ -199,6 +211,17 @@ $$;
 --   unknown_tenant       no such tenant
 -- Nothing is debited unless every layer passes; refill state is persisted on
 -- every locked layer whatever the outcome.
+--
+-- A sharded global layer (migration 0012): each request's global layer is its
+-- tenant's shard, and only the batch's shards are locked. Without p_pool,
+-- when some shard lacks room for the most its requests of this batch could
+-- take (every candidate model counted at its largest), nothing is decided:
+-- SQLSTATE LQ001 says so, and lq_admit decides again with p_pool, which locks
+-- every shard and pools them into one layer for the batch (the exact loop,
+-- then the pooled balance is split back over the shards by their burst). So
+-- a request is refused by the global layer only when all shards together
+-- lack room, and the shards together never hold more than the policy's
+-- burst.
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer);
 -- The result gained quota, resets_at and credit_balance (a changed result
@@ -207,7 +230,7 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[]);
-CREATE OR REPLACE FUNCTION lq_admit(
+CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_tenants          text[],
     p_routes           text[],
     p_models           text[],
@@ -224,7 +247,8 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
     p_alt_models       text[] DEFAULT NULL,      -- model, in order,
     p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
-    p_output_reserve   bigint[] DEFAULT NULL     -- output tokens to reserve, NULL: max_tokens
+    p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
+    p_pool             boolean DEFAULT false     -- lock every global shard and pool them
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -275,7 +299,7 @@ DECLARE
     mc_model     text[];
     mc_layer     bigint[];
     -- The locked layers, in layer_id order. Position i describes one layer;
-    -- l_key is 'g', 't/<tenant>', 'r/<tenant>/<route>' or 'c/<ceiling>'.
+    -- l_key is 'g/<shard>', 't/<tenant>', 'r/<tenant>/<route>' or 'c/<ceiling>'.
     l_id         bigint[];
     l_key        text[];
     l_scope      text[];
@@ -300,9 +324,19 @@ DECLARE
     s_above      double precision[];
     s_admit      smallint[];
     s_small      bigint[];
-    -- Each request's tenant and route layer: positions in l_*.
+    -- Each request's global (shard), tenant and route layer: positions in l_*.
+    x_gi         integer[];
     x_ti         integer[];
     x_ri         integer[];
+    -- The global layer's shard count, and when pooled (p_pool and more than
+    -- one shard): the positions of its rows, their own bursts, and the
+    -- permits held on the rows other than the first (which stands for all).
+    g_shards     smallint;
+    pooled       boolean := false;
+    g_pos        integer[];
+    g_tburst     bigint[];
+    g_rburst     bigint[];
+    g_other_if   integer;
     ids          bigint[];
     -- Explicit fallbacks of request k: p_alt_*[x_first[k] .. x_first[k] + x_count[k] - 1].
     x_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
@@ -467,7 +501,7 @@ BEGIN
     -- re-reads a row changed by a transaction we waited for, so the balances
     -- below are the latest committed ones.
     SELECT array_agg(x.layer_id ORDER BY x.layer_id),
-           array_agg(CASE x.scope WHEN 'global' THEN 'g'
+           array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
                                   WHEN 'tenant' THEN 't/' || x.tenant
                                   WHEN 'ceiling' THEN 'c/' || x.ceiling
                                   ELSE 'r/' || x.tenant || '/' || x.route END ORDER BY x.layer_id),
@@ -489,17 +523,23 @@ BEGIN
            array_agg(x.fallback_models::text ORDER BY x.layer_id),
            array_agg(coalesce(cardinality(x.shed_above), 0) > 0 ORDER BY x.layer_id),
            array_agg(x.prepaid ORDER BY x.layer_id),
-           max(x.refilled_at)
+           max(x.refilled_at),
+           max(x.shards) FILTER (WHERE x.scope = 'global')
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
            l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_ladder, l_prepaid, now_ts
+           l_fallback, l_ladder, l_prepaid, now_ts, g_shards
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
-                       -- index probes on (scope, tenant, route, ceiling), never a scan
+                       -- index probes on (scope, tenant, route, ceiling, shard), never
+                       -- a scan; of a sharded global layer, the batch's tenants' shards
+                       -- (or all, pooled)
                        SELECT g.layer_id FROM limit_layers AS g
                         WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
                           AND g.ceiling IS NULL
+                          AND (g.shards = 1 OR p_pool
+                               OR g.shard = ANY (SELECT lq_tenant_shard(u.t, g.shards)
+                                                   FROM unnest(p_tenants) AS u(t)))
                        UNION
                        SELECT t.layer_id
                          FROM unnest(p_tenants) AS u(t)
@@ -549,13 +589,67 @@ BEGIN
 
     l_start := l_tokens;
 
-    -- Each request's tenant and route layer, found once for the batch.
-    gi := array_position(l_key, 'g');
-    SELECT array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
+    -- The global layer of the batch. Pooled, the first of its locked rows
+    -- stands for all of them, with their figures summed, and is split back
+    -- over them before (6).
+    pooled := p_pool AND g_shards > 1;
+    IF pooled THEN
+        g_pos := ARRAY(SELECT g.i FROM generate_subscripts(l_id, 1) AS g(i)
+                        WHERE l_scope[g.i] = 'global' ORDER BY g.i);
+        gi := g_pos[1];
+        g_tburst := l_tburst;
+        g_rburst := l_rburst;
+        g_other_if := 0;
+        FOR x IN 2 .. cardinality(g_pos) LOOP
+            j := g_pos[x];
+            l_tokens[gi] := l_tokens[gi] + l_tokens[j];
+            l_tpm[gi] := l_tpm[gi] + l_tpm[j];
+            l_tburst[gi] := l_tburst[gi] + l_tburst[j];
+            l_requests[gi] := l_requests[gi] + l_requests[j];
+            l_rpm[gi] := l_rpm[gi] + l_rpm[j];
+            l_rburst[gi] := l_rburst[gi] + l_rburst[j];
+            l_max_if[gi] := l_max_if[gi] + l_max_if[j];
+            l_in_flight[gi] := l_in_flight[gi] + l_in_flight[j];
+            g_other_if := g_other_if + l_in_flight[j];
+        END LOOP;
+    ELSIF coalesce(g_shards, 1) = 1 THEN
+        gi := array_position(l_key, 'g/0');
+    END IF;
+
+    -- Each request's global, tenant and route layer, found once for the batch.
+    SELECT array_agg(CASE WHEN g_shards > 1 AND NOT pooled
+                          THEN array_position(l_key, 'g/' || lq_tenant_shard(u.t, g_shards))
+                          ELSE gi END ORDER BY u.o),
+           array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
            array_agg(CASE WHEN u.r IS NULL THEN NULL
                           ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o)
-      INTO x_ti, x_ri
+      INTO x_gi, x_ti, x_ri
       FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
+
+    -- Sharded, not pooled: every shard must have room for the most its
+    -- requests could take (each at its largest candidate), else nothing is
+    -- decided here and lq_admit decides again, pooled. A shard not locked
+    -- (the shard count changed under this statement) counts as lacking.
+    IF g_shards > 1 AND NOT pooled AND EXISTS (
+        SELECT 1
+          FROM (SELECT u.gi, sum(u.cost) AS tokens, count(*) AS requests, max(u.cost) AS largest
+                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost
+                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve)
+                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, o)
+                          LEFT JOIN (SELECT w.o, max(w.inp) AS inp
+                                       FROM unnest(p_alt_ord, p_alt_inputs) AS w(o, inp)
+                                      GROUP BY w.o) AS a ON a.o = v.o
+                         WHERE v.ti IS NOT NULL) AS u
+                 GROUP BY u.gi) AS d
+         WHERE d.gi IS NULL
+            OR (l_tpm[d.gi] IS NOT NULL
+                AND (d.largest > l_tburst[d.gi] OR l_tokens[d.gi] + epsilon < d.tokens))
+            OR (l_rpm[d.gi] IS NOT NULL AND l_requests[d.gi] + epsilon < d.requests)
+            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.requests > l_max_if[d.gi]))
+    THEN
+        RAISE EXCEPTION USING ERRCODE = 'LQ001',
+              MESSAGE = 'a global shard lacks room for this batch: decide it pooled';
+    END IF;
 
     -- (4b) Budgets beyond tokens, only for a batch that has any. The quotas
     -- of the batch's tenants are read FOR SHARE (a quota deleted meanwhile is
@@ -637,16 +731,16 @@ BEGIN
     -- (too large, tokens, requests, permits) against those running sums;
     -- when any fails, nothing here writes or returns, and (5) decides. The
     -- property test of batched == one by one covers both paths.
-    IF NOT has_quotas AND mc_layer IS NULL AND NOT (true = ANY (l_prepaid))
+    IF NOT has_quotas AND mc_layer IS NULL AND NOT (true = ANY (l_prepaid)) AND NOT pooled
        AND coalesce(cardinality(p_alt_ord), 0) = 0
        AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0
        AND array_position(x_ti, NULL) IS NULL THEN
         RETURN QUERY
         WITH pairs AS (
             SELECT u.o::integer AS k, u.ti, u.ri, u.inp + coalesce(u.res, u.mx) AS cost, l.j, l.n
-              FROM unnest(p_input_tokens, p_max_tokens, p_output_reserve, x_ti, x_ri)
-                   WITH ORDINALITY AS u(inp, mx, res, ti, ri, o),
-                   unnest(array_remove(ARRAY[gi, u.ti, u.ri], NULL)) WITH ORDINALITY AS l(j, n)
+              FROM unnest(p_input_tokens, p_max_tokens, p_output_reserve, x_gi, x_ti, x_ri)
+                   WITH ORDINALITY AS u(inp, mx, res, gi, ti, ri, o),
+                   unnest(array_remove(ARRAY[u.gi, u.ti, u.ri], NULL)) WITH ORDINALITY AS l(j, n)
         ), running AS (
             SELECT p.k, p.ti, p.ri, p.cost, p.j, p.n,
                    sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
@@ -805,7 +899,7 @@ BEGIN
 
         FOR c IN 1 .. cardinality(c_models) LOOP
             -- The layers of this candidate: global, tenant, route, matching ceilings.
-            layers := array_remove(ARRAY[gi, ti, ri], NULL);
+            layers := array_remove(ARRAY[x_gi[k], ti, ri], NULL);
             FOR x IN 1 .. coalesce(cardinality(mc_model), 0) LOOP
                 IF mc_model[x] = c_models[c] THEN
                     layers := layers || array_position(l_id, mc_layer[x]);
@@ -1045,6 +1139,18 @@ BEGIN
         r_t_requests[k] := l_requests[ti];
     END LOOP;
 
+    -- Pooled: the balance goes back to the shards in proportion to their own
+    -- burst (never above it), the first row last as it holds the sums; it
+    -- keeps its own permits and the batch's, which its id journals.
+    IF pooled THEN
+        FOR x IN REVERSE cardinality(g_pos) .. 1 LOOP
+            j := g_pos[x];
+            l_tokens[j] := least(g_tburst[j], l_tokens[gi] * g_tburst[j] / l_tburst[gi]);
+            l_requests[j] := least(g_rburst[j], l_requests[gi] * g_rburst[j] / l_rburst[gi]);
+        END LOOP;
+        l_in_flight[gi] := l_in_flight[gi] - g_other_if;
+    END IF;
+
     -- (6) Persist every locked layer: refill state even where all refused.
     UPDATE limit_layers AS ll
        SET tokens = u.tokens,
@@ -1108,6 +1214,96 @@ BEGIN
            r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
            r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i]
       FROM generate_series(1, n) AS o(i);
+END
+$$;
+
+-- Decide a batch of admission requests: lq_admit_decide (above). With a
+-- sharded global layer, a first attempt locks only the batch's shards; when
+-- one lacks room (SQLSTATE LQ001) that attempt's subtransaction is rolled
+-- back, which releases its row locks and undoes its writes, and the batch is
+-- decided again with every shard locked and pooled, in the same layer_id
+-- order (so no deadlock), in the same statement. One shard, no
+-- subtransaction: a probe for shard 1 says which.
+CREATE OR REPLACE FUNCTION lq_admit(
+
+    p_tenants          text[],
+    p_routes           text[],
+    p_models           text[],
+    p_input_tokens     bigint[],
+    p_max_tokens       bigint[],
+    p_input_estimated  boolean[],
+    p_lease_seconds    integer[],
+    p_idempotency_keys text[],
+    p_request_hashes   text[],
+    p_concurrency_retry_ms integer DEFAULT 1000,
+    p_priorities       smallint[] DEFAULT NULL,  -- requested rank, NULL: the tenant's
+    p_priority_any     boolean[] DEFAULT NULL,   -- true: may raise it (admin)
+    p_degrade          boolean[] DEFAULT NULL,   -- false: never degrade
+    p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
+    p_alt_models       text[] DEFAULT NULL,      -- model, in order,
+    p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
+    p_output_reserve   bigint[] DEFAULT NULL     -- output tokens to reserve, NULL: max_tokens
+) RETURNS TABLE (
+    ord                        integer,
+    status                     text,
+    reservation_id             uuid,
+    reserved_tokens            bigint,
+    lease_expires_at           timestamptz,
+    lease_generation           integer,
+    limit_kind                 text,
+    limit_scope                text,
+    retry_after_ms             bigint,
+    capacity                   bigint,
+    remaining_tokens           bigint,
+    remaining_requests         bigint,
+    remaining_in_flight        integer,
+    tenant_tokens_per_minute   bigint,
+    tenant_token_burst         bigint,
+    tenant_tokens              double precision,
+    tenant_requests_per_minute bigint,
+    tenant_request_burst       bigint,
+    tenant_requests            double precision,
+    model                      text,
+    input_tokens               bigint,
+    degraded                   boolean,
+    reason                     text,
+    ceiling                    text,
+    utilization                double precision,
+    priority                   smallint,
+    plan                       text,
+    alt_max_tokens             bigint,
+    alt_models                 text[],
+    quota                      text,
+    resets_at                  timestamptz,
+    quota_timezone             text,       -- the zone resets_at is shown in
+    credit_balance             numeric
+)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM limit_layers AS g
+                    WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
+                      AND g.ceiling IS NULL AND g.shard = 1) THEN
+        RETURN QUERY SELECT * FROM lq_admit_decide(
+            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
+            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
+            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
+            p_output_reserve, false);
+        RETURN;
+    END IF;
+    BEGIN
+        RETURN QUERY SELECT * FROM lq_admit_decide(
+            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
+            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
+            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
+            p_output_reserve, false);
+    EXCEPTION WHEN SQLSTATE 'LQ001' THEN
+        RETURN QUERY SELECT * FROM lq_admit_decide(
+            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
+            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
+            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
+            p_output_reserve, true);
+    END;
 END
 $$;
 

@@ -61,16 +61,18 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
   FROM target LEFT JOIN extended ON true
 
 -- put_policy --
--- Create or replace the policy of the global layer or of a route (a tenant's
--- goes through put_tenant_policy, for its plan). The balance refills under the old rules up to now, then is clamped to the new
--- capacity; a limit that did not exist before starts full.
+-- Create or replace the policy of a route (a tenant's goes through
+-- put_tenant_policy, for its plan; the global layer's through
+-- put_global_policy). The balance refills under the old rules up to now,
+-- then is clamped to the new capacity; a limit that did not exist before
+-- starts full.
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
                                lease_seconds, failure_mode, fallback_models, tokens, requests,
                                output_estimate)
 VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
         $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb)
-ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
+ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
        requests_per_minute = excluded.requests_per_minute,
@@ -89,6 +91,12 @@ ON CONFLICT (scope, tenant, route, ceiling) DO UPDATE
                                  excluded.request_burst, clock_timestamp()),
        refilled_at = greatest(l.refilled_at, clock_timestamp())
 RETURNING l.policy_version
+
+-- put_global_policy --
+-- Create or replace the global policy, split over $8 shards (NULL: as many
+-- as now); its new policy_version (see lq_put_global).
+SELECT lq_put_global($1::bigint, $2::bigint, $3::bigint, $4::bigint, $5::integer, $6::integer,
+                     $7::text, $8::smallint) AS policy_version
 
 -- put_tenant_policy --
 -- Set a tenant's own policy ($3, the fields it sets, as a JSON object) and its
@@ -187,14 +195,21 @@ RETURNING l.ceiling
 DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNING layer_id
 
 -- get_policy --
--- One layer's policy, or no row.
+-- One layer's policy, or no row; the global layer's summed over its shards.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
-       prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate
+       prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate,
+       shards
   FROM limit_layers
- WHERE scope = $1::text
+ WHERE scope = $1::text AND scope <> 'global'
    AND tenant IS NOT DISTINCT FROM $2::text
    AND route IS NOT DISTINCT FROM $3::text
+UNION ALL
+SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
+       max_in_flight, lease_seconds, failure_mode, policy_version, NULL, '{}'::text[],
+       false, NULL, NULL, shards
+  FROM global_layer
+ WHERE $1::text = 'global'
 
 -- ensure_tenant --
 -- Register a tenant (with an empty tenant layer: no limits of its own yet).
@@ -226,17 +241,21 @@ RETURNING key_id
 SELECT key_id, tenant FROM api_keys WHERE key_hash = $1::bytea
 
 -- layer_status --
--- The global layer and every layer of one tenant, refilled to now (read only).
+-- The global layer (summed over its shards) and every layer of one tenant,
+-- refilled to now (read only).
 SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
-       lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
-           AS tokens,
-       lq_refilled(requests, requests_per_minute, request_burst, refilled_at, clock_timestamp())
-           AS requests
-  FROM limit_layers
- WHERE (scope = 'global' AND tenant IS NULL AND route IS NULL)
-    OR (scope IN ('tenant', 'route') AND tenant = $1::text)
- ORDER BY layer_id
+       tokens, requests
+  FROM global_layer
+UNION ALL
+(SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
+        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
+        lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp()),
+        lq_refilled(requests, requests_per_minute, request_burst, refilled_at,
+                    clock_timestamp())
+   FROM limit_layers
+  WHERE scope IN ('tenant', 'route') AND tenant = $1::text
+  ORDER BY layer_id)
 
 -- tenant_usage --
 -- Ledger totals for one tenant over [from, to): requests are reservations
@@ -285,23 +304,33 @@ SELECT key FROM outage_id_key
 -- the layer are NULL); otherwise up to $3 layers, in layer_id order.
 WITH version AS (
     SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
-           count(*)::bigint AS layer_count
+           count(*) FILTER (WHERE shard = 0)::bigint AS layer_count
       FROM limit_layers
      WHERE scope <> 'ceiling'
 )
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
-       l.lease_seconds, l.failure_mode, l.policy_version,
-       l.output_estimate::text AS output_estimate
+       l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate
   FROM version AS v
        LEFT JOIN LATERAL (
-           SELECT ll.*
-             FROM limit_layers AS ll
-            WHERE ll.scope <> 'ceiling'
-              AND (v.snapshot_version, v.layer_count)
+           -- the global layer summed over its shards, then the others
+           SELECT g.layer_id, g.scope, g.tenant, g.route, g.tokens_per_minute, g.token_burst,
+                  g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
+                  g.failure_mode, g.policy_version, NULL::text AS output_estimate
+             FROM global_layer AS g
+            WHERE (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
-            ORDER BY ll.layer_id
-            LIMIT $3::integer) AS l ON true
+           UNION ALL
+           (SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.tokens_per_minute,
+                   ll.token_burst, ll.requests_per_minute, ll.request_burst, ll.max_in_flight,
+                   ll.lease_seconds, ll.failure_mode, ll.policy_version,
+                   ll.output_estimate::text
+              FROM limit_layers AS ll
+             WHERE ll.scope IN ('tenant', 'route')
+               AND (v.snapshot_version, v.layer_count)
+                   IS DISTINCT FROM ($1::bigint, $2::bigint)
+             ORDER BY ll.layer_id
+             LIMIT $3::integer - 1)) AS l ON true
 
 -- record_outage_admissions --
 -- Record reservations admitted during an outage, once each (see

@@ -74,7 +74,8 @@ BEGIN
         SELECT req.*,
                ARRAY(SELECT l.layer_id
                        FROM limit_layers AS l
-                      WHERE (l.scope = 'global' AND l.tenant IS NULL AND l.route IS NULL)
+                      WHERE (l.scope = 'global' AND l.tenant IS NULL AND l.route IS NULL
+                             AND l.shard = lq_tenant_shard(req.tenant, l.shards))
                          OR (l.scope = 'tenant' AND l.tenant = req.tenant AND l.route IS NULL)
                          OR (l.scope = 'route' AND l.tenant = req.tenant AND l.route = req.route)
                       ORDER BY l.layer_id) AS layer_ids,

@@ -44,6 +44,7 @@ GRANT SELECT, INSERT ON ledger_export_positions TO llmquota_app;
 GRANT SELECT, UPDATE ON ledger_export_state TO llmquota_app;
 GRANT SELECT ON alembic_version TO llmquota_app;
 GRANT SELECT ON outage_id_key TO llmquota_app;
+GRANT SELECT ON global_layer TO llmquota_app;
 -- Quotas, credits and alerts. The credit ledger is append-only like the usage
 -- ledger; delivery rows are updated by the delivery loop.
 GRANT SELECT, INSERT, UPDATE, DELETE ON quotas, quota_windows, credit_accounts, webhooks,

@@ -282,3 +282,37 @@ async def test_max_wait_ms_over_the_cap_is_422_naming_the_field(
     # Room now: a request that may wait is admitted at once, without waiting.
     assert at_cap.status_code == 201
     assert "llmquota-waited-ms" not in at_cap.headers
+
+
+async def test_a_sharded_global_policy_reads_whole_and_refuses_what_it_cannot_split(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    body = {"tokens_per_minute": 6_000, "token_burst": 1_001, "max_in_flight": 9, "shards": 4}
+    put = await client.put("/v1/policies/global", json=body, headers=admin)
+    assert put.status_code == 200, put.text
+    assert (put.json()["token_burst"], put.json()["max_in_flight"], put.json()["shards"]) == (
+        1_001,
+        9,
+        4,
+    )
+    shares = await db.fetch(
+        "SELECT token_burst, max_in_flight FROM limit_layers WHERE scope = 'global' ORDER BY shard"
+    )
+    assert [tuple(r) for r in shares] == [(251, 3), (250, 2), (250, 2), (250, 2)]
+
+    too_many = {"max_in_flight": 3, "shards": 4}
+    refused = await client.put("/v1/policies/global", json=too_many, headers=admin)
+    assert refused.status_code == 422
+    assert "max_in_flight 3 cannot be split over 4 shards" in refused.json()["error"]["message"]
+    on_a_tenant = await client.put("/v1/tenants/acme/policy", json={"shards": 2}, headers=admin)
+    assert on_a_tenant.status_code == 422
+    assert "only the global policy" in on_a_tenant.json()["error"]["message"]
+    assert (await client.get("/v1/policies/global", headers=admin)).json()["shards"] == 4
+
+    acme = await make_tenant(client, admin, "acme")
+    admitted = await admit(client, acme, input_tokens=600, max_tokens=0)  # more than a shard
+    assert admitted.status_code == 201, admitted.text
+    status = await client.get("/v1/tenants/acme/status", headers=admin)
+    layers = {layer["scope"]: layer for layer in status.json()["layers"]}
+    assert layers["global"]["limits"]["token_burst"] == 1_001
+    assert 400 <= layers["global"]["remaining_tokens"] <= 402

@@ -24,6 +24,7 @@ from tests.migration.tables import frozen_tables, schema_snapshot, table_snapsho
 REPEATABLES = [
     "admission.sql",
     "plans.sql",
+    "global_layer.sql",
     "estimates.sql",
     "ledger.sql",
     "reliability.sql",

@@ -74,10 +74,12 @@ class AdminService:
         policy: Policy,
         *,
         fallback_models: Sequence[str] = (),
+        shards: int | None = None,
     ) -> int:
         """Create or replace the global or a route's policy; its new policy version.
 
-        A route policy needs its tenant registered.
+        A route policy needs its tenant registered; `shards` is the global
+        layer's (None: as many as now).
         """
         if scope == "route" and tenant is not None and not await self._tenant_exists(tenant):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
@@ -87,6 +89,7 @@ class AdminService:
             route,
             policy,
             fallback_models=fallback_models,
+            shards=shards,
             deadline_seconds=self._deadline_seconds,
         )
 

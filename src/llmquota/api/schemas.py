@@ -21,7 +21,7 @@ from pydantic import (
 
 from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
-from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.domain.policy import MAX_GLOBAL_SHARDS, MAX_LEASE_SECONDS, NAME_PATTERN
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_MODEL_NAME_CHARS,
@@ -209,6 +209,12 @@ class PolicyBody(BaseModel):
         '{"strategy": "max_tokens"} (the default), {"strategy": "learned", "quantile": 0.95, '
         '"min_samples": 50} or {"strategy": "fixed", "tokens": N}',
     )
+    shards: Annotated[StrictInt, Field(ge=1, le=MAX_GLOBAL_SHARDS)] | None = Field(
+        default=None,
+        description="the global policy only: how many rows its budget is split over, so "
+        "that admissions of different tenants lock different rows (default: as many as now, "
+        "1 at first); every limit it sets must be at least this",
+    )
 
 
 class PolicyResponse(BaseModel):
@@ -226,6 +232,7 @@ class PolicyResponse(BaseModel):
     fallback_models: list[str] = Field(default_factory=list)
     prepaid: bool = False
     output_estimate: OutputEstimate | None = None
+    shards: int = 1
 
 
 class KeyResponse(BaseModel):

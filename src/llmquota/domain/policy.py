@@ -18,6 +18,8 @@ MAX_TOKENS_PER_MINUTE = 10_000_000_000
 MAX_REQUESTS_PER_MINUTE = 100_000_000
 MAX_IN_FLIGHT = 1_000_000
 MAX_LEASE_SECONDS = 86_400
+# The most rows the global layer's budget may be split over (limit_layers_shard_check).
+MAX_GLOBAL_SHARDS = 64
 DEFAULT_LEASE_SECONDS = 120
 
 NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"

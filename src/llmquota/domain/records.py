@@ -201,6 +201,7 @@ class StoredPolicy:
     plan: str | None = None
     fallback_models: tuple[str, ...] = ()
     prepaid: bool = False
+    shards: int = 1  # the global layer's: how many rows its budget is split over
 
 
 @dataclass(frozen=True, slots=True)

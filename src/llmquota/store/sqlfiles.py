@@ -68,7 +68,8 @@ def report_scripts() -> list[str]:
 
 
 # The repeatable scripts, in the order they are applied: the admission
-# functions, the plans' and ceilings' (which call lq_refilled), the learned
+# functions, the plans' and ceilings' (which call lq_refilled), the global
+# layer's shards (lq_put_global and the global_layer view), the learned
 # output estimates' (which lq_finish calls), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the quota, credit and alert helpers (which admission and
@@ -78,6 +79,7 @@ def report_scripts() -> list[str]:
 REPEATABLE_SCRIPTS = (
     "admission.sql",
     "plans.sql",
+    "global_layer.sql",
     "estimates.sql",
     "ledger.sql",
     "reliability.sql",

@@ -21,7 +21,9 @@ router = APIRouter(tags=["policies"])
 
 
 def _policy(body: PolicyBody) -> Policy:
-    fields = body.model_dump(exclude_none=True, exclude={"plan", "fallback_models", "prepaid"})
+    fields = body.model_dump(
+        exclude_none=True, exclude={"plan", "fallback_models", "prepaid", "shards"}
+    )
     try:
         return Policy(**fields)
     except ValueError as exc:
@@ -37,6 +39,7 @@ def policy_response(stored: StoredPolicy) -> PolicyResponse:
         plan=stored.plan,
         fallback_models=list(stored.fallback_models),
         prepaid=stored.prepaid,
+        shards=stored.shards,
     )
 
 
@@ -51,15 +54,41 @@ async def _put(
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
     if body.output_estimate is not None and scope == "global":
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
+    if body.shards is not None:
+        _check_shards(scope, body)
     policy = _policy(body)  # checks the limits whatever the plan adds
     if scope == "tenant" and tenant is not None:
         own = body.model_dump(exclude_none=True, exclude={"plan"})
         await admin.put_tenant_policy(tenant, body.plan, own)
     else:
         await admin.put_policy(
-            scope, tenant, route, policy, fallback_models=body.fallback_models or ()
+            scope,
+            tenant,
+            route,
+            policy,
+            fallback_models=body.fallback_models or (),
+            shards=body.shards,
         )
     return await _get(admin, scope, tenant, route)
+
+
+def _check_shards(scope: Scope, body: PolicyBody) -> None:
+    """Shards split the global layer's limits: each shard needs at least one of each."""
+    if scope != "global":
+        raise InvalidRequest("shards: only the global policy is sharded")
+    assert body.shards is not None
+    for name in (
+        "tokens_per_minute",
+        "token_burst",
+        "requests_per_minute",
+        "request_burst",
+        "max_in_flight",
+    ):
+        value = getattr(body, name)
+        if value is not None and value < body.shards:
+            raise InvalidRequest(
+                f"shards: {name} {value} cannot be split over {body.shards} shards"
+            )
 
 
 async def _get(

@@ -1,0 +1,136 @@
+-- The global layer, whole or sharded (migration 0012).
+--
+-- With `shards` K > 1 its limits are split over K rows of scope 'global':
+-- shard i holds total / K of every rate, burst and in-flight bound, plus one
+-- of the remainder when i < total mod K, so the shares sum to the policy's
+-- figures exactly. An admission takes its tenant's shard (lq_tenant_shard in
+-- admission.sql) and pools them all when its shard is short. Everything that
+-- reads the global layer as a policy reads the view global_layer: the rows
+-- summed back into one.
+--
+-- A repeatable script (see migrations/README.md).
+
+
+-- Shard i's part of a total split K ways; NULL (no limit) stays NULL.
+CREATE OR REPLACE FUNCTION lq_shard_share(p_total bigint, p_shard integer, p_shards integer)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT p_total / p_shards + CASE WHEN p_shard < p_total % p_shards THEN 1 ELSE 0 END
+$$;
+
+
+-- Create or replace the global policy, split over p_shards rows (NULL: as
+-- many as now, 1 for a new layer); its new policy_version.
+--
+-- Every global row is locked first, in layer_id order (the admission's).
+-- The balance under the old rules, refilled to now and summed over the old
+-- shards, is clamped to the new burst (lq_rebalanced: a limit new to the
+-- layer starts full) and split over the new shards in proportion to their
+-- burst. Each row that stays keeps its permits in flight, which its
+-- reservations give back. Rows beyond the new count are deleted: a
+-- reservation still open on one settles as one through a deleted ceiling
+-- does (its credit to the gone row is dropped), and its permit no longer
+-- counts against max_in_flight, for at most its lease.
+CREATE OR REPLACE FUNCTION lq_put_global(
+    p_tpm          bigint,
+    p_tburst       bigint,
+    p_rpm          bigint,
+    p_rburst       bigint,
+    p_max_if       integer,
+    p_lease        integer,
+    p_failure_mode text,
+    p_shards       smallint
+) RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts   timestamptz;
+    old      record;
+    k        integer;
+    version  bigint := nextval('policy_version_seq');
+    tokens   double precision;
+    requests double precision;
+BEGIN
+    PERFORM 1 FROM limit_layers WHERE scope = 'global' ORDER BY layer_id FOR UPDATE;
+    SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS at,
+           sum(l.tokens_per_minute)::bigint AS tpm, sum(l.token_burst)::bigint AS tburst,
+           sum(l.requests_per_minute)::bigint AS rpm, sum(l.request_burst)::bigint AS rburst,
+           max(l.shards) AS shards
+      INTO old
+      FROM limit_layers AS l
+     WHERE l.scope = 'global';
+    now_ts := coalesce(old.at, clock_timestamp());
+    -- the old balance, refilled shard by shard (each up to its own burst)
+    SELECT sum(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, now_ts)),
+           sum(lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at,
+                           now_ts))
+      INTO tokens, requests
+      FROM limit_layers AS l
+     WHERE l.scope = 'global';
+    tokens := lq_rebalanced(tokens, old.tpm, old.tburst, now_ts, p_tpm, p_tburst, now_ts);
+    requests := lq_rebalanced(requests, old.rpm, old.rburst, now_ts, p_rpm, p_rburst, now_ts);
+
+    k := coalesce(p_shards, old.shards, 1);
+    IF k < 1 OR k > 64 OR least(p_tpm, p_tburst, p_rpm, p_rburst, p_max_if) < k THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+              MESSAGE = 'shards must be 1 to 64 and at most every limit of the global layer';
+    END IF;
+
+    DELETE FROM limit_layers WHERE scope = 'global' AND shard >= k;
+    INSERT INTO limit_layers AS l (scope, shard, shards, tokens_per_minute, token_burst,
+                                   requests_per_minute, request_burst, max_in_flight,
+                                   lease_seconds, failure_mode, policy_version,
+                                   tokens, requests, refilled_at)
+    SELECT 'global', s.i, k, lq_shard_share(p_tpm, s.i, k), lq_shard_share(p_tburst, s.i, k),
+           lq_shard_share(p_rpm, s.i, k), lq_shard_share(p_rburst, s.i, k),
+           lq_shard_share(p_max_if, s.i, k)::integer, p_lease, p_failure_mode, version,
+           least(lq_shard_share(p_tburst, s.i, k),
+                 tokens * lq_shard_share(p_tburst, s.i, k) / p_tburst),
+           least(lq_shard_share(p_rburst, s.i, k),
+                 requests * lq_shard_share(p_rburst, s.i, k) / p_rburst),
+           now_ts
+      FROM generate_series(0, k - 1) AS s(i)
+    ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
+       SET shards              = excluded.shards,
+           tokens_per_minute   = excluded.tokens_per_minute,
+           token_burst         = excluded.token_burst,
+           requests_per_minute = excluded.requests_per_minute,
+           request_burst       = excluded.request_burst,
+           max_in_flight       = excluded.max_in_flight,
+           lease_seconds       = excluded.lease_seconds,
+           failure_mode        = excluded.failure_mode,
+           policy_version      = excluded.policy_version,
+           tokens              = excluded.tokens,
+           requests            = excluded.requests,
+           refilled_at         = excluded.refilled_at;
+    RETURN version;
+END
+$$;
+
+
+-- The global layer as one: its rows summed (no row when it has no policy).
+-- tokens and requests are refilled to now (read only).
+CREATE OR REPLACE VIEW global_layer AS
+SELECT min(l.layer_id) AS layer_id,
+       'global'::text AS scope,
+       NULL::text AS tenant,
+       NULL::text AS route,
+       NULL::text AS plan,
+       sum(l.tokens_per_minute)::bigint AS tokens_per_minute,
+       sum(l.token_burst)::bigint AS token_burst,
+       sum(l.requests_per_minute)::bigint AS requests_per_minute,
+       sum(l.request_burst)::bigint AS request_burst,
+       sum(l.max_in_flight)::integer AS max_in_flight,
+       max(l.lease_seconds) AS lease_seconds,
+       max(l.failure_mode) AS failure_mode,
+       max(l.policy_version) AS policy_version,
+       sum(l.in_flight)::integer AS in_flight,
+       sum(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                       clock_timestamp())) AS tokens,
+       sum(lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at,
+                       clock_timestamp())) AS requests,
+       max(l.shards) AS shards
+  FROM limit_layers AS l
+ WHERE l.scope = 'global'
+HAVING count(*) > 0;

@@ -1,0 +1,261 @@
+"""A sharded global layer (migration 0012): its budget split over K rows, exact in total.
+
+Each tenant's requests take one shard; a shard short of room for its part of
+a batch makes the statement decide again with every shard pooled. So the
+shards together never admit more than the global burst, and a request is
+refused by the global layer only when all of them together lack room: the
+decisions are those of one unsharded row (checked against a twin database).
+The refill rates are slow (a few tokens a minute), so refill during a test is
+a fraction of a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from llmquota.admission.limiter import Limiter, Reservation
+from llmquota.domain.errors import RateLimited, RefusedValue
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import AdmitRequest
+from llmquota.store.store import Store
+from tests.conftest import _admin, dsn_with_database
+
+from .support import attempt, put
+
+
+async def put_global(limiter: Limiter | Store, shards: int | None, **policy: int) -> int:
+    store = limiter.store if isinstance(limiter, Limiter) else limiter
+    return await store.put_policy("global", None, None, Policy(**policy), shards=shards)
+
+
+async def global_rows(db: asyncpg.Connection) -> list[asyncpg.Record]:
+    return await db.fetch(
+        """SELECT shard, shards, tokens_per_minute, token_burst, requests_per_minute,
+                  request_burst, max_in_flight, tokens, requests, in_flight, policy_version
+             FROM limit_layers WHERE scope = 'global' ORDER BY shard"""
+    )
+
+
+async def global_tokens(db: asyncpg.Connection) -> float:
+    return float(await db.fetchval("SELECT tokens FROM global_layer"))
+
+
+async def test_the_shares_sum_to_the_policy_and_reads_show_it_whole(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    version = await put_global(
+        limiter,
+        4,
+        tokens_per_minute=1_003,
+        token_burst=1_003,
+        requests_per_minute=10,
+        request_burst=10,
+        max_in_flight=7,
+    )
+
+    rows = await global_rows(db)
+    assert [r["shard"] for r in rows] == [0, 1, 2, 3]
+    assert {r["shards"] for r in rows} == {4}
+    assert [r["token_burst"] for r in rows] == [251, 251, 251, 250]
+    assert [r["tokens_per_minute"] for r in rows] == [251, 251, 251, 250]
+    assert [r["request_burst"] for r in rows] == [3, 3, 2, 2]
+    assert [r["max_in_flight"] for r in rows] == [2, 2, 2, 1]
+    assert [r["tokens"] for r in rows] == [251, 251, 251, 250]  # a new layer starts full
+    assert {r["policy_version"] for r in rows} == {version}
+
+    stored = await limiter.store.get_policy("global", None, None)
+    assert stored is not None
+    assert stored.shards == 4
+    assert stored.policy.token_burst == 1_003
+    assert stored.policy.request_burst == 10
+    assert stored.policy.max_in_flight == 7
+    assert stored.policy_version == version
+    await put(limiter, "tenant", "a")
+    layers = {layer.scope: layer for layer in await limiter.store.layer_status("a")}
+    assert layers["global"].policy.token_burst == 1_003
+    assert layers["global"].tokens == pytest.approx(1_003, abs=1)
+
+
+async def test_one_tenant_takes_the_whole_global_budget_through_its_shard(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=1_000)
+    await put(limiter, "tenant", "a")
+
+    for _ in range(10):  # its own shard holds 250: the rest is borrowed
+        await limiter.admit(tenant="a", model="gpt-4o", input_tokens=100, max_tokens=0)
+    with pytest.raises(RateLimited) as refused:
+        await limiter.admit(tenant="a", model="gpt-4o", input_tokens=100, max_tokens=0)
+
+    assert (refused.value.limit, refused.value.scope) == ("tokens", "global")
+    # 100 tokens at the whole layer's 4 a minute: 25 minutes.
+    assert 1_490_000 <= refused.value.retry_after_ms <= 1_500_000
+    assert await global_tokens(db) == pytest.approx(0, abs=0.1)
+    rows = await global_rows(db)
+    assert sum(r["in_flight"] for r in rows) == 10
+    assert all(r["tokens"] <= r["token_burst"] for r in rows)
+
+
+async def test_a_request_larger_than_any_shard_fits_the_whole_layer(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=1_000)
+    await put(limiter, "tenant", "a")
+
+    held = await limiter.admit(tenant="a", model="gpt-4o", input_tokens=900, max_tokens=0)
+
+    assert held.reserved_tokens == 900
+    assert await global_tokens(db) == pytest.approx(100, abs=0.1)
+
+
+async def test_concurrent_tenants_admit_exactly_the_global_burst(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
+    tenants = [f"t{i}" for i in range(40)]
+    for tenant in tenants:
+        await put(limiter, "tenant", tenant)
+
+    results = await asyncio.gather(
+        *(
+            attempt(limiter, tenant=t, model="gpt-4o", input_tokens=50, max_tokens=50)
+            for t in tenants * 5
+        )
+    )
+
+    admitted = [r for r in results if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, RateLimited)]
+    assert len(admitted) == 100  # 10,000 / 100, whatever the spread over shards
+    assert len(refused) == 100
+    assert {(e.limit, e.scope) for e in refused} == {("tokens", "global")}
+    assert await global_tokens(db) == pytest.approx(0, abs=0.1)
+    assert sum(r["in_flight"] for r in await global_rows(db)) == 100
+    assert await limiter.store.audit() == []
+
+
+async def test_the_global_permits_are_exact_across_shards_and_given_back(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, max_in_flight=8)
+    for tenant in ("a", "b", "c"):
+        await put(limiter, "tenant", tenant)
+
+    results = await asyncio.gather(
+        *(
+            attempt(limiter, tenant=t, model="gpt-4o", input_tokens=1, max_tokens=1)
+            for t in ("a", "b", "c") * 10
+        )
+    )
+
+    admitted = [r for r in results if isinstance(r, Reservation)]
+    assert len(admitted) == 8
+    assert sum(r["in_flight"] for r in await global_rows(db)) == 8
+    for held in admitted:
+        await held.settle(input_tokens=1, output_tokens=1)
+    assert [r["in_flight"] for r in await global_rows(db)] == [0, 0, 0, 0]
+    assert await limiter.store.audit() == []
+
+
+async def test_changing_the_shard_count_keeps_the_balance(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=1_000)
+    await put(limiter, "tenant", "a")
+    held = [
+        await limiter.admit(tenant="a", model="gpt-4o", input_tokens=100, max_tokens=0)
+        for _ in range(4)
+    ]
+
+    await put_global(limiter, 2, tokens_per_minute=4, token_burst=1_000)
+    rows = await global_rows(db)
+    assert [r["shard"] for r in rows] == [0, 1]
+    assert [r["token_burst"] for r in rows] == [500, 500]
+    assert await global_tokens(db) == pytest.approx(600, abs=0.5)
+
+    await put_global(limiter, None, tokens_per_minute=4, token_burst=1_000)  # keeps 2
+    assert len(await global_rows(db)) == 2
+    await put_global(limiter, 1, tokens_per_minute=4, token_burst=1_000)
+    assert await global_tokens(db) == pytest.approx(600, abs=0.5)
+
+    for reservation in held:  # admitted on rows that may be gone: they still settle
+        await reservation.settle(input_tokens=100, output_tokens=0)
+    assert await global_tokens(db) == pytest.approx(600, abs=0.5)
+
+
+async def test_shards_that_cannot_split_a_limit_are_refused_and_change_nothing(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    with pytest.raises(RefusedValue):
+        await put_global(limiter, 8, max_in_flight=5)
+    assert await global_rows(db) == []
+
+
+# -- the same decisions as one row ------------------------------------------------
+
+
+@pytest.fixture
+async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
+    name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
+    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield dsn_with_database(server_dsn, name)
+    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def test_sharded_batches_decide_exactly_as_one_global_row(
+    database_dsn: str, twin_dsn: str
+) -> None:
+    sharded = await Store.connect(database_dsn, min_size=1, max_size=2)
+    whole = await Store.connect(twin_dsn, min_size=1, max_size=2)
+    try:
+        policy = {
+            "tokens_per_minute": 4,
+            "token_burst": 20_000,
+            "request_burst": 120,
+            "requests_per_minute": 4,
+            "max_in_flight": 100,
+        }
+        await put_global(sharded, 4, **policy)
+        await put_global(whole, 1, **policy)
+        tenants = [f"t{i}" for i in range(12)]
+        for store in (sharded, whole):
+            for tenant in tenants[:-1]:  # the last one is unknown
+                await store.put_policy(
+                    "tenant", tenant, None, Policy(token_burst=6_000, tokens_per_minute=1)
+                )
+        rng = random.Random(20261201)
+        statuses: list[tuple[str, str]] = []
+        for _ in range(25):
+            batch = [
+                AdmitRequest(
+                    tenant=rng.choice(tenants),
+                    route=None,
+                    model="gpt-4o",
+                    input_tokens=rng.randint(1, 400),
+                    max_tokens=rng.choice([0, 100, 1_500]),
+                    input_estimated=False,
+                    lease_seconds=None,
+                    idempotency_key=None,
+                    request_hash=None,
+                )
+                for _ in range(rng.randint(1, 16))
+            ]
+            for a, b in zip(await sharded.admit(batch), await whole.admit(batch), strict=True):
+                assert (a.status, a.limit_scope, a.limit_kind) == (
+                    b.status,
+                    b.limit_scope,
+                    b.limit_kind,
+                )
+                statuses.append((a.status, a.limit_scope or ""))
+        # The run reached every global limit and still agreed throughout.
+        assert ("admitted", "") in statuses
+        assert ("rate_limited", "global") in statuses
+        assert ("unknown_tenant", "") in statuses
+    finally:
+        await sharded.close()
+        await whole.close()
