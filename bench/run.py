@@ -41,6 +41,7 @@ from bench import (  # noqa: E402
     redis_lua,
     scaleout,
     servers,
+    shards,
 )
 
 COMMAND_FULL = "python bench/run.py"
@@ -740,6 +741,81 @@ def compare_replicas(pg: servers.Postgres, plan: Plan, report: Report) -> None:
     report.line(line, summary=True)
 
 
+# -- 10 ----------------------------------------------------------------------------------
+
+
+def compare_shards(pg: servers.Postgres, plan: Plan, report: Report) -> None:
+    report.line("== 10. the sharded global layer: K = 1, 2, 4 rows, 2, 4 and 8 statements")
+    dsn = asyncio.run(common.fresh_database(pg.dsn, "bench_shards"))
+    asyncio.run(shards.prepare(dsn, TENANTS))
+    aligned: dict[tuple[int, int], shards.ShardsResult] = {}
+    mixed: dict[int, shards.ShardsResult] = {}
+    for k in shards.SHARDS:
+        per_shard = asyncio.run(shards.set_shards(dsn, k))
+        for clients, is_aligned in [(c, True) for c in shards.CLIENTS] + [(8, False)]:
+            asyncio.run(common.reset_state(dsn))
+            result = shards.run(
+                pg,
+                "bench_shards",
+                shards=k,
+                per_shard=per_shard,
+                clients=clients,
+                aligned=is_aligned,
+                tenants=TENANTS,
+                seconds=plan.pgbench_s,
+            )
+            if is_aligned:
+                aligned[k, clients] = result
+            else:
+                mixed[k] = result
+            report.line(
+                f"  K={k} {clients} statements {'per shard' if is_aligned else 'mixed    '}: "
+                f"{result.decisions_per_second:8.0f} decisions/s  p99 {ms(result.p99_ms)} ms"
+            )
+    head = " | ".join(f"{c} statements: decisions/s, p99 ms" for c in shards.CLIENTS)
+    rows = [
+        f"| shards | {head} | 8 statements, mixed batches |",
+        "| ---: |" + " ---: |" * (len(shards.CLIENTS) + 1),
+        *(
+            f"| {k} | "
+            + " | ".join(
+                f"{aligned[k, c].decisions_per_second:,.0f}, {ms(aligned[k, c].p99_ms)}"
+                for c in shards.CLIENTS
+            )
+            + f" | {mixed[k].decisions_per_second:,.0f}, {ms(mixed[k].p99_ms)} |"
+            for k in shards.SHARDS
+        ),
+    ]
+    line = (
+        "global shards 1/2/4: "
+        + "/".join(
+            f"{aligned[k, max(shards.CLIENTS)].decisions_per_second:.0f}" for k in shards.SHARDS
+        )
+        + " per s"
+    )
+    report.sections.append(
+        "\n".join(
+            [
+                "## 10. The sharded global layer",
+                "",
+                "pgbench runs `lq_admit` with 64 requests per statement over 10,000 tenants",
+                "while the global layer is split over K rows (`shards` on the global policy,",
+                "migration 0012). In the per-shard columns each statement's tenants come from",
+                "one shard, as a batcher grouping by shard would send them; the last column",
+                "draws them from everywhere, so each statement locks every shard. The budget",
+                "is large, so no shard runs short (the borrowing path is proven exact in",
+                "`tests/integration/test_global_shards.py`, not timed here). p99 is per",
+                f"statement, from pgbench's transaction log; {plan.pgbench_s:g} s per cell.",
+                "",
+                *rows,
+                "",
+                f"`{line}` (per-shard batches, 8 statements)",
+            ]
+        )
+    )
+    report.line(line, summary=True)
+
+
 # -- the run ---------------------------------------------------------------------------
 
 
@@ -779,8 +855,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 10),
-        help="run only these comparisons (1-9)",
+        choices=range(1, 11),
+        help="run only these comparisons (1-10)",
     )
     return parser.parse_args()
 
@@ -795,7 +871,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 10))
+    wanted = set(args.only or range(1, 11))
     servers.ensure_tools()
     started = time.monotonic()
     load = common.machine_load()
@@ -816,19 +892,7 @@ def main() -> int:
             if 1 not in wanted:
                 asyncio.run(_library_database(pg))
             compare_sql_ceiling(pg, "bench_library", plan, report, service_10k_64)
-        if 4 in wanted:
-            asyncio.run(compare_burst(pg, plan, report))
-        if 5 in wanted:
-            asyncio.run(compare_grid(pg, plan, report))
-        if 6 in wanted:
-            asyncio.run(compare_growth(pg, plan, report))
-        if 7 in wanted:
-            compare_replicas(pg, plan, report)
-        if 8 in wanted:
-            fresh = functools.partial(common.fresh_database, pg.dsn)
-            asyncio.run(oversubscription.section(fresh, plan.quick, report))
-        if 9 in wanted:
-            estimates.section(report)  # simulated time: needs no server
+        run_sections_4_to_10(pg, wanted, plan, report)
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
@@ -838,6 +902,27 @@ def main() -> int:
         f"{report.charts_dir.relative_to(ROOT)} ({elapsed:.0f} s)"
     )
     return 0
+
+
+def run_sections_4_to_10(
+    pg: servers.Postgres, wanted: set[int], plan: Plan, report: Report
+) -> None:
+    """The comparisons that need no Redis and no result of another."""
+    if 4 in wanted:
+        asyncio.run(compare_burst(pg, plan, report))
+    if 5 in wanted:
+        asyncio.run(compare_grid(pg, plan, report))
+    if 6 in wanted:
+        asyncio.run(compare_growth(pg, plan, report))
+    if 7 in wanted:
+        compare_replicas(pg, plan, report)
+    if 8 in wanted:
+        fresh = functools.partial(common.fresh_database, pg.dsn)
+        asyncio.run(oversubscription.section(fresh, plan.quick, report))
+    if 9 in wanted:
+        estimates.section(report)  # simulated time: needs no server
+    if 10 in wanted:
+        compare_shards(pg, plan, report)
 
 
 MARKER = "<!-- Everything below this line is written by bench/run.py. -->"

@@ -96,6 +96,7 @@ async def test_policy_round_trip_and_defaults(
         "fallback_models": [],
         "prepaid": False,
         "output_estimate": None,
+        "shards": 1,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",

@@ -147,6 +147,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     names = (
         "admission.sql",
         "plans.sql",
+        "global_layer.sql",
         "estimates.sql",
         "ledger.sql",
         "reliability.sql",
@@ -160,6 +161,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     assert [s.name for s in scripts] == [
         "admission.sql",
         "plans.sql",
+        "global_layer.sql",
         "estimates.sql",
         "ledger.sql",
         "reliability.sql",
@@ -168,5 +170,5 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[6].text == "SELECT 1;\n"
-    assert scripts[6].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[7].text == "SELECT 1;\n"
+    assert scripts[7].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -1,4 +1,4 @@
-"""Plans, tenant policies on them, and provider ceilings: their statements.
+"""Plans, tenant policies on them, the global policy, provider ceilings: their statements.
 
 The same thin connector as the Store (one named statement per method, one
 round trip, typed records back), for the administration of the layers that
@@ -13,6 +13,7 @@ from typing import Any
 
 from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
+from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import PRIORITIES, priority_of, priority_rank
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
@@ -42,6 +43,25 @@ class Catalog:
         )
         version = rows[0]["policy_version"]
         return None if version is None else int(version)
+
+    async def put_global_policy(
+        self, policy: Policy, shards: int | None, *, deadline_seconds: float | None = None
+    ) -> int:
+        """Set the global layer's limits, split over `shards` rows (None: as many as now)."""
+        p = policy.resolved()
+        rows = await self._fetch(
+            "put_global_policy",
+            p.tokens_per_minute,
+            p.token_burst,
+            p.requests_per_minute,
+            p.request_burst,
+            p.max_in_flight,
+            p.lease_seconds,
+            p.failure_mode,
+            shards,
+            deadline_seconds=deadline_seconds,
+        )
+        return int(rows[0]["policy_version"])
 
     async def put_plan(
         self, name: str, plan: Plan, *, deadline_seconds: float | None = None

@@ -278,9 +278,8 @@ class Store:
     ) -> int:
         """Create or replace a layer's policy; returns its policy version.
 
-        A tenant's goes through the catalog with the fields the policy was
-        given (no plan): the same row a tenant policy on no plan gets. The
-        global layer's is split over `shards` rows (None: as many as now).
+        A tenant's goes through the catalog with the fields the policy was given
+        (no plan); the global layer's is split over `shards` rows (None: as now).
         """
         if scope == "tenant" and tenant is not None:
             own = policy.model_dump(include=policy.model_fields_set, exclude_none=True)
@@ -291,21 +290,11 @@ class Store:
             )
             assert version is not None  # no plan to miss
             return version
-        p = policy.resolved()
         if scope == "global":
-            rows = await self._fetch(
-                "put_global_policy",
-                p.tokens_per_minute,
-                p.token_burst,
-                p.requests_per_minute,
-                p.request_burst,
-                p.max_in_flight,
-                p.lease_seconds,
-                p.failure_mode,
-                shards,
-                deadline_seconds=deadline_seconds,
+            return await self.catalog.put_global_policy(
+                policy, shards, deadline_seconds=deadline_seconds
             )
-            return int(rows[0]["policy_version"])
+        p = policy.resolved()
         rows = await self._fetch(
             "put_policy",
             scope,
