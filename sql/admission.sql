@@ -176,6 +176,33 @@ AS $$
 $$;
 
 
+-- The layers a batch touches, ceilings apart: the global layer (of a sharded
+-- one, the shards of the batch's tenants, or all of them with p_all_shards),
+-- each request's tenant layer and its route's when that has a policy. Index
+-- probes on (scope, tenant, route, ceiling, shard), never a scan; inlined
+-- into the statements that lock them.
+CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
+                                           p_all_shards boolean)
+RETURNS SETOF bigint
+LANGUAGE sql STABLE
+AS $$
+    SELECT g.layer_id FROM limit_layers AS g
+     WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL AND g.ceiling IS NULL
+       AND (g.shards = 1 OR p_all_shards
+            OR g.shard = ANY (SELECT lq_tenant_shard(u.t, g.shards) FROM unnest(p_tenants) AS u(t)))
+    UNION
+    SELECT t.layer_id
+      FROM unnest(p_tenants) AS u(t)
+      JOIN limit_layers AS t
+        ON t.scope = 'tenant' AND t.tenant = u.t AND t.route IS NULL AND t.ceiling IS NULL
+    UNION
+    SELECT r.layer_id
+      FROM unnest(p_tenants, p_routes) AS u(t, r)
+      JOIN limit_layers AS r
+        ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r AND r.ceiling IS NULL
+$$;
+
+
 -- Decide a batch of admission requests, exactly as if they were applied one
 -- by one in array order, and debit every layer of each admitted request.
 --
@@ -497,32 +524,180 @@ BEGIN
      WHERE c.scope = 'ceiling';
     END IF;
 
+    -- (3a) The fast path, one statement: when no request of the batch
+    -- touches a provider ceiling or a quota, none has an idempotency key or
+    -- explicit fallbacks, and the global layer is not being pooled, this
+    -- statement locks the batch's layers (in layer_id order), refills them
+    -- to one clock read once all are locked, and, when every tenant is known,
+    -- none is prepaid and every layer has room for everything the batch asks
+    -- of it, admits every request in order, as the one-by-one decision of
+    -- (5) would. Each request's figures are then running sums per layer (a
+    -- window over the requests in array order), so debiting the layers,
+    -- journaling the reservations and answering need no loop. `fits` checks
+    -- exactly the conditions of (5) (too large, tokens, requests, permits)
+    -- against those running sums; when any fails, nothing here writes or
+    -- returns, the locks stay held, and (3) onwards decides. The property
+    -- test of batched == one by one covers both paths.
+    has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
+    IF NOT has_quotas AND mc_layer IS NULL AND NOT p_pool
+       AND coalesce(cardinality(p_alt_ord), 0) = 0
+       AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0 THEN
+        RETURN QUERY
+        WITH locked AS MATERIALIZED (
+            SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.shard, ll.shards,
+                   ll.tokens_per_minute AS tpm, ll.token_burst AS tburst,
+                   ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
+                   ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
+                   ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
+                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid
+              FROM limit_layers AS ll
+             -- one bitmap of index scans on the layer key: the global rows (of
+             -- a sharded layer, the batch's shards), the batch's tenants, and
+             -- the routes named (a route of a batch tenant named by another
+             -- request is locked too, and only refilled)
+             WHERE ll.ceiling IS NULL
+               AND ((ll.scope = 'global' AND ll.tenant IS NULL AND ll.route IS NULL
+                     AND (ll.shards = 1
+                          OR ll.shard = ANY (SELECT lq_tenant_shard(u.t, ll.shards)
+                                               FROM unnest(p_tenants) AS u(t))))
+                    OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
+                    OR (ll.scope = 'route' AND ll.tenant = ANY (p_tenants)
+                        AND ll.route = ANY (p_routes)))
+             ORDER BY ll.layer_id
+               FOR UPDATE
+        ), clock AS (
+            -- read once every row is locked (the aggregate consumes them all)
+            SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS ts,
+                   coalesce(bool_or(l.prepaid), false) AS prepaid
+              FROM locked AS l
+        ), layer AS (
+            SELECT l.*, c.ts,
+                   lq_refilled(l.tokens, l.tpm, l.tburst, l.refilled_at, c.ts) AS tokens_now,
+                   lq_refilled(l.requests, l.rpm, l.rburst, l.refilled_at, c.ts) AS requests_now
+              FROM locked AS l, clock AS c
+        ), req AS (
+            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
+              FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
+                   WITH ORDINALITY AS u(t, r, inp, mx, res, o)
+        ), pairs AS (
+            -- each request with each of its layers: pos 1 global, 2 tenant, 3 route
+            SELECT q.k, q.cost, 1 AS pos, l.layer_id
+              FROM req AS q JOIN layer AS l
+                ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
+            UNION ALL
+            SELECT q.k, q.cost, 2, l.layer_id
+              FROM req AS q JOIN layer AS l ON l.scope = 'tenant' AND l.tenant = q.t
+            UNION ALL
+            SELECT q.k, q.cost, 3, l.layer_id
+              FROM req AS q JOIN layer AS l
+                ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
+        ), running AS (
+            SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
+                   l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
+                   l.requests_now, sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
+              FROM pairs AS p JOIN layer AS l USING (layer_id)
+            WINDOW w AS (PARTITION BY p.layer_id ORDER BY p.k)
+        ), fits AS (
+            SELECT coalesce(bool_and(
+                       (r.tpm IS NULL
+                        OR (r.cost <= r.tburst AND r.tokens_now - r.tok_used + epsilon >= 0))
+                       AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
+                       AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
+                   AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
+                   AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
+              FROM running AS r
+        ), decided AS (
+            SELECT r.k, min(r.cost) AS cost, gen_random_uuid() AS id, min(r.ts) AS ts,
+                   coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
+                            min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
+                   array_agg(r.layer_id ORDER BY r.pos) AS ids,
+                   max(r.version) AS version,
+                   min(r.tokens_now - r.tok_used) AS rem_tok,
+                   min(r.requests_now - r.req_used) AS rem_req,
+                   min(r.max_if - r.in_flight - r.req_used) AS rem_if,
+                   min(r.tpm) FILTER (WHERE r.pos = 2) AS t_tpm,
+                   min(r.tburst) FILTER (WHERE r.pos = 2) AS t_tburst,
+                   min(r.tokens_now - r.tok_used) FILTER (WHERE r.pos = 2) AS t_tokens,
+                   min(r.rpm) FILTER (WHERE r.pos = 2) AS t_rpm,
+                   min(r.rburst) FILTER (WHERE r.pos = 2) AS t_rburst,
+                   min(r.requests_now - r.req_used) FILTER (WHERE r.pos = 2) AS t_requests,
+                   min(r.priority) FILTER (WHERE r.pos = 2) AS t_priority,
+                   min(r.plan) FILTER (WHERE r.pos = 2) AS t_plan
+              FROM running AS r, fits
+             WHERE fits.ok
+             GROUP BY r.k
+        ), debited AS (
+            -- every locked layer: its refill state, less what the batch takes
+            UPDATE limit_layers AS ll
+               SET tokens = l.tokens_now - CASE WHEN l.tpm IS NULL THEN 0
+                                                ELSE coalesce(d.tokens, 0) END,
+                   requests = l.requests_now - CASE WHEN l.rpm IS NULL THEN 0
+                                                    ELSE coalesce(d.requests, 0) END,
+                   in_flight = l.in_flight + coalesce(d.requests, 0)::integer,
+                   refilled_at = l.ts
+              FROM fits, layer AS l
+                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, count(*) AS requests
+                                FROM pairs AS p GROUP BY p.layer_id) AS d USING (layer_id)
+             -- by key, not by the locked version's ctid: that version may be
+             -- newer than this statement's snapshot (committed while we waited
+             -- for its lock), and the UPDATE finds it from the visible one
+             WHERE fits.ok AND ll.layer_id = l.layer_id
+        ), journal AS (
+            INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
+                                      input_tokens, input_estimated, max_tokens, reserved_tokens,
+                                      policy_version, created_at, lease_seconds, lease_expires_at,
+                                      idempotency_key, request_hash)
+            SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
+                   p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
+                   d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
+                   NULL, p_request_hashes[d.k]
+              FROM decided AS d
+        )
+        SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
+               NULL::text, NULL::text, NULL::bigint, NULL::bigint,
+               floor(d.rem_tok)::bigint, floor(d.rem_req)::bigint, d.rem_if::integer,
+               d.t_tpm, d.t_tburst, d.t_tokens, d.t_rpm, d.t_rburst, d.t_requests,
+               p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
+               NULL::double precision,
+               CASE WHEN p_priorities[d.k] IS NULL THEN d.t_priority
+                    WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
+                    ELSE least(p_priorities[d.k], d.t_priority) END,
+               d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
+               NULL::text, NULL::numeric
+          FROM decided AS d
+         ORDER BY d.k;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+
     -- (3) Lock every layer any request touches, in layer_id order. FOR UPDATE
     -- re-reads a row changed by a transaction we waited for, so the balances
-    -- below are the latest committed ones.
-    SELECT array_agg(x.layer_id ORDER BY x.layer_id),
+    -- below are the latest committed ones. The arrays come from one pass over
+    -- the locked rows, so position i of each describes the same layer.
+    SELECT array_agg(x.layer_id),
            array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
                                   WHEN 'tenant' THEN 't/' || x.tenant
                                   WHEN 'ceiling' THEN 'c/' || x.ceiling
-                                  ELSE 'r/' || x.tenant || '/' || x.route END ORDER BY x.layer_id),
-           array_agg(x.scope ORDER BY x.layer_id),
-           array_agg(x.ceiling ORDER BY x.layer_id),
-           array_agg(x.tokens_per_minute ORDER BY x.layer_id),
-           array_agg(x.token_burst ORDER BY x.layer_id),
-           array_agg(x.requests_per_minute ORDER BY x.layer_id),
-           array_agg(x.request_burst ORDER BY x.layer_id),
-           array_agg(x.max_in_flight ORDER BY x.layer_id),
-           array_agg(x.lease_seconds ORDER BY x.layer_id),
-           array_agg(x.policy_version ORDER BY x.layer_id),
-           array_agg(x.tokens ORDER BY x.layer_id),
-           array_agg(x.requests ORDER BY x.layer_id),
-           array_agg(x.in_flight ORDER BY x.layer_id),
-           array_agg(x.refilled_at ORDER BY x.layer_id),
-           array_agg(x.priority ORDER BY x.layer_id),
-           array_agg(x.plan ORDER BY x.layer_id),
-           array_agg(x.fallback_models::text ORDER BY x.layer_id),
-           array_agg(coalesce(cardinality(x.shed_above), 0) > 0 ORDER BY x.layer_id),
-           array_agg(x.prepaid ORDER BY x.layer_id),
+                                  ELSE 'r/' || x.tenant || '/' || x.route END),
+           array_agg(x.scope),
+           array_agg(x.ceiling),
+           array_agg(x.tokens_per_minute),
+           array_agg(x.token_burst),
+           array_agg(x.requests_per_minute),
+           array_agg(x.request_burst),
+           array_agg(x.max_in_flight),
+           array_agg(x.lease_seconds),
+           array_agg(x.policy_version),
+           array_agg(x.tokens),
+           array_agg(x.requests),
+           array_agg(x.in_flight),
+           array_agg(x.refilled_at),
+           array_agg(x.priority),
+           array_agg(x.plan),
+           array_agg(x.fallback_models::text),
+           array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
+           array_agg(x.prepaid),
            max(x.refilled_at),
            max(x.shards) FILTER (WHERE x.scope = 'global')
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
@@ -531,27 +706,7 @@ BEGIN
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
-                       -- index probes on (scope, tenant, route, ceiling, shard), never
-                       -- a scan; of a sharded global layer, the batch's tenants' shards
-                       -- (or all, pooled)
-                       SELECT g.layer_id FROM limit_layers AS g
-                        WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
-                          AND g.ceiling IS NULL
-                          AND (g.shards = 1 OR p_pool
-                               OR g.shard = ANY (SELECT lq_tenant_shard(u.t, g.shards)
-                                                   FROM unnest(p_tenants) AS u(t)))
-                       UNION
-                       SELECT t.layer_id
-                         FROM unnest(p_tenants) AS u(t)
-                         JOIN limit_layers AS t
-                           ON t.scope = 'tenant' AND t.tenant = u.t AND t.route IS NULL
-                          AND t.ceiling IS NULL
-                       UNION
-                       SELECT r.layer_id
-                         FROM unnest(p_tenants, p_routes) AS u(t, r)
-                         JOIN limit_layers AS r
-                           ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r
-                          AND r.ceiling IS NULL
+                       SELECT b.layer_id FROM lq_batch_layers(p_tenants, p_routes, p_pool) AS b(layer_id)
                        UNION
                        SELECT unnest(mc_layer))
              ORDER BY ll.layer_id
@@ -657,7 +812,6 @@ BEGIN
     -- in quota_id order; then the prices in force of every candidate model;
     -- then the prepaid balances, locked in tenant order. This is the lock
     -- order of quotas.sql, after the layers.
-    has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
     IF has_quotas THEN
         FOR qid IN SELECT q.quota_id FROM quotas AS q
                     WHERE q.tenant = ANY (p_tenants)
@@ -717,97 +871,6 @@ BEGIN
                  ORDER BY ca.tenant
                    FOR UPDATE) AS a;
         cr_add := array_fill(0::numeric, ARRAY[coalesce(cardinality(cr_tenant), 0)]);
-    END IF;
-
-    -- (4c) The fast path, one set-based statement: when no request of the
-    -- batch touches a provider ceiling, a quota or a prepaid balance, none
-    -- has an idempotency key or explicit fallbacks, every tenant is known,
-    -- and every layer has room for everything the batch asks of it, then the
-    -- one-by-one decision of (5) admits every request in order. Each
-    -- request's figures are then running sums per layer (a window over the
-    -- requests in array order), and debiting the layers, journaling the
-    -- reservations and answering take one statement instead of a loop of
-    -- statements per request. `fits` checks exactly the conditions of (5)
-    -- (too large, tokens, requests, permits) against those running sums;
-    -- when any fails, nothing here writes or returns, and (5) decides. The
-    -- property test of batched == one by one covers both paths.
-    IF NOT has_quotas AND mc_layer IS NULL AND NOT (true = ANY (l_prepaid)) AND NOT pooled
-       AND coalesce(cardinality(p_alt_ord), 0) = 0
-       AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0
-       AND array_position(x_ti, NULL) IS NULL THEN
-        RETURN QUERY
-        WITH pairs AS (
-            SELECT u.o::integer AS k, u.ti, u.ri, u.inp + coalesce(u.res, u.mx) AS cost, l.j, l.n
-              FROM unnest(p_input_tokens, p_max_tokens, p_output_reserve, x_gi, x_ti, x_ri)
-                   WITH ORDINALITY AS u(inp, mx, res, gi, ti, ri, o),
-                   unnest(array_remove(ARRAY[u.gi, u.ti, u.ri], NULL)) WITH ORDINALITY AS l(j, n)
-        ), running AS (
-            SELECT p.k, p.ti, p.ri, p.cost, p.j, p.n,
-                   sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
-              FROM pairs AS p
-            WINDOW w AS (PARTITION BY p.j ORDER BY p.k)
-        ), fits AS (
-            SELECT coalesce(bool_and(
-                       (l_tpm[r.j] IS NULL
-                        OR (r.cost <= l_tburst[r.j] AND l_tokens[r.j] - r.tok_used + epsilon >= 0))
-                       AND (l_rpm[r.j] IS NULL OR l_requests[r.j] - r.req_used + epsilon >= 0)
-                       AND (l_max_if[r.j] IS NULL
-                            OR l_in_flight[r.j] + r.req_used <= l_max_if[r.j])), false) AS ok
-              FROM running AS r
-        ), decided AS (
-            SELECT r.k, min(r.cost) AS cost, min(r.ti) AS ti, gen_random_uuid() AS id,
-                   coalesce(p_lease_seconds[r.k], l_lease[coalesce(min(r.ri), min(r.ti))]) AS lease,
-                   array_agg(l_id[r.j] ORDER BY r.n) AS ids,
-                   max(l_version[r.j]) AS version,
-                   min(l_tokens[r.j] - r.tok_used) AS rem_tok,
-                   min(l_requests[r.j] - r.req_used) AS rem_req,
-                   min(l_max_if[r.j] - l_in_flight[r.j] - r.req_used) AS rem_if,
-                   min(CASE WHEN r.j = r.ti THEN l_tokens[r.j] - r.tok_used END) AS t_tokens,
-                   min(CASE WHEN r.j = r.ti THEN l_requests[r.j] - r.req_used END) AS t_requests
-              FROM running AS r, fits
-             WHERE fits.ok
-             GROUP BY r.k
-        ), debited AS (
-            -- every locked layer: its refill state, less what the batch takes
-            UPDATE limit_layers AS ll
-               SET tokens = l_tokens[l.j] - CASE WHEN l_tpm[l.j] IS NULL THEN 0
-                                                 ELSE coalesce(d.tokens, 0) END,
-                   requests = l_requests[l.j] - CASE WHEN l_rpm[l.j] IS NULL THEN 0
-                                                     ELSE coalesce(d.requests, 0) END,
-                   in_flight = l_in_flight[l.j] + coalesce(d.requests, 0)::integer,
-                   refilled_at = now_ts
-              FROM fits,
-                   unnest(l_id) WITH ORDINALITY AS l(layer_id, j)
-                   LEFT JOIN (SELECT p.j, sum(p.cost) AS tokens, count(*) AS requests
-                                FROM pairs AS p GROUP BY p.j) AS d ON d.j = l.j
-             WHERE fits.ok AND ll.layer_id = l.layer_id
-        ), journal AS (
-            INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
-                                      input_tokens, input_estimated, max_tokens, reserved_tokens,
-                                      policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash)
-            SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
-                   p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
-                   d.version, now_ts, d.lease, now_ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k]
-              FROM decided AS d
-        )
-        SELECT d.k, 'admitted'::text, d.id, d.cost, now_ts + make_interval(secs => d.lease), 1,
-               NULL::text, NULL::text, NULL::bigint, NULL::bigint,
-               floor(d.rem_tok)::bigint, floor(d.rem_req)::bigint, d.rem_if::integer,
-               l_tpm[d.ti], l_tburst[d.ti], d.t_tokens, l_rpm[d.ti], l_rburst[d.ti], d.t_requests,
-               p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
-               NULL::double precision,
-               CASE WHEN p_priorities[d.k] IS NULL THEN l_priority[d.ti]
-                    WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
-                    ELSE least(p_priorities[d.k], l_priority[d.ti]) END,
-               l_plan[d.ti], NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
-               NULL::text, NULL::numeric
-          FROM decided AS d
-         ORDER BY d.k;
-        IF FOUND THEN
-            RETURN;
-        END IF;
     END IF;
 
     -- (5) Decide each request in order against the running balances.
