@@ -244,11 +244,12 @@ $$;
 -- when some shard lacks room for the most its requests of this batch could
 -- take (every candidate model counted at its largest), nothing is decided:
 -- SQLSTATE LQ001 says so, and lq_admit decides again with p_pool, which locks
--- every shard and pools them into one layer for the batch (the exact loop,
--- then the pooled balance is split back over the shards by their burst). So
--- a request is refused by the global layer only when all shards together
--- lack room, and the shards together never hold more than the policy's
--- burst.
+-- every shard; the fast path (3a) still debits each request's own shard when
+-- every shard has room, and otherwise (5) pools them into one layer for the
+-- batch (the exact loop, then the pooled balance is split back over the
+-- shards by their burst). So a request is refused by the global layer only
+-- when all shards together lack room, and the shards together never hold
+-- more than the policy's burst.
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer);
 -- The result gained quota, resets_at and credit_balance (a changed result
@@ -525,9 +526,9 @@ BEGIN
     END IF;
 
     -- (3a) The fast path, one statement: when no request of the batch
-    -- touches a provider ceiling or a quota, none has an idempotency key or
-    -- explicit fallbacks, and the global layer is not being pooled, this
-    -- statement locks the batch's layers (in layer_id order), refills them
+    -- touches a provider ceiling or a quota and none has an idempotency key
+    -- or explicit fallbacks, this statement locks the batch's layers (every
+    -- global shard with p_pool; in layer_id order), refills them
     -- to one clock read once all are locked, and, when every tenant is known,
     -- none is prepaid and every layer has room for everything the batch asks
     -- of it, admits every request in order, as the one-by-one decision of
@@ -539,7 +540,7 @@ BEGIN
     -- returns, the locks stay held, and (3) onwards decides. The property
     -- test of batched == one by one covers both paths.
     has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
-    IF NOT has_quotas AND mc_layer IS NULL AND NOT p_pool
+    IF NOT has_quotas AND mc_layer IS NULL
        AND coalesce(cardinality(p_alt_ord), 0) = 0
        AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0 THEN
         RETURN QUERY
@@ -557,7 +558,7 @@ BEGIN
              -- request is locked too, and only refilled)
              WHERE ll.ceiling IS NULL
                AND ((ll.scope = 'global' AND ll.tenant IS NULL AND ll.route IS NULL
-                     AND (ll.shards = 1
+                     AND (ll.shards = 1 OR p_pool
                           OR ll.shard = ANY (SELECT lq_tenant_shard(u.t, ll.shards)
                                                FROM unnest(p_tenants) AS u(t))))
                     OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
@@ -604,6 +605,10 @@ BEGIN
                        AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
                        AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
                    AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
+                   -- every request has its global shard, unless there is no global
+                   -- layer (a shard count changed meanwhile leaves one unlocked)
+                   AND (count(*) FILTER (WHERE r.pos = 1) = n
+                        OR NOT EXISTS (SELECT 1 FROM limit_layers AS g WHERE g.scope = 'global'))
                    AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
               FROM running AS r
         ), decided AS (
@@ -1286,7 +1291,9 @@ $$;
 -- back, which releases its row locks and undoes its writes, and the batch is
 -- decided again with every shard locked and pooled, in the same layer_id
 -- order (so no deadlock), in the same statement. One shard, no
--- subtransaction: a probe for shard 1 says which.
+-- subtransaction: a probe for shard 1 says which, and the batch is decided
+-- with p_pool, so that a shard count raised since the probe is met by
+-- locking every shard rather than by an LQ001 with no handler.
 CREATE OR REPLACE FUNCTION lq_admit(
 
     p_tenants          text[],
@@ -1351,7 +1358,7 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false);
+            p_output_reserve, true);
         RETURN;
     END IF;
     BEGIN

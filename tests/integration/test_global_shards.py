@@ -139,6 +139,36 @@ async def test_concurrent_tenants_admit_exactly_the_global_burst(
     assert await limiter.store.audit() == []
 
 
+async def test_changing_the_shard_count_under_load_admits_exactly_the_burst(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
+    tenants = [f"t{i}" for i in range(40)]
+    for tenant in tenants:
+        await put(limiter, "tenant", tenant)
+
+    async def reshard() -> None:
+        for shards in (2, 1, 4, 3, 1, 2):
+            await put_global(limiter, shards, tokens_per_minute=4, token_burst=10_000)
+            await asyncio.sleep(0.01)
+
+    results, _ = await asyncio.gather(
+        asyncio.gather(
+            *(
+                attempt(limiter, tenant=t, model="gpt-4o", input_tokens=50, max_tokens=50)
+                for t in tenants * 5
+            )
+        ),
+        reshard(),
+    )
+
+    admitted = [r for r in results if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, RateLimited)]
+    assert len(admitted) + len(refused) == len(results)
+    assert len(admitted) == 100  # no shard change loses or adds budget
+    assert await global_tokens(db) == pytest.approx(0, abs=0.1)
+
+
 async def test_the_global_permits_are_exact_across_shards_and_given_back(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
