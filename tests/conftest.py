@@ -86,6 +86,15 @@ async def database_dsn(server_dsn: str, template_database: str) -> AsyncIterator
 
 
 @pytest.fixture
+async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
+    """A second fresh database from the same template (batched vs one-by-one tests)."""
+    name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
+    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    yield dsn_with_database(server_dsn, name)
+    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
 def settings() -> Settings:
     """Settings for tests: a pool wide enough for the concurrency tests.
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -24,7 +22,6 @@ from llmquota.domain.errors import RateLimited, RefusedValue
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import AdmitRequest
 from llmquota.store.store import Store
-from tests.conftest import _admin, dsn_with_database
 
 from .support import attempt, put
 
@@ -227,14 +224,6 @@ async def test_shards_that_cannot_split_a_limit_are_refused_and_change_nothing(
 
 
 # -- the same decisions as one row ------------------------------------------------
-
-
-@pytest.fixture
-async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
-    name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
-    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    yield dsn_with_database(server_dsn, name)
-    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 async def test_sharded_batches_decide_exactly_as_one_global_row(

@@ -36,22 +36,12 @@ from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
 from llmquota.store.store import Store
-from tests.conftest import _admin, dsn_with_database
 
 TENANTS = ("t0", "t1", "t2")
 UNKNOWN_TENANT = "ghost"
 ROUTES = ("r0", "r1")
 # One unit per minute: negligible refill over a test, see the module docstring.
 SLOW_RATE = 1
-
-
-@pytest.fixture
-async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
-    """A second fresh database from the same template."""
-    name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
-    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    yield dsn_with_database(server_dsn, name)
-    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

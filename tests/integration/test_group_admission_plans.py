@@ -34,7 +34,6 @@ from llmquota.domain.policy import Policy
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest
 from llmquota.domain.vocabulary import PRIORITIES
 from llmquota.store.store import Store
-from tests.conftest import _admin, dsn_with_database
 from tests.integration.test_group_admission import (
     LEDGER_ROWS_OF_THIS_EXAMPLE,
     ROUTES,
@@ -53,15 +52,6 @@ from tests.integration.test_group_admission import (
 
 MODELS = ("m0", "m1", "m2", "x0")
 PLANS = ("pa", "pb")
-
-
-@pytest.fixture
-async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
-    """A second fresh database from the same template."""
-    name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
-    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    yield dsn_with_database(server_dsn, name)
-    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
