@@ -28,14 +28,13 @@ import uuid
 from typing import TypeVar
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmquota.api.auth import Caller
-from llmquota.api.routes.admission import admit_answer, settle_answer
+from llmquota.api.routes.admission import JSON_MEDIA_TYPE, admit_answer, settle_answer
 from llmquota.api.schemas import AdmitBody, SettleBody
 
 ADMIT_PATH = "/v1/admit"
@@ -93,7 +92,7 @@ class HotPaths:
                 settled = await settle_answer(
                     reservation_id, settle_body, caller, app.state.limiter
                 )
-                response = JSONResponse(settled.model_dump(mode="json"))
+                response = Response(settled.model_dump_json().encode(), media_type=JSON_MEDIA_TYPE)
         except Exception as exc:
             # What FastAPI's exception middleware does: the app's handler for
             # the exception's class, else on to the request-id middleware's 500.

@@ -19,7 +19,7 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import Receive, Scope
 
 from llmquota.admission.limiter import Limiter
@@ -47,6 +47,7 @@ router = APIRouter(tags=["admission"])
 # The status logged for a waiting admission whose client hung up (nginx's
 # convention); nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
+JSON_MEDIA_TYPE = "application/json"
 
 
 @router.post(
@@ -111,8 +112,13 @@ async def admit_answer(
     if refused is not None:
         return refused
     admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
-    return JSONResponse(
-        _admitted(admission, body.model).model_dump(mode="json"), status_code=201, headers=headers
+    # pydantic's own JSON encoder, one call: the same bytes as dumping the model
+    # to a dict and that through json (no floats here), at half the CPU.
+    return Response(
+        _admitted(admission, body.model).model_dump_json().encode(),
+        status_code=201,
+        headers=headers,
+        media_type=JSON_MEDIA_TYPE,
     )
 
 
