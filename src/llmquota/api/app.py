@@ -8,8 +8,9 @@ except on the proxy endpoints (llmquota.api.proxy), which answer in the
 provider's format.
 
 The middlewares, outermost first: request ids (and the last word on errors
-no handler took), the tenant fair share, then the request's size and time
-limits. The lifespan also hands the server protocol its limits on request
+no handler took), the tenant fair share, the request's size and time
+limits, then admit and settle answered without FastAPI's routing
+(llmquota.api.hotpaths). The lifespan also hands the server protocol its limits on request
 heads (llmquota.api.protocols), through the lifespan state uvicorn keeps,
 and runs the task that reads utilization gauges from the database
 (llmquota.admin.gauges), so that no request pays for them.
@@ -33,6 +34,7 @@ from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
+from llmquota.api.hotpaths import HotPaths
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.requestids import RequestIds
@@ -143,8 +145,10 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
 
 
 def _add_middlewares(app: FastAPI, settings: Settings) -> None:
-    """The request limits, the fair share and request ids, innermost first."""
+    """The hot paths, the request limits, the fair share and request ids, innermost first."""
     app.state.metrics_token = settings.metrics_token
+    # Innermost: admit and settle answered without FastAPI's routing (hotpaths.py).
+    app.add_middleware(HotPaths)
     app.add_middleware(
         RequestLimits,
         max_body_bytes=settings.max_body_bytes,

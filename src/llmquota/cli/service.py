@@ -81,6 +81,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             port=args.port,
             workers=args.workers,
             log_level=args.log_level,
+            access_log=args.access_log,
             # uvicorn's own parser choice, with limits on each request head.
             http=http_protocol_class(),
         )
@@ -95,6 +96,7 @@ def add_service_commands(commands: Any) -> None:
     add_converted_flag(serve, "serve", "--workers", int, type=int)
     add_converted_flag(serve, "serve", "--migrate", is_one, action="store_true")
     add_flag(serve, "serve", "--log-level")
+    add_converted_flag(serve, "serve", "--access-log", is_one, action="store_true")
     serve.set_defaults(func=cmd_serve)
 
     migrate = commands.add_parser("migrate", help="apply database migrations")

@@ -68,6 +68,15 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
     ),
     CommandDefault("serve", "--log-level", "LOG_LEVEL", default="info"),
     CommandDefault(
+        "serve",
+        "--access-log",
+        "ACCESS_LOG",
+        "log a line per request (uvicorn's access log; off: a formatted, written line "
+        "per admission costs CPU on the hot path)",
+        default="0",
+        env_note="=1",
+    ),
+    CommandDefault(
         "sweep", "--loop", "SWEEP_LOOP_SECONDS", "keep running, sweeping every SECONDS", "0"
     ),
     CommandDefault(

@@ -19,10 +19,13 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
+from starlette.types import Receive, Scope
 
+from llmquota.admission.limiter import Limiter
 from llmquota.admission.reservation import Admission
 from llmquota.admission.waiting import ClientLeft
+from llmquota.api.auth import Caller
 from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.headers import rate_limit_headers
@@ -44,6 +47,7 @@ router = APIRouter(tags=["admission"])
 # The status logged for a waiting admission whose client hung up (nginx's
 # convention); nobody receives it.
 CLIENT_CLOSED_REQUEST = 499
+JSON_MEDIA_TYPE = "application/json"
 
 
 @router.post(
@@ -54,6 +58,17 @@ async def admit(
 ) -> Response:
     """Reserve input + max_tokens on every layer, or say which limit refused;
     with max_wait_ms, wait that long at most for room first."""
+    return await admit_answer(body, caller, limiter, request.scope, request.receive)
+
+
+async def admit_answer(
+    body: AdmitBody, caller: Caller, limiter: Limiter, scope: Scope, receive: Receive
+) -> Response:
+    """The admit route's answer; llmquota.api.hotpaths calls it without FastAPI's routing.
+
+    `receive` is the request's channel once its body is read (a waiting
+    admission watches it for the client hanging up).
+    """
     caller.require_tenant(body.tenant)
     if body.max_wait_ms is not None:
         limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
@@ -77,8 +92,8 @@ async def admit(
             waited = await limiter.waiting.decide(
                 prepared,
                 body.max_wait_ms,
-                left=_client_left(request),
-                on_queued=request.scope.get(RELEASE_EARLY),
+                left=_client_left(receive),
+                on_queued=scope.get(RELEASE_EARLY),
             )
         except ClientLeft:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -97,18 +112,23 @@ async def admit(
     if refused is not None:
         return refused
     admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
-    return JSONResponse(
-        _admitted(admission, body.model).model_dump(mode="json"), status_code=201, headers=headers
+    # pydantic's own JSON encoder, one call: the same bytes as dumping the model
+    # to a dict and that through json (no floats here), at half the CPU.
+    return Response(
+        _admitted(admission, body.model).model_dump_json().encode(),
+        status_code=201,
+        headers=headers,
+        media_type=JSON_MEDIA_TYPE,
     )
 
 
-async def _client_left(request: Request) -> None:
+async def _client_left(receive: Receive) -> None:
     """Return when the client disconnects.
 
     The body is read by now, so the next message of the receive channel is
     the disconnect (uvicorn also answers it once the response is sent).
     """
-    while (await request.receive())["type"] != "http.disconnect":
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -145,6 +165,13 @@ async def settle(
     reservation_id: uuid.UUID, body: SettleBody, caller: CallerDep, limiter: LimiterDep
 ) -> SettleResponse:
     """Charge the provider's reported usage; refund or debit the difference."""
+    return await settle_answer(reservation_id, body, caller, limiter)
+
+
+async def settle_answer(
+    reservation_id: uuid.UUID, body: SettleBody, caller: Caller, limiter: Limiter
+) -> SettleResponse:
+    """The settle route's answer; llmquota.api.hotpaths calls it without FastAPI's routing."""
     result = await limiter.settle(
         reservation_id,
         input_tokens=body.input_tokens,
