@@ -8,12 +8,16 @@ database can get, so the report can say how close the service comes.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+import asyncpg
 
 from bench.servers import Postgres
 
@@ -124,3 +128,37 @@ def run(
     latency = float(re.search(r"latency average = ([\d.]+) ms", out).group(1))  # type: ignore[union-attr]
     name = f"{workload}, plain update" if plain_update else workload
     return PgbenchResult(name, batch, clients, tps, latency)
+
+
+def statement_cpu_ms(dsn: str, sql: str, *, statements: int, rounds: int) -> float:
+    """The fewest backend CPU milliseconds per statement over `rounds` runs of `statements`.
+
+    Read from /proc for the server process of one connection (PostgreSQL on
+    this machine), so other work on the machine inflates it far less than
+    wall time; `synchronous_commit` off, so it counts the statement's own
+    work and not the WAL flush. Used for lq_admit against the plain update.
+    """
+    return asyncio.run(_statement_cpu_ms(dsn, sql, statements=statements, rounds=rounds))
+
+
+async def _statement_cpu_ms(dsn: str, sql: str, *, statements: int, rounds: int) -> float:
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute("SET synchronous_commit = off")
+        pid = await connection.fetchval("SELECT pg_backend_pid()")
+        for _ in range(10):  # plans cached, pages warm
+            await connection.fetch(sql)
+        best = float("inf")
+        for _ in range(rounds):
+            before = _process_cpu_seconds(pid)
+            for _ in range(statements):
+                await connection.fetch(sql)
+            best = min(best, (_process_cpu_seconds(pid) - before) / statements * 1000)
+        return best
+    finally:
+        await connection.close()
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
