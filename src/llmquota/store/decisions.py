@@ -145,9 +145,9 @@ def admit_decision(row: Sequence[Any]) -> AdmitDecision:
     )
 
 
-def _local(instant: datetime | None, zone: str | None) -> datetime | None:
+def _local(instant: datetime, zone: str | None) -> datetime:
     """A quota's reset instant in the quota's own time zone (its local midnight)."""
-    if instant is None or zone is None:
+    if zone is None:
         return instant
     try:
         return instant.astimezone(ZoneInfo(zone))
