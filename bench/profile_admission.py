@@ -32,7 +32,7 @@ from bench import common, library, servers  # noqa: E402
 from llmquota import Limiter  # noqa: E402
 from llmquota.domain.errors import StoreUnavailable  # noqa: E402
 from llmquota.domain.records import AdmitDecision, AdmitRequest  # noqa: E402
-from llmquota.store.decisions import admit_arguments, admit_decision  # noqa: E402
+from llmquota.store.decisions import ADMIT_COLUMNS, admit_arguments, admit_decision  # noqa: E402
 
 TENANTS = 10_000
 CALLERS = 64
@@ -128,8 +128,9 @@ class NoDatabase:
         return unavailable
 
 
-def _admitted_row(request: AdmitRequest, expires: datetime.datetime) -> dict[str, Any]:
-    row: dict[str, Any] = dict.fromkeys(ROW_COLUMNS)
+def _admitted_row(request: AdmitRequest, expires: datetime.datetime) -> tuple[Any, ...]:
+    """An admitted row of lq_admit, by position (ADMIT_COLUMNS) as asyncpg gives it."""
+    row: dict[str, Any] = dict.fromkeys(ADMIT_COLUMNS)
     row.update(
         status="admitted",
         reservation_id=uuid.uuid4(),
@@ -140,43 +141,7 @@ def _admitted_row(request: AdmitRequest, expires: datetime.datetime) -> dict[str
         input_tokens=request.input_tokens,
         degraded=False,
     )
-    return row
-
-
-ROW_COLUMNS = [
-    "status",
-    "reservation_id",
-    "reserved_tokens",
-    "lease_expires_at",
-    "lease_generation",
-    "limit_kind",
-    "limit_scope",
-    "retry_after_ms",
-    "capacity",
-    "remaining_tokens",
-    "remaining_requests",
-    "remaining_in_flight",
-    "tenant_tokens_per_minute",
-    "tenant_token_burst",
-    "tenant_tokens",
-    "tenant_requests_per_minute",
-    "tenant_request_burst",
-    "tenant_requests",
-    "model",
-    "input_tokens",
-    "degraded",
-    "reason",
-    "ceiling",
-    "utilization",
-    "priority",
-    "plan",
-    "alt_max_tokens",
-    "alt_models",
-    "quota",
-    "resets_at",
-    "quota_timezone",
-    "credit_balance",
-]
+    return tuple(row.values())
 
 
 async def measure_without_database(seconds: float, profile: cProfile.Profile | None) -> None:

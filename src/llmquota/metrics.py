@@ -17,12 +17,19 @@ waiting (a unit test keeps the two in step).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+import math
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from llmquota.domain.records import AdmitDecision
 
@@ -110,6 +117,51 @@ class BoundedLabels:
         return OTHER_LABEL
 
 
+class LatencyHistogram(Collector):
+    """A histogram without labels whose observation takes one lock, not two.
+
+    prometheus_client's Histogram.observe checks itself and locks the sum and
+    then the bucket on every call: about 1.3 us on the bench machine, and the
+    decision latency is observed once per admission. This one counts per
+    bucket under one lock, and the registry reads it as the same series
+    (`_bucket` by `le`, `_count`, `_sum`, `_created`).
+    """
+
+    def __init__(
+        self, name: str, documentation: str, buckets: Iterable[float], registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = (*buckets, math.inf)
+        # The `le` labels as prometheus_client writes them (its helper is untyped).
+        self._les = [floatToGoString(b) for b in self._bounds]  # type: ignore[no-untyped-call]
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+        self._created = time.time()
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        """Count one observation in the first bucket whose bound is >= amount."""
+        index = bisect.bisect_left(self._bounds, amount)
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += amount
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        """The name this collector claims in the registry (no samples)."""
+        return [HistogramMetricFamily(self.name, self.documentation)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative = itertools.accumulate(counts)
+        family.add_metric([], list(zip(self._les, cumulative, strict=True)), sum_value=total)
+        family.add_sample(f"{self.name}_created", {}, self._created)
+        return [family]
+
+
 class Metrics:
     """The counters and histograms the limiter and API update."""
 
@@ -147,10 +199,11 @@ class Metrics:
             ["operation", "kind"],
         )
         self.key_lookups, self.auth_refusals = self._authentication_series()
-        self.decision_seconds = histogram(
+        self.decision_seconds = LatencyHistogram(
             "llmquota_decision_seconds",
             "Admission decision latency",
-            buckets=DECISION_BUCKETS_SECONDS,
+            DECISION_BUCKETS_SECONDS,
+            self.registry,
         )
         self.batch_size = histogram(
             "llmquota_batch_size",

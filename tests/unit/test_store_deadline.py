@@ -1,4 +1,5 @@
-"""The decision deadline (store/deadline.py) on a bare future, as the coalescer hands it over.
+"""The decision deadline (store/deadline.py): on a batch's futures, as the coalescer
+hands them over (DeadlineQueue), and on a coroutine (within_store_deadline).
 
 Outcomes only, no durations: what the caller gets and what becomes of the
 future its producer holds.
@@ -12,7 +13,7 @@ import time
 import pytest
 
 from llmquota.domain.errors import StoreTimeout
-from llmquota.store.deadline import within_store_deadline
+from llmquota.store.deadline import DeadlineQueue, within_store_deadline
 
 
 def _timeout() -> StoreTimeout:
@@ -22,22 +23,42 @@ def _timeout() -> StoreTimeout:
 async def test_an_answer_in_time_is_returned() -> None:
     future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     asyncio.get_running_loop().call_soon(future.set_result, 7)
-    assert await within_store_deadline(future, 5.0, _timeout) == 7
+    assert await DeadlineQueue(5.0, _timeout).watch(future) == 7
 
 
 async def test_no_answer_fails_the_future_with_the_timeout() -> None:
     future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     with pytest.raises(StoreTimeout):
-        await within_store_deadline(future, 0.01, _timeout)
+        await DeadlineQueue(0.01, _timeout).watch(future)
     # The producer sees it done: nobody will read an answer it sets later.
     assert future.done()
     assert isinstance(future.exception(), StoreTimeout)
 
 
+async def test_each_future_of_a_queue_gets_its_own_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    queue = DeadlineQueue(0.3, _timeout)
+    answered: asyncio.Future[int] = loop.create_future()
+    unanswered: asyncio.Future[int] = loop.create_future()
+    late: asyncio.Future[int] = loop.create_future()
+    queue.watch(answered)  # its deadline: 0.3 s from now
+    await asyncio.sleep(0.1)
+    queue.watch(unanswered)  # 0.4 s
+    answered.set_result(1)
+    await asyncio.sleep(0.25)
+    queue.watch(late)  # 0.65 s
+    # The first deadline has passed: the timer moved on to the next one.
+    assert not unanswered.done()
+    loop.call_later(0.15, late.set_result, 2)  # after 0.4 s, before 0.65 s
+    with pytest.raises(StoreTimeout):
+        await unanswered
+    assert await late == 2
+
+
 async def test_an_answer_that_waited_behind_a_stalled_loop_is_not_a_timeout() -> None:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[int] = loop.create_future()
-    waiting = asyncio.ensure_future(within_store_deadline(future, 0.02, _timeout))
+    waiting = asyncio.ensure_future(DeadlineQueue(0.02, _timeout).watch(future))
     await asyncio.sleep(0)  # the wait has started and its timer is set
     # The loop stalls for 0.1 s, far past the deadline: that lateness is given
     # back to the store, so an answer after the stall (and after the grace
@@ -49,7 +70,12 @@ async def test_an_answer_that_waited_behind_a_stalled_loop_is_not_a_timeout() ->
 
 async def test_a_cancelled_caller_cancels_the_future() -> None:
     future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    waiting = asyncio.ensure_future(within_store_deadline(future, 5.0, _timeout))
+    queue = DeadlineQueue(5.0, _timeout)
+
+    async def caller() -> int:
+        return await queue.watch(future)
+
+    waiting = asyncio.ensure_future(caller())
     await asyncio.sleep(0)
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):

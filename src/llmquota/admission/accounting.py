@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from llmquota.admission.reservation import Settlement
@@ -45,20 +46,36 @@ class TokenAccounting:
         # of two label mappings and a labels() call.
         self._reserved: dict[tuple[str | None, str | None], tuple[tuple[str, str], Counter]] = {}
 
-    def decided(self, decision: AdmitDecision) -> None:
-        """One decision of the store (a waiter's re-decisions each count here)."""
-        self.metrics.count_decision(decision)
-        if decision.status != "admitted" or decision.reservation_id is None:
-            return
-        key = (decision.model, decision.plan)
-        bound = self._reserved.get(key)
-        if bound is None:
-            bound = self._bind(key)
-        labels, reserved = bound
-        reserved.inc(int(decision.reserved_tokens or 0))
-        self._labels[decision.reservation_id] = labels
-        while len(self._labels) > MAX_REMEMBERED:
-            self._labels.popitem(last=False)
+    def decided(self, results: Sequence[AdmitDecision | Exception]) -> None:
+        """A batch's decisions of the store (a waiter's re-decisions each count).
+
+        Counted per batch: one increment of admits and of each (model, plan)
+        pair's reserved tokens, not one per decision (each is a locked update).
+        An admission whose caller left before it arrived counts too: it was
+        granted, and its release is counted as one.
+        """
+        admitted = 0
+        reserved: dict[Counter, int] = {}
+        remembered = self._labels
+        for decision in results:
+            if isinstance(decision, Exception):
+                continue  # refused data: that request's error, no decision
+            if decision.status != "admitted":
+                self.metrics.count_decision(decision)
+                continue
+            admitted += 1
+            if decision.reservation_id is None:
+                continue
+            key = (decision.model, decision.plan)
+            labels, counter = self._reserved.get(key) or self._bind(key)
+            reserved[counter] = reserved.get(counter, 0) + int(decision.reserved_tokens or 0)
+            remembered[decision.reservation_id] = labels
+        if admitted:
+            self.metrics.admits.inc(admitted)
+        for counter, tokens in reserved.items():
+            counter.inc(tokens)
+        while len(remembered) > MAX_REMEMBERED:
+            remembered.popitem(last=False)
 
     def _bind(self, key: tuple[str | None, str | None]) -> tuple[tuple[str, str], Counter]:
         """The labels of a (model, plan) and its reserved tokens counter, cached

@@ -46,9 +46,13 @@ class TokenCounter:
             **request,
         )
 
+    def inline(self, request: AdmitArguments) -> bool:
+        """Whether `request` is counted here and now (prepare), not on the pool."""
+        return not _large(request.get("messages"), self._inline_chars)
+
     async def prepare_off_loop(self, **request: Unpack[AdmitArguments]) -> AdmitRequest:
         """Validate and count; text over the inline size is counted on the pool."""
-        if not _large(request.get("messages"), self._inline_chars):
+        if self.inline(request):
             return self.prepare(**request)
         job = functools.partial(self.prepare, **request)
         async with self._turn(str(request.get("tenant"))):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from datetime import datetime, timedelta
@@ -78,8 +77,12 @@ class OutputEstimator:
     def apply(self, request: AdmitRequest) -> AdmitRequest:
         """The request with the output tokens to reserve; starts a refresh when due."""
         self._refresh_when_due()
+        policy = self.policy(request.tenant, request.route)
+        unchanged = request.output_reserve is None and request.output_strategy == "max_tokens"
+        if policy is None and request.max_tokens_given and unchanged:
+            return request  # output_reserve would answer max_tokens, as the request says
         reserve = output_reserve(
-            self.policy(request.tenant, request.route),
+            policy,
             self.histogram(request.tenant, request.route, request.model),
             request.max_tokens,
             max_tokens_given=request.max_tokens_given,
@@ -88,9 +91,7 @@ class OutputEstimator:
         if reserve.strategy == request.output_strategy and reserve.tokens == reserved:
             # Nothing to change (output_reserve None means max_tokens): no copy.
             return request
-        return dataclasses.replace(
-            request, output_reserve=reserve.tokens, output_strategy=reserve.strategy
-        )
+        return request._replace(output_reserve=reserve.tokens, output_strategy=reserve.strategy)
 
     def _refresh_when_due(self) -> None:
         now = time.monotonic()

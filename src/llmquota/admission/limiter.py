@@ -67,7 +67,7 @@ from llmquota.domain.validation import (
 )
 from llmquota.domain.vocabulary import OUTCOMES
 from llmquota.metrics import Metrics
-from llmquota.store.deadline import within_store_deadline
+from llmquota.store.deadline import DeadlineQueue, within_store_deadline
 from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,13 @@ class Limiter:
         )
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
+        deadline_ms = f"{self.deadline_seconds * 1000:.0f} ms"
+        self._admit_timed_out = functools.partial(
+            StoreTimeout, f"database gave no decision within {deadline_ms}"
+        )
+        self._finish_timed_out = functools.partial(StoreTimeout, f"no answer within {deadline_ms}")
+        self._admit_deadlines = DeadlineQueue(self.deadline_seconds, self._admit_timed_out)
+        self._finish_deadlines = DeadlineQueue(self.deadline_seconds, self._finish_timed_out)
         if settings.batching:
             window_seconds = settings.batch_window_ms / 1_000.0
             self._admissions = Coalescer(
@@ -177,9 +184,13 @@ class Limiter:
 
     async def _admit_batch(self, requests: list[AdmitRequest]) -> list[AdmitDecision | Exception]:
         """One admit statement for the batch; a request whose data the database
-        refuses gets that error alone (see batching.isolating)."""
+        refuses gets that error alone (see batching.isolating). The batch's
+        decisions are counted here, once per batch rather than per caller."""
         self.metrics.batch_size.labels("admit").observe(len(requests))
-        return await isolating(self._admit_statement, requests, RefusedValue)
+        results = await isolating(self._admit_statement, requests, RefusedValue)
+        self.outage.store_answered()
+        self.accounting.decided(results)
+        return results
 
     async def _admit_statement(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
         return await self.store.admit(requests, deadline_seconds=self.deadline_seconds)
@@ -192,28 +203,6 @@ class Limiter:
     async def _finish_statement(self, requests: list[FinishRequest]) -> list[FinishResult]:
         return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
 
-    async def _store_decision(self, request: AdmitRequest) -> AdmitDecision:
-        """The store's decision within the deadline, waiting for a batch included.
-
-        A caller that gives up while its batch is in flight loses nothing: an
-        admission nobody heard of is released (see releases.py).
-        """
-        return await within_store_deadline(
-            self._admissions.enqueue(request)
-            if self._admissions is not None
-            else self._admit_alone(request),
-            self.deadline_seconds,
-            lambda: StoreTimeout(
-                f"database gave no decision within {self.deadline_seconds * 1000:.0f} ms"
-            ),
-        )
-
-    async def _admit_alone(self, request: AdmitRequest) -> AdmitDecision:
-        return single(await self._admit_batch([request]))
-
-    async def _finish_alone(self, request: FinishRequest) -> FinishResult:
-        return single(await self._finish_batch([request]))
-
     async def decide(self, request: AdmitRequest, *, answer: bool = True) -> Admission:
         """One admission decision; refusals are returned, not raised.
 
@@ -221,31 +210,40 @@ class Limiter:
         the one deciding the requests one by one in arrival order would give.
         Raises StoreUnavailable only when the store cannot decide in time and
         the failure mode of some layer is `closed` (or nothing is cached).
+        A caller that gives up while its batch is in flight loses nothing: an
+        admission nobody heard of is released (see releases.py).
         `answer=False`: a waiter's decision, which the wait queue counts as an
         answer only when it is final (waiting.py).
         """
-        admission = await self._decide(request)
-        if answer:
-            self.metrics.count_answer(admission.decision)
-        return admission
-
-    async def _decide(self, request: AdmitRequest) -> Admission:
         started = time.perf_counter()
         request = self.estimates.apply(request)  # the output to reserve (estimates.py)
         try:
-            decision = await self._store_decision(request)
+            if self._admissions is not None:
+                decision = await self._admit_deadlines.watch(self._admissions.enqueue(request))
+            else:
+                decision = single(
+                    await within_store_deadline(
+                        self._admit_batch([request]), self.deadline_seconds, self._admit_timed_out
+                    )
+                )
         except StoreUnavailable as exc:
             self.outage.store_failed("admit", exc)
             try:
-                return self._decide_by_failure_mode(request, exc)
+                admission = self._decide_by_failure_mode(request, exc)
             finally:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.outage.store_answered()
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.accounting.decided(decision)
-        return Admission(
-            decision, request.input_tokens, request.input_estimated, None, request.output_strategy
-        )
+        else:
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
+            admission = Admission(
+                decision,
+                request.input_tokens,
+                request.input_estimated,
+                None,
+                request.output_strategy,
+            )
+        if answer:
+            self.metrics.count_answer(admission.decision)
+        return admission
 
     def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
         """The store did not decide in time: the layers' failure modes do (see fallback.py)."""
@@ -278,7 +276,10 @@ class Limiter:
         Keyword arguments are those of `prepare`, and `max_wait_ms`: wait up
         to that long for room rather than raise RateLimited (waiting.py).
         """
-        prepared = await self.counter.prepare_off_loop(**request)
+        if self.counter.inline(request):  # no coroutine for a count done here and now
+            prepared = self.counter.prepare(**request)
+        else:
+            prepared = await self.counter.prepare_off_loop(**request)
         if max_wait_ms:
             admission = (await self.waiting.decide(prepared, max_wait_ms)).admission
         else:
@@ -317,13 +318,14 @@ class Limiter:
                 self.outage.ensure_recovery()
                 return offline
         try:
-            result = await within_store_deadline(
-                self._finishes.enqueue(request)
-                if self._finishes is not None
-                else self._finish_alone(request),
-                self.deadline_seconds,
-                lambda: StoreTimeout(f"no answer within {self.deadline_seconds * 1000:.0f} ms"),
-            )
+            if self._finishes is not None:
+                result = await self._finish_deadlines.watch(self._finishes.enqueue(request))
+            else:
+                result = single(
+                    await within_store_deadline(
+                        self._finish_batch([request]), self.deadline_seconds, self._finish_timed_out
+                    )
+                )
         except StoreUnavailable as exc:
             self.outage.store_failed(request.action, exc)
             raise

@@ -131,7 +131,7 @@ def _admit_record(entry: OutageEntry) -> dict[str, Any]:
         "id": str(entry.reservation_id),
         "mode": entry.mode,
         "policy_version": entry.policy_version,
-        "request": dataclasses.asdict(entry.request),
+        "request": entry.request._asdict(),
     }
 
 

@@ -8,11 +8,12 @@ or heartbeats; it only forwards to the Limiter, which owns every transition.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from llmquota.domain.errors import (
     CreditsExhausted,
@@ -32,9 +33,12 @@ if TYPE_CHECKING:
     from llmquota.admission.limiter import Limiter
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """A decision with what the limiter counted to reach it."""
+class Admission(NamedTuple):
+    """A decision with what the limiter counted to reach it.
+
+    A NamedTuple for the same reason as AdmitDecision (domain/records.py):
+    one is built per admission, and a frozen dataclass costs a call per field.
+    """
 
     decision: AdmitDecision
     input_tokens: int
@@ -126,12 +130,16 @@ class Reservation:
         self.model: str | None = d.model
         self.degraded = d.degraded
         self.lease_expires_at: datetime = d.lease_expires_at
-        # {"strategy": "max_tokens" | "learned" | "fixed", "tokens": N}: reserved_tokens
-        # is the input plus N (see admission/estimates.py).
-        self.output_estimate = admission.output_estimate
+        self._admission = admission
         self.replayed = d.status == "replayed"
         self.settlement: Settlement | None = None
         self.released = False
+
+    @functools.cached_property
+    def output_estimate(self) -> OutputEstimateInfo:
+        """{"strategy": "max_tokens" | "learned" | "fixed", "tokens": N}: reserved_tokens
+        is the input plus N (see admission/estimates.py). Built when first read."""
+        return self._admission.output_estimate
 
     @property
     def finished(self) -> bool:

@@ -240,9 +240,7 @@ class WaitQueue:
         head = queue.waiters[0]
         retry_ms = max(1, math.ceil((head.retry_at - now) * 1000))
         refusal = waiter.last or self._behind(queue, request)
-        return dataclasses.replace(
-            refusal, decision=dataclasses.replace(refusal.decision, retry_after_ms=retry_ms)
-        )
+        return refusal._replace(decision=refusal.decision._replace(retry_after_ms=retry_ms))
 
     @staticmethod
     def _behind(queue: _TenantQueue, request: AdmitRequest) -> Admission:
@@ -253,8 +251,7 @@ class WaitQueue:
         """
         assert queue.blocked_by is not None
         blocker = queue.blocked_by.decision
-        decision = dataclasses.replace(
-            blocker,
+        decision = blocker._replace(
             reserved_tokens=request.input_tokens + request.max_tokens,
             model=request.model,
             input_tokens=request.input_tokens,

@@ -22,7 +22,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Literal, NamedTuple, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, TypeAdapter
 
@@ -222,9 +222,9 @@ class OutputEstimateInfo(TypedDict):
     tokens: int
 
 
-@dataclass(frozen=True, slots=True)
-class OutputReserve:
-    """What admission reserves for a request's output, and by which strategy."""
+class OutputReserve(NamedTuple):
+    """What admission reserves for a request's output, and by which strategy
+    (a NamedTuple: one is built per admission, see domain/records.py)."""
 
     strategy: OutputStrategy
     tokens: int

@@ -16,9 +16,10 @@ recovers still answers eventually.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -37,66 +38,126 @@ async def within_store_deadline(
     """The awaitable's result, or `timed_out()` raised once the store has had
     `deadline_seconds` of time in which its answer could have been read.
 
-    A coroutine runs in a task of its own, cancelled when the wait ends
-    without its answer. A Future must be one only this caller waits on (a
-    batch's answer for one request): it is awaited as it is, with no task,
-    and on timeout it is failed with `timed_out()` rather than cancelled;
-    either way its producer sees it done and knows nobody will read it.
+    It runs in a task of its own, cancelled when the wait ends without its
+    answer. (A batch's answer for one request is a future: DeadlineQueue.)
     """
-    if not asyncio.isfuture(awaitable) or isinstance(awaitable, asyncio.Task):
-        return await _task_within(asyncio.ensure_future(awaitable), deadline_seconds, timed_out)
-    future = cast("asyncio.Future[T]", awaitable)
-    watch = _Watch(future, deadline_seconds, timed_out)
-    try:
-        return await future
-    finally:
-        watch.stop()
+    return await _task_within(asyncio.ensure_future(awaitable), deadline_seconds, timed_out)
+
+
+class DeadlineQueue:
+    """The deadlines of futures that all wait `deadline_seconds`, with one timer.
+
+    A batch's answer for one request is a future only its caller waits on.
+    Every such future of one kind (admissions, finishes) waits the same
+    deadline from the moment it is queued, so their deadlines come in arrival
+    order, and one timer, set for the oldest future still waiting, keeps them
+    all: no task, no timer handle armed and cancelled per decision. A future
+    still waiting when its deadline passes gets a _Watch of its own from then
+    on (the same grace turns and lateness credit as a wait by itself), and
+    is at last failed with `timed_out()` rather than cancelled, so its
+    producer sees it done and knows nobody will read it. Cancelling the
+    caller cancels the future, as awaiting any future does.
+    """
+
+    __slots__ = ("_deadline_seconds", "_loop", "_timed_out", "_timer", "_waiting")
+
+    def __init__(self, deadline_seconds: float, timed_out: Callable[[], Exception]) -> None:
+        self._deadline_seconds = deadline_seconds
+        self._timed_out = timed_out
+        # (future, the loop's clock when it was queued), oldest first.
+        self._waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def watch(self, future: asyncio.Future[T]) -> asyncio.Future[T]:
+        """Keep `future`'s deadline from now; returns it, to be awaited."""
+        loop = asyncio.get_running_loop()
+        waiting = self._waiting
+        if loop is not self._loop:
+            # A new event loop (one per test, say): the old one's futures and
+            # timer are gone with it. One loop at a time, as for the Limiter.
+            waiting.clear()
+            self._loop, self._timer = loop, None
+        # Answers come back in about arrival order: dropping the answered
+        # ones here keeps the queue as short as the calls in flight.
+        while waiting and waiting[0][0].done():
+            waiting.popleft()
+        waiting.append((future, loop.time()))
+        if self._timer is None:
+            self._arm(loop)
+        return future
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = loop.call_at(self._waiting[0][1] + self._deadline_seconds, self._fired)
+
+    def _fired(self) -> None:
+        """Hand every future past its deadline and unanswered to a _Watch."""
+        self._timer = None
+        loop, waiting = self._loop, self._waiting
+        assert loop is not None
+        now = loop.time()
+        while waiting:
+            future, asked = waiting[0]
+            if not future.done():
+                if asked + self._deadline_seconds > now:
+                    break
+                _Watch(future, self._deadline_seconds, self._timed_out, asked=asked)
+            waiting.popleft()
+        if waiting:
+            self._arm(loop)
 
 
 class _Watch:
-    """The deadline of one future, kept by timer callbacks: no task, no waiter.
+    """The deadline of one future past its first timer, kept by callbacks.
 
     It measures what _task_within measures, in callbacks: when the timer
-    fires late, the lateness is credited back (bounded); otherwise the
-    future gets GRACE_TURNS more loop turns before it is failed.
+    fired late, the lateness is credited back (bounded); otherwise the
+    future gets GRACE_TURNS more loop turns before it is failed. Each
+    callback first checks whether the future was answered meanwhile, so
+    nothing needs cancelling when it is.
     """
 
-    __slots__ = ("_asked", "_budget", "_credit", "_future", "_handle", "_loop", "_timed_out")
+    __slots__ = ("_asked", "_budget", "_credit", "_future", "_loop", "_timed_out")
 
     def __init__(
-        self, future: asyncio.Future[T], deadline_seconds: float, timed_out: Callable[[], Exception]
+        self,
+        future: asyncio.Future[T],
+        deadline_seconds: float,
+        timed_out: Callable[[], Exception],
+        *,
+        asked: float,
     ) -> None:
+        """Start as a timer set at `asked` for `deadline_seconds` that has just fired."""
         self._future: asyncio.Future[Any] = future
         self._timed_out = timed_out
         self._loop = asyncio.get_running_loop()
         self._credit = 0.0
-        self._arm(deadline_seconds)
+        self._budget = deadline_seconds
+        self._asked = asked
+        self._fired()
 
     def _arm(self, budget: float) -> None:
         self._budget = budget
         self._asked = self._loop.time()
-        self._handle: asyncio.Handle = self._loop.call_at(self._asked + budget, self._fired)
+        self._loop.call_at(self._asked + budget, self._fired)
 
     def _fired(self) -> None:
         if self._future.done():
             return
         lateness = self._loop.time() - self._asked - self._budget
-        self._handle = self._loop.call_soon(self._grace, lateness, GRACE_TURNS)
+        self._loop.call_soon(self._grace, lateness, GRACE_TURNS)
 
     def _grace(self, lateness: float, turns_left: int) -> None:
         if self._future.done():
             return
         if turns_left > 1:
-            self._handle = self._loop.call_soon(self._grace, lateness, turns_left - 1)
+            self._loop.call_soon(self._grace, lateness, turns_left - 1)
         elif lateness < LAG_TOLERANCE_SECONDS or self._credit >= MAX_LAG_CREDIT_SECONDS:
             self._future.set_exception(self._timed_out())
         else:
             budget = min(lateness, MAX_LAG_CREDIT_SECONDS - self._credit)
             self._credit += budget
             self._arm(budget)
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 async def _task_within(

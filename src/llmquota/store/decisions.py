@@ -27,70 +27,127 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
             alt_ord.append(position)
             alt_models.append(model)
             alt_inputs.append(input_tokens)
+    # An AdmitRequest is a tuple: zip turns the batch into its columns in one call.
+    columns = list(zip(*requests, strict=True)) or [()] * len(AdmitRequest._fields)
+    (
+        tenants,
+        routes,
+        models,
+        inputs,
+        max_tokens,
+        estimated,
+        leases,
+        keys,
+        hashes,
+        priorities,
+        priority_any,
+        degrade,
+        _,  # fallbacks, flattened above
+        output_reserves,
+        _,  # output_strategy: the reserve says it all
+        _,  # max_tokens_given: decided before the store
+    ) = columns
     return (
-        [r.tenant for r in requests],
-        [r.route for r in requests],
-        [r.model for r in requests],
-        [r.input_tokens for r in requests],
-        [r.max_tokens for r in requests],
-        [r.input_estimated for r in requests],
-        [r.lease_seconds for r in requests],
-        [r.idempotency_key for r in requests],
-        [r.request_hash for r in requests],
+        tenants,
+        routes,
+        models,
+        inputs,
+        max_tokens,
+        estimated,
+        leases,
+        keys,
+        hashes,
         concurrency_retry_ms,
-        [None if r.priority is None else priority_rank(r.priority) for r in requests],
-        [r.priority_any for r in requests],
-        [r.degrade for r in requests],
+        [None if p is None else priority_rank(p) for p in priorities],
+        priority_any,
+        degrade,
         alt_ord,
         alt_models,
         alt_inputs,
-        [r.output_reserve for r in requests],
+        output_reserves,
     )
 
 
-def admit_decision(row: Row) -> AdmitDecision:
-    """One row of lq_admit as a decision."""
-    rank = row["priority"]
-    return AdmitDecision(
-        status=row["status"],
-        reservation_id=row["reservation_id"],
-        reserved_tokens=row["reserved_tokens"],
-        lease_expires_at=row["lease_expires_at"],
-        lease_generation=row["lease_generation"],
-        limit_kind=row["limit_kind"],
-        limit_scope=row["limit_scope"],
-        retry_after_ms=row["retry_after_ms"],
-        capacity=row["capacity"],
-        remaining_tokens=row["remaining_tokens"],
-        remaining_requests=row["remaining_requests"],
-        remaining_in_flight=row["remaining_in_flight"],
-        tenant=TenantFigures(
-            tokens_per_minute=row["tenant_tokens_per_minute"],
-            token_burst=row["tenant_token_burst"],
-            tokens=row["tenant_tokens"],
-            requests_per_minute=row["tenant_requests_per_minute"],
-            request_burst=row["tenant_request_burst"],
-            requests=row["tenant_requests"],
-        ),
-        model=row["model"],
-        input_tokens=row["input_tokens"],
-        degraded=bool(row["degraded"]),
-        reason=row["reason"],
-        ceiling=row["ceiling"],
-        utilization=row["utilization"],
-        priority=None if rank is None else priority_of(rank),
-        plan=row["plan"],
-        alt_max_tokens=row["alt_max_tokens"],
-        alt_models=tuple(row["alt_models"] or ()),
-        quota=row["quota"],
-        resets_at=_local(row["resets_at"], row["quota_timezone"]),
-        credit_balance=row["credit_balance"],
+# lq_admit's columns, in its RETURNS TABLE order. Rows are read by position
+# (one unpacking instead of 33 lookups by name); admit_decisions checks each
+# batch's column names against this first, so a reordered function fails
+# loudly instead of mixing figures up.
+ADMIT_COLUMNS = (
+    "ord",
+    "status",
+    "reservation_id",
+    "reserved_tokens",
+    "lease_expires_at",
+    "lease_generation",
+    "limit_kind",
+    "limit_scope",
+    "retry_after_ms",
+    "capacity",
+    "remaining_tokens",
+    "remaining_requests",
+    "remaining_in_flight",
+    "tenant_tokens_per_minute",
+    "tenant_token_burst",
+    "tenant_tokens",
+    "tenant_requests_per_minute",
+    "tenant_request_burst",
+    "tenant_requests",
+    "model",
+    "input_tokens",
+    "degraded",
+    "reason",
+    "ceiling",
+    "utilization",
+    "priority",
+    "plan",
+    "alt_max_tokens",
+    "alt_models",
+    "quota",
+    "resets_at",
+    "quota_timezone",
+    "credit_balance",
+)
+
+
+def admit_decisions(rows: Sequence[Row]) -> list[AdmitDecision]:
+    """A batch's rows of lq_admit as decisions, in order."""
+    if rows and tuple(rows[0].keys()) != ADMIT_COLUMNS:
+        raise RuntimeError(f"lq_admit returned columns {list(rows[0].keys())}, not ADMIT_COLUMNS")
+    return [admit_decision(row) for row in rows]
+
+
+def admit_decision(row: Sequence[Any]) -> AdmitDecision:
+    """One row of lq_admit (in ADMIT_COLUMNS order) as a decision.
+
+    Columns 1-12 (status .. remaining_in_flight) are AdmitDecision's first
+    twelve fields in the same order and 13-18 TenantFigures' six; the rest
+    are taken one by one (tests/unit/test_admit_rows.py checks each).
+    """
+    rank, alt_models, resets_at = row[25], row[28], row[30]
+    return AdmitDecision._make(
+        (
+            *row[1:13],
+            TenantFigures._make(row[13:19]),
+            row[19],  # model
+            row[20],  # input_tokens
+            bool(row[21]),  # degraded
+            row[22],  # reason
+            row[23],  # ceiling
+            row[24],  # utilization
+            None if rank is None else priority_of(rank),
+            row[26],  # plan
+            row[27],  # alt_max_tokens
+            tuple(alt_models) if alt_models else (),
+            row[29],  # quota
+            resets_at if resets_at is None else _local(resets_at, row[31]),
+            row[32],  # credit_balance
+        )
     )
 
 
-def _local(instant: datetime | None, zone: str | None) -> datetime | None:
+def _local(instant: datetime, zone: str | None) -> datetime:
     """A quota's reset instant in the quota's own time zone (its local midnight)."""
-    if instant is None or zone is None:
+    if zone is None:
         return instant
     try:
         return instant.astimezone(ZoneInfo(zone))

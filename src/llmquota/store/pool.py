@@ -44,7 +44,10 @@ CLIENT_CONNECTION_CHECK_MS = 1_000
 
 
 async def _no_reset(connection: asyncpg.Connection) -> None:
-    """Pool release behind a transaction pooler: there is no session state to reset."""
+    """Pool release: there is no session state to reset (see DeadlinePool.connect).
+
+    asyncpg still rolls back a transaction left open before calling this.
+    """
 
 
 async def _warn_without_role_timeouts(pool: asyncpg.Pool) -> None:
@@ -88,14 +91,17 @@ class DeadlinePool:
             transaction_pooler=transaction_pooler,
             extra={"client_connection_check_interval": str(CLIENT_CONNECTION_CHECK_MS)},
         )
-        if transaction_pooler:
-            # A pooled session holds nothing of ours (advisory locks are all
-            # transaction-scoped, no LISTEN, no cursor outlives its statement),
-            # and asyncpg's reset (RESET ALL and friends) would cost a round
-            # trip per release and undo what the pooler's own connect_query set.
-            options["reset"] = _no_reset
+        # A session holds nothing of ours between statements: advisory locks are
+        # all transaction-scoped, no LISTEN, no cursor outlives its statement,
+        # every SET is a function's own or set_config(..., true), and the
+        # timeouts are startup parameters (or the role's), which RESET keeps.
+        # asyncpg's reset (pg_advisory_unlock_all, CLOSE ALL, UNLISTEN *,
+        # RESET ALL) would cost a round trip per release, that is per batch,
+        # and behind a pooler undo what its own connect_query set.
         with translate_errors():
-            pool = await asyncpg.create_pool(dsn, min_size=min_size, max_size=max_size, **options)
+            pool = await asyncpg.create_pool(
+                dsn, min_size=min_size, max_size=max_size, reset=_no_reset, **options
+            )
             if transaction_pooler:
                 await _warn_without_role_timeouts(pool)
         return cls(pool)

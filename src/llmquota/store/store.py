@@ -39,7 +39,7 @@ from llmquota.domain.records import (
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
-from llmquota.store.decisions import admit_arguments, admit_decision
+from llmquota.store.decisions import admit_arguments, admit_decisions
 from llmquota.store.estimates import EstimateStore
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import queries
@@ -120,7 +120,7 @@ class Store:
             rows = await self._fetch(
                 "admit_without_flush", *args, deadline_seconds=deadline_seconds
             )
-        return [admit_decision(row) for row in rows]
+        return admit_decisions(rows)
 
     async def finish(
         self, requests: Sequence[FinishRequest], *, deadline_seconds: float | None = None
