@@ -49,23 +49,32 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
     ) = columns
     return (
         tenants,
-        routes,
+        _or_null(routes),
         models,
         inputs,
         max_tokens,
         estimated,
-        leases,
-        keys,
-        hashes,
+        _or_null(leases),
+        _or_null(keys),
+        _or_null(hashes),
         concurrency_retry_ms,
-        [None if p is None else priority_rank(p) for p in priorities],
-        priority_any,
-        degrade,
+        None
+        if not any(priorities)
+        else [None if p is None else priority_rank(p) for p in priorities],
+        priority_any if any(priority_any) else None,
+        _or_null(degrade),
         alt_ord,
         alt_models,
         alt_inputs,
-        output_reserves,
+        _or_null(output_reserves),
     )
+
+
+def _or_null(column: Sequence[Any]) -> Sequence[Any] | None:
+    """A column with no value as one NULL array: lq_admit reads a NULL array as all
+    NULL, and asyncpg then encodes nothing per element (its array encoder checks
+    each one, the biggest Python cost of a statement's arguments)."""
+    return None if all(value is None for value in column) else column
 
 
 # lq_admit's columns, in its RETURNS TABLE order. Rows are read by position
