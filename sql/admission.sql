@@ -63,6 +63,12 @@ $$;
 -- in-flight permits. The rows are locked in layer_id order before any is
 -- changed. Settlement, release and expiry all end here, so "a balance never
 -- exceeds its capacity" is enforced in exactly one place.
+--
+-- A sharded global layer is credited as one: every global row is locked (in
+-- the same order), the credit is added to their refilled sum, clamped to
+-- their summed burst and split back by burst, as lq_admit splits a pooled
+-- batch. Crediting only the row a reservation names would clamp a give-back
+-- larger than that row's headroom while the others have room.
 CREATE OR REPLACE FUNCTION lq_credit_layers(
     p_layer_ids      bigint[],
     p_token_credit   double precision[],
@@ -77,28 +83,62 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    now_ts timestamptz;
+    now_ts  timestamptz;
+    sharded boolean;
 BEGIN
     IF coalesce(cardinality(p_layer_ids), 0) = 0 THEN
         RETURN;
     END IF;
 
-    -- Lock every touched layer, in layer_id order, before changing any.
+    -- Lock every touched layer (and every global row, sharded), in layer_id
+    -- order, before changing any.
+    sharded := EXISTS (SELECT 1 FROM limit_layers AS g
+                        WHERE g.layer_id = ANY (p_layer_ids) AND g.scope = 'global'
+                          AND g.shards > 1);
     PERFORM 1
-       FROM limit_layers
-      WHERE layer_id = ANY (p_layer_ids)
-      ORDER BY layer_id
+       FROM limit_layers AS l
+      WHERE l.layer_id = ANY (p_layer_ids) OR (sharded AND l.scope = 'global')
+      ORDER BY l.layer_id
         FOR UPDATE;
 
     now_ts := clock_timestamp();
 
+    IF sharded THEN
+        WITH credit AS (
+            SELECT sum(u.tokens) AS tokens, sum(u.requests) AS requests
+              FROM unnest(p_layer_ids, p_token_credit, p_request_credit)
+                   AS u(layer_id, tokens, requests)
+              JOIN limit_layers AS g ON g.layer_id = u.layer_id AND g.scope = 'global'
+        ), pool AS (
+            SELECT least(sum(g.token_burst),
+                         sum(lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
+                                         g.refilled_at, now_ts)) + min(c.tokens)) AS tokens,
+                   least(sum(g.request_burst),
+                         sum(lq_refilled(g.requests, g.requests_per_minute, g.request_burst,
+                                         g.refilled_at, now_ts)) + min(c.requests)) AS requests,
+                   sum(g.token_burst) AS tburst, sum(g.request_burst) AS rburst
+              FROM limit_layers AS g, credit AS c
+             WHERE g.scope = 'global'
+        )
+        UPDATE limit_layers AS l
+           SET tokens = least(l.token_burst, p.tokens * l.token_burst / p.tburst),
+               requests = least(l.request_burst, p.requests * l.request_burst / p.rburst),
+               refilled_at = greatest(l.refilled_at, now_ts)
+          FROM pool AS p
+         WHERE l.scope = 'global';
+    END IF;
+
     UPDATE limit_layers AS l
-       SET tokens      = least(l.token_burst::double precision,
-                               lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
-                                           l.refilled_at, now_ts) + c.tokens),
-           requests    = least(l.request_burst::double precision,
-                               lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
-                                           l.refilled_at, now_ts) + c.requests),
+       SET tokens      = CASE WHEN sharded AND l.scope = 'global' THEN l.tokens  -- done above
+                              ELSE least(l.token_burst::double precision,
+                                         lq_refilled(l.tokens, l.tokens_per_minute,
+                                                     l.token_burst, l.refilled_at, now_ts)
+                                         + c.tokens) END,
+           requests    = CASE WHEN sharded AND l.scope = 'global' THEN l.requests
+                              ELSE least(l.request_burst::double precision,
+                                         lq_refilled(l.requests, l.requests_per_minute,
+                                                     l.request_burst, l.refilled_at, now_ts)
+                                         + c.requests) END,
            in_flight   = l.in_flight - c.permits,
            refilled_at = greatest(l.refilled_at, now_ts)
       -- One reservation list may name a layer many times: sum per layer.

@@ -23,15 +23,20 @@ $$;
 -- Create or replace the global policy, split over p_shards rows (NULL: as
 -- many as now, 1 for a new layer); its new policy_version.
 --
--- Every global row is locked first, in layer_id order (the admission's).
+-- One policy change at a time (an advisory lock: with no global row yet,
+-- row locks would not order two first calls), then every global row is
+-- locked, in layer_id order (the admission's).
 -- The balance under the old rules, refilled to now and summed over the old
 -- shards, is clamped to the new burst (lq_rebalanced: a limit new to the
 -- layer starts full) and split over the new shards in proportion to their
--- burst. Each row that stays keeps its permits in flight, which its
--- reservations give back. Rows beyond the new count are deleted: a
+-- burst. Each row that stays keeps its count of permits in flight, which
+-- its reservations give back. Rows beyond the new count are deleted: a
 -- reservation still open on one settles as one through a deleted ceiling
--- does (its credit to the gone row is dropped), and its permit no longer
--- counts against max_in_flight, for at most its lease.
+-- does (its give-back to the gone row is dropped: less budget, never more).
+-- A sharded layer has no max_in_flight: permits are counted on the row a
+-- reservation names, and a count of K changing under open reservations
+-- would let the rows' counts and shares disagree; so in-flight caps stay on
+-- tenants, routes, ceilings and an unsharded global layer.
 CREATE OR REPLACE FUNCTION lq_put_global(
     p_tpm          bigint,
     p_tburst       bigint,
@@ -52,6 +57,7 @@ DECLARE
     tokens   double precision;
     requests double precision;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.global_layer', 0));
     PERFORM 1 FROM limit_layers WHERE scope = 'global' ORDER BY layer_id FOR UPDATE;
     SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS at,
            sum(l.tokens_per_minute)::bigint AS tpm, sum(l.token_burst)::bigint AS tburst,
@@ -72,12 +78,14 @@ BEGIN
     requests := lq_rebalanced(requests, old.rpm, old.rburst, now_ts, p_rpm, p_rburst, now_ts);
 
     k := coalesce(p_shards, old.shards, 1);
-    IF k < 1 OR k > 64 OR least(p_tpm, p_tburst, p_rpm, p_rburst, p_max_if) < k THEN
+    IF k < 1 OR k > 64 OR least(p_tpm, p_tburst, p_rpm, p_rburst) < k
+       OR (k > 1 AND p_max_if IS NOT NULL) THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
-              MESSAGE = 'shards must be 1 to 64 and at most every limit of the global layer';
+              MESSAGE = 'shards must be 1 to 64, at most every rate and burst of the global '
+                        'layer, and 1 with max_in_flight';
     END IF;
 
-    DELETE FROM limit_layers WHERE scope = 'global' AND shard >= k;
+    DELETE FROM limit_layers WHERE scope = 'global' AND (shard >= k OR shards <> k);
     INSERT INTO limit_layers AS l (scope, shard, shards, tokens_per_minute, token_burst,
                                    requests_per_minute, request_burst, max_in_flight,
                                    lease_seconds, failure_mode, policy_version,

@@ -330,7 +330,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
                AND (v.snapshot_version, v.layer_count)
                    IS DISTINCT FROM ($1::bigint, $2::bigint)
              ORDER BY ll.layer_id
-             LIMIT $3::integer - 1)) AS l ON true
+             LIMIT $3::integer - (SELECT count(*) FROM global_layer)::integer)) AS l ON true
 
 -- record_outage_admissions --
 -- Record reservations admitted during an outage, once each (see

@@ -66,7 +66,15 @@ def downgrade() -> None:
         DROP VIEW IF EXISTS global_layer;
         DELETE FROM schema_repeatables
          WHERE name IN ('admission.sql', 'reliability.sql', 'global_layer.sql');
-        -- One row again: the shards' balances and permits pooled into shard 0.
+        -- One row again: the shards' balances and permits pooled into shard 0,
+        -- and the open reservations of the other shards moved onto it, so
+        -- that their settlement gives the permits back where they now are.
+        UPDATE reservations AS r
+           SET layer_ids = array_replace(r.layer_ids, g.layer_id, keep.layer_id)
+          FROM limit_layers AS g,
+               (SELECT layer_id FROM limit_layers WHERE scope = 'global' AND shard = 0) AS keep
+         WHERE g.scope = 'global' AND g.shard > 0 AND r.state = 'active'
+           AND r.layer_ids @> ARRAY[g.layer_id];
         UPDATE limit_layers AS l
            SET tokens_per_minute = s.tpm, token_burst = s.tburst,
                requests_per_minute = s.rpm, request_burst = s.rburst,

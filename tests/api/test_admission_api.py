@@ -288,23 +288,34 @@ async def test_a_sharded_global_policy_reads_whole_and_refuses_what_it_cannot_sp
     client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
 ) -> None:
     # 60 tokens a minute: one a second of refill while the test runs.
-    body = {"tokens_per_minute": 60, "token_burst": 1_001, "max_in_flight": 9, "shards": 4}
+    body = {
+        "tokens_per_minute": 60,
+        "token_burst": 1_001,
+        "requests_per_minute": 60,
+        "request_burst": 9,
+        "shards": 4,
+    }
     put = await client.put("/v1/policies/global", json=body, headers=admin)
     assert put.status_code == 200, put.text
-    assert (put.json()["token_burst"], put.json()["max_in_flight"], put.json()["shards"]) == (
+    assert (put.json()["token_burst"], put.json()["request_burst"], put.json()["shards"]) == (
         1_001,
         9,
         4,
     )
     shares = await db.fetch(
-        "SELECT token_burst, max_in_flight FROM limit_layers WHERE scope = 'global' ORDER BY shard"
+        "SELECT token_burst, request_burst FROM limit_layers WHERE scope = 'global' ORDER BY shard"
     )
     assert [tuple(r) for r in shares] == [(251, 3), (250, 2), (250, 2), (250, 2)]
 
-    too_many = {"max_in_flight": 3, "shards": 4}
+    too_many = {"token_burst": 3, "tokens_per_minute": 60, "shards": 4}
     refused = await client.put("/v1/policies/global", json=too_many, headers=admin)
     assert refused.status_code == 422
-    assert "max_in_flight 3 cannot be split over 4 shards" in refused.json()["error"]["message"]
+    assert "token_burst 3 cannot be split over 4 shards" in refused.json()["error"]["message"]
+    capped = await client.put(
+        "/v1/policies/global", json={"max_in_flight": 8, "shards": 2}, headers=admin
+    )
+    assert capped.status_code == 422
+    assert "no max_in_flight" in capped.json()["error"]["message"]
     on_a_tenant = await client.put("/v1/tenants/acme/policy", json={"shards": 2}, headers=admin)
     assert on_a_tenant.status_code == 422
     assert "only the global policy" in on_a_tenant.json()["error"]["message"]

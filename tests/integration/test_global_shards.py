@@ -4,7 +4,8 @@ Each tenant's requests take one shard; a shard short of room for its part of
 a batch makes the statement decide again with every shard pooled. So the
 shards together never admit more than the global burst, and a request is
 refused by the global layer only when all of them together lack room: the
-decisions are those of one unsharded row (checked against a twin database).
+decisions are those of one unsharded row (checked against a twin database,
+releases and settlements included).
 The refill rates are slow (a few tokens a minute), so refill during a test is
 a fraction of a token.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import uuid
 
 import asyncpg
 import pytest
@@ -20,7 +22,7 @@ import pytest
 from llmquota.admission.limiter import Limiter, Reservation
 from llmquota.domain.errors import RateLimited, RefusedValue
 from llmquota.domain.policy import Policy
-from llmquota.domain.records import AdmitRequest
+from llmquota.domain.records import AdmitRequest, FinishRequest
 from llmquota.store.store import Store
 
 from .support import attempt, put
@@ -53,7 +55,6 @@ async def test_the_shares_sum_to_the_policy_and_reads_show_it_whole(
         token_burst=1_003,
         requests_per_minute=10,
         request_burst=10,
-        max_in_flight=7,
     )
 
     rows = await global_rows(db)
@@ -62,7 +63,6 @@ async def test_the_shares_sum_to_the_policy_and_reads_show_it_whole(
     assert [r["token_burst"] for r in rows] == [251, 251, 251, 250]
     assert [r["tokens_per_minute"] for r in rows] == [251, 251, 251, 250]
     assert [r["request_burst"] for r in rows] == [3, 3, 2, 2]
-    assert [r["max_in_flight"] for r in rows] == [2, 2, 2, 1]
     assert [r["tokens"] for r in rows] == [251, 251, 251, 250]  # a new layer starts full
     assert {r["policy_version"] for r in rows} == {version}
 
@@ -71,7 +71,6 @@ async def test_the_shares_sum_to_the_policy_and_reads_show_it_whole(
     assert stored.shards == 4
     assert stored.policy.token_burst == 1_003
     assert stored.policy.request_burst == 10
-    assert stored.policy.max_in_flight == 7
     assert stored.policy_version == version
     await put(limiter, "tenant", "a")
     layers = {layer.scope: layer for layer in await limiter.store.layer_status("a")}
@@ -166,27 +165,43 @@ async def test_changing_the_shard_count_under_load_admits_exactly_the_burst(
     assert await global_tokens(db) == pytest.approx(0, abs=0.1)
 
 
-async def test_the_global_permits_are_exact_across_shards_and_given_back(
+async def test_permits_counted_on_the_shards_all_come_back(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
-    await put_global(limiter, 4, max_in_flight=8)
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
     for tenant in ("a", "b", "c"):
         await put(limiter, "tenant", tenant)
 
-    results = await asyncio.gather(
+    held = await asyncio.gather(
         *(
-            attempt(limiter, tenant=t, model="gpt-4o", input_tokens=1, max_tokens=1)
-            for t in ("a", "b", "c") * 10
+            limiter.admit(tenant=t, model="gpt-4o", input_tokens=600, max_tokens=0)
+            for t in ("a", "b", "c") * 5
         )
-    )
+    )  # 9,000 of 10,000: some batches pooled, some not
 
-    admitted = [r for r in results if isinstance(r, Reservation)]
-    assert len(admitted) == 8
-    assert sum(r["in_flight"] for r in await global_rows(db)) == 8
-    for held in admitted:
-        await held.settle(input_tokens=1, output_tokens=1)
+    assert sum(r["in_flight"] for r in await global_rows(db)) == 15
+    for reservation in held:
+        await reservation.settle(input_tokens=600, output_tokens=0)
     assert [r["in_flight"] for r in await global_rows(db)] == [0, 0, 0, 0]
     assert await limiter.store.audit() == []
+
+
+async def test_a_give_back_larger_than_one_shard_returns_in_full(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 2, tokens_per_minute=4, token_burst=1_000)
+    await put(limiter, "tenant", "a")
+
+    held = await limiter.admit(tenant="a", model="gpt-4o", input_tokens=900, max_tokens=0)
+    assert await global_tokens(db) == pytest.approx(100, abs=0.1)
+    await held.release()  # 900 back: more than either shard's headroom
+
+    assert await global_tokens(db) == pytest.approx(1_000, abs=0.1)
+    again = await limiter.admit(tenant="a", model="gpt-4o", input_tokens=900, max_tokens=0)
+    settled = await again.settle(input_tokens=100, output_tokens=0)  # 800 refunded
+    assert settled is not None
+    assert await global_tokens(db) == pytest.approx(900, abs=0.1)
+    assert all(r["tokens"] <= r["token_burst"] for r in await global_rows(db))
 
 
 async def test_changing_the_shard_count_keeps_the_balance(
@@ -219,7 +234,9 @@ async def test_shards_that_cannot_split_a_limit_are_refused_and_change_nothing(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
     with pytest.raises(RefusedValue):
-        await put_global(limiter, 8, max_in_flight=5)
+        await put_global(limiter, 8, token_burst=5, tokens_per_minute=60)
+    with pytest.raises(RefusedValue):  # permits are counted per row: no cap when sharded
+        await put_global(limiter, 2, max_in_flight=5)
     assert await global_rows(db) == []
 
 
@@ -237,7 +254,6 @@ async def test_sharded_batches_decide_exactly_as_one_global_row(
             "token_burst": 20_000,
             "request_burst": 120,
             "requests_per_minute": 4,
-            "max_in_flight": 100,
         }
         await put_global(sharded, 4, **policy)
         await put_global(whole, 1, **policy)
@@ -249,7 +265,8 @@ async def test_sharded_batches_decide_exactly_as_one_global_row(
                 )
         rng = random.Random(20261201)
         statuses: list[tuple[str, str]] = []
-        for _ in range(25):
+        held: list[tuple[uuid.UUID, uuid.UUID]] = []  # (sharded, whole) of one admission
+        for _ in range(40):
             batch = [
                 AdmitRequest(
                     tenant=rng.choice(tenants),
@@ -271,6 +288,24 @@ async def test_sharded_batches_decide_exactly_as_one_global_row(
                     b.limit_kind,
                 )
                 statuses.append((a.status, a.limit_scope or ""))
+                if a.reservation_id is not None and b.reservation_id is not None:
+                    held.append((a.reservation_id, b.reservation_id))
+            # Give some back: releases, and settlements below and above the reservation.
+            rng.shuffle(held)
+            finishing, held = held[: len(held) // 3], held[len(held) // 3 :]
+            actions = [
+                ("release", None) if rng.random() < 0.4 else ("settle", rng.randint(0, 2_000))
+                for _ in finishing
+            ]
+            for store, side in ((sharded, 0), (whole, 1)):
+                await store.finish(
+                    [
+                        FinishRequest(pair[side], "release")
+                        if action == "release"
+                        else FinishRequest(pair[side], "settle", None, 1, output, "ok")
+                        for pair, (action, output) in zip(finishing, actions, strict=True)
+                    ]
+                )
         # The run reached every global limit and still agreed throughout.
         assert ("admitted", "") in statuses
         assert ("rate_limited", "global") in statuses

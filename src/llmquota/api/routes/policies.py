@@ -77,13 +77,12 @@ def _check_shards(scope: Scope, body: PolicyBody) -> None:
     if scope != "global":
         raise InvalidRequest("shards: only the global policy is sharded")
     assert body.shards is not None
-    for name in (
-        "tokens_per_minute",
-        "token_burst",
-        "requests_per_minute",
-        "request_burst",
-        "max_in_flight",
-    ):
+    if body.shards > 1 and body.max_in_flight is not None:
+        raise InvalidRequest(
+            "shards: a sharded global layer has no max_in_flight (permits are counted per row); "
+            "cap concurrency on tenants, routes or provider ceilings"
+        )
+    for name in ("tokens_per_minute", "token_burst", "requests_per_minute", "request_burst"):
         value = getattr(body, name)
         if value is not None and value < body.shards:
             raise InvalidRequest(
