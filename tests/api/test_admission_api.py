@@ -320,6 +320,11 @@ async def test_a_sharded_global_policy_reads_whole_and_refuses_what_it_cannot_sp
     assert on_a_tenant.status_code == 422
     assert "only the global policy" in on_a_tenant.json()["error"]["message"]
     assert (await client.get("/v1/policies/global", headers=admin)).json()["shards"] == 4
+    # A body without shards keeps the count, and is checked against it.
+    kept = await client.put("/v1/policies/global", json={"max_in_flight": 8}, headers=admin)
+    assert kept.status_code == 422
+    assert "no max_in_flight" in kept.json()["error"]["message"]
+    assert (await client.get("/v1/policies/global", headers=admin)).json()["token_burst"] == 1_001
 
     acme = await make_tenant(client, admin, "acme")
     admitted = await admit(client, acme, input_tokens=600, max_tokens=0)  # more than a shard

@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from llmquota.admin.service import AdminService
 from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, TenantName
 from llmquota.api.schemas import PolicyBody, PolicyResponse
-from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.errors import InvalidRequest, UnknownTenant
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import StoredPolicy
 from llmquota.domain.vocabulary import Scope
@@ -54,8 +54,10 @@ async def _put(
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
     if body.output_estimate is not None and scope == "global":
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
-    if body.shards is not None:
-        _check_shards(scope, body)
+    if body.shards is not None and scope != "global":
+        raise InvalidRequest("shards: only the global policy is sharded")
+    if scope == "global":
+        await _check_shards(admin, body)
     policy = _policy(body)  # checks the limits whatever the plan adds
     if scope == "tenant" and tenant is not None:
         own = body.model_dump(exclude_none=True, exclude={"plan"})
@@ -72,22 +74,26 @@ async def _put(
     return await _get(admin, scope, tenant, route)
 
 
-def _check_shards(scope: Scope, body: PolicyBody) -> None:
-    """Shards split the global layer's limits: each shard needs at least one of each."""
-    if scope != "global":
-        raise InvalidRequest("shards: only the global policy is sharded")
-    assert body.shards is not None
-    if body.shards > 1 and body.max_in_flight is not None:
+async def _check_shards(admin: AdminService, body: PolicyBody) -> None:
+    """Shards split the global layer's limits: each shard needs at least one of each.
+
+    A body without `shards` keeps the current count, so it is checked against that.
+    """
+    shards = body.shards
+    if shards is None:
+        try:
+            shards = (await admin.get_policy("global", None, None)).shards
+        except UnknownTenant:
+            shards = 1  # no global policy yet
+    if shards > 1 and body.max_in_flight is not None:
         raise InvalidRequest(
             "shards: a sharded global layer has no max_in_flight (permits are counted per row); "
             "cap concurrency on tenants, routes or provider ceilings"
         )
     for name in ("tokens_per_minute", "token_burst", "requests_per_minute", "request_burst"):
         value = getattr(body, name)
-        if value is not None and value < body.shards:
-            raise InvalidRequest(
-                f"shards: {name} {value} cannot be split over {body.shards} shards"
-            )
+        if value is not None and value < shards:
+            raise InvalidRequest(f"shards: {name} {value} cannot be split over {shards} shards")
 
 
 async def _get(
