@@ -16,8 +16,10 @@ run, each target in turn request by request so drift hits all alike:
 
 The last lines are the summary, in the form
 `proxy overhead: p50 +X ms, p99 +Y ms, ttft +Z ms (llmquota) vs ... (litellm)`,
-then the figures as JSON. A benchmark, not a test: the numbers depend on the
-machine (BENCHMARKS.md records a run).
+then what scrubbing the provider key from every relayed byte costs (the
+fake's own answer and stream through the proxy's scrubber, per answer and as
+a share of llmquota's added p50), then the figures as JSON. A benchmark, not
+a test: the numbers depend on the machine (BENCHMARKS.md records a run).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from openai.types.chat import ChatCompletionMessageParam  # noqa: E402
 from tests.proxy.fake_provider import PROVIDER_KEY, FakeProvider  # noqa: E402
 
 from bench.noisy_neighbour import free_port, percentile  # noqa: E402
+from llmquota.domain.scrubbing import SecretScrubber  # noqa: E402
 from llmquota.store import migrate  # noqa: E402
 from llmquota.store.database import open_database  # noqa: E402
 
@@ -279,6 +282,34 @@ async def measure(targets: dict[str, str], plan: Plan) -> dict[str, Any]:
     return report
 
 
+def scrub_cost(fake_url: str) -> dict[str, float]:
+    """What scrubbing the provider key costs per relayed answer, in microseconds:
+    the exact bytes the fake answers (one body; one stream, chunk by chunk, as
+    the proxy relays it) through the proxy's SecretScrubber, timed in-process."""
+    scrubber = SecretScrubber(PROVIDER_KEY)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 64}
+    headers = {"Authorization": f"Bearer {PROVIDER_KEY}"}
+    with httpx.Client(base_url=fake_url, headers=headers, timeout=30) as http:
+        answer = http.post("/chat/completions", json=body).content
+        with http.stream("POST", "/chat/completions", json={**body, "stream": True}) as stream:
+            chunks = list(stream.iter_raw())
+    repeats = 2_000
+
+    def timed(pieces: list[bytes]) -> float:
+        started = time.perf_counter()
+        for _ in range(repeats):
+            for piece in pieces:
+                scrubber.scrub(piece)
+        return (time.perf_counter() - started) / repeats * 1e6
+
+    return {
+        "answer_us": timed([answer]),
+        "answer_bytes": len(answer),
+        "stream_us": timed(chunks),
+        "stream_chunks": len(chunks),
+    }
+
+
 def added(report: dict[str, Any], proxy: str) -> str:
     """One proxy's overhead over the direct calls, as the summary line shows it."""
     mine, direct = report[proxy], report["direct"]
@@ -304,7 +335,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                 targets["litellm"] = stack.enter_context(litellm(executable, fake_url))
             except RuntimeError as exc:
                 litellm_missing = f"did not start: {exc}"
-        return asyncio.run(measure(targets, plan)), litellm_missing
+        report = asyncio.run(measure(targets, plan))
+        report["scrubbing"] = scrub_cost(fake_url)
+        return report, litellm_missing
 
 
 def main() -> None:
@@ -313,6 +346,7 @@ def main() -> None:
     parser.add_argument("--litellm", help="the litellm executable (default: beside python, PATH)")
     args = parser.parse_args()
     report, litellm_missing = run(args)
+    scrubbing = report.pop("scrubbing")
     for name, figures in report.items():
         print(
             f"{name:>8}: latency p50 {figures['latency_p50_ms']:.1f} ms "
@@ -326,7 +360,14 @@ def main() -> None:
         added(report, "litellm") if "litellm" in report else f"n/a (litellm: {litellm_missing})"
     )
     print(f"proxy overhead: {added(report, 'llmquota')} vs {theirs}")
-    print(json.dumps(report))
+    overhead_us = (report["llmquota"]["latency_p50_ms"] - report["direct"]["latency_p50_ms"]) * 1e3
+    print(
+        f"key scrubbing: {scrubbing['answer_us']:.1f} us per answer "
+        f"({scrubbing['answer_bytes']:.0f} bytes), {scrubbing['stream_us']:.1f} us per stream "
+        f"({scrubbing['stream_chunks']:.0f} chunks); "
+        f"{100 * scrubbing['answer_us'] / max(overhead_us, 1.0):.2f}% of llmquota's added p50"
+    )
+    print(json.dumps({**report, "scrubbing": scrubbing}))
 
 
 if __name__ == "__main__":

@@ -62,7 +62,10 @@ $$;
 -- Credit (or debit, when negative) layers, clamped to capacity, and free
 -- in-flight permits. The rows are locked in layer_id order before any is
 -- changed. Settlement, release and expiry all end here, so "a balance never
--- exceeds its capacity" is enforced in exactly one place.
+-- exceeds its capacity" is enforced in exactly one place. So is "a shared
+-- layer (global, ceiling) never goes below minus its burst": a debit beyond
+-- it is forgiven (settlement asks lq_shared_forgiven first how much, and
+-- whose, so it never reaches this clamp).
 --
 -- A sharded global layer is credited as one: every global row is locked (in
 -- the same order), the credit is added to their refilled sum, clamped to
@@ -110,12 +113,12 @@ BEGIN
                    AS u(layer_id, tokens, requests)
               JOIN limit_layers AS g ON g.layer_id = u.layer_id AND g.scope = 'global'
         ), pool AS (
-            SELECT least(sum(g.token_burst),
+            SELECT greatest(-sum(g.token_burst), least(sum(g.token_burst),
                          sum(lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
-                                         g.refilled_at, now_ts)) + min(c.tokens)) AS tokens,
-                   least(sum(g.request_burst),
+                                         g.refilled_at, now_ts)) + min(c.tokens))) AS tokens,
+                   greatest(-sum(g.request_burst), least(sum(g.request_burst),
                          sum(lq_refilled(g.requests, g.requests_per_minute, g.request_burst,
-                                         g.refilled_at, now_ts)) + min(c.requests)) AS requests,
+                                         g.refilled_at, now_ts)) + min(c.requests))) AS requests,
                    sum(g.token_burst) AS tburst, sum(g.request_burst) AS rburst
               FROM limit_layers AS g, credit AS c
              WHERE g.scope = 'global'
@@ -128,17 +131,25 @@ BEGIN
          WHERE l.scope = 'global';
     END IF;
 
+    -- (greatest() skips its NULL floor: a tenant's or route's own debt is
+    -- its own, unbounded)
     UPDATE limit_layers AS l
        SET tokens      = CASE WHEN sharded AND l.scope = 'global' THEN l.tokens  -- done above
-                              ELSE least(l.token_burst::double precision,
-                                         lq_refilled(l.tokens, l.tokens_per_minute,
-                                                     l.token_burst, l.refilled_at, now_ts)
-                                         + c.tokens) END,
+                              ELSE greatest(CASE WHEN l.scope IN ('global', 'ceiling')
+                                                 THEN -l.token_burst END,
+                                            least(l.token_burst::double precision,
+                                                  lq_refilled(l.tokens, l.tokens_per_minute,
+                                                              l.token_burst, l.refilled_at,
+                                                              now_ts)
+                                                  + c.tokens)) END,
            requests    = CASE WHEN sharded AND l.scope = 'global' THEN l.requests
-                              ELSE least(l.request_burst::double precision,
-                                         lq_refilled(l.requests, l.requests_per_minute,
-                                                     l.request_burst, l.refilled_at, now_ts)
-                                         + c.requests) END,
+                              ELSE greatest(CASE WHEN l.scope IN ('global', 'ceiling')
+                                                 THEN -l.request_burst END,
+                                            least(l.request_burst::double precision,
+                                                  lq_refilled(l.requests, l.requests_per_minute,
+                                                              l.request_burst, l.refilled_at,
+                                                              now_ts)
+                                                  + c.requests)) END,
            in_flight   = l.in_flight - c.permits,
            refilled_at = greatest(l.refilled_at, now_ts)
       -- One reservation list may name a layer many times: sum per layer.
@@ -150,6 +161,100 @@ BEGIN
                    AS u(layer_id, tokens, requests, permits)
              GROUP BY u.layer_id) AS c
      WHERE l.layer_id = c.layer_id;
+END
+$$;
+
+
+-- Shared layers forget like the limits they mirror: a provider's per-minute
+-- limit forgets usage after a minute, so a mirror of it that remembered a
+-- 10^7-token overshoot would lock every tenant out of it for a day. The
+-- global layer (its shards pooled as one, when sharded) and every provider
+-- ceiling stop at minus their burst; beyond it the usage is still debited in
+-- full to the tenant's own layers and recorded in full in the ledger. So
+-- after any one settlement a request that fits a shared layer is admitted
+-- again within (burst + its cost) / refill rate.
+--
+-- Settlement asks this how much of each debit the floor forgives, and of
+-- which reservation: it takes the entries lq_credit_layers is about to get
+-- (one per credit and layer, in the caller's order) and returns each one's
+-- forgiven tokens (0 for a credit, a tenant or route layer, or a debit that
+-- fits); lq_finish adds them to the credits, so no debit takes a shared
+-- layer below its floor and what was forgiven is known per reservation. The
+-- entries are applied in order, one by one, as separate calls would apply
+-- them: a batch forgives exactly what its requests one by one would (a
+-- debit beyond the floor and then a refund is not the same as their sum).
+-- lq_credit_layers clamps at the floor as well, for every other debit
+-- (outage recording) and as the invariant's one place.
+--
+-- Locks exactly the rows lq_credit_layers will lock, in the same layer_id
+-- order (class 3 of the header), so that no other transaction can move a
+-- balance between this reading and that write; lq_credit_layers then finds
+-- them held. (It reads the clock again: the balance it writes is minus the
+-- burst plus the refill of the microseconds in between.)
+CREATE OR REPLACE FUNCTION lq_shared_forgiven(
+    p_layer_ids    bigint[],
+    p_token_credit double precision[]
+) RETURNS double precision[]
+LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    n        integer := coalesce(cardinality(p_layer_ids), 0);
+    forgiven double precision[] := array_fill(0::double precision, ARRAY[n]);
+    sharded  boolean;
+    now_ts   timestamptz;
+    -- one running balance per pool: a layer_id, or 0 for all the shards of
+    -- a sharded global layer (layer ids start at 1)
+    pools    bigint[] := '{}';
+    balance  double precision[] := '{}';
+    burst    double precision[] := '{}';
+    b_now    double precision;
+    b_burst  double precision;
+    e        record;
+    j        integer;
+BEGIN
+    IF n = 0 THEN
+        RETURN forgiven;
+    END IF;
+    sharded := EXISTS (SELECT 1 FROM limit_layers AS g
+                        WHERE g.layer_id = ANY (p_layer_ids) AND g.scope = 'global'
+                          AND g.shards > 1);
+    PERFORM 1
+       FROM limit_layers AS l
+      WHERE l.layer_id = ANY (p_layer_ids) OR (sharded AND l.scope = 'global')
+      ORDER BY l.layer_id
+        FOR UPDATE;
+    now_ts := clock_timestamp();
+
+    FOR e IN SELECT u.o, u.credit,
+                    CASE WHEN sharded AND l.scope = 'global' THEN 0 ELSE l.layer_id END AS pool
+               FROM unnest(p_layer_ids, p_token_credit) WITH ORDINALITY AS u(layer_id, credit, o)
+               JOIN limit_layers AS l ON l.layer_id = u.layer_id
+              WHERE l.scope IN ('global', 'ceiling') AND l.tokens_per_minute IS NOT NULL
+              ORDER BY u.o LOOP
+        j := array_position(pools, e.pool);
+        IF j IS NULL THEN
+            pools := pools || e.pool;
+            j := cardinality(pools);
+            SELECT sum(lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
+                                   g.refilled_at, now_ts)),
+                   sum(g.token_burst)
+              INTO b_now, b_burst
+              FROM limit_layers AS g
+             WHERE CASE WHEN e.pool = 0 THEN g.scope = 'global' ELSE g.layer_id = e.pool END;
+            balance := balance || b_now;
+            burst := burst || b_burst;
+        END IF;
+        IF e.credit >= 0 THEN
+            balance[j] := least(burst[j], balance[j] + e.credit);
+        ELSE
+            -- never more than the debit itself: a balance already below the
+            -- floor (before migration 0015) is not credited by a debit
+            forgiven[e.o] := least(-e.credit, greatest(0, -burst[j] - (balance[j] + e.credit)));
+            balance[j] := balance[j] + e.credit + forgiven[e.o];
+        END IF;
+    END LOOP;
+    RETURN forgiven;
 END
 $$;
 
@@ -276,8 +381,8 @@ $$;
 --   too_large            reserved tokens exceed some layer's token_burst: it can
 --                        never fit, and capacity names that burst
 --   unknown_tenant       no such tenant
--- Nothing is debited unless every layer passes; refill state is persisted on
--- every locked layer whatever the outcome.
+-- Nothing is debited unless every layer passes, and a refusal writes
+-- nothing (6): a layer's refill is a function of the clock.
 --
 -- A sharded global layer (migration 0012): each request's global layer is its
 -- tenant's shard, and only the batch's shards are locked. Without p_pool,
@@ -298,6 +403,10 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[]);
+-- p_reservation_ids was added (the worker names the ids, see lq_admit).
+DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
+                                        integer[], text[], text[], integer, smallint[], boolean[],
+                                        boolean[], integer[], text[], bigint[], bigint[], boolean);
 CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_tenants          text[],
     p_routes           text[],
@@ -316,7 +425,8 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_alt_models       text[] DEFAULT NULL,      -- model, in order,
     p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
-    p_pool             boolean DEFAULT false     -- lock every global shard and pool them
+    p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
+    p_reservation_ids  uuid[] DEFAULT NULL       -- the id each admission gets, NULL: a new one
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -466,6 +576,12 @@ DECLARE
     -- Prepaid balances of the batch's tenants (locked), running.
     l_prepaid    boolean[];
     l_start      double precision[];  -- balances before this batch (ceiling alerts)
+    l_requests_start double precision[];  -- and request balances and permits before it:
+    l_in_flight_start integer[];          -- (6) writes only the layers the batch changed
+    -- Nothing written by this transaction before this statement: a batch that
+    -- admits nothing may then commit without waiting for a WAL flush (6).
+    fresh_xact   boolean := pg_current_xact_id_if_assigned() IS NULL
+                            AND transaction_timestamp() = statement_timestamp();
     cr_tenant    text[];
     cr_avail     numeric[];
     cr_add       numeric[];
@@ -652,7 +768,8 @@ BEGIN
                    AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
               FROM running AS r
         ), decided AS (
-            SELECT r.k, min(r.cost) AS cost, gen_random_uuid() AS id, min(r.ts) AS ts,
+            SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
+                   coalesce(p_reservation_ids[r.k], gen_random_uuid()) AS id,
                    coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
                             min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
                    array_agg(r.layer_id ORDER BY r.pos) AS ids,
@@ -788,6 +905,8 @@ BEGIN
            WITH ORDINALITY AS u(tokens, tpm, tburst, requests, rpm, rburst, refilled, o);
 
     l_start := l_tokens;
+    l_requests_start := l_requests;
+    l_in_flight_start := l_in_flight;
 
     -- The global layer of the batch. Pooled, the first of its locked rows
     -- stands for all of them, with their figures summed, and is split back
@@ -900,12 +1019,7 @@ BEGIN
                array_agg(pr.output_usd_per_million)
           INTO pr_model, pr_in, pr_out
           FROM unnest(m_all) AS m(model)
-          LEFT JOIN LATERAL (
-                SELECT mp.input_usd_per_million, mp.output_usd_per_million
-                  FROM model_prices AS mp
-                 WHERE mp.model = m.model AND mp.effective_from <= now_ts
-                 ORDER BY mp.effective_from DESC
-                 LIMIT 1) AS pr ON true;
+          LEFT JOIN LATERAL lq_price_at(m.model, now_ts) AS pr ON true;
     END IF;
     IF true = ANY (l_prepaid) THEN
         SELECT array_agg(a.tenant ORDER BY a.tenant), array_agg(a.balance - a.reserved ORDER BY a.tenant)
@@ -1148,8 +1262,14 @@ BEGIN
                 a_cost := a_cost || money;
                 IF l_prepaid[ti] THEN
                     x := array_position(cr_tenant, p_tenants[k]);
-                    cr_avail[x] := cr_avail[x] - money;
-                    cr_add[x] := cr_add[x] + money;
+                    -- No credit account yet (never topped up): only a request
+                    -- of cost 0 passes (available 0), and it holds nothing.
+                    -- The hold is still recorded (0), so settlement charges
+                    -- whatever the provider reports, creating the account.
+                    IF x IS NOT NULL THEN
+                        cr_avail[x] := cr_avail[x] - money;
+                        cr_add[x] := cr_add[x] + money;
+                    END IF;
                     a_credit := a_credit || money;
                 ELSE
                     a_credit := a_credit || NULL::numeric;
@@ -1159,7 +1279,7 @@ BEGIN
                 r_input[k] := c_inputs[c];
                 r_degraded[k] := c > 1;
                 r_reserved[k] := cost;
-                r_id[k] := gen_random_uuid();
+                r_id[k] := coalesce(p_reservation_ids[k], gen_random_uuid());
                 r_generation[k] := 1;
                 a_lease := a_lease || coalesce(p_lease_seconds[k], l_lease[coalesce(ri, ti)]);
                 r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
@@ -1259,14 +1379,26 @@ BEGIN
         l_in_flight[gi] := l_in_flight[gi] - g_other_if;
     END IF;
 
-    -- (6) Persist every locked layer: refill state even where all refused.
+    -- (6) Persist the layers the batch changed, with their refill state. A
+    -- layer only refilled is left as it is: refill is a function of the
+    -- clock, and its stored balance and refilled_at give the same balance at
+    -- any later moment. So a refusal writes nothing; its row locks are all
+    -- it leaves, and a batch that admits nothing, in a transaction of its own,
+    -- commits without waiting for the WAL flush (there is nothing to lose).
     UPDATE limit_layers AS ll
        SET tokens = u.tokens,
            requests = u.requests,
            in_flight = u.in_flight,
            refilled_at = now_ts
-      FROM unnest(l_id, l_tokens, l_requests, l_in_flight) AS u(layer_id, tokens, requests, in_flight)
-     WHERE ll.layer_id = u.layer_id;
+      FROM unnest(l_id, l_tokens, l_requests, l_in_flight,
+                  l_start, l_requests_start, l_in_flight_start)
+           AS u(layer_id, tokens, requests, in_flight, tokens0, requests0, in_flight0)
+     WHERE ll.layer_id = u.layer_id
+       AND (u.tokens, u.requests, u.in_flight)
+           IS DISTINCT FROM (u.tokens0, u.requests0, u.in_flight0);
+    IF fresh_xact AND coalesce(cardinality(a_ord), 0) = 0 THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
 
     -- (6b) What the batch reserved on each quota window and prepaid balance,
     -- in the lock order of (4b); each crossing of an alert threshold fires
@@ -1325,6 +1457,28 @@ BEGIN
 END
 $$;
 
+-- lq_admit's look at its deadline, before it locks anything ('started') and
+-- once the batch is decided ('ran'): past it, the whole statement rolls back
+-- (SQLSTATE LQ002). RETURN QUERY has only queued the rows, so raising after
+-- deciding still undoes every write. DETAIL: the database's clock now, so
+-- that a worker whose reading of it was behind (the clock was stepped
+-- forward) learns it from the refusal itself, not only from an answer it no
+-- longer gets.
+DROP FUNCTION IF EXISTS lq_admit_in_time(timestamptz);
+CREATE OR REPLACE FUNCTION lq_admit_in_time(p_deadline timestamptz, p_when text)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF clock_timestamp() > p_deadline THEN
+        RAISE EXCEPTION 'admission statement % past its deadline', p_when
+            USING ERRCODE = 'LQ002',
+                  DETAIL = to_char(clock_timestamp() AT TIME ZONE 'UTC',
+                                   'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"');
+    END IF;
+END
+$$;
+
 -- Decide a batch of admission requests: lq_admit_decide (above). With a
 -- sharded global layer, a first attempt locks only the batch's shards; when
 -- one lacks room (SQLSTATE LQ001) that attempt's subtransaction is rolled
@@ -1334,6 +1488,24 @@ $$;
 -- subtransaction: a probe for shard 1 says which, and the batch is decided
 -- with p_pool, so that a shard count raised since the probe is met by
 -- locking every shard rather than by an LQ001 with no handler.
+--
+-- One decision per request: a worker that stops waiting for this statement
+-- (its decision deadline passed) answers by the failure mode instead, so
+-- the statement must then not also take effect. p_deadline is when the
+-- worker stops waiting, on this database's clock as the worker last saw it
+-- (so never later than the real moment; see store/clock.py). A statement
+-- that starts past it, say one a frozen server reads from its socket when
+-- it wakes, writes nothing: SQLSTATE LQ002, before any row is locked. A
+-- statement that started in time and ran past it (the server froze
+-- mid-way) is checked again after deciding and rolls back the same way.
+-- What neither check can see, a freeze between the second check and the
+-- commit, or an answer lost on the way back, leaves reservations whose ids
+-- the worker named in p_reservation_ids and journaled: it releases them
+-- when the database answers again (admission/abandoned.py).
+-- p_deadline and p_reservation_ids were added: the old signature goes.
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[], bigint[]);
 CREATE OR REPLACE FUNCTION lq_admit(
 
     p_tenants          text[],
@@ -1352,7 +1524,9 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
     p_alt_models       text[] DEFAULT NULL,      -- model, in order,
     p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
-    p_output_reserve   bigint[] DEFAULT NULL     -- output tokens to reserve, NULL: max_tokens
+    p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
+    p_deadline         timestamptz DEFAULT NULL, -- past it, write nothing (LQ002); NULL: none
+    p_reservation_ids  uuid[] DEFAULT NULL       -- the id each admission gets, NULL: a new one
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1391,6 +1565,7 @@ CREATE OR REPLACE FUNCTION lq_admit(
 LANGUAGE plpgsql
 AS $$
 BEGIN
+    PERFORM lq_admit_in_time(p_deadline, 'started');
     IF NOT EXISTS (SELECT 1 FROM limit_layers AS g
                     WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
                       AND g.ceiling IS NULL AND g.shard = 1) THEN
@@ -1398,7 +1573,8 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true);
+            p_output_reserve, true, p_reservation_ids);
+        PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
     BEGIN
@@ -1406,14 +1582,15 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false);
+            p_output_reserve, false, p_reservation_ids);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true);
+            p_output_reserve, true, p_reservation_ids);
     END;
+    PERFORM lq_admit_in_time(p_deadline, 'ran');
 END
 $$;
 
@@ -1452,6 +1629,30 @@ AS $$
 $$;
 
 
+-- The price version of p_model in force at p_at; no row: the model has none.
+-- A price's model is a name or a `*` glob, matched as quotas and ceilings
+-- match (lq_model_patterns). The exact name wins over any glob, a longer
+-- glob over a shorter one; within the winner, the latest effective_from at
+-- or before p_at, then the latest version of it (set_at: prices are
+-- append-only, a change is a new version). reports/00_base.sql's
+-- ledger_entries applies the same rule, so credits and invoices agree.
+CREATE OR REPLACE FUNCTION lq_price_at(p_model text, p_at timestamptz)
+RETURNS TABLE (model text, effective_from timestamptz, set_at timestamptz,
+               input_usd_per_million numeric, output_usd_per_million numeric)
+LANGUAGE sql STABLE
+AS $$
+    SELECT mp.model, mp.effective_from, mp.set_at, mp.input_usd_per_million,
+           mp.output_usd_per_million
+      FROM model_prices AS mp
+     WHERE (mp.model = p_model
+            OR (strpos(mp.model, '*') > 0 AND p_model LIKE (lq_model_patterns(ARRAY[mp.model]))[1]))
+       AND mp.effective_from <= p_at
+     ORDER BY mp.model = p_model DESC, length(mp.model) DESC, mp.effective_from DESC,
+              mp.set_at DESC
+     LIMIT 1
+$$;
+
+
 -- What usage costs at the prices in force at p_at (USD; input and output
 -- priced apart, per million tokens); NULL for a model without a price.
 CREATE OR REPLACE FUNCTION lq_cost(p_model text, p_input bigint, p_output bigint, p_at timestamptz)
@@ -1459,23 +1660,31 @@ RETURNS numeric
 LANGUAGE sql STABLE
 AS $$
     SELECT (p_input * mp.input_usd_per_million + p_output * mp.output_usd_per_million) / 1000000
-      FROM model_prices AS mp
-     WHERE mp.model = p_model AND mp.effective_from <= p_at
-     ORDER BY mp.effective_from DESC
-     LIMIT 1
+      FROM lq_price_at(p_model, p_at) AS mp
 $$;
 
 
--- lq_finish's result gained excess_tokens: a changed result type needs the
--- old function gone first.
+-- lq_finish's result gained excess_tokens, then forgiven_global_tokens and
+-- forgiven_ceiling_tokens: a changed result type needs the old function gone
+-- first. (Its three trailing arguments, where an upstream's figures came
+-- from, have defaults: without the DROP, the old six-argument function would
+-- stay beside it and every six-argument call be ambiguous.)
 DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[]);
+DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[],
+    numeric[], numeric[]);
 CREATE OR REPLACE FUNCTION lq_finish(
     p_ids            uuid[],
     p_actions        text[],     -- 'settle' | 'release' | 'expire'
     p_callers        text[],     -- the caller's tenant; NULL for an admin
     p_input_tokens   bigint[],   -- settle only
     p_output_tokens  bigint[],   -- settle only
-    p_outcomes       text[]      -- settle only: ok | error | cancelled
+    p_outcomes       text[],     -- settle only: ok | error | cancelled
+    -- settle only, for the ledger row: reported | counted | clamped (NULL:
+    -- reported), and an upstream's own figures where they differ from the
+    -- settled ones (see domain/upstream_usage.py)
+    p_usage_sources  text[] DEFAULT NULL,
+    p_reported_input  numeric[] DEFAULT NULL,
+    p_reported_output numeric[] DEFAULT NULL
 ) RETURNS TABLE (
     ord              integer,
     status           text,
@@ -1484,7 +1693,11 @@ CREATE OR REPLACE FUNCTION lq_finish(
     charged_tokens   bigint,
     refunded_tokens  bigint,
     late             boolean,
-    excess_tokens    bigint      -- settled above lq_shared_charge_cap; 0 otherwise
+    excess_tokens    bigint,     -- settled above lq_shared_charge_cap; 0 otherwise
+    -- not debited from the global layer / from provider ceilings because
+    -- they stood at their floor (lq_shared_forgiven); 0 otherwise
+    forgiven_global_tokens  bigint,
+    forgiven_ceiling_tokens bigint
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -1519,12 +1732,27 @@ DECLARE
     g_held    bigint[] := '{}';
     g_outcome text[] := '{}';
     g_excess  bigint[] := '{}';
+    g_source  text[] := '{}';
+    g_rep_in  numeric[] := '{}';
+    g_rep_out numeric[] := '{}';
     -- quotas and credits to give back or charge, for reservation res[u_res[x]]:
     -- u_mode settle | late | release | expire
     u_res     integer[] := '{}';
     u_mode    text[] := '{}';
     u_in      bigint[] := '{}';
     u_out     bigint[] := '{}';
+    -- (4) one entry per credit and layer, and what shared layers forgave
+    -- (lq_shared_forgiven), summed per reservation by scope and at most
+    e_res     integer[];
+    e_layer   bigint[];
+    e_scope   text[];
+    e_tokens  double precision[];
+    e_reqs    double precision[];
+    e_permits integer[];
+    e_forgive double precision[];
+    f_global  double precision[];
+    f_ceiling double precision[];
+    f_most    double precision[];
     b         record;
     money     numeric;
     -- results
@@ -1535,6 +1763,8 @@ DECLARE
     r_refund  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_late    boolean[] := array_fill(NULL::boolean, ARRAY[n]);
     r_excess  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_fglobal bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_fceil   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -1576,6 +1806,8 @@ BEGIN
             g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
             g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
             g_excess := g_excess || 0::bigint;
+            g_source := g_source || NULL::text;
+            g_rep_in := g_rep_in || NULL::numeric; g_rep_out := g_rep_out || NULL::numeric;
             u_res := u_res || i; u_mode := u_mode || 'expire'::text;
             u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
             rec.state := 'expired';
@@ -1604,6 +1836,9 @@ BEGIN
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
                 g_excess := g_excess || greatest(charged - cap, 0);
+                g_source := g_source || coalesce(p_usage_sources[k], 'reported');
+                g_rep_in := g_rep_in || p_reported_input[k];
+                g_rep_out := g_rep_out || p_reported_output[k];
                 u_res := u_res || i; u_mode := u_mode || 'settle'::text;
                 u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.state := 'settled';
@@ -1621,6 +1856,9 @@ BEGIN
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || 0::bigint; g_outcome := g_outcome || 'late'::text;
                 g_excess := g_excess || greatest(charged - cap, 0);
+                g_source := g_source || coalesce(p_usage_sources[k], 'reported');
+                g_rep_in := g_rep_in || p_reported_input[k];
+                g_rep_out := g_rep_out || p_reported_output[k];
                 u_res := u_res || i; u_mode := u_mode || 'late'::text;
                 u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.refunded_tokens := 0;
@@ -1673,14 +1911,45 @@ BEGIN
     -- the global layer gets the capped one. A provider ceiling takes the
     -- full charge: it mirrors what the provider itself counts against the
     -- account, and refills within its own minute. A layer's scope never
-    -- changes, so reading it unlocked is safe; lq_credit_layers locks the
-    -- layers in layer_id order, after the reservations.
-    PERFORM lq_credit_layers(array_agg(l.layer_id),
-                             array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END),
-                             array_agg(c.reqs), array_agg(c.permits))
-       FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits) AS c(i, tokens, shared, reqs, permits)
-            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) AS l(layer_id)
-            JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
+    -- changes, so reading it unlocked is safe; lq_shared_forgiven and then
+    -- lq_credit_layers lock the layers in layer_id order, after the
+    -- reservations. A debit that would take a shared layer below minus its
+    -- burst is forgiven beyond it (lq_shared_forgiven), counted per
+    -- reservation and scope in the result and flagged in its ledger row.
+    SELECT array_agg(c.i ORDER BY c.o, l.o), array_agg(l.layer_id ORDER BY c.o, l.o),
+           array_agg(ll.scope ORDER BY c.o, l.o),
+           array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END
+                     ORDER BY c.o, l.o),
+           array_agg(c.reqs ORDER BY c.o, l.o), array_agg(c.permits ORDER BY c.o, l.o)
+      INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits
+      FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits)
+           WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
+           CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) WITH ORDINALITY AS l(layer_id, o)
+           JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
+    e_forgive := lq_shared_forgiven(e_layer, e_tokens);
+    f_global := array_fill(0::double precision, ARRAY[coalesce(cardinality(ids), 0)]);
+    f_ceiling := f_global;
+    f_most := f_global;
+    FOR k IN 1 .. coalesce(cardinality(e_res), 0) LOOP
+        IF e_forgive[k] > 0 THEN
+            i := e_res[k];
+            e_tokens[k] := e_tokens[k] + e_forgive[k];
+            IF e_scope[k] = 'global' THEN
+                f_global[i] := f_global[i] + e_forgive[k];
+            ELSE
+                f_ceiling[i] := f_ceiling[i] + e_forgive[k];
+            END IF;
+            f_most[i] := greatest(f_most[i], e_forgive[k]);
+        END IF;
+    END LOOP;
+    PERFORM lq_credit_layers(e_layer, e_tokens, e_reqs, e_permits);
+    FOR k IN 1 .. n LOOP
+        IF r_status[k] = 'settled' THEN
+            i := array_position(ids, p_ids[k]);
+            r_fglobal[k] := round(f_global[i])::bigint;
+            r_fceil[k] := round(f_ceiling[i])::bigint;
+        END IF;
+    END LOOP;
 
     -- (4b) The calendar quotas and the prepaid balance the reservations
     -- held: each gives back what it reserved, and a settlement charges what
@@ -1688,7 +1957,9 @@ BEGIN
     -- it happens in (a window boundary crossed while the reservation was open
     -- takes the charge in the new window; see lq_quota_settle). In the lock
     -- order of quotas.sql, after the layers: windows by quota and window,
-    -- then credit accounts by tenant.
+    -- then credit accounts by tenant. Usage a worker admitted during an
+    -- outage counts at the moment its journal says it happened (usage_at,
+    -- set by lq_finish_outage in reliability.sql), not at the replay.
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok, q.qid
                FROM unnest(u_res, u_mode, u_in, u_out) WITH ORDINALITY
                     AS u(i, mode, in_tok, out_tok, o),
@@ -1696,13 +1967,16 @@ BEGIN
               ORDER BY q.qid, (res[u.i]).created_at, u.o LOOP
         rec := res[b.i];
         money := CASE WHEN b.mode IN ('settle', 'late')
-                      THEN coalesce(lq_cost(rec.model, b.in_tok, b.out_tok, now_ts), 0) ELSE 0 END;
+                      THEN coalesce(lq_cost(rec.model, b.in_tok, b.out_tok,
+                                            coalesce(rec.usage_at, now_ts)), 0) ELSE 0 END;
         IF b.mode = 'late' THEN
             -- the expiry gave the reservation back already
-            PERFORM lq_quota_apply(b.qid, now_ts, 0, b.in_tok + b.out_tok, 0, money);
+            PERFORM lq_quota_apply(b.qid, coalesce(rec.usage_at, now_ts), 0,
+                                   b.in_tok + b.out_tok, 0, money);
         ELSE
             PERFORM lq_quota_settle(b.qid, rec.created_at, rec.reserved_tokens,
-                                    coalesce(rec.reserved_cost, 0), now_ts,
+                                    coalesce(rec.reserved_cost, 0),
+                                    coalesce(rec.usage_at, now_ts),
                                     b.in_tok + b.out_tok, money);
         END IF;
     END LOOP;
@@ -1715,7 +1989,9 @@ BEGIN
         money := NULL;
         IF b.mode IN ('settle', 'late') THEN
             -- priced now; a price removed since admission charges what was held
-            money := coalesce(lq_cost(rec.model, b.in_tok, b.out_tok, now_ts), rec.credit_reserved);
+            money := coalesce(lq_cost(rec.model, b.in_tok, b.out_tok,
+                                      coalesce(rec.usage_at, now_ts)),
+                              rec.credit_reserved);
         END IF;
         PERFORM lq_credit_apply(rec.tenant, rec.reservation_id,
                                 CASE WHEN b.mode = 'late' THEN 0 ELSE -rec.credit_reserved END,
@@ -1744,12 +2020,19 @@ BEGIN
     -- whole call would fail and roll back (see ledger.sql).
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
-                              policy_version, excess_tokens, recorded_at)
+                              policy_version, excess_tokens, forgiven_tokens, recorded_at,
+                              usage_source, reported_input_tokens, reported_output_tokens)
     SELECT (res[g.i]).reservation_id, g.kind, (res[g.i]).tenant, (res[g.i]).route,
            (res[g.i]).model, g.input_tokens, g.output_tokens, g.held, g.outcome,
-           (res[g.i]).policy_version, g.excess, now_ts
-      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess)
-           AS g(i, kind, input_tokens, output_tokens, held, outcome, excess);
+           (res[g.i]).policy_version, g.excess,
+           -- what a shared layer forgave belongs to the settlement's row, not
+           -- to the expiry's (which credits, never debits)
+           CASE WHEN g.outcome = 'expired' THEN 0 ELSE round(f_most[g.i])::bigint END,
+           now_ts, g.source, g.rep_in, g.rep_out
+      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess,
+                  g_source, g_rep_in, g_rep_out)
+           AS g(i, kind, input_tokens, output_tokens, held, outcome, excess,
+                source, rep_in, rep_out);
 
     -- (7) Completions settled on time and 'ok' feed the learned output
     -- estimates (estimates.sql), whose rows are locked last, in key order.
@@ -1760,7 +2043,8 @@ BEGIN
 
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
-           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i]
+           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i],
+           r_fglobal[o.i], r_fceil[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;

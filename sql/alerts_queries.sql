@@ -106,15 +106,35 @@ SELECT o.event_id, o.event_type, o.tenant, o.subject, o.threshold, o.window_star
 -- again while this one sends. If this loop dies, the delivery is due again
 -- when that lease passes: at least once, and the event id lets a receiver
 -- drop the repeat.
-WITH due AS (
+-- At most $3 deliveries of one webhook are in flight in this loop: $4/$5
+-- are the webhooks it is sending to now and how many each, and a webhook
+-- gets only the oldest of its due rows that fit the rest. So a receiver
+-- that answers slowly holds a few of the loop's slots, never the batch.
+WITH ranked AS (
+    SELECT d.event_id, d.webhook,
+           row_number() OVER (PARTITION BY d.webhook ORDER BY d.next_attempt_at) AS nth
+      FROM alert_deliveries AS d
+     WHERE d.delivered_at IS NULL
+       AND d.gave_up_at IS NULL
+       AND d.next_attempt_at <= clock_timestamp()
+), fitting AS (
+    SELECT r.event_id, r.webhook
+      FROM ranked AS r
+           LEFT JOIN unnest($4::text[], $5::integer[]) AS busy(webhook, in_flight)
+                  ON busy.webhook = r.webhook
+     WHERE r.nth <= $3::integer - coalesce(busy.in_flight, 0)
+), due AS (
+    -- The due conditions again on the locked row: another loop may have
+    -- claimed it since `ranked` read it.
     SELECT d.event_id, d.webhook
       FROM alert_deliveries AS d
+           JOIN fitting AS f ON f.event_id = d.event_id AND f.webhook = d.webhook
      WHERE d.delivered_at IS NULL
        AND d.gave_up_at IS NULL
        AND d.next_attempt_at <= clock_timestamp()
      ORDER BY d.next_attempt_at
      LIMIT $1::integer
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE OF d SKIP LOCKED
 ), claimed AS (
     UPDATE alert_deliveries AS d
        SET attempts = d.attempts + 1,

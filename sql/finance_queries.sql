@@ -2,17 +2,14 @@
 -- billing export and the reports. None of them runs on the admission path,
 -- and none takes a lock an admission or a settlement waits for: the ledger
 -- is only appended to and read (MVCC), the export serializes on its own
--- state row, and prices are read by reports only.
+-- state row, and prices are only appended to. Every write goes through a
+-- SECURITY DEFINER function of ledger.sql: the app role may not write these
+-- tables itself.
 
 -- adjust_ledger --
--- Append a signed correction for an existing tenant; no row: no such tenant.
-INSERT INTO usage_ledger (entry_kind, tenant, route, model, input_tokens, output_tokens,
-                          reserved_tokens, outcome, reason)
-SELECT 'adjustment', t.tenant, $2::text, $3::text, $4::bigint, $5::bigint, 0, 'adjustment',
-       $6::text
-  FROM tenants AS t
- WHERE t.tenant = $1::text
-RETURNING entry_id, recorded_at, tenant, route, model, input_tokens, output_tokens, reason
+-- Append a signed correction for an existing tenant; no row: no such tenant
+-- (see lq_ledger_adjust: the app role cannot insert ledger rows itself).
+SELECT * FROM lq_ledger_adjust($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::text)
 
 -- export_ledger --
 -- Number newly final ledger rows (up to $3) and return up to $2 rows after
@@ -20,25 +17,27 @@ RETURNING entry_id, recorded_at, tenant, route, model, input_tokens, output_toke
 SELECT * FROM lq_export_ledger($1::bigint, $2::integer, $3::integer)
 
 -- set_price --
--- Set a model's prices per million tokens from $2 on (NULL: now, by the
--- database clock); replaces a price with the same start. replaced is true
--- when one existed.
-INSERT INTO model_prices AS mp (model, effective_from, input_usd_per_million,
-                                output_usd_per_million)
-VALUES ($1::text, coalesce($2::timestamptz, clock_timestamp()), $3::numeric, $4::numeric)
-ON CONFLICT (model, effective_from) DO UPDATE
-   SET input_usd_per_million = excluded.input_usd_per_million,
-       output_usd_per_million = excluded.output_usd_per_million,
-       set_at = clock_timestamp()
-RETURNING mp.model, mp.effective_from, mp.input_usd_per_million, mp.output_usd_per_million,
-          (xmax <> 0) AS replaced
+-- Set a new version of a model's prices per million tokens from $2 on (NULL:
+-- now, by the database clock), set by $5; $6 says why when $2 is in the
+-- past (see lq_set_price). superseded is true when a version with the same
+-- start existed.
+SELECT * FROM lq_set_price($1::text, $2::timestamptz, $3::numeric, $4::numeric, $5::text,
+                           $6::text)
+
+-- import_builtin_prices --
+-- The shipped price table (model, in force from, input, output per million
+-- tokens), row k of each array one price; one outcome per row (see
+-- lq_import_builtin_prices in sql/ledger.sql).
+SELECT * FROM lq_import_builtin_prices($1::text[], $2::timestamptz[], $3::numeric[],
+                                       $4::numeric[])
 
 -- list_prices --
--- Every price, or one model's ($1), oldest first.
-SELECT model, effective_from, input_usd_per_million, output_usd_per_million
+-- Every version of every price, or of one model's ($1), oldest first.
+SELECT model, effective_from, input_usd_per_million, output_usd_per_million, set_at, set_by,
+       backdate_reason
   FROM model_prices
  WHERE $1::text IS NULL OR model = $1::text
- ORDER BY model, effective_from
+ ORDER BY model, effective_from, set_at
 
 -- list_reports --
 -- The report functions this role may run: every set-returning function in

@@ -24,15 +24,22 @@ $$;
 -- many as now, 1 for a new layer); its new policy_version.
 --
 -- One policy change at a time (an advisory lock: with no global row yet,
--- row locks would not order two first calls), then every global row is
--- locked, in layer_id order (the admission's).
+-- row locks would not order two first calls), then the reservations that
+-- name a row beyond the new count, in reservation_id order, then every
+-- global row, in layer_id order (the order of admission.sql's header).
 -- The balance under the old rules, refilled to now and summed over the old
 -- shards, is clamped to the new burst (lq_rebalanced: a limit new to the
--- layer starts full) and split over the new shards in proportion to their
--- burst. Each row that stays keeps its count of permits in flight, which
--- its reservations give back. Rows beyond the new count are deleted: a
--- reservation still open on one settles as one through a deleted ceiling
--- does (its give-back to the gone row is dropped: less budget, never more).
+-- layer starts full; and never below minus it, as lq_shared_forgiven keeps
+-- it) and split over the new shards in proportion to their burst. Rows
+-- below the new count stay (same layer_id) and keep their permits in
+-- flight. Changing the count conserves tokens: the rows beyond it are
+-- deleted only after their open reservations (active, or expired and not
+-- yet settled late) are moved onto the surviving row shard mod K, with
+-- their permits, so that a release, settlement or expiry gives back (or
+-- debits) exactly what it took, whatever sequence of counts came between.
+-- (A reservation admitted on a doomed row between the two lock steps is
+-- moved too; should its settlement hold it then, the deadlock detector
+-- rolls one of the two back, and nothing is half done.)
 -- A sharded layer has no max_in_flight: permits are counted on the row a
 -- reservation names, and a count of K changing under open reservations
 -- would let the rows' counts and shares disagree; so in-flight caps stay on
@@ -56,8 +63,23 @@ DECLARE
     version  bigint := nextval('policy_version_seq');
     tokens   double precision;
     requests double precision;
+    shrinks  boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.global_layer', 0));
+    -- The count changes only under the advisory lock held now: read unlocked.
+    k := coalesce(p_shards, (SELECT max(l.shards) FROM limit_layers AS l WHERE l.scope = 'global'),
+                  1);
+    shrinks := EXISTS (SELECT 1 FROM limit_layers AS l WHERE l.scope = 'global' AND l.shard >= k);
+    IF shrinks THEN
+        -- reservations name their layers in an array (no index): read them
+        -- only when the count goes down, a rare policy change
+        PERFORM 1 FROM reservations AS r
+          WHERE r.layer_ids && ARRAY(SELECT l.layer_id FROM limit_layers AS l
+                                      WHERE l.scope = 'global' AND l.shard >= k)
+            AND (r.state = 'active' OR (r.state = 'expired' AND r.charged_tokens IS NULL))
+          ORDER BY r.reservation_id
+            FOR UPDATE;
+    END IF;
     PERFORM 1 FROM limit_layers WHERE scope = 'global' ORDER BY layer_id FOR UPDATE;
     SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS at,
            sum(l.tokens_per_minute)::bigint AS tpm, sum(l.token_burst)::bigint AS tburst,
@@ -76,8 +98,10 @@ BEGIN
      WHERE l.scope = 'global';
     tokens := lq_rebalanced(tokens, old.tpm, old.tburst, now_ts, p_tpm, p_tburst, now_ts);
     requests := lq_rebalanced(requests, old.rpm, old.rburst, now_ts, p_rpm, p_rburst, now_ts);
+    IF tokens IS NOT NULL THEN
+        tokens := greatest(-p_tburst::double precision, tokens);
+    END IF;
 
-    k := coalesce(p_shards, old.shards, 1);
     IF k < 1 OR k > 64 OR least(p_tpm, p_tburst, p_rpm, p_rburst) < k
        OR (k > 1 AND p_max_if IS NOT NULL) THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
@@ -85,7 +109,26 @@ BEGIN
                         'layer, and 1 with max_in_flight';
     END IF;
 
-    DELETE FROM limit_layers WHERE scope = 'global' AND (shard >= k OR shards <> k);
+    -- Open reservations and their permits onto the surviving rows, then the
+    -- rows beyond the count go (their balance is in `tokens` above).
+    IF shrinks THEN
+        UPDATE reservations AS r
+           SET layer_ids = array_replace(r.layer_ids, gone.layer_id, kept.layer_id)
+          FROM limit_layers AS gone
+          JOIN limit_layers AS kept
+            ON kept.scope = 'global' AND kept.shard = gone.shard % k
+         WHERE gone.scope = 'global' AND gone.shard >= k
+           AND r.layer_ids @> ARRAY[gone.layer_id]
+           AND (r.state = 'active' OR (r.state = 'expired' AND r.charged_tokens IS NULL));
+        UPDATE limit_layers AS l
+           SET in_flight = l.in_flight + m.in_flight
+          FROM (SELECT g.shard % k AS shard, sum(g.in_flight)::integer AS in_flight
+                  FROM limit_layers AS g
+                 WHERE g.scope = 'global' AND g.shard >= k
+                 GROUP BY 1) AS m
+         WHERE l.scope = 'global' AND l.shard = m.shard;
+        DELETE FROM limit_layers WHERE scope = 'global' AND shard >= k;
+    END IF;
     INSERT INTO limit_layers AS l (scope, shard, shards, tokens_per_minute, token_burst,
                                    requests_per_minute, request_burst, max_in_flight,
                                    lease_seconds, failure_mode, policy_version,
@@ -112,6 +155,7 @@ BEGIN
            tokens              = excluded.tokens,
            requests            = excluded.requests,
            refilled_at         = excluded.refilled_at;
+
     RETURN version;
 END
 $$;

@@ -21,6 +21,19 @@
 -- Every function here that changes the schema or touches the receipts runs as
 -- its owner (SECURITY DEFINER, with a fixed search_path): the application role
 -- needs no privilege on the partitions or on ledger_receipts.
+--
+-- Nobody but the owner writes a ledger row directly (issue 20). The app role
+-- has SELECT only on usage_ledger, credit_ledger, model_prices and the
+-- export's bookkeeping; every row is written by a SECURITY DEFINER function
+-- that sets entry_id, xact_id and recorded_at itself (their defaults: the
+-- identity, pg_current_xact_id(), clock_timestamp()). Before, the app role
+-- could INSERT with OVERRIDING SYSTEM VALUE or a back-dated recorded_at: one
+-- row below the export's cursor was never exported though every report
+-- counted it, and a duplicate entry_id stopped every export. The writers:
+-- lq_finish (settlements, expiries, late settles; lq_record_outage_admissions
+-- goes through it), lq_credit_topup and lq_credit_apply (quotas.sql),
+-- lq_ledger_adjust, lq_set_price and lq_export_ledger here; roles.sql makes
+-- those of the other scripts SECURITY DEFINER without touching their bodies.
 
 
 -- Refuse UPDATE, DELETE and TRUNCATE on the ledger. Corrections are new rows.
@@ -134,9 +147,13 @@ $$;
 -- (nothing is lost; see docs/operations.md). The migrations create the
 -- current month themselves, while nobody can write to the new table.
 --
--- Sweepers on several hosts may run this at once: one takes the advisory
--- lock and does the work, the others skip it (nothing is left undone: the
--- one holding the lock creates every missing month).
+-- Sweepers on several hosts may run this at once: they queue on the
+-- advisory lock, and the second finds every month the first created. The
+-- wait is bounded (lock_timeout, 1 s: shorter than the service's statement
+-- timeout, so the answer names the lock): a lock that stays busy fails the
+-- call (lock_not_available, so the sweeper reports it and retries) instead
+-- of returning no row as if nothing were missing. Only the service role may
+-- take advisory locks at all (roles.sql), so no other role can hold it.
 --
 -- status per month: exists | created | default_holds_rows | busy | too_close
 CREATE OR REPLACE FUNCTION lq_ensure_ledger_partitions(
@@ -146,6 +163,7 @@ CREATE OR REPLACE FUNCTION lq_ensure_ledger_partitions(
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path = pg_catalog, public
+SET lock_timeout = '1s'
 AS $$
 DECLARE
     this_month  date := date_trunc('month', coalesce(p_at, clock_timestamp()) AT TIME ZONE 'UTC')::date;
@@ -159,9 +177,12 @@ BEGIN
         RAISE EXCEPTION 'months ahead must be between 1 and %, not %', max_months_ahead, p_months_ahead
             USING ERRCODE = 'invalid_parameter_value';
     END IF;
-    IF NOT pg_try_advisory_xact_lock(hashtextextended('llmquota.usage_ledger.partitions', 0)) THEN
-        RETURN;
-    END IF;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.usage_ledger.partitions', 0));
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION 'usage_ledger: the partition lock stayed busy; no partition was checked'
+            USING ERRCODE = 'lock_not_available';
+    END;
     FOR i IN 1 .. p_months_ahead LOOP
         month := (this_month + make_interval(months => i))::date;
         partition_name := 'usage_ledger_' || to_char(month, 'YYYY_MM');
@@ -259,6 +280,14 @@ $$;
 --
 -- Exporters serialize on the single ledger_export_state row; settlement never
 -- touches it, so admission never waits for an export.
+--
+-- SECURITY DEFINER: the app role can neither number a row nor move the
+-- cursor itself (an UPDATE of ledger_export_state skipped every row below
+-- it), and no role but the owner can insert a row the horizon reasoning
+-- does not hold for (its own xact_id or entry_id).
+-- The result gained usage_source and the as-reported figures (revision
+-- 0016): a changed result type needs the old function gone first.
+DROP FUNCTION IF EXISTS lq_export_ledger(bigint, integer, integer);
 CREATE OR REPLACE FUNCTION lq_export_ledger(
     p_after_export_id bigint,
     p_limit           integer,
@@ -277,9 +306,14 @@ CREATE OR REPLACE FUNCTION lq_export_ledger(
     reserved_tokens  bigint,
     outcome          text,
     policy_version   bigint,
-    reason           text
+    reason           text,
+    usage_source     text,
+    reported_input_tokens  numeric,
+    reported_output_tokens numeric
 )
 LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, public
 AS $$
 DECLARE
     st       record;
@@ -321,12 +355,253 @@ BEGIN
     RETURN QUERY
     SELECT p.export_id, l.entry_id, l.recorded_at, l.entry_kind, l.tenant, l.route, l.model,
            l.reservation_id, l.input_tokens, l.output_tokens, l.reserved_tokens, l.outcome,
-           l.policy_version, l.reason
+           l.policy_version, l.reason,
+           l.usage_source, l.reported_input_tokens, l.reported_output_tokens
       FROM ledger_export_positions AS p
       JOIN usage_ledger AS l
         ON l.entry_id = p.entry_id AND l.recorded_at = p.recorded_at
      WHERE p.export_id > p_after_export_id
      ORDER BY p.export_id
      LIMIT p_limit;
+END
+$$;
+
+
+-- Append a signed correction for an existing tenant (`llmquota ledger
+-- adjust`); no row: no such tenant. The only way an adjustment reaches the
+-- ledger: the row's ids and time are the database's, never the caller's.
+--
+-- A correction is bounded by what a real one needs, in the database, where
+-- a caller holding the app role cannot skip it: at most
+-- max_adjustment_tokens either way in one row, and one that takes tokens
+-- back may not take more than the tenant's net recorded tokens of that type
+-- over the last lookback period (a correction undoes usage that was
+-- recorded; a row of -10^12 would hide a month of any tenant's usage from
+-- the invoice). finance/ledger.py checks the same figures first, for a
+-- clear message.
+CREATE OR REPLACE FUNCTION lq_ledger_adjust(
+    p_tenant        text,
+    p_route         text,
+    p_model         text,
+    p_input_tokens  bigint,
+    p_output_tokens bigint,
+    p_reason        text
+) RETURNS TABLE (entry_id bigint, recorded_at timestamptz, tenant text, route text,
+                 model text, input_tokens bigint, output_tokens bigint, reason text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, public
+AS $$
+DECLARE
+    max_adjustment_tokens constant bigint := 1000000000;
+    lookback constant interval := interval '92 days';
+    net_input  numeric;
+    net_output numeric;
+BEGIN
+    IF p_input_tokens IS NULL OR p_output_tokens IS NULL
+       OR (p_input_tokens = 0 AND p_output_tokens = 0)
+       OR abs(p_input_tokens) > max_adjustment_tokens
+       OR abs(p_output_tokens) > max_adjustment_tokens THEN
+        RAISE EXCEPTION 'an adjustment moves 1 to % tokens either way', max_adjustment_tokens
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM tenants AS t WHERE t.tenant = p_tenant) THEN
+        RETURN;
+    END IF;
+    IF p_input_tokens < 0 OR p_output_tokens < 0 THEN
+        SELECT coalesce(sum(l.input_tokens), 0), coalesce(sum(l.output_tokens), 0)
+          INTO net_input, net_output
+          FROM usage_ledger AS l
+         WHERE l.tenant = p_tenant
+           AND l.recorded_at >= clock_timestamp() - lookback;
+        IF net_input + p_input_tokens < 0 OR net_output + p_output_tokens < 0 THEN
+            RAISE EXCEPTION 'an adjustment cannot take back more than % recorded in the last % (input %, output %)',
+                p_tenant, lookback, net_input, net_output
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+    END IF;
+    RETURN QUERY
+    INSERT INTO usage_ledger AS l (entry_kind, tenant, route, model, input_tokens,
+                                   output_tokens, reserved_tokens, outcome, reason)
+    VALUES ('adjustment', p_tenant, p_route, p_model, p_input_tokens, p_output_tokens, 0,
+            'adjustment', p_reason)
+    RETURNING l.entry_id, l.recorded_at, l.tenant, l.route, l.model, l.input_tokens,
+              l.output_tokens, l.reason;
+END
+$$;
+
+
+-- Set a new version of a model's prices per million tokens from
+-- p_effective_from on (NULL: now, by the database clock). Prices are
+-- append-only (migration 0017's trigger): a change, even for the same
+-- effective_from, is a new version, and the old one stays for the record.
+--
+-- A version that takes effect before now reprices usage already recorded,
+-- which credits were charged for at the old price: refused unless the
+-- caller says why (p_backdate_reason, kept in the row with who set it), and
+-- refused in any case before the start of the current UTC month: the
+-- invoices of a closed month do not change. lq_audit_credit_charges
+-- (quotas.sql) then shows the reservations whose credit charge differs from
+-- what the invoice now says.
+--
+-- superseded: true when an earlier version with the same effective_from
+-- existed (this one replaces it from now on).
+CREATE OR REPLACE FUNCTION lq_set_price(
+    p_model           text,
+    p_effective_from  timestamptz,
+    p_input           numeric,
+    p_output          numeric,
+    p_set_by          text,
+    p_backdate_reason text
+) RETURNS TABLE (model text, effective_from timestamptz, input_usd_per_million numeric,
+                 output_usd_per_million numeric, set_at timestamptz, set_by text,
+                 backdate_reason text, superseded boolean)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, public
+AS $$
+DECLARE
+    now_ts      timestamptz := clock_timestamp();
+    eff         timestamptz := coalesce(p_effective_from, now_ts);
+    month_start timestamptz := date_trunc('month', now_ts AT TIME ZONE 'UTC') AT TIME ZONE 'UTC';
+    -- Prices are set for the coming months, not decades: a later date is a
+    -- typo, and so is one before there were LLM prices (asyncpg sends
+    -- 0001-01-01 as -infinity, which priced all of history).
+    max_ahead   constant interval := interval '10 years';
+    min_from    constant timestamptz := '2000-01-01 00:00:00+00';
+    earlier     boolean;
+BEGIN
+    IF p_set_by IS NULL OR length(btrim(p_set_by)) = 0 THEN
+        RAISE EXCEPTION 'a price version needs who set it' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    -- The builtin table's name (lq_import_builtin_prices): an operator's
+    -- version under it would lose to the table instead of winning over it.
+    IF btrim(p_set_by) = 'llmquota builtin' THEN
+        RAISE EXCEPTION 'set-by ''llmquota builtin'' is the shipped price table''s; name yourself'
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF NOT isfinite(eff) OR eff < min_from OR eff > now_ts + max_ahead THEN
+        RAISE EXCEPTION 'effective-from % is not between % and the next %', eff, min_from, max_ahead
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF eff < now_ts THEN
+        IF eff < month_start THEN
+            RAISE EXCEPTION 'effective-from % is in a closed month (before %): its invoices do not change',
+                eff, month_start
+                USING ERRCODE = 'invalid_parameter_value';
+        END IF;
+        IF p_backdate_reason IS NULL OR length(btrim(p_backdate_reason)) = 0 THEN
+            RAISE EXCEPTION 'effective-from % is in the past: it reprices recorded usage', eff
+                USING ERRCODE = 'invalid_parameter_value',
+                      HINT = 'Say why with --backdate REASON, or set it from now on.';
+        END IF;
+    ELSIF p_backdate_reason IS NOT NULL THEN
+        RAISE EXCEPTION 'effective-from % is not in the past: nothing to backdate', eff
+            USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    SELECT EXISTS (SELECT 1 FROM model_prices AS mp
+                    WHERE mp.model = p_model AND mp.effective_from = eff)
+      INTO earlier;
+    RETURN QUERY
+    INSERT INTO model_prices AS mp (model, effective_from, input_usd_per_million,
+                                    output_usd_per_million, set_at, set_by, backdate_reason)
+    VALUES (p_model, eff, p_input, p_output, now_ts, p_set_by, p_backdate_reason)
+    RETURNING mp.model, mp.effective_from, mp.input_usd_per_million, mp.output_usd_per_million,
+              mp.set_at, mp.set_by, mp.backdate_reason, earlier;
+END
+$$;
+
+
+-- Import the price table shipped with llmquota (src/llmquota/finance/
+-- builtin_prices.csv, `llmquota prices import --builtin`), in one statement.
+-- Row k: model p_models[k] costs p_input[k] / p_output[k] USD per million
+-- tokens from p_from[k] on. Every version written is set_by 'llmquota builtin'.
+--
+-- outcome of each row:
+--   added      a new version was written;
+--   unchanged  the version in force for the model from that moment already has
+--              these prices (a second import writes nothing);
+--   operator   an operator priced this model, by its name or by a glob that
+--              matches it (any version not set_by 'llmquota builtin'): the
+--              operator's prices win, whatever their dates, and no builtin
+--              version is ever added for it;
+--   superseded a later row of the table took effect before this month, so this
+--              one would be in force nowhere.
+--
+-- In force from their dates, except never in a closed month (lq_set_price's
+-- rule: a closed month's invoices do not change): a row dated before this
+-- month takes effect at the start of this month, saying so in backdate_reason.
+-- One import at a time (a transaction advisory lock), so two at once do not
+-- both add a version.
+CREATE OR REPLACE FUNCTION lq_import_builtin_prices(
+    p_models text[],
+    p_from   timestamptz[],
+    p_input  numeric[],
+    p_output numeric[]
+) RETURNS TABLE (model text, declared_from timestamptz, effective_from timestamptz,
+                 outcome text)
+LANGUAGE plpgsql
+SECURITY DEFINER
+SET search_path = pg_catalog, public
+AS $$
+DECLARE
+    builtin     constant text := 'llmquota builtin';
+    now_ts      timestamptz := clock_timestamp();
+    month_start timestamptz := date_trunc('month', now_ts AT TIME ZONE 'UTC') AT TIME ZONE 'UTC';
+    rec         record;
+    eff         timestamptz;
+    cur_in      numeric;
+    cur_out     numeric;
+BEGIN
+    IF cardinality(p_models) IS DISTINCT FROM cardinality(p_from)
+       OR cardinality(p_models) IS DISTINCT FROM cardinality(p_input)
+       OR cardinality(p_models) IS DISTINCT FROM cardinality(p_output) THEN
+        RAISE EXCEPTION 'the price arrays differ in length' USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.builtin_prices', 0));
+    FOR rec IN
+        SELECT r.m, r.f, r.i, r.o,
+               r.f < max(r.f) FILTER (WHERE r.f <= month_start) OVER (PARTITION BY r.m) AS old
+          FROM unnest(p_models, p_from, p_input, p_output) AS r(m, f, i, o)
+         ORDER BY r.m, r.f
+    LOOP
+        eff := greatest(rec.f, month_start);
+        model := rec.m; declared_from := rec.f; effective_from := eff;
+        IF EXISTS (SELECT 1 FROM model_prices AS mp
+                    WHERE mp.set_by <> builtin
+                      AND (mp.model = rec.m
+                           OR (strpos(mp.model, '*') > 0
+                               AND rec.m LIKE (lq_model_patterns(ARRAY[mp.model]))[1]))) THEN
+            outcome := 'operator';
+        ELSIF rec.old THEN
+            outcome := 'superseded';
+        ELSE
+            -- The version of this exact name in force from eff (only builtin
+            -- ones exist for it, or the branch above was taken).
+            SELECT mp.input_usd_per_million, mp.output_usd_per_million INTO cur_in, cur_out
+              FROM model_prices AS mp
+             WHERE mp.model = rec.m AND mp.effective_from <= eff
+             ORDER BY mp.effective_from DESC, mp.set_at DESC
+             LIMIT 1;
+            IF FOUND AND cur_in = rec.i AND cur_out = rec.o THEN
+                outcome := 'unchanged';
+            ELSE
+                INSERT INTO model_prices AS mp (model, effective_from, input_usd_per_million,
+                                                output_usd_per_million, set_at, set_by,
+                                                backdate_reason)
+                VALUES (rec.m, eff, rec.i, rec.o, clock_timestamp(), builtin,
+                        CASE WHEN eff > rec.f THEN
+                            format('builtin price table: in force from %s; here from the start '
+                                   'of this month, as a closed month is never repriced',
+                                   to_char(rec.f AT TIME ZONE 'UTC', 'YYYY-MM-DD'))
+                             WHEN eff < clock_timestamp() THEN
+                            format('builtin price table: in force from %s',
+                                   to_char(rec.f AT TIME ZONE 'UTC', 'YYYY-MM-DD'))
+                        END);
+                outcome := 'added';
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
 END
 $$;

@@ -210,12 +210,130 @@ AS $$
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,
            policy_version = nextval('policy_version_seq'),
-           tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
-                                   excluded.tokens_per_minute, excluded.token_burst,
-                                   clock_timestamp()),
+           -- never below minus the new burst, as lq_credit_layers keeps a
+           -- ceiling (a smaller burst forgives the debt beyond it)
+           tokens = CASE WHEN excluded.tokens_per_minute IS NOT NULL THEN
+                        greatest(-excluded.token_burst::double precision,
+                                 lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst,
+                                               l.refilled_at, excluded.tokens_per_minute,
+                                               excluded.token_burst, clock_timestamp())) END,
            requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
                                      l.refilled_at, excluded.requests_per_minute,
                                  excluded.request_burst, clock_timestamp()),
            refilled_at = greatest(l.refilled_at, clock_timestamp())
     RETURNING l.policy_version
+$$;
+
+
+-- The If-Match check of a policy write (issue 22): whether the layer's
+-- current policy_version (its ETag) is one of `p_if_match` ('*': any
+-- existing layer). NULL `p_if_match` is no precondition: true, nothing locked.
+-- Otherwise the layer row is locked FOR UPDATE (the global layer's shards in
+-- layer_id order), so the write of the same statement runs on the version
+-- checked here: a concurrent write with the same ETag waits, then sees the
+-- new version and fails. A tenant write names its new plan `p_plan`, locked
+-- FOR SHARE first, the order lq_put_plan takes (plan, then layers).
+CREATE OR REPLACE FUNCTION lq_policy_precondition(
+    p_scope text, p_tenant text, p_route text, p_plan text, p_if_match text[]
+) RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    current bigint;
+BEGIN
+    IF p_if_match IS NULL THEN
+        RETURN true;
+    END IF;
+    IF p_plan IS NOT NULL THEN
+        PERFORM 1 FROM plans WHERE plan = p_plan FOR SHARE;
+    END IF;
+    IF p_scope = 'global' THEN
+        SELECT max(s.policy_version) INTO current
+          FROM (SELECT policy_version FROM limit_layers
+                 WHERE scope = 'global' ORDER BY layer_id FOR UPDATE) AS s;
+    ELSE
+        SELECT policy_version INTO current
+          FROM limit_layers
+         WHERE scope = p_scope AND tenant = p_tenant
+           AND route IS NOT DISTINCT FROM p_route
+           FOR UPDATE;
+    END IF;
+    RETURN current IS NOT NULL
+       AND ('*' = ANY (p_if_match) OR current::text = ANY (p_if_match));
+END
+$$;
+
+
+-- Delete a tenant (issue 22): its layers, keys, quotas, credit account and
+-- webhooks go (ON DELETE CASCADE from tenants); the usage ledger keeps its
+-- rows (it has no foreign key: append-only). The tenant's layers are locked
+-- first, in layer_id order as admission locks them, so an admission either
+-- committed before (its reservation is counted) or runs after and finds no
+-- tenant. Status: 'deleted', 'not_found', 'active' (with how many
+-- reservations are still active) or 'precondition_failed' (If-Match, as in
+-- lq_policy_precondition, against the tenant policy's version).
+CREATE OR REPLACE FUNCTION lq_delete_tenant(p_tenant text, p_if_match text[])
+RETURNS TABLE (status text, active bigint)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    PERFORM 1 FROM tenants WHERE tenant = p_tenant FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 'not_found'::text, 0::bigint;
+        RETURN;
+    END IF;
+    PERFORM 1 FROM limit_layers WHERE tenant = p_tenant ORDER BY layer_id FOR UPDATE;
+    IF NOT lq_policy_precondition('tenant', p_tenant, NULL, NULL, p_if_match) THEN
+        RETURN QUERY SELECT 'precondition_failed'::text, 0::bigint;
+        RETURN;
+    END IF;
+    SELECT count(*) INTO n FROM reservations WHERE tenant = p_tenant AND state = 'active';
+    IF n > 0 THEN
+        RETURN QUERY SELECT 'active'::text, n;
+        RETURN;
+    END IF;
+    DELETE FROM api_keys WHERE tenant = p_tenant;
+    DELETE FROM limit_layers WHERE tenant = p_tenant;
+    DELETE FROM tenants WHERE tenant = p_tenant;
+    RETURN QUERY SELECT 'deleted'::text, 0::bigint;
+END
+$$;
+
+
+-- The ETag of a plan: its updated_at in microseconds (every write of a plan
+-- sets it, under the plan's row lock, so no two versions share one).
+CREATE OR REPLACE FUNCTION lq_plan_version(p_updated_at timestamptz)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT floor(extract(epoch FROM p_updated_at) * 1000000)::bigint
+$$;
+
+
+-- The If-Match check of a plan or provider-ceiling write, as
+-- lq_policy_precondition for the layers: NULL `p_if_match` is none (true,
+-- nothing locked); otherwise the row is locked FOR UPDATE and its version
+-- (a plan's lq_plan_version, a ceiling's policy_version) must be one of
+-- `p_if_match`, or the row merely exist for '*'.
+CREATE OR REPLACE FUNCTION lq_named_precondition(p_kind text, p_name text, p_if_match text[])
+RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    current bigint;
+BEGIN
+    IF p_if_match IS NULL THEN
+        RETURN true;
+    END IF;
+    IF p_kind = 'plan' THEN
+        SELECT lq_plan_version(updated_at) INTO current FROM plans WHERE plan = p_name FOR UPDATE;
+    ELSE
+        SELECT policy_version INTO current
+          FROM limit_layers WHERE scope = 'ceiling' AND ceiling = p_name FOR UPDATE;
+    END IF;
+    RETURN current IS NOT NULL
+       AND ('*' = ANY (p_if_match) OR current::text = ANY (p_if_match));
+END
 $$;

@@ -4,11 +4,16 @@
 -- admission.sql; these call them or do the small things around them.
 
 -- admit --
--- Decide a batch of admission requests in arrival order (see lq_admit).
-SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
-                       $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
-                       $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
-                       $15::text[], $16::bigint[], $17::bigint[])
+-- Decide a batch of admission requests in arrival order (see lq_admit), by
+-- the deadline $18 and with the reservation ids $19. database_now is the
+-- database's clock once the batch is decided: the worker's deadlines are
+-- stated on it (store/clock.py).
+SELECT a.*, clock_timestamp() AS database_now
+  FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
+                $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
+                $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
+                $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
+                $19::uuid[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -17,16 +22,19 @@ SELECT * FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::big
 -- read only at its commit, so where in the plan it runs does not matter.
 -- Settlement and the ledger are other statements and always wait. A crash can
 -- forget the last admissions (their debits and reservations), never a ledger row.
-SELECT a.*
+SELECT a.*, clock_timestamp() AS database_now
   FROM (SELECT set_config('synchronous_commit', 'off', true)) AS unflushed,
        lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
-                $15::text[], $16::bigint[], $17::bigint[]) AS a
+                $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
+                $19::uuid[]) AS a
 
 -- finish --
--- Settle, release or expire a batch of reservations (see lq_finish).
-SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[])
+-- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:
+-- where each settlement's figures came from, for its ledger row.
+SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[],
+                        $7::text[], $8::numeric[], $9::numeric[])
 
 -- sweep --
 -- Expire up to $1 reservations whose lease ran out (see lq_sweep).
@@ -37,7 +45,9 @@ SELECT * FROM lq_sweep($1::integer)
 -- bump its generation (the fencing token). $4, when given, is the generation
 -- the caller holds: a stale one extends nothing. No row: no such reservation
 -- for this caller. A row with a NULL lease_expires_at: it exists but is
--- finished, its lease ran out, or the caller's generation is stale.
+-- finished, its lease ran out, or the caller's generation is stale. $5 true:
+-- the proxy relayed output of it to its client, remembered (once) for the
+-- audit (reservations.relayed_at).
 WITH target AS (
     SELECT rs.reservation_id, rs.state, rs.lease_generation,
            rs.state = 'active' AND rs.lease_expires_at > clock_timestamp() AS lease_live
@@ -48,7 +58,9 @@ WITH target AS (
     UPDATE reservations AS rs
        SET lease_expires_at = clock_timestamp()
                               + make_interval(secs => coalesce($3::integer, rs.lease_seconds)),
-           lease_generation = rs.lease_generation + 1
+           lease_generation = rs.lease_generation + 1,
+           relayed_at = CASE WHEN $5::boolean THEN coalesce(rs.relayed_at, clock_timestamp())
+                             ELSE rs.relayed_at END
       FROM target
      WHERE rs.reservation_id = target.reservation_id
        AND rs.state = 'active'
@@ -65,13 +77,15 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
 -- put_tenant_policy, for its plan; the global layer's through
 -- put_global_policy). The balance refills under the old rules up to now,
 -- then is clamped to the new capacity; a limit that did not exist before
--- starts full.
+-- starts full. $13 is the If-Match list (NULL: none; see lq_policy_precondition):
+-- no row when it does not match.
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
                                lease_seconds, failure_mode, fallback_models, tokens, requests,
                                output_estimate)
-VALUES ($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb)
+SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
+       $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb
+ WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
 ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
@@ -94,28 +108,45 @@ RETURNING l.policy_version
 
 -- put_global_policy --
 -- Create or replace the global policy, split over $8 shards (NULL: as many
--- as now); its new policy_version (see lq_put_global).
-SELECT lq_put_global($1::bigint, $2::bigint, $3::bigint, $4::bigint, $5::integer, $6::integer,
-                     $7::text, $8::smallint) AS policy_version
+-- as now); its new policy_version (see lq_put_global). $9 is the If-Match
+-- list (NULL: none): policy_version NULL and precondition_met false when it
+-- does not match. OFFSET 0 keeps the check a subquery run once, before the write.
+SELECT CASE WHEN g.ok THEN
+            lq_put_global($1::bigint, $2::bigint, $3::bigint, $4::bigint, $5::integer,
+                          $6::integer, $7::text, $8::smallint) END AS policy_version,
+       g.ok AS precondition_met
+  FROM (SELECT lq_policy_precondition('global', NULL, NULL, NULL, $9::text[]) AS ok
+        OFFSET 0) AS g
 
 -- put_tenant_policy --
 -- Set a tenant's own policy ($3, the fields it sets, as a JSON object) and its
 -- plan ($2), registering the tenant; its new policy_version, or NULL when the
--- plan does not exist (see lq_put_tenant_policy).
-SELECT lq_put_tenant_policy($1::text, $2::text, $3::jsonb) AS policy_version
+-- plan does not exist (see lq_put_tenant_policy). $4 is the If-Match list
+-- (NULL: none): precondition_met false (and nothing written) when it does not match.
+SELECT CASE WHEN g.ok THEN lq_put_tenant_policy($1::text, $2::text, $3::jsonb) END
+           AS policy_version,
+       g.ok AS precondition_met
+  FROM (SELECT lq_policy_precondition('tenant', $1::text, NULL, $2::text, $4::text[]) AS ok
+        OFFSET 0) AS g
 
 -- put_plan --
 -- Create or replace a plan and recompute every tenant on it, in one
--- transaction; how many tenants changed (see lq_put_plan).
-SELECT lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-                   $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
-                   $12::jsonb) AS tenants
+-- transaction; how many tenants changed (see lq_put_plan). $13 is the If-Match
+-- list (NULL: none; see lq_named_precondition): precondition_met false and
+-- nothing written when it does not match.
+SELECT CASE WHEN g.ok THEN
+            lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
+                        $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
+                        $12::jsonb) END AS tenants,
+       g.ok AS precondition_met
+  FROM (SELECT lq_named_precondition('plan', $1::text, $13::text[]) AS ok OFFSET 0) AS g
 
 -- get_plans --
 -- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
 SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
        p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
        p.prepaid, p.output_estimate::text AS output_estimate,
+       lq_plan_version(p.updated_at) AS version,
        (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
   FROM plans AS p
  WHERE $1::text IS NULL OR p.plan = $1::text
@@ -137,8 +168,13 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
 
 -- put_ceiling --
 -- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
-SELECT lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-                      $7::integer, $8::float8[], $9::smallint[], $10::bigint[]) AS policy_version
+-- $11 is the If-Match list, as put_plan's.
+SELECT CASE WHEN g.ok THEN
+            lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint,
+                           $6::bigint, $7::integer, $8::float8[], $9::smallint[],
+                           $10::bigint[]) END AS policy_version,
+       g.ok AS precondition_met
+  FROM (SELECT lq_named_precondition('ceiling', $1::text, $11::text[]) AS ok OFFSET 0) AS g
 
 -- get_ceilings --
 -- One ceiling ($1), or every one ($1 NULL), refilled to now (read only), with
@@ -190,9 +226,20 @@ UPDATE limit_layers AS l
 RETURNING l.ceiling
 
 -- delete_ceiling --
--- Delete a provider ceiling; one row when it existed. Reservations admitted
--- through it settle as before: the credit to a layer that is gone is dropped.
-DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNING layer_id
+-- Delete a provider ceiling; one row when it existed. Open reservations
+-- admitted through it stop naming it (a give-back to a layer that is gone
+-- would be dropped anyway), so every open reservation's layers exist
+-- (lq_audit_reservation_layers), and they settle as before.
+WITH gone AS (
+    DELETE FROM limit_layers WHERE scope = 'ceiling' AND ceiling = $1::text RETURNING layer_id
+), unnamed AS (
+    UPDATE reservations AS r
+       SET layer_ids = array_remove(r.layer_ids, g.layer_id)
+      FROM gone AS g
+     WHERE r.layer_ids @> ARRAY[g.layer_id]
+       AND (r.state = 'active' OR (r.state = 'expired' AND r.charged_tokens IS NULL))
+)
+SELECT layer_id FROM gone
 
 -- get_policy --
 -- One layer's policy, or no row; the global layer's summed over its shards.
@@ -226,33 +273,132 @@ SELECT 'tenant', tenant FROM new_tenant
 SELECT EXISTS (SELECT 1 FROM tenants WHERE tenant = $1::text)
 
 -- insert_api_key --
--- Store a key's digest for a tenant (NULL: an admin key).
-INSERT INTO api_keys (key_hash, tenant) VALUES ($1::bytea, $2::text) RETURNING key_id
+-- Store a key's digest for a tenant (NULL: an admin key) with its prefix $3,
+-- label $4, scopes $5 and expiry $6, registering the tenant if it is new (as
+-- ensure_tenant does). The expiry must be in the future by the database's
+-- clock: no row otherwise, and no tenant registered either.
+WITH valid AS (
+    SELECT $6::timestamptz IS NULL OR $6::timestamptz > clock_timestamp() AS ok
+), new_tenant AS (
+    INSERT INTO tenants (tenant)
+    SELECT $2::text FROM valid WHERE ok AND $2::text IS NOT NULL
+    ON CONFLICT DO NOTHING
+    RETURNING tenant
+), new_layer AS (
+    INSERT INTO limit_layers (scope, tenant)
+    SELECT 'tenant', tenant FROM new_tenant
+)
+INSERT INTO api_keys (key_hash, tenant, prefix, label, scopes, expires_at)
+SELECT $1::bytea, $2::text, $3::text, $4::text, $5::text[], $6::timestamptz
+  FROM valid WHERE ok
+RETURNING key_id, tenant, prefix, label, scopes, created_at, expires_at, revoked_at,
+          NULL::timestamptz AS last_used_at
 
 -- insert_first_admin_key --
 -- Store an admin key's digest unless an admin key exists already.
-INSERT INTO api_keys (key_hash, tenant)
-SELECT $1::bytea, NULL
+INSERT INTO api_keys (key_hash, tenant, prefix, label)
+SELECT $1::bytea, NULL, $2::text, 'generated at first start'
  WHERE NOT EXISTS (SELECT 1 FROM api_keys WHERE tenant IS NULL)
 RETURNING key_id
 
 -- find_api_key --
--- The key with this digest: its tenant, or NULL tenant for an admin key.
-SELECT key_id, tenant FROM api_keys WHERE key_hash = $1::bytea
+-- The usable key with this digest (its current secret, or its previous one
+-- within the rotation's grace; neither revoked nor expired): its tenant (NULL
+-- for an admin key), scopes, whether the tenant is suspended, and for how many
+-- seconds more this secret is valid by the database's clock (NULL: no end).
+SELECT k.key_id, k.tenant, k.scopes, t.suspended_at IS NOT NULL AS suspended,
+       extract(epoch FROM least(k.expires_at,
+                                CASE WHEN k.key_hash = $1::bytea THEN NULL
+                                     ELSE k.previous_expires_at END)
+                          - clock_timestamp())::float8 AS valid_seconds
+  FROM api_keys AS k
+  LEFT JOIN tenants AS t ON t.tenant = k.tenant
+ WHERE (k.key_hash = $1::bytea
+        OR (k.previous_hash = $1::bytea AND k.previous_expires_at > clock_timestamp()))
+   AND k.revoked_at IS NULL
+   AND (k.expires_at IS NULL OR k.expires_at > clock_timestamp())
+
+-- list_api_keys --
+-- Every key of tenant $1 (admin keys when $2), revoked ones too, oldest first.
+SELECT k.key_id, k.tenant, k.prefix, k.label, k.scopes, k.created_at, k.expires_at,
+       k.revoked_at, u.last_used_at
+  FROM api_keys AS k
+  LEFT JOIN api_key_uses AS u USING (key_id)
+ WHERE CASE WHEN $2::boolean THEN k.tenant IS NULL ELSE k.tenant = $1::text END
+ ORDER BY k.key_id
+
+-- revoke_api_key --
+-- Revoke key $1 of tenant $2 (NULL: an admin key; see lq_revoke_key):
+-- 'revoked', 'unknown' or 'last_admin_key'.
+SELECT lq_revoke_key($1::bigint, $2::text, $3::boolean) AS outcome
+
+-- rotate_api_key --
+-- Give key $1 (of tenant $2; an admin key when $3) the new digest $4 and
+-- prefix $5; the old secret stays valid for $6 seconds (none when 0). A
+-- revoked or expired key is not rotated: `rotated` false then. No row: no
+-- such key of that kind.
+WITH target AS (
+    SELECT key_id, revoked_at IS NULL
+                   AND (expires_at IS NULL OR expires_at > clock_timestamp()) AS usable
+      FROM api_keys
+     WHERE key_id = $1::bigint
+       AND CASE WHEN $3::boolean THEN tenant IS NULL ELSE tenant = $2::text END
+), rotated AS (
+    UPDATE api_keys AS k
+       SET previous_hash = CASE WHEN $6::integer > 0 THEN k.key_hash END,
+           previous_expires_at = CASE WHEN $6::integer > 0
+                                      THEN clock_timestamp() + make_interval(secs => $6::integer)
+                                 END,
+           key_hash = $4::bytea,
+           prefix = $5::text
+      FROM target
+     WHERE k.key_id = target.key_id AND target.usable
+    RETURNING k.key_id, k.tenant, k.prefix, k.label, k.scopes, k.created_at, k.expires_at,
+              k.revoked_at
+)
+SELECT t.usable AS rotated, r.key_id, r.tenant, r.prefix, r.label, r.scopes, r.created_at,
+       r.expires_at, r.revoked_at, u.last_used_at
+  FROM target AS t
+  LEFT JOIN rotated AS r USING (key_id)
+  LEFT JOIN api_key_uses AS u ON u.key_id = r.key_id
+
+-- note_key_use --
+-- Remember that key $1 was used now (a worker calls this at most once a
+-- minute per key; api_key_uses is apart from api_keys so this fires no
+-- announcement and takes no lock a revocation would wait on).
+INSERT INTO api_key_uses (key_id, last_used_at)
+SELECT key_id, clock_timestamp() FROM api_keys WHERE key_id = $1::bigint
+ON CONFLICT (key_id) DO UPDATE SET last_used_at = greatest(api_key_uses.last_used_at,
+                                                           excluded.last_used_at)
+
+-- suspended_tenants --
+-- Every suspended tenant (workers keep the list with their policies, so
+-- that no admission of one is decided, whoever's key asks).
+SELECT tenant FROM tenants WHERE suspended_at IS NOT NULL ORDER BY tenant
+
+-- suspend_tenant --
+-- Suspend ($2 true) or resume tenant $1; a repeat keeps the first suspension's
+-- time. No row: no such tenant.
+UPDATE tenants
+   SET suspended_at = CASE WHEN $2::boolean THEN coalesce(suspended_at, clock_timestamp()) END
+ WHERE tenant = $1::text
+RETURNING tenant, suspended_at
 
 -- layer_status --
 -- The global layer (summed over its shards) and every layer of one tenant,
--- refilled to now (read only).
+-- refilled to now (read only), with the effective fallback models (the layer's
+-- own, else its plan's), as admission uses them.
 SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
-       tokens, requests
+       tokens, requests, '{}'::text[] AS fallback_models, false AS prepaid, shards
   FROM global_layer
 UNION ALL
 (SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
         request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
         lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp()),
         lq_refilled(requests, requests_per_minute, request_burst, refilled_at,
-                    clock_timestamp())
+                    clock_timestamp()),
+        fallback_models, prepaid, shards
    FROM limit_layers
   WHERE scope IN ('tenant', 'route') AND tenant = $1::text
   ORDER BY layer_id)
@@ -296,8 +442,8 @@ SELECT key FROM outage_id_key
 
 -- policy_snapshot --
 -- Every layer's policy, for the per-worker cache that outlives an outage.
--- Provider ceilings are not in it: an admission decided without the database
--- passes the global, tenant and route layers only (RELIABILITY.md). The
+-- Provider ceilings are not in it: they come with the budgets
+-- (outage_budgets), which have no version. The
 -- snapshot version is (max policy_version, layer count): a policy change takes
 -- the next policy_version and a deleted tenant lowers the count. When it
 -- equals the caller's ($1, $2) only the version row comes back (the columns of
@@ -332,16 +478,72 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
              ORDER BY ll.layer_id
              LIMIT $3::integer - (SELECT count(*) FROM global_layer)::integer)) AS l ON true
 
+-- outage_budgets --
+-- What a worker needs besides the policies to decide `local` admissions while
+-- the store is away (domain/local_budget.py), read afresh at every policy
+-- refresh because it moves with every admission: one row per item, `kind`
+-- saying which. 'ceiling': a provider ceiling's limits and models (LIKE
+-- patterns); 'quota': a blocking calendar quota, its limits and what its
+-- current window used (reserved + charged); 'credits': a prepaid tenant and
+-- its available balance (balance - reserved, 0 without an account),
+-- 'price': a model's price in force. At most $1 rows of each kind.
+(SELECT 'ceiling'::text AS kind, ll.ceiling AS name, NULL::text AS tenant, NULL::text AS route,
+        ll.model_patterns AS patterns, ll.tokens_per_minute, ll.token_burst,
+        ll.requests_per_minute, ll.request_burst, ll.max_in_flight, ll.policy_version,
+        NULL::bigint AS quota_id, NULL::bigint AS tokens_limit, NULL::numeric AS cost_limit,
+        NULL::bigint AS used_tokens, NULL::numeric AS used_cost,
+        NULL::timestamptz AS window_end, NULL::numeric AS available,
+        NULL::numeric AS price_in, NULL::numeric AS price_out
+   FROM limit_layers AS ll
+  WHERE ll.scope = 'ceiling'
+  ORDER BY ll.layer_id
+  LIMIT $1::integer)
+UNION ALL
+(SELECT 'quota', q.name, q.tenant, q.route, q.model_patterns, NULL, NULL, NULL, NULL, NULL,
+        NULL, q.quota_id, q.tokens, q.cost,
+        coalesce(w.reserved_tokens + w.charged_tokens, 0),
+        coalesce(w.reserved_cost + w.charged_cost, 0), cw.window_end, NULL, NULL, NULL
+   FROM quotas AS q
+        CROSS JOIN LATERAL lq_quota_window(q.period, q.timezone, clock_timestamp()) AS cw
+        LEFT JOIN quota_windows AS w
+          ON w.quota_id = q.quota_id AND w.window_start = cw.window_start
+  WHERE q.enforce = 'block'
+  ORDER BY q.quota_id
+  LIMIT $1::integer)
+UNION ALL
+(SELECT 'credits', NULL, ll.tenant, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+        NULL, NULL, NULL, NULL, coalesce(ca.balance - ca.reserved, 0), NULL, NULL
+   FROM limit_layers AS ll
+        LEFT JOIN credit_accounts AS ca ON ca.tenant = ll.tenant
+  WHERE ll.scope = 'tenant' AND ll.prepaid
+  ORDER BY ll.layer_id
+  LIMIT $1::integer)
+UNION ALL
+(SELECT DISTINCT ON (mp.model) 'price', mp.model, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, mp.input_usd_per_million,
+        mp.output_usd_per_million
+   FROM model_prices AS mp
+  WHERE mp.effective_from <= clock_timestamp()
+  ORDER BY mp.model, mp.effective_from DESC
+  LIMIT $1::integer)
+
 -- record_outage_admissions --
 -- Record reservations admitted during an outage, once each (see
 -- lq_record_outage_admissions).
 SELECT * FROM lq_record_outage_admissions($1::uuid[], $2::text[], $3::text[], $4::text[],
                                           $5::bigint[], $6::bigint[], $7::boolean[],
                                           $8::integer[], $9::text[], $10::text[],
-                                          $11::bigint[], $12::text[])
+                                          $11::bigint[], $12::text[], $13::timestamptz[])
+
+-- finish_outage --
+-- Settle or release reservations recorded from an outage journal, their
+-- usage counted at the journaled moment $7 (see lq_finish_outage).
+SELECT * FROM lq_finish_outage($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
+                               $6::text[], $7::timestamptz[])
 
 -- audit --
--- Every discrepancy between the counters and the journal (see lq_audit).
+-- Every discrepancy between the counters, the journal, the ledgers and the
+-- invoice (see lq_audit).
 SELECT * FROM lq_audit() ORDER BY check_name, subject
 
 -- audit_summary --
@@ -371,3 +573,31 @@ SELECT clock_timestamp() AS read_at, h.tenant, h.route, h.model, h.weights, h.sa
               AND ($3::text IS NULL OR e.model = $3::text)
             ORDER BY e.tenant, e.route, e.model
             LIMIT $4::integer) AS h ON true
+
+-- database_clock --
+-- The database's clock, the one every deadline of an admission is stated on.
+SELECT clock_timestamp() AS database_now
+
+-- list_tenants --
+-- One page of tenants by name after the cursor $1 (NULL: from the first),
+-- at most $2, on plan $3 (NULL: any): keyset pagination on the primary key,
+-- never OFFSET. status is 'suspended' while the tenant is (suspended_at,
+-- migration 0018), else 'active'. last_activity_at is the newest
+-- reservation's created_at, one backward step of the index reservations
+-- (tenant, created_at).
+SELECT t.tenant, l.plan,
+       CASE WHEN t.suspended_at IS NULL THEN 'active' ELSE 'suspended' END AS status,
+       (SELECT r.created_at FROM reservations AS r
+         WHERE r.tenant = t.tenant
+         ORDER BY r.created_at DESC LIMIT 1) AS last_activity_at
+  FROM tenants AS t
+       LEFT JOIN limit_layers AS l ON l.scope = 'tenant' AND l.tenant = t.tenant
+ WHERE ($1::text IS NULL OR t.tenant > $1::text)
+   AND ($3::text IS NULL OR l.plan = $3::text)
+ ORDER BY t.tenant
+ LIMIT $2::integer
+
+-- delete_tenant --
+-- Delete a tenant unless it has active reservations, in one statement (see
+-- lq_delete_tenant); $2 is the If-Match list (NULL: none).
+SELECT status, active FROM lq_delete_tenant($1::text, $2::text[])

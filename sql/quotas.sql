@@ -386,3 +386,37 @@ BEGIN
     RETURN after;
 END
 $$;
+
+
+-- `llmquota audit`'s check of prepaid credits against the invoice: for
+-- every credit charge, what the reservation's ledger rows cost at the price
+-- the invoice applies to them (lq_cost at each row's recorded_at: the rule
+-- of reporting.ledger_entries) against the amount charged, in millionths of
+-- the currency, compared exactly. They differ when a price was backdated
+-- over usage already charged (lq_set_price), or when a model had no price
+-- at settlement and the credits held were charged instead.
+--
+-- Only charges of the current and the previous UTC month: older months are
+-- closed, their prices can no longer change (lq_set_price refuses), so a
+-- check there would find what the last audit found.
+CREATE OR REPLACE FUNCTION lq_audit_credit_charges()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT 'credit_charge', format('reservation %s (tenant %s, millionths)', c.reservation_id, c.tenant),
+           round(coalesce(inv.cost_usd, 0) * 1000000)::bigint, round(-c.amount * 1000000)::bigint
+      FROM credit_ledger AS c
+           CROSS JOIN LATERAL (
+               -- The reservation's rows are found through their receipts
+               -- (primary key on reservation_id), then by the ledger's key.
+               SELECT sum(lq_cost(l.model, l.input_tokens, l.output_tokens, l.recorded_at))
+                          AS cost_usd
+                 FROM ledger_receipts AS rc
+                      JOIN usage_ledger AS l
+                        ON l.entry_id = rc.entry_id AND l.recorded_at = rc.recorded_at
+                WHERE rc.reservation_id = c.reservation_id) AS inv
+     WHERE c.entry_kind = 'charge'
+       AND c.recorded_at >= (date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')
+                             - interval '1 month') AT TIME ZONE 'UTC'
+       AND round(coalesce(inv.cost_usd, 0) * 1000000) <> round(-c.amount * 1000000)
+$$;

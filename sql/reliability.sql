@@ -15,15 +15,30 @@
 -- replayed by another worker). The reservation_id is the idempotency anchor:
 -- a second call finds the row and changes nothing.
 --
--- A recorded reservation is an ordinary active reservation from then on: it
--- holds a permit on every layer it belongs to, its reserved tokens and one
--- request are debited from those layers now (with no limit check: the work
--- was already admitted, and a balance may go negative, to be repaid by
--- refill, exactly like a settlement that used more than it reserved), and
--- its lease starts now on the database clock. Settling or releasing it then
--- goes through lq_finish, which writes its ledger row exactly once.
+-- A recorded reservation is an ordinary active reservation from then on,
+-- holding on every layer lq_admit would have reserved it on, so that its
+-- settlement (lq_finish, or lq_finish_outage for a settle journaled too)
+-- bills it like any other:
+--   - limit layers: global, tenant, route, and every provider ceiling whose
+--     models match (the provider counted this usage too). Each gets its
+--     reserved tokens, one request and one permit, with no limit check: the
+--     work was already admitted, and a balance may go negative, to be repaid
+--     by refill, exactly like a settlement that used more than it reserved;
+--     a shared layer (global or ceiling) never below minus its burst, which
+--     lq_credit_layers enforces for every debit;
+--   - calendar quotas (lq_matching_quotas): the reserved tokens and maximum
+--     cost, in the window holding the journaled admission time;
+--   - a prepaid balance (a prepaid tenant layer): its maximum cost held, so
+--     the balance may end below zero by what was used; the next admission is
+--     then refused (402) until a top-up.
+-- created_at is the journaled admission time (p_admitted_at, the worker's
+-- clock: the only one there was; never later than the database clock, NULL
+-- for a journal written before it was recorded: now). The lease starts now.
 --
 -- recorded per request: true when this call wrote it, false when it existed.
+-- p_admitted_at is new: the old signature goes first.
+DROP FUNCTION IF EXISTS lq_record_outage_admissions(uuid[], text[], text[], text[], bigint[],
+    bigint[], boolean[], integer[], text[], text[], bigint[], text[]);
 CREATE OR REPLACE FUNCTION lq_record_outage_admissions(
     p_ids              uuid[],
     p_tenants          text[],
@@ -36,7 +51,8 @@ CREATE OR REPLACE FUNCTION lq_record_outage_admissions(
     p_idempotency_keys text[],
     p_request_hashes   text[],
     p_policy_versions  bigint[],
-    p_modes            text[]
+    p_modes            text[],
+    p_admitted_at      timestamptz[]
 ) RETURNS TABLE (ord integer, recorded boolean)
 LANGUAGE plpgsql
 AS $$
@@ -44,6 +60,7 @@ DECLARE
     n        integer := coalesce(cardinality(p_ids), 0);
     now_ts   timestamptz;
     inserted uuid[];
+    b        record;
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -52,24 +69,29 @@ BEGIN
     -- (1) The idempotency keys, locked exactly as lq_admit locks them, so no
     -- admission can take a key between our check below and our insert.
     PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
+    -- (1b) No global policy change meanwhile (lq_put_global holds this lock
+    -- exclusively): the global rows placed below are still there when they
+    -- are debited, and a change that follows moves these reservations too.
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended('llmquota.global_layer', 0));
 
     now_ts := clock_timestamp();
 
     -- (2) Insert the reservations in id order (two workers replaying the same
     -- spool insert the same ids in the same order, so the second waits for
-    -- the first instead of deadlocking), each belonging to the layers that
-    -- exist for it now. ON CONFLICT on the id makes a replay a no-op.
-    -- An idempotency key some other reservation already holds is dropped
-    -- rather than let the unique index refuse the row: usage is never lost
-    -- for the sake of a key.
+    -- the first instead of deadlocking), each belonging to the layers and
+    -- quotas that exist for it now. ON CONFLICT on the id makes a replay a
+    -- no-op. An idempotency key some other reservation already holds is
+    -- dropped rather than let the unique index refuse the row: usage is never
+    -- lost for the sake of a key.
     WITH req AS (
         SELECT u.*,
+               least(coalesce(u.admitted_at, now_ts), now_ts) AS at,
                row_number() OVER (PARTITION BY u.tenant, u.idem ORDER BY u.id) AS key_rank
           FROM unnest(p_ids, p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens,
                       p_input_estimated, p_lease_seconds, p_idempotency_keys,
-                      p_request_hashes, p_policy_versions, p_modes)
+                      p_request_hashes, p_policy_versions, p_modes, p_admitted_at)
                AS u(id, tenant, route, model, input_tokens, max_tokens, input_estimated,
-                    lease, idem, request_hash, policy_version, mode)
+                    lease, idem, request_hash, policy_version, mode, admitted_at)
     ), placed AS (
         SELECT req.*,
                ARRAY(SELECT l.layer_id
@@ -78,7 +100,15 @@ BEGIN
                              AND l.shard = lq_tenant_shard(req.tenant, l.shards))
                          OR (l.scope = 'tenant' AND l.tenant = req.tenant AND l.route IS NULL)
                          OR (l.scope = 'route' AND l.tenant = req.tenant AND l.route = req.route)
+                         OR (l.scope = 'ceiling' AND req.model LIKE ANY (l.model_patterns))
                       ORDER BY l.layer_id) AS layer_ids,
+               ARRAY(SELECT q.quota_id
+                       FROM lq_matching_quotas(req.tenant, req.route, req.model) AS q)
+                   AS quota_ids,
+               lq_cost(req.model, req.input_tokens, req.max_tokens, req.at) AS money,
+               coalesce((SELECT l.prepaid FROM limit_layers AS l
+                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
+                            AND l.route IS NULL), false) AS prepaid,
                coalesce(req.lease,
                         (SELECT l.lease_seconds FROM limit_layers AS l
                           WHERE l.scope = 'route' AND l.tenant = req.tenant
@@ -92,17 +122,20 @@ BEGIN
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                   input_tokens, input_estimated, max_tokens, reserved_tokens,
                                   policy_version, created_at, lease_seconds, lease_expires_at,
-                                  idempotency_key, request_hash, outage_mode)
+                                  idempotency_key, request_hash, outage_mode, quota_ids,
+                                  reserved_cost, credit_reserved)
         SELECT p.id, p.tenant, p.route, p.model, p.layer_ids,
                p.input_tokens, p.input_estimated, p.max_tokens, p.input_tokens + p.max_tokens,
-               p.policy_version, now_ts, p.lease_seconds,
+               p.policy_version, p.at, p.lease_seconds,
                now_ts + make_interval(secs => p.lease_seconds),
                CASE WHEN p.idem IS NOT NULL AND p.key_rank = 1
                          AND NOT EXISTS (SELECT 1 FROM reservations AS r
                                           WHERE r.tenant = p.tenant
                                             AND r.idempotency_key = p.idem)
                     THEN p.idem END,
-               p.request_hash, p.mode
+               p.request_hash, p.mode, p.quota_ids, p.money,
+               -- an unpriced model holds nothing; lq_finish then charges 0
+               CASE WHEN p.prepaid THEN coalesce(p.money, 0) END
           FROM placed AS p
          ORDER BY p.id
         ON CONFLICT (reservation_id) DO NOTHING
@@ -110,45 +143,185 @@ BEGIN
     )
     SELECT array_agg(ins.reservation_id) INTO inserted FROM ins;
 
+    IF inserted IS NULL THEN
+        RETURN QUERY
+        SELECT o.i::integer, false FROM generate_series(1, n) AS o(i);
+        RETURN;
+    END IF;
+
     -- (3) Debit the layers of the rows written now (and only those): tokens,
     -- one request and one permit each. lq_credit_layers locks the layers in
     -- layer_id order, after the reservation rows above.
-    IF inserted IS NOT NULL THEN
-        PERFORM lq_credit_layers(array_agg(l.layer_id),
-                                 array_agg(-rs.reserved_tokens::double precision),
-                                 array_agg(-1::double precision),
-                                 array_agg(-1))
-           FROM reservations AS rs
-                CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
-          WHERE rs.reservation_id = ANY (inserted);
-    END IF;
+    PERFORM lq_credit_layers(array_agg(l.layer_id),
+                             array_agg(-rs.reserved_tokens::double precision),
+                             array_agg(-1::double precision),
+                             array_agg(-1))
+       FROM reservations AS rs
+            CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
+      WHERE rs.reservation_id = ANY (inserted);
+
+    -- (4) The quota windows and prepaid balances, in the lock order of
+    -- quotas.sql (windows by quota and window start, then accounts by
+    -- tenant), as lq_admit reserves them; alerts for the thresholds the
+    -- reservation crosses fire in the window of the admission, once.
+    FOR b IN SELECT rs.created_at, rs.reserved_tokens, rs.reserved_cost, q.qid
+               FROM reservations AS rs
+                    CROSS JOIN LATERAL unnest(rs.quota_ids) AS q(qid)
+              WHERE rs.reservation_id = ANY (inserted)
+                AND EXISTS (SELECT 1 FROM quotas AS x WHERE x.quota_id = q.qid)
+              ORDER BY q.qid, rs.created_at, rs.reservation_id LOOP
+        PERFORM lq_quota_apply(b.qid, b.created_at, b.reserved_tokens, 0,
+                               coalesce(b.reserved_cost, 0), 0);
+    END LOOP;
+    FOR b IN SELECT rs.tenant, sum(rs.credit_reserved) AS held
+               FROM reservations AS rs
+              WHERE rs.reservation_id = ANY (inserted) AND rs.credit_reserved IS NOT NULL
+              GROUP BY rs.tenant
+              ORDER BY rs.tenant LOOP
+        PERFORM lq_credit_apply(b.tenant, NULL, b.held, NULL);
+    END LOOP;
 
     RETURN QUERY
-    SELECT o.i::integer, coalesce(p_ids[o.i] = ANY (inserted), false)
+    SELECT o.i::integer, p_ids[o.i] = ANY (inserted)
       FROM generate_series(1, n) AS o(i);
 END
 $$;
 
 
--- Recompute the books from the journal (reservations and usage_ledger) and
--- return one row per discrepancy; no row means no drift.
+-- Settle or release reservations recorded from an outage journal, at the
+-- moment the journal says the usage happened (p_used_at, the worker's clock
+-- at the settle), then exactly as lq_finish does anything else.
 --
---   in_flight        a layer's in_flight counter against the active
---                    reservations that hold a permit on it
---   usage_rows       'usage' ledger rows of a reservation: 1 once it is
---                    settled or expired, 0 while active or when released
---   late_rows        'late' ledger rows: 1 for a settle after expiry, else 0
---   charged_tokens   a settled reservation's charge against its figures
---   refunded_tokens  reserved - charged, clamped at zero, for an on-time settle
---   ledger_tokens    the 'usage' row of a settle carries the settled figures
---   over_capacity    a balance above its capacity (the schema forbids it)
---   credit_balance   a prepaid balance against the sum of its credit_ledger
---                    rows (top-ups, charges, adjustments), in millionths of
---                    the currency; compared exactly, shown rounded
+-- The moment is written to usage_at of each outage reservation not settled
+-- yet (never later than the database clock, never before its admission), and
+-- lq_finish charges its quotas in the window holding it and prices it then:
+-- a journal replayed after midnight still charges yesterday's daily quota,
+-- and fires that window's alerts, once (alert_outbox_once). A replay of a
+-- settlement that already happened changes nothing (the row is no longer
+-- active; lq_finish answers 'replayed'). The reservations are locked in id
+-- order first, as lq_finish locks them, so this adds no lock of its own.
 --
--- STABLE: the whole report reads one snapshot, so it is consistent even
--- while admissions and settlements run.
-CREATE OR REPLACE FUNCTION lq_audit()
+-- The result is lq_finish's, column for column (a change of those columns
+-- drops this one first).
+DROP FUNCTION IF EXISTS lq_finish_outage(uuid[], text[], text[], bigint[], bigint[], text[],
+    timestamptz[]);
+CREATE OR REPLACE FUNCTION lq_finish_outage(
+    p_ids           uuid[],
+    p_actions       text[],
+    p_callers       text[],
+    p_input_tokens  bigint[],
+    p_output_tokens bigint[],
+    p_outcomes      text[],
+    p_used_at       timestamptz[]
+) RETURNS TABLE (
+    ord              integer,
+    status           text,
+    state            text,
+    tenant           text,
+    charged_tokens   bigint,
+    refunded_tokens  bigint,
+    late             boolean,
+    excess_tokens    bigint,
+    forgiven_global_tokens  bigint,
+    forgiven_ceiling_tokens bigint
+)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    PERFORM 1 FROM reservations AS rs
+      WHERE rs.reservation_id = ANY (p_ids)
+      ORDER BY rs.reservation_id
+        FOR UPDATE;
+    UPDATE reservations AS rs
+       SET usage_at = greatest(least(u.used_at, clock_timestamp()), rs.created_at)
+      FROM unnest(p_ids, p_callers, p_used_at) AS u(id, caller, used_at)
+     WHERE rs.reservation_id = u.id
+       AND rs.state IN ('active', 'expired')   -- expired: a late settle, charged at it too
+       AND rs.charged_tokens IS NULL
+       AND rs.outage_mode IS NOT NULL
+       AND u.used_at IS NOT NULL
+       AND (u.caller IS NULL OR u.caller = rs.tenant);
+    RETURN QUERY
+    SELECT * FROM lq_finish(p_ids, p_actions, p_callers, p_input_tokens, p_output_tokens,
+                            p_outcomes);
+END
+$$;
+
+
+-- The audit's check of relayed output (issue 20): a reservation whose output
+-- the proxy relayed to its client (reservations.relayed_at, marked by the
+-- heartbeat at the first relayed text) must end with its usage in the ledger.
+-- One row per reservation that is finished (settled, expired or released)
+-- yet whose ledger rows ('usage' and 'late') hold no output token: expected
+-- at least 1, actual 0. A stream that lost its lease shows here until its
+-- late settle lands; a settle journaled during an outage, until the journal
+-- is replayed.
+CREATE OR REPLACE FUNCTION lq_audit_relayed()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT 'relayed_output', rs.reservation_id::text, 1::bigint,
+           coalesce(sum(g.output_tokens), 0)::bigint
+      FROM reservations AS rs
+      LEFT JOIN usage_ledger AS g
+             ON g.reservation_id = rs.reservation_id
+            AND g.entry_kind IN ('usage', 'late')
+            AND g.recorded_at >= rs.created_at
+     WHERE rs.relayed_at IS NOT NULL
+       AND rs.state <> 'active'
+     GROUP BY rs.reservation_id
+    HAVING coalesce(sum(g.output_tokens), 0) = 0
+$$;
+
+
+-- The audit: recompute the books from the journal (reservations, the usage
+-- ledger, the credit ledger) and return one row per discrepancy; no row
+-- means no drift.
+--
+-- Each check is one function lq_audit_<what>() returning rows of
+-- (check_name, subject, expected, actual), and lq_audit() is their list: a
+-- new check is one function here and one RETURN QUERY line in lq_audit.
+-- Every check is STABLE, and so is lq_audit, so the whole report reads the
+-- snapshot of the one query that calls it: it is consistent even while
+-- admissions and settlements run. Money is compared exactly (numeric) and
+-- shown in millionths of the currency.
+--
+--   in_flight              a layer's in_flight counter against the active
+--                          reservations that hold a permit on it
+--   reservation_layers     an active reservation names only layers that
+--                          exist (also after the global layer was resharded)
+--   over_capacity          a token balance above its burst
+--   requests_over_capacity a request balance above its burst
+--   global_shard_rows      a sharded global layer has exactly `shards` rows
+--   global_shard_share     each shard's rates, bursts and in-flight bound are
+--                          its exact share (lq_shard_share) of the layer's
+--                          sum, so the shares sum to the policy exactly
+--   usage_rows             'usage' ledger rows of a reservation: 1 once it is
+--                          settled or expired, 0 while active or when released
+--   late_rows              'late' ledger rows: 1 for a settle after expiry
+--   charged_tokens         a settled reservation's charge against its figures
+--   refunded_tokens        reserved - charged, clamped at zero, on time
+--   ledger_tokens          the 'usage' row of a settle carries its figures
+--   credit_balance         a prepaid balance against the sum of its
+--                          credit_ledger rows (top-ups, charges, adjustments)
+--   credit_balance_after   each credit_ledger row's balance_after against the
+--                          running sum of the tenant's rows up to it
+--   credit_reserved        what a prepaid account holds against the
+--                          credit_reserved of its active reservations
+--   quota_reserved_tokens  a quota window's reserved tokens (and cost)
+--   quota_reserved_cost    against the active reservations admitted in it
+--   quota_charged_tokens   a quota window's charged tokens (and cost) against
+--   quota_charged_cost     the usage ledger's rows recorded in it for the
+--                          reservations that counted against the quota
+--   relayed_output         a reservation whose output the proxy relayed ended
+--                          with no output token in the ledger (lq_audit_relayed)
+--   credit_charge          what credits charged for a month's usage against
+--                          the invoice of the same usage (lq_audit_credit_charges,
+--                          quotas.sql)
+
+
+-- A layer's permits in flight against the active reservations holding them.
+CREATE OR REPLACE FUNCTION lq_audit_in_flight()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE sql STABLE
 AS $$
@@ -158,10 +331,99 @@ AS $$
                CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
          WHERE rs.state = 'active'
          GROUP BY l.layer_id
-    ), ledger AS (
-        -- The ledger rows of the reservations still on record, counted once
-        -- in one pass; no reservation is older than the oldest created_at,
-        -- so older ledger partitions are pruned rather than scanned.
+    )
+    SELECT 'in_flight', format('layer %s (%s %s %s)', ll.layer_id, ll.scope,
+                               coalesce(ll.tenant, '-'), coalesce(ll.route, '-')),
+           coalesce(h.permits, 0), ll.in_flight::bigint
+      FROM limit_layers AS ll
+           LEFT JOIN held AS h ON h.layer_id = ll.layer_id
+     WHERE ll.in_flight <> coalesce(h.permits, 0)
+$$;
+
+
+-- An active reservation whose layers are gone gives its permit and tokens
+-- back to nothing when it finishes: the layer it was counted on never sees
+-- them again. Expected: the layers it names; actual: those that exist.
+CREATE OR REPLACE FUNCTION lq_audit_reservation_layers()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT 'reservation_layers', rs.reservation_id::text,
+           cardinality(rs.layer_ids)::bigint, count(ll.layer_id)
+      FROM reservations AS rs
+           CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
+           LEFT JOIN limit_layers AS ll ON ll.layer_id = l.layer_id
+     WHERE rs.state = 'active'
+     GROUP BY rs.reservation_id, rs.layer_ids
+    HAVING count(ll.layer_id) <> cardinality(rs.layer_ids)
+$$;
+
+
+-- Balances within their bursts (the schema forbids more; this says so
+-- should a constraint ever be lost).
+CREATE OR REPLACE FUNCTION lq_audit_capacity()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    SELECT 'over_capacity', format('layer %s', ll.layer_id),
+           ll.token_burst, ceil(ll.tokens)::bigint
+      FROM limit_layers AS ll
+     WHERE ll.tokens > ll.token_burst
+    UNION ALL
+    SELECT 'requests_over_capacity', format('layer %s', ll.layer_id),
+           ll.request_burst, ceil(ll.requests)::bigint
+      FROM limit_layers AS ll
+     WHERE ll.requests > ll.request_burst
+$$;
+
+
+-- The global layer's rows are the exact split of one policy (global_layer.sql):
+-- `shards` rows, numbered 0 .. shards - 1, each holding lq_shard_share of
+-- the rows' sum of every rate, burst and in-flight bound.
+CREATE OR REPLACE FUNCTION lq_audit_global_shards()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    WITH g AS (
+        SELECT l.*,
+               sum(l.tokens_per_minute) OVER () AS sum_tpm,
+               sum(l.token_burst) OVER () AS sum_tburst,
+               sum(l.requests_per_minute) OVER () AS sum_rpm,
+               sum(l.request_burst) OVER () AS sum_rburst,
+               sum(l.max_in_flight) OVER () AS sum_max_if
+          FROM limit_layers AS l
+         WHERE l.scope = 'global'
+    ), share AS (
+        SELECT g.shard, g.shards, f.field, f.value,
+               lq_shard_share(f.total::bigint, g.shard, g.shards) AS want
+          FROM g
+               CROSS JOIN LATERAL (VALUES
+                   ('tokens_per_minute', g.tokens_per_minute, g.sum_tpm),
+                   ('token_burst', g.token_burst, g.sum_tburst),
+                   ('requests_per_minute', g.requests_per_minute, g.sum_rpm),
+                   ('request_burst', g.request_burst, g.sum_rburst),
+                   ('max_in_flight', g.max_in_flight::bigint, g.sum_max_if)
+               ) AS f(field, value, total)
+    )
+    SELECT 'global_shard_rows', 'global layer', max(g.shards)::bigint, count(*)
+      FROM g
+    HAVING count(*) <> max(g.shards) OR min(g.shards) <> max(g.shards)
+    UNION ALL
+    SELECT 'global_shard_share', format('global shard %s of %s %s', s.shard, s.shards, s.field),
+           s.want, s.value
+      FROM share AS s
+     WHERE s.value IS DISTINCT FROM s.want
+$$;
+
+
+-- The ledger rows each reservation must have, and a settlement's figures.
+-- The ledger is read in one pass, pruned to the partitions no older than
+-- the oldest reservation on record.
+CREATE OR REPLACE FUNCTION lq_audit_reservation_books()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    WITH ledger AS (
         SELECT g.reservation_id,
                count(*) FILTER (WHERE g.entry_kind = 'usage') AS usage_rows,
                count(*) FILTER (WHERE g.entry_kind = 'late') AS late_rows,
@@ -179,13 +441,6 @@ AS $$
           FROM reservations AS rs
                LEFT JOIN ledger AS l ON l.reservation_id = rs.reservation_id
     )
-    SELECT 'in_flight', format('layer %s (%s %s %s)', ll.layer_id, ll.scope,
-                               coalesce(ll.tenant, '-'), coalesce(ll.route, '-')),
-           coalesce(h.permits, 0), ll.in_flight::bigint
-      FROM limit_layers AS ll
-           LEFT JOIN held AS h ON h.layer_id = ll.layer_id
-     WHERE ll.in_flight <> coalesce(h.permits, 0)
-    UNION ALL
     SELECT 'usage_rows', b.reservation_id::text,
            CASE WHEN b.state IN ('settled', 'expired') THEN 1 ELSE 0 END, b.usage_rows
       FROM books AS b
@@ -217,12 +472,17 @@ AS $$
      WHERE b.state = 'settled'
        AND (b.usage_input, b.usage_output)
            IS DISTINCT FROM (b.settled_input_tokens, b.settled_output_tokens)
-    UNION ALL
-    SELECT 'over_capacity', format('layer %s', ll.layer_id),
-           ll.token_burst, ceil(ll.tokens)::bigint
-      FROM limit_layers AS ll
-     WHERE ll.tokens > ll.token_burst
-    UNION ALL
+$$;
+
+
+-- Prepaid accounts against the credit ledger they are derived from: the
+-- balance is the sum of the tenant's rows, each row's balance_after the
+-- running sum up to it (entry_id order is the order the account lock let
+-- them in), and what the account holds is what its active reservations hold.
+CREATE OR REPLACE FUNCTION lq_audit_credits()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
     SELECT 'credit_balance', format('tenant %s (millionths)', ca.tenant),
            round(coalesce(cl.total, 0) * 1000000)::bigint, round(ca.balance * 1000000)::bigint
       FROM credit_accounts AS ca
@@ -230,4 +490,121 @@ AS $$
                         FROM credit_ledger AS l
                        GROUP BY l.tenant) AS cl ON cl.tenant = ca.tenant
      WHERE ca.balance <> coalesce(cl.total, 0)
+    UNION ALL
+    SELECT 'credit_balance_after', format('tenant %s entry %s (millionths)', r.tenant, r.entry_id),
+           round(r.running * 1000000)::bigint, round(r.balance_after * 1000000)::bigint
+      FROM (SELECT l.tenant, l.entry_id, l.balance_after,
+                   sum(l.amount) OVER (PARTITION BY l.tenant ORDER BY l.entry_id) AS running
+              FROM credit_ledger AS l) AS r
+     WHERE r.balance_after <> r.running
+    UNION ALL
+    SELECT 'credit_reserved', format('tenant %s (millionths)', ca.tenant),
+           round(coalesce(h.held, 0) * 1000000)::bigint, round(ca.reserved * 1000000)::bigint
+      FROM credit_accounts AS ca
+           LEFT JOIN (SELECT rs.tenant, sum(rs.credit_reserved) AS held
+                        FROM reservations AS rs
+                       WHERE rs.state = 'active' AND rs.credit_reserved IS NOT NULL
+                       GROUP BY rs.tenant) AS h ON h.tenant = ca.tenant
+     WHERE ca.reserved <> coalesce(h.held, 0)
+$$;
+
+
+-- Each calendar quota window against what made it: reserved = the active
+-- reservations admitted in the window that counted against the quota (their
+-- quota_ids), charged = the usage ledger's 'usage' and 'late' rows recorded
+-- in the window for such reservations, tokens and cost (the price in force
+-- then, as lq_finish charged it). Settlement charges the window it happens
+-- in: the ledger row's instant, or for usage replayed from an outage journal
+-- the journal's (reservations.usage_at).
+--
+-- Only windows that can still be recomputed are checked: a window of a
+-- deleted quota (quota_id NULL) keeps what it had, and a window ending before
+-- the oldest reservation on record, or holding a ledger row whose
+-- reservation was purged since (`purge_finished`), has lost what it was made
+-- of. The ledger is read by its (tenant, recorded_at) index, window by window.
+CREATE OR REPLACE FUNCTION lq_audit_quota_windows()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE sql STABLE
+AS $$
+    WITH win AS (
+        SELECT w.*
+          FROM quota_windows AS w
+         WHERE w.quota_id IS NOT NULL
+           AND w.window_end > (SELECT min(r.created_at) FROM reservations AS r)
+    ), held AS (
+        SELECT w.window_id, sum(rs.reserved_tokens) AS tokens,
+               sum(coalesce(rs.reserved_cost, 0)) AS cost
+          FROM reservations AS rs
+               CROSS JOIN LATERAL unnest(rs.quota_ids) AS q(quota_id)
+               JOIN win AS w
+                 ON w.quota_id = q.quota_id
+                AND rs.created_at >= w.window_start AND rs.created_at < w.window_end
+         WHERE rs.state = 'active'
+         GROUP BY w.window_id
+    ), charged AS (
+        SELECT w.window_id,
+               sum(g.input_tokens + g.output_tokens)
+                   FILTER (WHERE w.quota_id = ANY (rs.quota_ids)) AS tokens,
+               sum(coalesce(lq_cost(g.model, g.input_tokens, g.output_tokens,
+                                    coalesce(rs.usage_at, g.recorded_at)), 0))
+                   FILTER (WHERE w.quota_id = ANY (rs.quota_ids)) AS cost,
+               bool_or(rs.reservation_id IS NULL) AS purged
+          FROM win AS w
+               JOIN usage_ledger AS g
+                 ON g.tenant = w.tenant AND g.entry_kind IN ('usage', 'late')
+               LEFT JOIN reservations AS rs ON rs.reservation_id = g.reservation_id
+         -- the moment the usage happened: the settle's, or the journal's for
+         -- usage replayed after an outage (usage_at, which lq_finish charges)
+         WHERE coalesce(rs.usage_at, g.recorded_at) >= w.window_start
+           AND coalesce(rs.usage_at, g.recorded_at) < w.window_end
+         GROUP BY w.window_id
+    ), books AS (
+        SELECT w.window_id, w.reserved_tokens, w.reserved_cost, w.charged_tokens, w.charged_cost,
+               format('quota %s (%s %s %s) window %s', w.quota_id, w.tenant,
+                      coalesce(w.route, '-'), w.quota_name, w.window_start) AS subject,
+               coalesce(h.tokens, 0) AS held_tokens, coalesce(h.cost, 0) AS held_cost,
+               coalesce(c.tokens, 0) AS ledger_tokens, coalesce(c.cost, 0) AS ledger_cost,
+               coalesce(c.purged, false) AS purged
+          FROM win AS w
+               LEFT JOIN held AS h ON h.window_id = w.window_id
+               LEFT JOIN charged AS c ON c.window_id = w.window_id
+    )
+    SELECT 'quota_reserved_tokens', b.subject, b.held_tokens::bigint, b.reserved_tokens
+      FROM books AS b
+     WHERE b.reserved_tokens <> b.held_tokens
+    UNION ALL
+    SELECT 'quota_reserved_cost', b.subject || ' (millionths)',
+           round(b.held_cost * 1000000)::bigint, round(b.reserved_cost * 1000000)::bigint
+      FROM books AS b
+     WHERE b.reserved_cost <> b.held_cost
+    UNION ALL
+    SELECT 'quota_charged_tokens', b.subject, b.ledger_tokens::bigint, b.charged_tokens
+      FROM books AS b
+     WHERE NOT b.purged AND b.charged_tokens <> b.ledger_tokens
+    UNION ALL
+    SELECT 'quota_charged_cost', b.subject || ' (millionths)',
+           round(b.ledger_cost * 1000000)::bigint, round(b.charged_cost * 1000000)::bigint
+      FROM books AS b
+     WHERE NOT b.purged AND b.charged_cost <> b.ledger_cost
+$$;
+
+
+-- The audit: every check above, in one snapshot (STABLE: each RETURN QUERY
+-- reads the snapshot of the query that called lq_audit). A new check is one
+-- line here.
+CREATE OR REPLACE FUNCTION lq_audit()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN QUERY SELECT * FROM lq_audit_in_flight();
+    RETURN QUERY SELECT * FROM lq_audit_reservation_layers();
+    RETURN QUERY SELECT * FROM lq_audit_capacity();
+    RETURN QUERY SELECT * FROM lq_audit_global_shards();
+    RETURN QUERY SELECT * FROM lq_audit_reservation_books();
+    RETURN QUERY SELECT * FROM lq_audit_credits();
+    RETURN QUERY SELECT * FROM lq_audit_quota_windows();
+    RETURN QUERY SELECT * FROM lq_audit_relayed();
+    RETURN QUERY SELECT * FROM lq_audit_credit_charges();
+END
 $$;

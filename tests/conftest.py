@@ -4,6 +4,15 @@ The server is LLMQUOTA_DATABASE_URL when set (CI's PostgreSQL 15 matrix),
 otherwise an embedded PostgreSQL in a temporary directory. The migrations run
 once into a template database; each test gets `CREATE DATABASE ... TEMPLATE`
 of it, which is fast, isolated and real.
+
+The service runs as the roles docs/operations.md documents: `limiter` and
+the API's `client` connect as llmquota_app, report tests as
+llmquota_reporting; the owner (`db`, `owner_dsn`) only migrates and sets up.
+
+Every test of tests/api, tests/integration and tests/faults ends with the
+audit (`audited`, autouse): `lq_audit()` on each database the test used must
+find no drift, whatever the test did. A test that constructs drift on
+purpose says so with `@pytest.mark.constructs_drift` and is not audited.
 """
 
 from __future__ import annotations
@@ -25,8 +34,21 @@ from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
 from llmquota.store import migrate
 from llmquota.store.database import open_database
+from llmquota.store.store import Store
+from tests.support import APP_ROLE, REPORTING_ROLE, dsn_as
 
 _counter = itertools.count()
+
+# `serve` sweeps in the background by default (its maintenance leader). The
+# tests of other behaviour must not have their lapsed reservations expired
+# under them by an app they started, so the suite runs with it off; the
+# tests of the leader (tests/faults/test_maintenance_leader.py) turn it on.
+os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
+
+# The suites whose every test ends with the audit (RELIABILITY.md), and the
+# fixtures that give a test a database of its own.
+AUDITED_SUITES = frozenset({"api", "integration", "faults"})
+AUDITED_DATABASES = ("database_dsn", "twin_dsn")
 
 
 def dsn_with_database(dsn: str, database: str) -> str:
@@ -86,6 +108,27 @@ async def database_dsn(server_dsn: str, template_database: str) -> AsyncIterator
 
 
 @pytest.fixture
+def owner_dsn(database_dsn: str) -> str:
+    """The test database as its owner (the role that ran the migrations): for
+    tests that construct a state the service could not (rows with their own
+    times, a shifted clock) and for inspecting it. Only set-up uses it."""
+    return database_dsn
+
+
+@pytest.fixture
+def app_dsn(database_dsn: str) -> str:
+    """The test database as the service's least-privilege role, llmquota_app,
+    as docs/operations.md runs it: a grant roles.sql lacks fails the test."""
+    return dsn_as(database_dsn, APP_ROLE)
+
+
+@pytest.fixture
+def reporting_dsn(database_dsn: str) -> str:
+    """The test database as the read-only finance role, llmquota_reporting."""
+    return dsn_as(database_dsn, REPORTING_ROLE)
+
+
+@pytest.fixture
 async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
     """A second fresh database from the same template (batched vs one-by-one tests)."""
     name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
@@ -109,16 +152,51 @@ def settings() -> Settings:
 
 
 @pytest.fixture
-async def limiter(database_dsn: str, settings: Settings) -> AsyncIterator[Limiter]:
-    """A Limiter on a fresh database."""
-    lim = await Limiter.connect(database_dsn, settings)
+async def limiter(app_dsn: str, settings: Settings) -> AsyncIterator[Limiter]:
+    """A Limiter on a fresh database, connected as the service's role."""
+    lim = await Limiter.connect(app_dsn, settings)
     yield lim
     await lim.close()
 
 
 @pytest.fixture
-async def db(database_dsn: str) -> AsyncIterator[asyncpg.Connection]:
-    """A plain connection to the test database, for inspecting and shifting state."""
-    connection = await asyncpg.connect(database_dsn)
+async def db(owner_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    """A plain connection to the test database as its owner, for inspecting
+    and shifting state (never the service's own path: see `limiter`)."""
+    connection = await asyncpg.connect(owner_dsn)
     yield connection
     await connection.close()
+
+
+async def audit_findings(dsn: str) -> list[str]:
+    """lq_audit() on a database, as readable lines (empty: no drift)."""
+    store = await Store.connect(dsn, min_size=1, max_size=1)
+    try:
+        return [
+            f"{f.check_name} {f.subject}: expected {f.expected}, found {f.actual}"
+            for f in await store.audit()
+        ]
+    finally:
+        await store.close()
+
+
+@pytest.fixture(autouse=True)
+def audited(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test of an audited suite: no drift on any database it used.
+
+    Autouse, so it is set up before the test's other fixtures and torn down
+    after them: the audit reads the books once every limiter, client and
+    server of the test has closed. A synchronous fixture, so that it can ask
+    for the (async) database fixtures the test uses, and only those: a test
+    without a database costs nothing.
+    """
+    suite = request.path.relative_to(Path(__file__).parent).parts[0]
+    if suite not in AUDITED_SUITES or request.node.get_closest_marker("constructs_drift"):
+        yield
+        return
+    used = [name for name in AUDITED_DATABASES if name in request.fixturenames]
+    dsns = [request.getfixturevalue(name) for name in used]
+    yield
+    for dsn in dsns:
+        findings = asyncio.run(audit_findings(dsn))
+        assert findings == [], f"the audit found drift after the test: {findings}"

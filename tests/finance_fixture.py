@@ -176,7 +176,7 @@ RECONCILIATION_MARCH = [
 
 EXPIRED_MARCH = [
     (_at(3, 21, 9), "acme", "summarize", "claude-3", R["r5"], 8000, 7,
-     _at(3, 22, 8), 1500, 2500, D("0.042")),
-    (_at(3, 28, 10), "beta", None, "gpt-4o", R["r10"], 500, 7, None, None, None, None),
+     _at(3, 22, 8), 1500, 2500, D("0.042"), None),
+    (_at(3, 28, 10), "beta", None, "gpt-4o", R["r10"], 500, 7, None, None, None, None, None),
 ]
 # fmt: on

@@ -27,6 +27,7 @@ class Received:
     signature: str
     body: bytes
     status: int
+    host: str = ""
 
     def json(self) -> dict[str, Any]:
         loaded: dict[str, Any] = json.loads(self.body)
@@ -77,6 +78,7 @@ class Receiver:
                 headers.get("llmquota-signature", ""),
                 body,
                 status,
+                headers.get("host", ""),
             )
         )
         start = {"type": "http.response.start", "status": status}

@@ -28,9 +28,11 @@ AS $$ SELECT p_day::timestamp AT TIME ZONE 'UTC' $$;
 
 -- Model prices, as maintained by `llmquota prices set`.
 CREATE OR REPLACE VIEW reporting.model_prices AS
-SELECT model, effective_from, input_usd_per_million, output_usd_per_million
+SELECT model, effective_from, input_usd_per_million, output_usd_per_million, set_at, set_by,
+       backdate_reason
   FROM public.model_prices;
-COMMENT ON VIEW reporting.model_prices IS 'price per million tokens of each model, from effective_from on';
+COMMENT ON VIEW reporting.model_prices IS
+    'every version of the price per million tokens of each model (a name or a * glob), from effective_from on';
 
 -- Every ledger row with the price in force when it was recorded and its cost.
 CREATE OR REPLACE VIEW reporting.ledger_entries AS
@@ -53,14 +55,29 @@ SELECT l.entry_id,
        p.input_usd_per_million,
        p.output_usd_per_million,
        (l.input_tokens * p.input_usd_per_million
-        + l.output_tokens * p.output_usd_per_million) * 0.000001 AS cost_usd
+        + l.output_tokens * p.output_usd_per_million) * 0.000001 AS cost_usd,
+       -- where the figures came from (reported | clamped | counted), and an
+       -- upstream's own where they differ (revision 0016; appended last, as
+       -- CREATE OR REPLACE VIEW requires)
+       l.usage_source,
+       l.reported_input_tokens,
+       l.reported_output_tokens
   FROM public.usage_ledger AS l
   LEFT JOIN LATERAL (
+        -- lq_price_at's rule (admission.sql), written out: the view runs
+        -- functions with the reader's rights, and the reporting role runs
+        -- none of the service's. The exact name, else the longest `*` glob
+        -- matching (escaped as lq_model_patterns escapes); its latest
+        -- effective_from at or before the row, then its latest version.
         SELECT mp.effective_from, mp.input_usd_per_million, mp.output_usd_per_million
           FROM public.model_prices AS mp
-         WHERE mp.model = l.model
+         WHERE (mp.model = l.model
+                OR (strpos(mp.model, '*') > 0
+                    AND l.model LIKE replace(replace(replace(replace(mp.model, '\', '\\'),
+                                                             '%', '\%'), '_', '\_'), '*', '%')))
            AND mp.effective_from <= l.recorded_at
-         ORDER BY mp.effective_from DESC
+         ORDER BY mp.model = l.model DESC, length(mp.model) DESC, mp.effective_from DESC,
+                  mp.set_at DESC
          LIMIT 1) AS p ON true;
 COMMENT ON VIEW reporting.ledger_entries IS
     'every ledger row (usage, late, adjustment) with the price in force when recorded and its cost in USD';
@@ -84,7 +101,9 @@ SELECT u.reservation_id,
        lt.recorded_at AS late_recorded_at,
        lt.input_tokens AS late_input_tokens,
        lt.output_tokens AS late_output_tokens,
-       lt.cost_usd AS late_cost_usd
+       lt.cost_usd AS late_cost_usd,
+       u.usage_source,
+       lt.usage_source AS late_usage_source
   FROM reporting.ledger_entries AS u
   LEFT JOIN public.ledger_receipts AS rc
          ON rc.reservation_id = u.reservation_id AND rc.entry_kind = 'late'

@@ -1,5 +1,8 @@
 -- Reservations whose lease ran out, and what their late settles reported.
 
+-- The result gained late_usage_source: a changed result type needs the old
+-- function gone first.
+DROP FUNCTION IF EXISTS reporting.expired_reservations(date, date, text);
 CREATE OR REPLACE FUNCTION reporting.expired_reservations(
     p_from date, p_to date, p_tenant text DEFAULT NULL
 ) RETURNS TABLE (
@@ -13,7 +16,9 @@ CREATE OR REPLACE FUNCTION reporting.expired_reservations(
     late_settled_at    timestamptz,
     late_input_tokens  bigint,
     late_output_tokens bigint,
-    late_cost_usd      numeric
+    late_cost_usd      numeric,
+    -- where the late settle's figures came from: reported | clamped | counted
+    late_usage_source  text
 )
 LANGUAGE sql STABLE
 AS $$
@@ -21,7 +26,8 @@ AS $$
     -- afterwards (whenever that was), NULL while it has not.
     SELECT o.recorded_at, o.tenant, o.route, o.model, o.reservation_id,
            o.reserved_tokens, o.policy_version, o.late_recorded_at,
-           o.late_input_tokens, o.late_output_tokens, trim_scale(o.late_cost_usd)
+           o.late_input_tokens, o.late_output_tokens, trim_scale(o.late_cost_usd),
+           o.late_usage_source
       FROM reporting.reservation_outcomes AS o
      WHERE o.outcome = 'expired'
        AND o.recorded_at >= reporting.utc_start(p_from)

@@ -19,6 +19,7 @@ from llmquota.domain.errors import (
     ReservationConflict,
     ReservationNotFound,
     StoreUnavailable,
+    TenantSuspended,
     UnknownTenant,
     UnpricedModel,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "Settlement",
     "StoreUnavailable",
     "SweepReport",
+    "TenantSuspended",
     "UnknownTenant",
     "UnpricedModel",
 ]

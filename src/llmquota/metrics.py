@@ -182,6 +182,16 @@ class Metrics:
             "Outage admissions and their settlements written to the store on recovery",
             ["what"],
         )
+        self.refusals_from_memory = counter(
+            "llmquota_refusals_from_memory",
+            "Rate-limit refusals answered from this worker's memory of a refusal that "
+            "still holds, without a statement (admission/refusals.py)",
+        )
+        self.abandoned_released = counter(
+            "llmquota_abandoned_admissions_released",
+            "Reservations made by admission statements this worker stopped waiting for "
+            "(it answered by the failure mode), released when the store answered again",
+        )
         self.alerts = counter(
             "llmquota_alerts",
             "Alert deliveries attempted, by alert type (quota.threshold, credits.threshold, "
@@ -192,6 +202,7 @@ class Metrics:
             "llmquota_sweeper_reclaims",
             "Reservations expired by the sweeper",
         )
+        self._declare_maintenance(counter)
         self.store_errors = counter(
             "llmquota_store_errors",
             "Calls that failed because the database did not answer (timeout) or refused "
@@ -210,6 +221,19 @@ class Metrics:
             "Requests decided by one batch statement",
             ["operation"],
             buckets=BATCH_SIZE_BUCKETS,
+        )
+
+    def _declare_maintenance(self, counter: Callable[..., Counter]) -> None:
+        """The maintenance leader's series (admin/maintenance.py)."""
+        self.sweeps = counter(
+            "llmquota_sweeps",
+            "Sweeper runs of this process as the maintenance leader, by result (ok, failed)",
+            ["result"],
+        )
+        self.maintenance_leader = Gauge(
+            "llmquota_maintenance_leader",
+            "1 while this process holds the maintenance lock and runs the sweeper, else 0",
+            registry=self.registry,
         )
 
     def _declare_decisions(self, counter: Callable[..., Counter]) -> None:
@@ -333,6 +357,12 @@ class Metrics:
         self.excess_tokens = counter(
             "llmquota_excess_tokens",
             "Tokens settled above the request's possible maximum, kept off shared layers",
+        )
+        self.shared_debt_forgiven_tokens = counter(
+            "llmquota_shared_debt_forgiven_tokens",
+            "Settled tokens a shared layer (global, ceiling) was not debited because its "
+            "balance stood at minus its burst: recorded in the ledger, charged to the tenant",
+            ["scope"],
         )
         self.releases = counter("llmquota_releases", "Reservations released unused")
         self.refunded_tokens = counter("llmquota_refunded_tokens", "Tokens refunded at settlement")

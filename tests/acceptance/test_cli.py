@@ -91,7 +91,11 @@ def test_migrate_serve_admit_and_sweep(server_dsn: str) -> None:
         _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"')
     )
     dsn = dsn_with_database(server_dsn, name)
-    env = _env(LLMQUOTA_DATABASE_URL=dsn, LLMQUOTA_ADMIN_KEY="lq_cli_admin")
+    # The cron way: serve's own sweeper (on by default) is off, so that the
+    # `sweep` below finds the three lapsed reservations.
+    env = _env(
+        LLMQUOTA_DATABASE_URL=dsn, LLMQUOTA_ADMIN_KEY="lq_cli_admin", LLMQUOTA_SERVE_SWEEPER="false"
+    )
     try:
         subprocess.run([*LLMQUOTA, "migrate"], check=True, env=env, capture_output=True)
         assert asyncio.run(_fetchval(dsn, "SELECT version_num FROM alembic_version"))
@@ -133,6 +137,9 @@ def test_migrate_serve_admit_and_sweep(server_dsn: str) -> None:
                 [*LLMQUOTA, "sweep"], check=True, env=env, capture_output=True, text=True
             )
             assert "expired=3 tokens_returned=600" in swept.stdout
+            # A command prints only its output: no log lines, on either stream.
+            assert swept.stderr == "", swept.stderr
+            assert len(swept.stdout.splitlines()) == 1, swept.stdout
         finally:
             serve.send_signal(signal.SIGTERM)
             output, _ = serve.communicate(timeout=30)
@@ -182,3 +189,20 @@ def test_serve_on_embedded_database_shares_it_and_leaves_no_orphan(tmp_path: Pat
     while _postgres_for(data_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _postgres_for(data_dir) == []
+
+
+def test_a_command_prints_only_its_output_unless_verbose(tmp_path: Path) -> None:
+    """On the embedded database a command used to print its INFO lines (the
+    server it started) before its output; now only --verbose shows them, on stderr."""
+    env = _env(LLMQUOTA_DATA_DIR=str(tmp_path / "data"))
+    subprocess.run([*LLMQUOTA, "migrate"], check=True, env=env, capture_output=True)
+    quiet = subprocess.run(
+        [*LLMQUOTA, "sweep"], check=True, env=env, capture_output=True, text=True
+    )
+    assert quiet.stderr == "", quiet.stderr
+    assert quiet.stdout.startswith("swept: expired=0 ") and len(quiet.stdout.splitlines()) == 1
+    verbose = subprocess.run(
+        [*LLMQUOTA, "--verbose", "sweep"], check=True, env=env, capture_output=True, text=True
+    )
+    assert "INFO llmquota.store.database: using embedded PostgreSQL" in verbose.stderr
+    assert verbose.stdout.startswith("swept: expired=0 ") and "INFO" not in verbose.stdout

@@ -14,8 +14,9 @@ ADMIN_KEY = "lq_test_admin_key_0123456789"
 
 
 @pytest.fixture
-async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client for an app whose lifespan (pool, authenticator) is running."""
+async def client(app_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for an app whose lifespan (pool, authenticator) is
+    running, connected as llmquota_app (a missing grant answers 500)."""
     settings = Settings(  # type: ignore[call-arg]
         admin_key=ADMIN_KEY,
         pool_min_size=1,
@@ -25,7 +26,7 @@ async def client(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
         decision_deadline_ms=60_000,
         _env_file=None,
     )
-    app = create_app(settings, dsn=database_dsn)
+    app = create_app(settings, dsn=app_dsn)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
@@ -41,8 +42,11 @@ def admin() -> dict[str, str]:
 async def make_tenant(
     client: httpx.AsyncClient, admin: dict[str, str], tenant: str, **policy: int
 ) -> dict[str, str]:
-    """Give `tenant` a policy and a key; returns the tenant's auth headers."""
-    response = await client.put(f"/v1/tenants/{tenant}/policy", json=policy, headers=admin)
+    """Give `tenant` a policy and a key; returns the tenant's auth headers.
+
+    No limits given: the tenant is stored as unlimited (a PUT must say so)."""
+    body: dict[str, object] = dict(policy) if policy else {"unlimited": True}
+    response = await client.put(f"/v1/tenants/{tenant}/policy", json=body, headers=admin)
     assert response.status_code == 200, response.text
     response = await client.post(f"/v1/tenants/{tenant}/keys", headers=admin)
     assert response.status_code == 201, response.text

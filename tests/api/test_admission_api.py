@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import asyncpg
@@ -40,7 +41,8 @@ async def test_admit_returns_reservation_with_counted_input_and_headers(
     assert body["reserved_tokens"] == body["input_tokens"] + 500
     assert body["remaining"]["tokens"] == 10_000 - body["reserved_tokens"]
     assert body["remaining"]["requests"] == 599
-    assert body["remaining"]["in_flight"] is None
+    assert body["remaining"]["permits"] is None
+    assert body["remaining"]["in_flight"] is None  # its deprecated alias
     uuid.UUID(body["reservation_id"])
     h = response.headers
     assert h["x-ratelimit-limit-tokens"] == "60000"
@@ -197,8 +199,10 @@ async def test_idempotency_key_replays_and_conflicts(
 
 
 async def test_status_and_usage(client: httpx.AsyncClient, admin: dict[str, str]) -> None:
-    acme = await make_tenant(client, admin, "acme", tokens_per_minute=6_000, token_burst=1_000)
+    # One token a second of refill: slow enough that the status shows the settlement.
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60, token_burst=1_000)
     await client.put("/v1/policies/global", json={"requests_per_minute": 1_000}, headers=admin)
+    started = time.monotonic()
     reservation = (await admit(client, acme, input_tokens=50, max_tokens=150)).json()
     await client.post(
         f"/v1/reservations/{reservation['reservation_id']}/settle",
@@ -206,14 +210,18 @@ async def test_status_and_usage(client: httpx.AsyncClient, admin: dict[str, str]
         headers=acme,
     )
     status = await client.get("/v1/tenants/acme/status", headers=acme)
+    elapsed = time.monotonic() - started
     assert status.status_code == 200
     layers = {layer["scope"]: layer for layer in status.json()["layers"]}
     assert set(layers) == {"global", "tenant"}
     tenant = layers["tenant"]
     assert tenant["limits"]["token_burst"] == 1_000
-    assert 880 <= tenant["remaining_tokens"] <= 1_000
+    # 200 reserved, 120 used, 80 refunded: 880 left, plus what refilled since the admit.
+    remaining = tenant["remaining_tokens"]
+    assert 880 <= remaining <= 880 + elapsed, (remaining, elapsed)
     assert tenant["in_flight"] == 0
-    assert 0 <= tenant["tokens_full_in_seconds"] <= 1.3  # 120 tokens at 100/s
+    # The rest of the burst at one token a second (remaining is rounded down).
+    assert 1_000 - remaining - 1 <= tenant["tokens_full_in_seconds"] <= 1_000 - remaining
     # The global layer is shared: the tenant sees only whether it binds.
     shared = layers["global"]
     assert (shared["remaining_requests"], shared["in_flight"], shared["limits"]) == (None,) * 3
@@ -327,9 +335,30 @@ async def test_a_sharded_global_policy_reads_whole_and_refuses_what_it_cannot_sp
     assert (await client.get("/v1/policies/global", headers=admin)).json()["token_burst"] == 1_001
 
     acme = await make_tenant(client, admin, "acme")
+    started = time.monotonic()
     admitted = await admit(client, acme, input_tokens=600, max_tokens=0)  # more than a shard
     assert admitted.status_code == 201, admitted.text
     status = await client.get("/v1/tenants/acme/status", headers=admin)
+    elapsed = time.monotonic() - started
     layers = {layer["scope"]: layer for layer in status.json()["layers"]}
     assert layers["global"]["limits"]["token_burst"] == 1_001
-    assert 400 <= layers["global"]["remaining_tokens"] <= 430
+    # The whole layer, pooled over its shards: 1,001 - 600, plus a token a second since.
+    remaining = layers["global"]["remaining_tokens"]
+    assert 401 <= remaining <= 401 + elapsed, (remaining, elapsed)
+
+
+async def test_remaining_permits_count_free_permits_and_status_in_flight_counts_held(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    acme = await make_tenant(client, admin, "acme", tokens_per_minute=60_000, max_in_flight=3)
+    for held in (1, 2):
+        response = await admit(client, acme, input_tokens=10)
+        assert response.status_code == 201, response.text
+        body = response.json()
+        assert body["remaining"]["permits"] == 3 - held
+        assert body["remaining"]["in_flight"] == 3 - held  # the deprecated alias: the same
+    status = (await client.get("/v1/tenants/acme/status", headers=admin)).json()
+    (tenant,) = [layer for layer in status["layers"] if layer["scope"] == "tenant"]
+    assert tenant["in_flight"] == 2  # held, as everywhere but `remaining`
+    schema = (await client.get("/openapi.json")).json()["components"]["schemas"]["Remaining"]
+    assert schema["properties"]["in_flight"]["deprecated"] is True

@@ -106,7 +106,9 @@ async def test_policy_round_trip_and_defaults(
     assert route.status_code == 200
     assert route.json()["policy_version"] > put.json()["policy_version"]
     assert (await client.get("/v1/tenants/ghost/policy", headers=admin)).status_code == 404
-    ghost_route = await client.put("/v1/tenants/ghost/routes/chat/policy", json={}, headers=admin)
+    ghost_route = await client.put(
+        "/v1/tenants/ghost/routes/chat/policy", json={"max_in_flight": 1}, headers=admin
+    )
     assert ghost_route.status_code == 404
 
 

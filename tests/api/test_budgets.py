@@ -82,6 +82,9 @@ async def test_a_token_quota_is_reserved_settled_and_refused_at_its_edge(
     assert 0 < error["retry_after_ms"] <= 25 * 3_600_000  # within a Berlin day (DST: 25 h)
     # what fits now: 400 - 100 of input
     assert error["alternatives"]["max_tokens"] == 300
+    # Not "used up": 400 are left, and the message says what still fits.
+    assert "does not fit in what is left" in error["message"]
+    assert "max_tokens up to 300 fits" in error["message"]
     settled = await client.post(
         f"/v1/reservations/{first.json()['reservation_id']}/settle",
         json={"input_tokens": 100, "output_tokens": 50},
@@ -96,6 +99,12 @@ async def test_a_token_quota_is_reserved_settled_and_refused_at_its_edge(
     }
     again = await admit(client, acme, input_tokens=100, max_tokens=350)
     assert again.status_code == 201
+    # 150 + 450 of 1,000: 400 left, 400 of input leaves no room for any output.
+    used_up = await admit(client, acme, input_tokens=400, max_tokens=1)
+    assert used_up.status_code == 429
+    message = used_up.json()["error"]["message"]
+    assert used_up.json()["error"]["alternatives"]["max_tokens"] is None
+    assert "quota 'daily' of tenant acme has no room left for this request's input" in message
     released = await client.post(
         f"/v1/reservations/{again.json()['reservation_id']}/release", headers=acme
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,12 +21,12 @@ LEARNED = {"strategy": "learned", "quantile": 0.9, "min_samples": 10}
 
 
 @pytest.fixture
-async def served(database_dsn: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+async def served(app_dsn: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
     """A client, and the app (to refresh its worker caches now rather than in a few seconds)."""
     settings = Settings(  # type: ignore[call-arg]
         admin_key=ADMIN_KEY, pool_max_size=10, decision_deadline_ms=60_000, _env_file=None
     )
-    app = create_app(settings, dsn=database_dsn)
+    app = create_app(settings, dsn=app_dsn)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
@@ -45,6 +47,18 @@ async def _admit(client: httpx.AsyncClient, key: dict[str, str], **body: Any) ->
     return response.json()
 
 
+async def _settle_samples(client: httpx.AsyncClient, key: dict[str, str], samples: int) -> None:
+    """`samples` completions of 250 output tokens each, admitted and settled ok."""
+    for _ in range(samples):
+        held = await _admit(client, key, max_tokens=1000)
+        settled = await client.post(
+            f"/v1/reservations/{held['reservation_id']}/settle",
+            json={"input_tokens": 20, "output_tokens": 250},
+            headers=key,
+        )
+        assert settled.status_code == 200, settled.text
+
+
 async def test_the_201_says_what_was_reserved_for_output_and_how(
     served: tuple[httpx.AsyncClient, FastAPI],
 ) -> None:
@@ -58,7 +72,8 @@ async def test_the_201_says_what_was_reserved_for_output_and_how(
     route = await _put(
         client,
         "/v1/tenants/acme/routes/tiny/policy",
-        {"output_estimate": {"strategy": "fixed", "tokens": 32}},
+        # No limit of its own (the tenant's apply): a PUT says so.
+        {"output_estimate": {"strategy": "fixed", "tokens": 32}, "unlimited": True},
     )
     assert route["output_estimate"] == {"strategy": "fixed", "tokens": 32}
     created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
@@ -68,14 +83,7 @@ async def test_the_201_says_what_was_reserved_for_output_and_how(
     cold = await _admit(client, key, max_tokens=1000)
     assert cold["output_estimate"] == {"strategy": "max_tokens", "tokens": 1000}
     assert cold["reserved_tokens"] == 1020
-    for _ in range(10):
-        held = await _admit(client, key, max_tokens=1000)
-        settled = await client.post(
-            f"/v1/reservations/{held['reservation_id']}/settle",
-            json={"input_tokens": 20, "output_tokens": 250},
-            headers=key,
-        )
-        assert settled.status_code == 200, settled.text
+    await _settle_samples(client, key, 10)
     await app.state.limiter.estimates.refresh()
 
     warm = await _admit(client, key, max_tokens=1000)
@@ -106,3 +114,29 @@ async def test_the_policy_field_is_checked_and_not_for_the_global_layer(
     )
     assert response.status_code == 422, response.text
     assert "output_estimate" in response.json()["error"]["message"]
+
+
+async def test_a_learned_estimate_is_used_within_the_refresh_period_of_its_last_sample(
+    served: tuple[httpx.AsyncClient, FastAPI],
+) -> None:
+    """As README says: within ESTIMATE_REFRESH_SECONDS (5) of the settlement that
+    completes min_samples, without anyone refreshing by hand."""
+    client, app = served
+    learned = {"strategy": "learned", "quantile": 0.9, "min_samples": 3}
+    await _put(
+        client, "/v1/tenants/acme/policy", {"tokens_per_minute": 90_000, "output_estimate": learned}
+    )
+    created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
+    key = {"Authorization": f"Bearer {created.json()['key']}"}
+    await _settle_samples(client, key, 3)
+    last_sample = time.monotonic()
+    refresh = app.state.limiter.estimates.refresh_seconds
+    assert refresh == 5.0  # the default README states
+    while (answer := await _admit(client, key, max_tokens=1000))["output_estimate"][
+        "strategy"
+    ] != "learned":
+        assert time.monotonic() - last_sample < refresh + 3.0, answer
+        await asyncio.sleep(0.2)
+    waited = time.monotonic() - last_sample
+    print(f"learned estimate used {waited:.1f} s after its last sample")
+    assert answer["output_estimate"]["tokens"] == bucket_top(bucket_of(250))

@@ -62,6 +62,21 @@ async def test_a_tenant_takes_what_its_policy_leaves_out_from_its_plan(
     assert (await client.get("/v1/plans/business", headers=admin)).json()["tenants"] == 1
 
 
+async def test_status_shows_the_fallback_models_admission_uses_the_plans_unless_own(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    plan = {"tokens_per_minute": 50_000, "fallback_models": ["gpt-4o-mini", "gpt-3.5-turbo"]}
+    await put(client, admin, "/v1/plans/business", plan)
+    await tenant_on(client, admin, "acme", "business")
+    await tenant_on(client, admin, "bolt", "business", fallback_models=["gpt-4o-mini"])
+    for tenant, expected in (("acme", plan["fallback_models"]), ("bolt", ["gpt-4o-mini"])):
+        status = (await client.get(f"/v1/tenants/{tenant}/status", headers=admin)).json()
+        (layer,) = [layer for layer in status["layers"] if layer["scope"] == "tenant"]
+        assert layer["limits"]["fallback_models"] == expected, (tenant, layer)
+        policy = (await client.get(f"/v1/tenants/{tenant}/policy", headers=admin)).json()
+        assert policy["fallback_models"] == expected
+
+
 async def test_changing_a_plan_changes_every_tenant_on_it_at_once(
     client: httpx.AsyncClient, admin: dict[str, str]
 ) -> None:
@@ -217,6 +232,10 @@ async def test_the_ladder_sheds_low_priorities_first_at_their_floors(
     over = await admit(client, s["business"], tenant="biz-co", input_tokens=10, max_tokens=20)
     assert over.status_code == 429
     assert over.json()["error"]["reason"] == "shed"
+    # The message names the rule, not a shortage of tokens.
+    message = over.json()["error"]["message"]
+    assert message.startswith("The provider ceiling 'openai-gpt4o' at 80% utilization is shedding")
+    assert "of a priority above high now" in message and "too few tokens" not in message
     # enterprise (critical) takes what is left, to the last token.
     ent = await admit(client, s["enterprise"], tenant="ent-co", input_tokens=0, max_tokens=2_000)
     assert ent.status_code == 201, ent.text
@@ -224,7 +243,9 @@ async def test_the_ladder_sheds_low_priorities_first_at_their_floors(
     assert empty.status_code == 429
     assert empty.json()["error"]["reason"] == "capacity"
     got = (await client.get("/v1/ceilings/openai-gpt4o", headers=admin)).json()
-    assert got["remaining_tokens"] == 0 and got["utilization"] == 1.0
+    # Full, less the refill since the last admission: at SLOW (1 token a minute)
+    # a slow second refills 0.017 tokens, utilization 0.999998 of 10,000.
+    assert got["remaining_tokens"] == 0 and 0.99999 <= got["utilization"] <= 1.0
     assert got["in_flight"] == 4
 
 
@@ -232,6 +253,13 @@ async def test_a_request_may_lower_its_priority_but_only_an_admin_may_raise_it(
     client: httpx.AsyncClient, admin: dict[str, str]
 ) -> None:
     s = await ceiling_setup(client, admin)
+    # Below every floor, a free tenant asking for high is admitted at its plan's low,
+    # and the answer says so.
+    early = await admit(
+        client, s["free"], tenant="free-co", input_tokens=0, max_tokens=100, priority="high"
+    )
+    assert early.status_code == 201, early.text
+    assert early.json()["priority"] == "low" and early.json()["priority_lowered_from"] == "high"
     # Take the ceiling past the low floor with a critical request.
     first = await admit(client, s["enterprise"], tenant="ent-co", input_tokens=0, max_tokens=6_000)
     assert first.status_code == 201
@@ -243,10 +271,14 @@ async def test_a_request_may_lower_its_priority_but_only_an_admin_may_raise_it(
         client, s["free"], tenant="free-co", input_tokens=0, max_tokens=100, priority="critical"
     )
     assert raised.status_code == 429 and raised.json()["error"]["priority"] == "low"
+    # Lowered, and the answer says so: the free plan's priority is low.
+    assert raised.json()["error"]["priority_lowered_from"] == "critical"
+    assert "priority_lowered_from" not in lowered.json()["error"]  # asked low, got low
     by_admin = await admit(
         client, admin, tenant="free-co", input_tokens=0, max_tokens=100, priority="critical"
     )
     assert by_admin.status_code == 201 and by_admin.json()["priority"] == "critical"
+    assert by_admin.json()["priority_lowered_from"] is None
 
 
 async def test_a_refused_model_degrades_to_the_first_fallback_that_fits_and_bills_it(

@@ -160,22 +160,22 @@ async def test_webhooks_put_get_list_delete_without_showing_the_secret(
     client: httpx.AsyncClient, admin: dict[str, str], acme: dict[str, str]
 ) -> None:
     for name, url, tenant in [
-        ("loopback", "http://127.0.0.1:9000/hook", None),
-        ("private", "https://10.1.2.3/hook", "acme"),
-        ("ipv6", "http://[::1]:9000/hook", None),
+        ("public", "http://93.184.216.34:9000/hook", None),
+        ("private", "https://1.1.1.1/hook", "acme"),
+        ("ipv6", "http://[2606:2800:220:1::1]:9000/hook", None),
     ]:
         body = {"url": url, "secret": SECRET, "tenant": tenant}
         response = await client.put(f"/v1/webhooks/{name}", json=body, headers=admin)
         assert response.status_code == 201, response.text
         assert "secret" not in response.json()
     listed = (await client.get("/v1/webhooks", headers=admin)).json()["webhooks"]
-    assert [w["name"] for w in listed] == ["ipv6", "loopback", "private"]
+    assert [w["name"] for w in listed] == ["ipv6", "private", "public"]
     assert all("secret" not in w for w in listed)
     one = await client.get("/v1/webhooks/private", headers=admin)
     assert one.json()["tenant"] == "acme"
     assert (await client.delete("/v1/webhooks/private", headers=admin)).status_code == 204
     _error(await client.get("/v1/webhooks/private", headers=admin), 404)
-    unknown = {"url": "http://127.0.0.1:9/", "secret": SECRET, "tenant": "nobody"}
+    unknown = {"url": "http://93.184.216.34:9/", "secret": SECRET, "tenant": "nobody"}
     _error(await client.put("/v1/webhooks/w", json=unknown, headers=admin), 404)
 
 
@@ -190,8 +190,9 @@ async def test_webhooks_put_get_list_delete_without_showing_the_secret(
         ("http://[::ffff:169.254.169.254]/hook", SECRET, "link-local"),
         # The service's own listening address (the test transport's host).
         ("http://llmquota/v1/admit", SECRET, "own listening address"),
-        ("http://127.0.0.1:9/", "short", "secret"),
-        ("http://127.0.0.1:9/", "fifteen-bytes!!", "secret"),
+        ("http://127.0.0.1:9/", SECRET, "loopback"),
+        ("http://93.184.216.34:9/", "short", "secret"),
+        ("http://93.184.216.34:9/", "fifteen-bytes!!", "secret"),
     ],
 )
 async def test_bad_webhooks_are_422_naming_the_field_and_ssrf_targets_are_refused(

@@ -1,8 +1,8 @@
 """Fixtures for the fault tests: a hangable proxy, helpers, and the audit.
 
 Every fault test ends with `lq_audit()` on its database (the autouse
-`audited` fixture): whatever the fault did, the counters must still agree
-with the journal.
+`audited` fixture of tests/conftest.py): whatever the fault did, the
+counters must still agree with the journal.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from llmquota.api.app import create_app
 from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import Scope
-from llmquota.store.store import Store
 from tests.faults.proxy import PgProxy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,25 +49,6 @@ def fault_settings(**overrides: Any) -> Settings:
     }
     values.update(overrides)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
-
-
-async def audit_findings(dsn: str) -> list[str]:
-    """lq_audit() on a database, as readable lines (empty: no drift)."""
-    store = await Store.connect(dsn, min_size=1, max_size=1)
-    try:
-        return [
-            f"{f.check_name} {f.subject}: expected {f.expected}, found {f.actual}"
-            for f in await store.audit()
-        ]
-    finally:
-        await store.close()
-
-
-@pytest.fixture(autouse=True)
-async def audited(database_dsn: str) -> AsyncIterator[None]:
-    """Run the audit on the test's database after the test (and its limiters) finished."""
-    yield
-    assert await audit_findings(database_dsn) == []
 
 
 @pytest.fixture
@@ -201,15 +181,36 @@ def free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def serving_process(dsn: str, admin_key: str, log: Path) -> AsyncIterator[str]:
-    """`uvicorn --factory create_app_from_env` as a subprocess, as in production; its URL."""
+async def serving_process(
+    dsn: str, admin_key: str, log: Path, **settings: str
+) -> AsyncIterator[str]:
+    """`uvicorn --factory create_app_from_env` as a subprocess, as in production; its URL.
+
+    `settings` are more variables, which win: LLMQUOTA_* names as they are,
+    other names as settings fields (prefixed and upper-cased)."""
+    async with served_process(dsn, admin_key, log, **settings) as (base, _pid):
+        yield base
+
+
+@contextlib.asynccontextmanager
+async def served_process(
+    dsn: str, admin_key: str, log: Path, **settings: str
+) -> AsyncIterator[tuple[str, int]]:
+    """serving_process, yielding (URL, pid)."""
     port = free_port()
-    env = worker_env(
-        LLMQUOTA_DATABASE_URL=dsn,
-        LLMQUOTA_ADMIN_KEY=admin_key,
-        # Not an outage test: a busy machine must not turn a slow answer into a 503.
-        LLMQUOTA_DECISION_DEADLINE_MS="5000",
+    variables = {
+        "LLMQUOTA_DATABASE_URL": dsn,
+        "LLMQUOTA_ADMIN_KEY": admin_key,
+        # Unless told otherwise: a busy machine must not turn a slow answer into a 503.
+        "LLMQUOTA_DECISION_DEADLINE_MS": "5000",
+    }
+    variables.update(
+        {
+            name if name.startswith("LLMQUOTA_") else f"LLMQUOTA_{name.upper()}": value
+            for name, value in settings.items()
+        }
     )
+    env = worker_env(**variables)
     with log.open("wb") as errors:
         process = await asyncio.create_subprocess_exec(
             *(PYTHON, "-m", "uvicorn", "--factory", "llmquota.api.app:create_app_from_env"),
@@ -232,9 +233,32 @@ async def serving_process(dsn: str, admin_key: str, log: Path) -> AsyncIterator[
                 except httpx.TransportError:
                     pass
                 await asyncio.sleep(0.1)
-        yield base
+        yield base, process.pid
     finally:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):  # the test may have killed it
+            process.terminate()
+        await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def port_of_process(module: str, *args: str) -> AsyncIterator[int]:
+    """`python -m module args...` as a process of its own that prints the port it
+    listens on as its first line (a misbehaving peer of a fault test); that port.
+    Killed at the end of the block."""
+    process = await asyncio.create_subprocess_exec(
+        PYTHON,
+        "-m",
+        module,
+        *args,
+        cwd=str(REPO),
+        env=worker_env(),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        yield int(await asyncio.wait_for(process.stdout.readline(), 30))
+    finally:
+        process.kill()
         await process.wait()
 
 

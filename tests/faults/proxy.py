@@ -6,7 +6,11 @@ but hang in the same way (what a dead switch or a full firewall table looks
 like, as opposed to a refused connection). `resume()` brings the network
 back; connections that lived through the pause are reset, as a stateful
 firewall would, and new ones flow. `cut()` refuses: every connection is
-closed and the port stops listening until `restore()`.
+closed and the port stops listening until `restore()`. `freeze()` is a
+server that stops (SIGSTOP, a VM paused): nothing it is sent is read and
+nothing comes back, but nothing is lost either; at `thaw()` everything sent
+meanwhile arrives in order, statements included, and so do their answers
+(to whoever is still connected).
 
 It runs in the test's event loop and forwards to the server's unix socket
 (or TCP address), so the code under test sees an ordinary TCP server.
@@ -49,6 +53,9 @@ class PgProxy:
         self._server: asyncio.Server | None = None
         self._links: set[_Link] = set()
         self._paused = False
+        # Cleared while frozen: every pump holds what it read until it is set.
+        self._thawed = asyncio.Event()
+        self._thawed.set()
         self.port = 0
 
     @property
@@ -79,6 +86,14 @@ class PgProxy:
         for link in list(self._links):
             if link.frozen:
                 link.abort()
+
+    def freeze(self) -> None:
+        """Hold every byte from now on, both ways, on old and new connections."""
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        """Deliver everything held, in order, and flow again."""
+        self._thawed.set()
 
     async def cut(self) -> None:
         """Refuse: close every connection and stop listening."""
@@ -122,6 +137,8 @@ class PgProxy:
                     break
                 if link.frozen:
                     continue  # dropped on the floor
+                if not self._thawed.is_set():
+                    await self._thawed.wait()  # held, as a stopped server's socket holds it
                 sink.write(data)
                 await sink.drain()
         link.abort()

@@ -41,12 +41,21 @@ from tests.faults.proxy import PgProxy
 ADMIN_KEY = "lq_auth_admin_key_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 DEADLINE_MS = 250
-# A hung lookup or decision answers within the deadline plus scheduling slack:
-# what this proves is that no answer waits for the hung store (that would take
-# the whole 60 s outage). The slowest answer is usually 0.3-0.4 s, with a tail
-# not yet explained that CI runs have put at 0.76, 0.93 and 1.14 s on this
-# 2-core machine (RELIABILITY.md): bounded at 2 s, and printed every run.
-ANSWER_BOUND_SECONDS = 2.0
+# A hung lookup or decision answers within its deadline plus this slack: the
+# loop's scheduling on a shared 2-core machine (a timer fires 10-40 ms late,
+# a request takes a few loop turns each way) and at most a credited stall
+# (store/deadline.py). Profiled with three CPU hogs beside the test: the
+# slowest of 28 answers 0.432 s. (The old tail, up to 1.14 s, was the
+# deadline crediting that scheduling jitter as a stall, again and again:
+# each credit re-armed a timer as late as the last.)
+ANSWER_SLACK_SECONDS = 0.3
+ANSWER_BOUND_SECONDS = DEADLINE_MS / 1000 + ANSWER_SLACK_SECONDS
+# Through a whole minute of hung store the open/local answers are bounded
+# apart: the full suite's CI run measured a slowest of 1.109 s among 156
+# (a run alone: 0.43 s). What makes that tail is not found yet (the credited
+# scheduling jitter above was one cause, and is gone); what this proves is
+# that no answer waits for the store, which would be the whole 60 s.
+OUTAGE_ANSWER_BOUND_SECONDS = 1.5
 LOOKUPS = "llmquota_key_lookups_total"
 FLOODER = str(Path(__file__).with_name("flooder.py"))
 FLOODERS = 4
@@ -99,6 +108,25 @@ async def decided_by_store(client: httpx.AsyncClient, tenant: str, key: str) -> 
         await asyncio.sleep(0.1)
 
 
+async def listening(dsn: str) -> None:
+    """Wait (10 s at most) until the server's change listener has started
+    listening: its first LISTEN resynchronises the key cache (any lookup in
+    flight then is not remembered), which a count of lookups must not meet."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        deadline = time.monotonic() + 10
+        while not await connection.fetchval(
+            """SELECT count(*) FROM pg_stat_activity
+                WHERE application_name = 'llmquota-listener' AND datname = current_database()
+                  AND (query LIKE 'LISTEN%' OR query = 'SELECT 1')"""
+        ):
+            assert time.monotonic() < deadline, "the change listener never listened"
+            await asyncio.sleep(0.02)
+    finally:
+        await connection.close()
+    await asyncio.sleep(0.05)  # the resync runs right after LISTEN returns
+
+
 async def lookups(client: httpx.AsyncClient, purpose: str, result: str) -> float:
     text = (await client.get("/metrics")).text
     return metric_value(text, LOOKUPS, purpose=purpose, result=result)
@@ -147,7 +175,7 @@ async def test_open_and_local_keep_admitting_through_a_60s_outage(
         assert outage_seconds >= 60
         assert statuses == {(201, "open"), (201, "local")}
         assert len(answers) >= 100
-        assert slowest < ANSWER_BOUND_SECONDS
+        assert slowest < OUTAGE_ANSWER_BOUND_SECONDS
         # Each key was due for a refresh (30 s) during the outage; the refresh
         # failed and the key kept working.
         assert failed_refreshes >= 2
@@ -167,8 +195,12 @@ async def test_a_key_outlives_its_refresh_age_during_a_hang_and_goes_once_delete
 ) -> None:
     refresh_seconds = 0.5
     hang_seconds = 8.0
+    # The refresh is the safety net under announced changes: this proves it
+    # alone (test_freshness.py proves the announcement of a deleted key).
     settings = outage_settings(
-        key_cache_refresh_seconds=refresh_seconds, key_negative_cache_seconds=5.0
+        key_cache_refresh_seconds=refresh_seconds,
+        key_negative_cache_seconds=5.0,
+        change_notifications=False,
     )
     async with (
         serving(settings, proxy.dsn) as (base, app),
@@ -182,9 +214,13 @@ async def test_a_key_outlives_its_refresh_age_during_a_hang_and_goes_once_delete
         started = time.monotonic()
         answers = []
         while time.monotonic() - started < hang_seconds:
+            used_at = time.monotonic()
             r = await admit(client, bearer(key), "acme")
             answers.append((r.status_code, r.headers.get("llmquota-fallback")))
-            await asyncio.sleep(0.2)
+            # The next use past the refresh age: each one claims a refresh.
+            await asyncio.sleep(max(0.0, used_at + refresh_seconds + 0.1 - time.monotonic()))
+        # The last refresh fails within its deadline too.
+        await asyncio.sleep(ANSWER_BOUND_SECONDS)
         failed_refreshes = await lookups(client, "refresh", "unavailable")
         proxy.resume()
         print(
@@ -193,9 +229,9 @@ async def test_a_key_outlives_its_refresh_age_during_a_hang_and_goes_once_delete
             f"on a hung store, all {set(answers)}; {failed_refreshes:.0f} refreshes failed"
         )
         assert set(answers) == {(201, "open")} and len(answers) >= 12
-        # A refresh was tried again and again (at most once per refresh_seconds,
-        # on a use; an admit takes the 250 ms deadline), and each failed.
-        assert failed_refreshes >= hang_seconds / refresh_seconds / 4
+        # Every use past the refresh age tried a refresh, and each failed (the
+        # first use may come before the age: the key was confirmed just before).
+        assert len(answers) - 1 <= failed_refreshes <= len(answers), (answers, failed_refreshes)
 
         # Back: the next use past the refresh age confirms the key in the background.
         assert (await decided_by_store(client, "acme", key)).status_code == 201
@@ -293,6 +329,7 @@ async def test_an_unknown_key_gets_401_and_repeating_it_costs_no_lookup(
         serving(settings, database_dsn) as (base, _app),
         httpx.AsyncClient(base_url=base, timeout=10) as client,
     ):
+        await listening(database_dsn)
         wrong = bearer("lq_" + secrets.token_urlsafe(32))
         r = await admit(client, wrong)
         assert r.status_code == 401
@@ -318,15 +355,20 @@ async def test_an_unknown_key_gets_401_and_repeating_it_costs_no_lookup(
             *(client.get("/v1/tenants/acme/status", headers=other) for _ in range(10))
         )
         assert [a.status_code for a in answers] == [401] * 10
-        assert await lookups(client, "first", "absent") == 2
+        # One shared lookup; a second only when the key cache was resynchronised
+        # while the first was in flight (its answer is then not remembered, so
+        # that a key revoked meanwhile cannot come back), as the full suite
+        # on CI's machine met twice. Never one per request.
+        shared = await lookups(client, "first", "absent") - 1
+        assert 1 <= shared <= 2, shared
 
         # Past the negative window the key is looked up again.
         await asyncio.sleep(negative_seconds + 0.1)
         assert (await admit(client, wrong)).status_code == 401
-        assert await lookups(client, "first", "absent") == 3
+        assert await lookups(client, "first", "absent") == 2 + shared
         print(
             "FIGURE auth negative cache: 1 lookup for an unknown key and its 5 repeats, "
-            f"1 for 10 concurrent requests with another; the repeat {took * 1000:.1f} ms"
+            f"{shared:.0f} for 10 concurrent requests with another; the repeat {took * 1000:.1f} ms"
         )
 
 

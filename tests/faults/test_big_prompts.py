@@ -32,6 +32,8 @@ MEGABYTE_PROMPT = "word " * 200_000  # 1,000,000 characters, ~200k tokens
 FLOOD_CONNECTIONS = 3
 FLOOD_SECONDS = 8.0
 OPEN_ATTEMPTS = 50
+# Of OPEN_ATTEMPTS decisions, how many may miss the 250 ms deadline (see below).
+MISSED_DEADLINES_TOLERATED = 2
 
 
 def _free_port() -> int:
@@ -147,8 +149,15 @@ async def test_an_open_tenant_stays_within_max_in_flight_while_another_floods_bi
     admitted = [a for a in open_answers if a.status_code == 201]
     assert len(admitted) == 3, [a.status_code for a in open_answers]
     assert all(a.status_code == 429 for a in open_answers if a.status_code != 201)
-    assert not [a for a in open_answers if "llmquota-fallback" in a.headers]
-    assert 503 not in closed_statuses and set(closed_statuses) == {201}
+    # Decided by the failure mode: the deadline missed. Blocking the loop made
+    # nearly every decision of the flood's seconds miss it; on a loaded 2-core
+    # machine the store itself may miss the odd one (PG15 leg of CI: 1 of 50).
+    by_fallback = [a for a in open_answers if "llmquota-fallback" in a.headers]
+    closed_unavailable = closed_statuses.count(503)
+    print(f"deadline missed: {len(by_fallback)} open, {closed_unavailable} closed of 50 each")
+    assert len(by_fallback) <= MISSED_DEADLINES_TOLERATED
+    assert closed_unavailable <= MISSED_DEADLINES_TOLERATED
+    assert set(closed_statuses) <= {201, 503} and closed_statuses.count(201) >= 48
     connection = await asyncpg.connect(database_dsn)
     try:
         in_flight = await connection.fetchval(

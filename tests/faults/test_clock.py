@@ -23,8 +23,8 @@ import asyncpg
 import pytest
 
 from llmquota.admission.limiter import Limiter
-from tests.conftest import _admin, dsn_with_database
-from tests.faults.conftest import Worker, audit_findings, fault_settings, put
+from tests.conftest import _admin, audit_findings, dsn_with_database
+from tests.faults.conftest import Worker, fault_settings, put
 
 SKEWS = {"true": None, "three days behind": "-3d", "a year ahead": "+365d"}
 LEASE_SECONDS = 60

@@ -36,6 +36,9 @@ async def _start_loop(dsn: str, log: Path) -> asyncio.subprocess.Process:
         LLMQUOTA_ALERT_DELIVERY_CLAIM_SECONDS="3",
         LLMQUOTA_ALERT_DELIVERY_TIMEOUT_SECONDS="2",
         LLMQUOTA_ALERT_DELIVERY_INTERVAL_SECONDS="0.1",
+        LLMQUOTA_ALERT_DELIVERY_PER_DESTINATION=str(BATCH),
+        # The receiver listens on loopback: an on-premise receiver.
+        LLMQUOTA_WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8",
     )
     with log.open("ab") as out:
         return await asyncio.create_subprocess_exec(

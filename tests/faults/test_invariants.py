@@ -39,8 +39,8 @@ from hypothesis.stateful import (
 
 from llmquota.admission.limiter import Limiter
 from llmquota.domain.errors import RateLimited, RequestTooLarge, ReservationConflict
-from tests.conftest import _admin, dsn_with_database
-from tests.faults.conftest import audit_findings, fault_settings, put
+from tests.conftest import _admin, audit_findings, dsn_with_database
+from tests.faults.conftest import fault_settings, put
 
 TENANT_BURST = 1_000
 ROUTE_BURST = 600

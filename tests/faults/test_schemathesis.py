@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import schemathesis
 import uvicorn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
 
 from llmquota.api.app import create_app
-from tests.conftest import _admin, dsn_with_database
-from tests.faults.conftest import audit_findings, fault_settings
+from tests.conftest import _admin, audit_findings, dsn_with_database
+from tests.faults.conftest import fault_settings
 
 ADMIN_KEY = "lq_schemathesis_admin_key_0123456789"
 EXAMPLES_PER_OPERATION = 25
@@ -81,6 +81,12 @@ def test_api_never_500s_and_matches_its_schema(live_api: dict[str, Any]) -> None
             )
             def call(case: Any) -> None:
                 nonlocal calls
+                # A path segment "." or ".." is removed by the client before it
+                # is sent (RFC 3986, 5.2.4): the server never sees it as a name
+                # (a negative case for names, which may not start with "."), and
+                # the request goes to another path, proving nothing either way.
+                values = (case.path_parameters or {}).values()
+                assume(not any(value in (".", "..") for value in values))
                 calls += 1
                 case.call_and_validate(
                     base_url=live_api["url"],

@@ -3,18 +3,22 @@
 Usage above the request's possible maximum (its counted input with a
 tolerance, plus max_tokens: lq_shared_charge_cap) is charged in full to the
 tenant's own layers and recorded in full in the ledger, flagged as
-excess_tokens; the global layer is charged the maximum only.
+excess_tokens; the global layer is charged the maximum only, and never
+below minus its burst (test_shared_floor.py has the floor over sockets).
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 
 import asyncpg
+import pytest
 
 from llmquota.admission.limiter import Limiter
+from llmquota.domain.records import AdmitRequest, OutageAdmissionRecord
 from tests.faults.conftest import put
-from tests.integration.support import status
+from tests.integration.support import status, tokens
 
 ABSURD = 10_000_000
 
@@ -27,7 +31,8 @@ def _cap(input_tokens: int, max_tokens: int) -> int:
 async def test_an_absurd_settlement_leaves_other_tenants_untouched(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
-    await put(limiter, "global", tokens_per_minute=1_000, token_burst=1_000)
+    # One token a minute: what the global layer holds is what it was charged.
+    await put(limiter, "global", tokens_per_minute=1, token_burst=1_000)
     await put(limiter, "tenant", "greedy", tokens_per_minute=100_000)
     await put(limiter, "tenant", "quiet", tokens_per_minute=100_000)
 
@@ -37,10 +42,10 @@ async def test_an_absurd_settlement_leaves_other_tenants_untouched(
     cap = _cap(1, 1)
     assert settlement.charged_tokens == 2 * ABSURD
     assert settlement.excess_tokens == 2 * ABSURD - cap
-    # The global layer paid the cap at most (plus a little refill since).
+    # The global layer paid exactly the cap: the 2 reserved, then cap - 2 at
+    # settlement (not the reservation alone: 998; not the usage: the floor).
     global_layer = await status(limiter, "greedy", "global")
-    assert global_layer.tokens is not None
-    assert 1_000 - cap <= global_layer.tokens <= 1_000
+    assert global_layer.tokens == pytest.approx(1_000 - cap, abs=0.05)
     # The tenant's own layer carries the whole debt.
     greedy = await status(limiter, "greedy")
     assert greedy.tokens is not None and greedy.tokens < 100_000 - 2 * ABSURD + 1_000
@@ -99,3 +104,30 @@ async def test_a_late_absurd_settlement_is_bounded_on_shared_layers_too(
     global_layer = await status(limiter, "late", "global")
     assert global_layer.tokens is not None
     assert global_layer.tokens >= 1_000 - _cap(10, 10)
+
+
+async def test_admissions_recorded_after_an_outage_take_the_global_layer_to_its_floor_only(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    # Work admitted on its own by a worker during an outage is debited when
+    # the store is back, with no limit check: a shared layer still stops at
+    # minus its burst; the tenant's own layer takes it all.
+    await put(limiter, "global", tokens_per_minute=1, token_burst=1_000)
+    await put(limiter, "tenant", "busy", tokens_per_minute=1, token_burst=100_000)
+    version = await db.fetchval("SELECT policy_version FROM limit_layers WHERE tenant = 'busy'")
+    records = [
+        OutageAdmissionRecord(
+            uuid.uuid4(),
+            AdmitRequest("busy", None, "m", 600, 0, False, None, None, None),
+            int(version),
+            "open",
+        )
+        for _ in range(5)
+    ]
+
+    assert await limiter.store.outage.record_admissions(records) == [True] * 5
+
+    # 1,000 - 5 x 600 = -2,000 without the floor
+    stored = await db.fetchval("SELECT tokens FROM limit_layers WHERE scope = 'global'")
+    assert stored == -1_000
+    assert await tokens(limiter, "busy") == pytest.approx(100_000 - 3_000, abs=0.05)

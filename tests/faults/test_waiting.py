@@ -33,6 +33,10 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 TENANT = "acme"
 # 100 tokens a second; a burst of 200.
 POLICY = {"tokens_per_minute": 6_000, "token_burst": 200}
+# How late past its hint a waiter may be admitted: its wake-up timer and a
+# decision or two (one refused a tick early, then the one that admits) on a
+# shared 2-core machine.
+WAKE_SLACK_MS = 500
 
 
 class Served:
@@ -115,9 +119,10 @@ async def test_a_waiting_admission_is_admitted_after_about_its_hint(served: Serv
     assert response.json()["reserved_tokens"] == 100
     waited_ms = int(response.headers["llmquota-waited-ms"])
     # Decided again at the hint, not before (a retry one tick early is refused
-    # and tried again), and well within the 10 s it allowed.
-    assert hint_ms * 0.8 <= waited_ms <= 9_000
-    assert hint_ms * 0.8 / 1000 <= seconds <= 9.0
+    # and tried again), and admitted then: within the hint plus the slack of a
+    # decision or two on a loaded machine, far inside the 10 s it allowed.
+    assert hint_ms * 0.8 <= waited_ms <= hint_ms + WAKE_SLACK_MS
+    assert hint_ms * 0.8 / 1000 <= seconds <= (hint_ms + WAKE_SLACK_MS) / 1000
     metrics = await served.metrics()
     assert metric_value(metrics, "llmquota_decisions_total", outcome="queued") == 1
     assert metric_value(metrics, "llmquota_decisions_total", outcome="admitted", reason="none") == 2

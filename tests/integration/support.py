@@ -3,6 +3,7 @@ read back from PostgreSQL, and time shifted in the database itself."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import asyncpg
 
 from llmquota.admission.limiter import Limiter, Reservation
+from llmquota.admission.refusals import MEMORY_SECONDS
 from llmquota.domain.errors import LimiterError
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import LayerStatus
@@ -63,7 +65,12 @@ async def raw_layer(
 
 
 async def shift_refill(db: asyncpg.Connection, seconds: float, tenant: str | None = None) -> None:
-    """Pretend `seconds` passed since the last refill of every layer (of a tenant)."""
+    """Pretend `seconds` passed since the last refill of every layer (of a tenant).
+
+    Real time passes too, as long as a worker remembers a refusal
+    (admission/refusals.py): the time shifted here is the database's alone.
+    """
+    await asyncio.sleep(MEMORY_SECONDS)
     await db.execute(
         """UPDATE limit_layers
               SET refilled_at = refilled_at - make_interval(secs => $1)

@@ -183,7 +183,7 @@ async def test_concurrent_burst_over_capacity_is_split_at_capacity_with_deficit_
     assert 0 <= await tokens(limiter, "acme") <= clock.refill(rate)
 
 
-async def test_refusal_persists_the_refill_and_debits_nothing(
+async def test_a_refusal_writes_nothing_and_its_refill_is_not_lost(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
     rate = 600  # 10 tokens a second
@@ -192,23 +192,34 @@ async def test_refusal_persists_the_refill_and_debits_nothing(
     await shift_refill(db, 10)
     shifted = await raw_layer(db, "tenant", "acme")
     assert shifted["tokens"] == 100
+    row_version = await db.fetchval(
+        "SELECT xmin::text FROM limit_layers WHERE scope = 'tenant' AND tenant = 'acme'"
+    )
     clock = Clock()
     before = await tokens(limiter, "acme")
     assert before == pytest.approx(200, abs=5)  # 10 tokens/s since the admission
 
-    with pytest.raises(RateLimited) as refused:
-        await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=500, max_tokens=0)
+    for _ in range(3):
+        with pytest.raises(RateLimited) as refused:
+            await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=500, max_tokens=0)
 
+    # Refill is a function of the clock: the stored row is untouched (the same
+    # row version, balance and refilled_at), and the balance read now still
+    # counts every token refilled since.
+    assert await raw_layer(db, "tenant", "acme") == shifted
+    assert row_version == await db.fetchval(
+        "SELECT xmin::text FROM limit_layers WHERE scope = 'tenant' AND tenant = 'acme'"
+    )
     after = await tokens(limiter, "acme")
     assert before <= after <= before + clock.refill(rate)
-    stored = await raw_layer(db, "tenant", "acme")
-    # The refill up to the refusal was written back, nothing was taken away.
-    assert before <= stored["tokens"] <= before + clock.refill(rate)
-    assert stored["refilled_at"] > shifted["refilled_at"]
-    assert stored["in_flight"] == 1
     # 500 - ~200 = ~300 tokens at 10/s.
     assert 29_000 <= refused.value.retry_after_ms <= 30_000
     assert await count(db, "reservations") == 1
+    # The next admission that fits is debited from the refilled balance.
+    await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=150, max_tokens=0)
+    stored = await raw_layer(db, "tenant", "acme")
+    assert before - 150 <= stored["tokens"] <= after + clock.refill(rate) - 150
+    assert stored["in_flight"] == 2
 
 
 @dataclass(frozen=True)
@@ -459,6 +470,9 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("tenant not a string", {"tenant": 5}),
     ("tenant None", {"tenant": None}),
     ("tenant with newline", {"tenant": "acme\n"}),
+    ("tenant '..'", {"tenant": ".."}),
+    ("tenant starting with a dot", {"tenant": ".acme"}),
+    ("tenant with a colon", {"tenant": "acme:x"}),
     ("empty route", {"route": ""}),
     ("route with a space", {"route": "a b"}),
     ("route of 129 chars", {"route": "r" * 129}),
@@ -471,6 +485,12 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("empty model", {"model": ""}),
     ("model of 201 chars", {"model": "m" * 201}),
     ("model None", {"model": None}),
+    ("model with a space", {"model": "gpt 4o"}),
+    ("model with a newline", {"model": "gpt-4o\nforged"}),
+    ("model with an escape", {"model": "gpt-4o\x1b[2J"}),
+    ("model that is a formula", {"model": "=SUM(1)"}),
+    ("model glob", {"model": "gpt-4o*"}),
+    ("fallback model with a tab", {"fallback_models": ["gpt-4o\tmini"]}),
     ("empty idempotency key", {"idempotency_key": ""}),
     ("idempotency key of 256 chars", {"idempotency_key": "k" * 256}),
     ("idempotency key not a string", {"idempotency_key": 12}),
@@ -506,6 +526,27 @@ async def test_invalid_requests_write_no_rows(limiter: Limiter, db: asyncpg.Conn
     assert await count(db, "reservations") == 0
     assert await count(db, "tenants") == 1
     assert await raw_layer(db, "tenant", "acme") == before
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"model": "gpt-4o\x1b[2J"}, "model"),
+        ({"fallback_models": ["mini\r"]}, "fallback_models"),
+        ({"tenant": ".."}, "tenant"),
+        ({"route": "a/b"}, "route"),
+    ],
+)
+async def test_a_name_outside_its_pattern_is_an_invalid_request_naming_the_field(
+    limiter: Limiter, db: asyncpg.Connection, override: dict[str, Any], field: str
+) -> None:
+    await put(limiter, "tenant", "acme", tokens_per_minute=1_000)
+    request: dict[str, Any] = {"tenant": "acme", "model": "gpt-4o", "max_tokens": 5}
+    request.update(override)
+    with pytest.raises(InvalidRequest, match=f"^{field} must be ") as refused:
+        await limiter.admit(**request, input_tokens=5)
+    assert "ASCII letters, digits" in str(refused.value)
+    assert await count(db, "reservations") == 0
 
 
 async def test_largest_valid_counts_are_accepted(limiter: Limiter) -> None:

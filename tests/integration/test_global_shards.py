@@ -24,6 +24,7 @@ from llmquota.domain.errors import RateLimited, RefusedValue
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import AdmitRequest, FinishRequest
 from llmquota.store.store import Store
+from tests.support import APP_ROLE, dsn_as
 
 from .support import attempt, put
 
@@ -230,6 +231,82 @@ async def test_changing_the_shard_count_keeps_the_balance(
     assert await global_tokens(db) == pytest.approx(600, abs=0.5)
 
 
+async def test_reservations_released_after_4_2_1_3_shards_give_back_everything(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    # Issue 20: rows beyond a new count were deleted with their open
+    # reservations' give-backs (global stayed at 7,000).
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
+    for tenant in ("a", "b", "c"):
+        await put(limiter, "tenant", tenant)
+    held = [
+        await limiter.admit(tenant=t, model="gpt-4o", input_tokens=1_000, max_tokens=0)
+        for t in ("a", "b", "c")
+    ]
+    assert await global_tokens(db) == pytest.approx(7_000, abs=0.1)
+
+    for shards in (2, 1, 3):
+        await put_global(limiter, shards, tokens_per_minute=4, token_burst=10_000)
+        rows = await global_rows(db)
+        assert [r["shard"] for r in rows] == list(range(shards))
+        assert sum(r["in_flight"] for r in rows) == 3  # the permits moved with them
+        assert await global_tokens(db) == pytest.approx(7_000, abs=0.1)
+    for reservation in held:
+        await reservation.release()
+
+    assert await global_tokens(db) == pytest.approx(10_000, abs=1e-6)
+    assert [r["in_flight"] for r in await global_rows(db)] == [0, 0, 0]
+    assert await limiter.store.audit() == []
+
+
+async def test_a_whole_burst_in_flight_survives_shrinking_to_one_row(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
+    tenants = [f"t{i}" for i in range(10)]
+    for tenant in tenants:
+        await put(limiter, "tenant", tenant)
+    held = [
+        await limiter.admit(tenant=t, model="gpt-4o", input_tokens=1_000, max_tokens=0)
+        for t in tenants
+    ]
+    assert await global_tokens(db) == pytest.approx(0, abs=0.1)
+
+    await put_global(limiter, 1, tokens_per_minute=4, token_burst=10_000)
+    assert [r["in_flight"] for r in await global_rows(db)] == [10]
+    for reservation in held:
+        await reservation.release()
+
+    assert await global_tokens(db) == pytest.approx(10_000, abs=1e-6)
+
+
+async def test_settlements_and_expiries_after_shard_changes_take_exactly_what_was_used(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=10_000)
+    for tenant in ("a", "b", "c"):
+        await put(limiter, "tenant", tenant)
+    settled, expired, released = [
+        await limiter.admit(tenant=t, model="gpt-4o", input_tokens=1_000, max_tokens=0)
+        for t in ("a", "b", "c")
+    ]
+    await put_global(limiter, 1, tokens_per_minute=4, token_burst=10_000)
+    await db.execute(
+        "UPDATE reservations SET lease_expires_at = clock_timestamp() - interval '1 second' "
+        "WHERE reservation_id = $1",
+        expired.reservation_id,
+    )
+    assert await limiter.store.sweep(10) == (1, 1_000)  # gives back the 1,000 it held
+    await put_global(limiter, 2, tokens_per_minute=4, token_burst=10_000)
+
+    await settled.settle(input_tokens=400, output_tokens=0)  # 600 refunded
+    await expired.settle(input_tokens=300, output_tokens=0)  # late: 300 debited now
+    await released.release()
+
+    assert await global_tokens(db) == pytest.approx(10_000 - 400 - 300, abs=0.1)
+    assert await limiter.store.audit() == []
+
+
 async def test_shards_that_cannot_split_a_limit_are_refused_and_change_nothing(
     limiter: Limiter, db: asyncpg.Connection
 ) -> None:
@@ -244,10 +321,10 @@ async def test_shards_that_cannot_split_a_limit_are_refused_and_change_nothing(
 
 
 async def test_sharded_batches_decide_exactly_as_one_global_row(
-    database_dsn: str, twin_dsn: str
+    app_dsn: str, twin_dsn: str
 ) -> None:
-    sharded = await Store.connect(database_dsn, min_size=1, max_size=2)
-    whole = await Store.connect(twin_dsn, min_size=1, max_size=2)
+    sharded = await Store.connect(app_dsn, min_size=1, max_size=2)
+    whole = await Store.connect(dsn_as(twin_dsn, APP_ROLE), min_size=1, max_size=2)
     try:
         policy = {
             "tokens_per_minute": 4,

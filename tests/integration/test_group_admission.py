@@ -36,6 +36,7 @@ from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
 from llmquota.store.store import Store
+from tests.support import APP_ROLE, dsn_as
 
 TENANTS = ("t0", "t1", "t2")
 UNKNOWN_TENANT = "ghost"
@@ -45,10 +46,10 @@ SLOW_RATE = 1
 
 
 @pytest.fixture
-async def stores(database_dsn: str, twin_dsn: str) -> AsyncIterator[tuple[Store, Store]]:
+async def stores(app_dsn: str, twin_dsn: str) -> AsyncIterator[tuple[Store, Store]]:
     """(batched, sequential): one store on each twin."""
-    batched = await Store.connect(database_dsn, min_size=1, max_size=2)
-    sequential = await Store.connect(twin_dsn, min_size=1, max_size=2)
+    batched = await Store.connect(app_dsn, min_size=1, max_size=2)
+    sequential = await Store.connect(dsn_as(twin_dsn, APP_ROLE), min_size=1, max_size=2)
     yield batched, sequential
     await batched.close()
     await sequential.close()
@@ -515,7 +516,7 @@ async def test_a_caller_cancelled_mid_batch_has_its_admission_released(
 
 
 async def test_without_batching_every_request_is_its_own_statement(
-    database_dsn: str, db: asyncpg.Connection
+    app_dsn: str, db: asyncpg.Connection
 ) -> None:
     # One statement per request queues on the hot row: keep the decision
     # deadline (an outage behaviour, tested in tests/faults) out of the way.
@@ -525,7 +526,7 @@ async def test_without_batching_every_request_is_its_own_statement(
         decision_deadline_ms=60_000,
         _env_file=None,  # type: ignore[call-arg]
     )
-    async with await Limiter.connect(database_dsn, settings_off) as limiter:
+    async with await Limiter.connect(app_dsn, settings_off) as limiter:
         await limiter.store.put_policy("tenant", "acme", None, Policy(max_in_flight=9))
         results = await asyncio.gather(
             *(
@@ -544,11 +545,11 @@ async def test_without_batching_every_request_is_its_own_statement(
 
 @pytest.mark.slow
 async def test_concurrent_batches_over_overlapping_tenants_never_deadlock(
-    database_dsn: str, db: asyncpg.Connection
+    app_dsn: str, db: asyncpg.Connection
 ) -> None:
     tenants = [f"t{i}" for i in range(12)]
     workers, rounds, batch_size = 12, 12, 24
-    store = await Store.connect(database_dsn, min_size=workers, max_size=workers)
+    store = await Store.connect(app_dsn, min_size=workers, max_size=workers)
     try:
         await store.put_policy(
             "global", None, None, Policy(tokens_per_minute=SLOW_RATE, token_burst=10**9)
@@ -626,7 +627,7 @@ async def test_concurrent_batches_over_overlapping_tenants_never_deadlock(
 
 
 async def test_concurrent_http_admits_share_batches_and_admit_exactly_k(
-    database_dsn: str, db: asyncpg.Connection
+    app_dsn: str, db: asyncpg.Connection
 ) -> None:
     admin_key = "lq_test_admin_key_for_batching"
     settings = Settings(
@@ -635,7 +636,7 @@ async def test_concurrent_http_admits_share_batches_and_admit_exactly_k(
         decision_deadline_ms=60_000,
         _env_file=None,  # type: ignore[call-arg]
     )
-    app = create_app(settings, dsn=database_dsn)
+    app = create_app(settings, dsn=app_dsn)
     headers = {"Authorization": f"Bearer {admin_key}"}
     k, requests = 17, 120
     async with app.router.lifespan_context(app):
@@ -661,11 +662,9 @@ async def test_concurrent_http_admits_share_batches_and_admit_exactly_k(
 
 
 async def test_admission_without_flush_decides_alike_and_leaves_the_session_synchronous(
-    database_dsn: str, db: asyncpg.Connection
+    app_dsn: str, db: asyncpg.Connection
 ) -> None:
-    store = await Store.connect(
-        database_dsn, min_size=1, max_size=1, admission_synchronous_commit=False
-    )
+    store = await Store.connect(app_dsn, min_size=1, max_size=1, admission_synchronous_commit=False)
     try:
         await store.put_policy("tenant", "hot", None, Policy(max_in_flight=3))
         decisions = await store.admit(hot_requests(5))

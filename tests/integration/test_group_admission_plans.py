@@ -49,16 +49,17 @@ from tests.integration.test_group_admission import (
     policies,
     retry_tolerance_ms,
 )
+from tests.support import APP_ROLE, dsn_as
 
 MODELS = ("m0", "m1", "m2", "x0")
 PLANS = ("pa", "pb")
 
 
 @pytest.fixture
-async def stores(database_dsn: str, twin_dsn: str) -> AsyncIterator[tuple[Store, Store]]:
+async def stores(app_dsn: str, twin_dsn: str) -> AsyncIterator[tuple[Store, Store]]:
     """(batched, sequential): one store on each twin."""
-    batched = await Store.connect(database_dsn, min_size=1, max_size=2)
-    sequential = await Store.connect(twin_dsn, min_size=1, max_size=2)
+    batched = await Store.connect(app_dsn, min_size=1, max_size=2)
+    sequential = await Store.connect(dsn_as(twin_dsn, APP_ROLE), min_size=1, max_size=2)
     yield batched, sequential
     await batched.close()
     await sequential.close()

@@ -20,7 +20,7 @@ async def _export(store: LedgerStore, after: int) -> list[LedgerEntry]:
 
 
 async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order(
-    limiter: Limiter, database_dsn: str, db: asyncpg.Connection
+    limiter: Limiter, app_dsn: str, db: asyncpg.Connection
 ) -> None:
     # One tenant each: settlements of one tenant queue on its layer's row lock.
     for tenant in ("acme", "beta", "gamma"):
@@ -29,8 +29,8 @@ async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order
         await limiter.admit(tenant=tenant, model="gpt-4o", input_tokens=1, max_tokens=10)
         for tenant in ("acme", "beta", "gamma")
     ]
-    older = await asyncpg.connect(database_dsn)
-    younger = await asyncpg.connect(database_dsn)
+    older = await asyncpg.connect(app_dsn)
+    younger = await asyncpg.connect(app_dsn)
     store = LedgerStore(db)
     try:
         # `older` takes its transaction id first; `younger` then writes the

@@ -131,7 +131,7 @@ async def test_a_boundary_crossed_while_settling_loses_no_row(
 
 
 async def test_the_sweeper_keeps_the_months_ahead_ready(
-    database_dsn: str, db: asyncpg.Connection
+    app_dsn: str, db: asyncpg.Connection
 ) -> None:
     months = [await _month_start(db, i) for i in range(6)]
     assert await _partitions(db) == [_name(m) for m in months[:4]] + ["usage_ledger_default"]
@@ -141,7 +141,7 @@ async def test_the_sweeper_keeps_the_months_ahead_ready(
     await db.execute(f"ALTER TABLE usage_ledger DETACH PARTITION {_name(months[3])}")
     await db.execute(f"DROP TABLE {_name(months[3])}")
     settings = Settings(ledger_months_ahead=5, _env_file=None)  # type: ignore[call-arg]
-    sweeper = await Limiter.connect(database_dsn, settings)
+    sweeper = await Limiter.connect(app_dsn, settings)
     try:
         report = await sweeper.sweep()
         assert report.partitions_created == 3

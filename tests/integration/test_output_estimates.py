@@ -74,7 +74,7 @@ async def test_the_sql_histogram_is_the_domain_histogram(db: asyncpg.Connection)
         assert merged == pytest.approx(list(merge(weights, decay_factor(elapsed), counts)))
 
 
-async def test_concurrent_settlements_lose_no_sample(database_dsn: str) -> None:
+async def test_concurrent_settlements_lose_no_sample(app_dsn: str) -> None:
     # One statement per settlement, 20 connections: 240 transactions race for
     # the same four histogram rows.
     unbatched = Settings(  # type: ignore[call-arg]
@@ -82,7 +82,7 @@ async def test_concurrent_settlements_lose_no_sample(database_dsn: str) -> None:
     )
     rng = random.Random(12)
     keys = [(route, model) for route in ("chat", "batch") for model in ("gpt-4o", "o3")]
-    async with await Limiter.connect(database_dsn, unbatched) as limiter:
+    async with await Limiter.connect(app_dsn, unbatched) as limiter:
         await put(limiter, "tenant", "acme")
         for route, _ in keys:
             await put(limiter, "route", "acme", route)
@@ -109,7 +109,7 @@ async def test_concurrent_settlements_lose_no_sample(database_dsn: str) -> None:
 
 
 async def test_batches_of_mixed_keys_in_any_order_neither_deadlock_nor_lose(
-    limiter: Limiter, database_dsn: str
+    limiter: Limiter, app_dsn: str
 ) -> None:
     await put(limiter, "tenant", "acme")
     await put(limiter, "tenant", "beta")
@@ -122,7 +122,7 @@ async def test_batches_of_mixed_keys_in_any_order_neither_deadlock_nor_lose(
             max_tokens=100,
         )
         ids.append(r.reservation_id)
-    connections = [await asyncpg.connect(database_dsn) for _ in range(8)]
+    connections = [await asyncpg.connect(app_dsn) for _ in range(8)]
     try:
         # Eight concurrent statements of 20 settlements each, every other one
         # in reverse order: the rows are locked in key order whatever the order.
@@ -137,6 +137,9 @@ async def test_batches_of_mixed_keys_in_any_order_neither_deadlock_nor_lose(
                     [1] * len(chunk),
                     [7] * len(chunk),
                     ["ok"] * len(chunk),
+                    None,  # usage sources, as reported figures: none (a REST settle)
+                    None,
+                    None,
                 )
                 for n, (c, chunk) in enumerate(zip(connections, chunks, strict=True))
             )

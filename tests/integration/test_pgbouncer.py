@@ -25,6 +25,11 @@ from tests.api.conftest import ADMIN_KEY
 from tests.pgbouncer import Bouncer, pgbouncer
 from tests.support import run_cli
 
+# Needs Debian's PgBouncer, which a machine with only Python lacks: the
+# README's `pytest` deselects these (pyproject's addopts), and CI runs them
+# as a leg of their own (`pytest -m pgbouncer`, after installing it).
+pytestmark = pytest.mark.pgbouncer
+
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # What the role carries behind a pooler (docs/operations.md): the service
 # cannot send these as startup parameters through PgBouncer.

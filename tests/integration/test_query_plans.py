@@ -94,7 +94,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         [None] * n,
         [None] * n,
         1000,
-        *([None] * 7),  # priorities, degradation, output reserve: none
+        *([None] * 9),  # priorities, degradation, output reserve, deadline, ids: none
     )
 
     # The fast path finds and locks them in one statement (a bitmap of probes).
@@ -133,7 +133,7 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         [None] * n,
         1000,
-        *([None] * 7),  # priorities, degradation, output reserve: none
+        *([None] * 9),  # priorities, degradation, output reserve, deadline, ids: none
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(
@@ -156,6 +156,9 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [50] * n,
         [20] * n,
         ["ok"] * n,
+        ["reported"] * n,
+        [None] * n,
+        [None] * n,
     )
 
     lock = plan_of(plans, "FROM reservations AS rs\n      WHERE rs.reservation_id = ANY")

@@ -38,7 +38,7 @@ async def _reserve(
 
 
 async def test_concurrent_sweepers_expire_two_hundred_lapsed_leases_exactly_once(
-    limiter: Limiter, db: asyncpg.Connection, database_dsn: str, settings: Settings
+    limiter: Limiter, db: asyncpg.Connection, app_dsn: str, settings: Settings
 ) -> None:
     await put(limiter, "tenant", "acme", tokens_per_minute=1, token_burst=BURST)
     lapsed = await _reserve(limiter, 200)
@@ -49,7 +49,7 @@ async def test_concurrent_sweepers_expire_two_hundred_lapsed_leases_exactly_once
         live,
     )
 
-    other = await Limiter.connect(database_dsn, settings)
+    other = await Limiter.connect(app_dsn, settings)
     try:
         reports = await asyncio.gather(
             limiter.sweep(batch_size=17),

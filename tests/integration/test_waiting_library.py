@@ -1,7 +1,8 @@
 """`Limiter.admit(..., max_wait_ms=...)`: the library waits for room as the API does.
 
 The tenant refills 100 tokens a second, so a 100-token request refused on an
-empty bucket has a hint of about a second; the assertions on time are loose.
+empty bucket has a hint of about a second; a waiter is admitted at its hint,
+late by at most its wake-up timer and a decision or two on a loaded machine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from llmquota.domain.errors import RateLimited
 from .support import put
 
 REQUEST = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 0, "max_tokens": 100}
+WAKE_SLACK_SECONDS = 0.5
 
 
 async def test_a_library_caller_waits_for_room_instead_of_raising(limiter: Limiter) -> None:
@@ -31,7 +33,10 @@ async def test_a_library_caller_waits_for_room_instead_of_raising(limiter: Limit
         await waited.settle(input_tokens=0, output_tokens=10)
 
     assert waited.reserved_tokens == 100
-    assert 0.8 * hint_seconds <= seconds <= 9.0
+    assert 0.8 * hint_seconds <= seconds <= hint_seconds + WAKE_SLACK_SECONDS, (
+        seconds,
+        hint_seconds,
+    )
     await first.release()
 
 

@@ -9,6 +9,7 @@ never by sleeping through the backoff.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -19,8 +20,9 @@ import pytest
 from llmquota.admin.alerts import AlertService
 from llmquota.admin.delivery import DeliveryLimits, DeliveryLoop
 from llmquota.admission.limiter import Limiter
-from llmquota.api.webhooks import WebhookSender
+from llmquota.api.webhooks import MAX_RESPONSE_BYTES, WebhookSender, check_webhook_target
 from llmquota.domain.alerts import retry_delay_seconds
+from llmquota.domain.destinations import DestinationRules, parse_networks
 from llmquota.metrics import Metrics
 from tests.integration.support import count
 from tests.receiver import Receiver
@@ -42,9 +44,13 @@ async def receiver() -> AsyncIterator[Receiver]:
     await started.stop()
 
 
+# The receivers of these tests listen on loopback: an on-premise receiver.
+LOOPBACK_ALLOWED = DestinationRules(parse_networks("127.0.0.0/8"))
+
+
 @pytest.fixture
 async def sender() -> AsyncIterator[WebhookSender]:
-    made = WebhookSender()
+    made = WebhookSender(LOOPBACK_ALLOWED)
     yield made
     await made.close()
 
@@ -69,8 +75,12 @@ async def fire(service: AlertService, n: int, threshold: str = "0.8") -> list[st
     return ids
 
 
-def make_loop(service: AlertService, sender: WebhookSender, metrics: Metrics) -> DeliveryLoop:
-    limits = DeliveryLimits(batch_size=10, claim_seconds=30, timeout_seconds=5)
+def make_loop(
+    service: AlertService, sender: WebhookSender, metrics: Metrics, per_destination: int = 10
+) -> DeliveryLoop:
+    limits = DeliveryLimits(
+        batch_size=10, claim_seconds=30, timeout_seconds=5, per_destination=per_destination
+    )
     return DeliveryLoop(service.alerts, sender.send, limits, metrics, jitter=lambda: 0.0)
 
 
@@ -185,3 +195,147 @@ def test_retry_delays_double_with_jitter_up_to_an_hour_and_stop_after_a_day() ->
     assert retry_delay_seconds(30, 0, 0.999) == pytest.approx(3600.0, abs=5)
     assert retry_delay_seconds(30, 86_000, 0.999) == pytest.approx(400.0)
     assert retry_delay_seconds(30, 86_399.5, 0.5) is None
+
+
+class FakeDns:
+    """A resolver hook: what each name resolves to now, and how often it was asked."""
+
+    def __init__(self, answers: dict[str, list[str]]) -> None:
+        self.answers = answers
+        self.lookups = 0
+
+    async def __call__(self, host: str, timeout_seconds: float) -> list[str]:
+        self.lookups += 1
+        return list(self.answers.get(host, []))
+
+
+async def test_a_name_that_rebinds_to_loopback_after_registration_is_refused_at_delivery(
+    service: AlertService, receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    dns = FakeDns({"hooks.rebind.test": ["93.184.216.34"]})
+    url = f"http://hooks.rebind.test:{receiver.port}/hook"
+    # At registration the name is public, so it is accepted...
+    assert await check_webhook_target(url, DestinationRules(), dns) == url
+    await service.put_webhook("hook", url, SECRET, None)
+    await fire(service, 1)
+    # ...and at delivery it points at this machine: refused, nothing sent.
+    dns.answers["hooks.rebind.test"] = ["93.184.216.34", "127.0.0.1"]
+    sender = WebhookSender(DestinationRules(), resolve=dns)
+    try:
+        assert await make_loop(service, sender, Metrics()).run_once() == 1
+    finally:
+        await sender.close()
+    assert receiver.received == []
+    error = await db.fetchval("SELECT error FROM alert_delivery_attempts")
+    assert error.startswith("refused:") and "127.0.0.1" in error and "loopback" in error
+
+
+async def test_the_connection_goes_to_the_address_that_was_checked_with_one_lookup(
+    service: AlertService, receiver: Receiver, db: asyncpg.Connection
+) -> None:
+    # No resolver of this machine knows the name: only a connection to the
+    # address the check saw can reach the receiver.
+    dns = FakeDns({"receiver.pinned.test": ["127.0.0.1"]})
+    url = f"http://receiver.pinned.test:{receiver.port}/hook"
+    await service.put_webhook("hook", url, SECRET, None)
+    ids = await fire(service, 2)
+    sender = WebhookSender(LOOPBACK_ALLOWED, resolve=dns)
+    try:
+        assert await make_loop(service, sender, Metrics()).run_once() == 2
+    finally:
+        await sender.close()
+    assert sorted(receiver.delivered_ids()) == sorted(ids)
+    assert {r.host for r in receiver.received} == {f"receiver.pinned.test:{receiver.port}"}
+    assert dns.lookups == 2  # one per delivery, none between the check and the connect
+
+
+async def test_one_slow_receiver_holds_only_its_own_slots(
+    service: AlertService, db: asyncpg.Connection
+) -> None:
+    slow = await Receiver(delay_seconds=3.0).start()
+    fast = await Receiver().start()
+    sender = WebhookSender(LOOPBACK_ALLOWED)
+    try:
+        await service.put_webhook("slow", slow.url, SECRET, None)
+        await fire(service, 6)  # every webhook without a tenant takes them all
+        await service.put_webhook("fast", fast.url, SECRET, None)
+        later = await fire(service, 3, threshold="0.9")
+        limits = DeliveryLimits(
+            batch_size=10,
+            claim_seconds=30,
+            timeout_seconds=5,
+            interval_seconds=0.05,
+            per_destination=2,
+        )
+        loop = DeliveryLoop(service.alerts, sender.send, limits, Metrics(), jitter=lambda: 0.0)
+        stop = asyncio.Event()
+        running = asyncio.create_task(loop.run(stop))
+        started = asyncio.get_running_loop().time()
+        most_in_flight = 0
+        while not set(later) <= set(fast.delivered_ids()):
+            most_in_flight = max(most_in_flight, slow.started_requests - len(slow.received))
+            assert asyncio.get_running_loop().time() - started < 10, "fast alerts late"
+            await asyncio.sleep(0.02)
+        fast_done = asyncio.get_running_loop().time() - started
+        stop.set()
+        await running
+    finally:
+        await sender.close()
+        await slow.stop()
+        await fast.stop()
+    # The fast receiver's alerts (fired after the slow one's six) did not wait
+    # for the slow one's 3 s answers, which were at most 2 at a time.
+    assert fast_done < 2.0
+    assert most_in_flight <= 2
+
+
+async def test_an_answer_is_read_up_to_the_cap_and_the_attempt_has_one_deadline(
+    service: AlertService, db: asyncpg.Connection
+) -> None:
+    sent_bytes = 0
+    writers: list[asyncio.StreamWriter] = []
+
+    async def huge(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent_bytes
+        writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 104857600\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                writer.write(b"x" * 1_048_576)
+                await writer.drain()
+                sent_bytes += 1_048_576
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            for byte in b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n":
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.5)
+
+    servers = [await asyncio.start_server(h, "127.0.0.1", 0) for h in (huge, trickle)]
+    ports = [server.sockets[0].getsockname()[1] for server in servers]
+    sender = WebhookSender(LOOPBACK_ALLOWED)
+    try:
+        started = asyncio.get_running_loop().time()
+        big = await sender.send(f"http://127.0.0.1:{ports[0]}/", b"{}", {}, 5.0)
+        slow = await sender.send(f"http://127.0.0.1:{ports[1]}/", b"{}", {}, 1.5)
+        took = asyncio.get_running_loop().time() - started
+    finally:
+        await sender.close()
+        for server in servers:
+            server.close()
+        # The receivers' connections end with the test, not in a later one's loop.
+        for writer in writers:
+            writer.transport.abort()
+        await asyncio.sleep(0)
+    assert big.delivered and big.status == 200
+    # The huge body was dropped with the connection after the cap, not read.
+    assert sent_bytes < 100 * 1_048_576
+    assert MAX_RESPONSE_BYTES == 64 * 1024
+    # Each trickled byte came within a read timeout, but the whole answer
+    # would take 20 s: the attempt ends at its 1.5 s deadline.
+    assert not slow.delivered and "within 1.5 s" in (slow.error or "")
+    assert took < 5.0

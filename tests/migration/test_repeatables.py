@@ -29,6 +29,7 @@ REPEATABLES = [
     "ledger.sql",
     "reliability.sql",
     "quotas.sql",
+    "keys.sql",
     "reports/00_base.sql",
     "reports/10_usage.sql",
     "reports/20_accuracy.sql",

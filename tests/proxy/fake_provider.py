@@ -7,7 +7,9 @@ message_start, content_block_start, ping, content_block_delta...,
 content_block_stop, message_delta with usage, message_stop). Error bodies and
 rate-limit headers are each provider's own. Its usage figures are its own
 too, deliberately unlike tiktoken's, so a test can tell whose numbers were
-settled. Tests steer it through attributes (scenario, words, delay).
+settled. Tests steer it through attributes (scenario, words, delay, and
+`usage`: figures to report instead of its own, absurd, a string or negative
+as a broken provider would, or `MISSING` to report no usage at all).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import asyncio
 import base64
 import json
 import struct
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +31,8 @@ from starlette.routing import Route
 
 PROMPT_TOKENS = 17
 PROVIDER_KEY = "sk-upstream-secret-0123456789"
+# FakeProvider.usage: report no usage object at all.
+MISSING = "missing"
 
 
 def completion_tokens(words: int) -> int:
@@ -38,16 +44,33 @@ def completion_tokens(words: int) -> int:
 class FakeProvider:
     """State and knobs of the fake; the app reads them on every request."""
 
-    scenario: str = "ok"  # ok | 500 | 429 | 401 | die_mid_stream | hang
+    # ok | 500 | 429 | 401 | die_mid_stream | hang | 400_escaped | key_mid_stream
+    scenario: str = "ok"
     words: int = 6
+    # More text after the words: what a provider that echoes its input says.
+    echo: list[str] = field(default_factory=list)
+    # Models whose OpenAI streams hang after their first word (an upstream stuck mid-stream).
+    hang_models: set[str] = field(default_factory=set)
     delay: float = 0.0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     streams_finished: int = 0
     streams_started: int = 0
+    # Fields of the usage object replaced by these values, or MISSING.
+    usage: dict[str, Any] | str | None = None
+    # Called once a request arrived, before it is answered.
+    before_answer: Callable[[], None] | None = None
+
+    def reported(self, usage: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage object to send: the fake's own, patched by `usage`, or None."""
+        if self.usage == MISSING:
+            return None
+        if isinstance(self.usage, dict):
+            return {**usage, **{k: v for k, v in self.usage.items() if k in usage}}
+        return usage
 
     def text(self) -> list[str]:
-        return [f" w{i}" for i in range(self.words)]
+        return [f" w{i}" for i in range(self.words)] + self.echo
 
     def app(self) -> Starlette:
         return Starlette(
@@ -65,12 +88,21 @@ class FakeProvider:
         self.headers.append(dict(request.headers))
         if self.scenario == "hang":
             await asyncio.sleep(1.5)  # longer than the proxy's read timeout in that test
+        if self.before_answer is not None:
+            self.before_answer()  # a fault test freezing the store mid-request
         return body
 
     def _error(self, kind: str) -> Response | None:
         if self.scenario == "500":
             message = f"internal failure; key was {PROVIDER_KEY}"
             return _error(kind, 500, "server_error" if kind == "openai" else "api_error", message)
+        if self.scenario == "400_escaped":
+            # What a JSON encoder that escapes every character writes.
+            escaped = "".join(f"\\u{ord(c):04x}" for c in PROVIDER_KEY)
+            raw = (
+                '{"error": {"message": "bad request for key %s", "type": "invalid_request_error"}}'
+            )
+            return Response(raw % escaped, status_code=400, media_type="application/json")
         if self.scenario == "401":
             message = f"Incorrect API key provided: {PROVIDER_KEY}"
             return _error(kind, 401, "authentication_error", message)
@@ -91,30 +123,31 @@ class FakeProvider:
         if (error := self._error("openai")) is not None:
             return error
         words = self.text()
-        usage = {
-            "prompt_tokens": PROMPT_TOKENS,
-            "completion_tokens": completion_tokens(len(words)),
-            "total_tokens": PROMPT_TOKENS + completion_tokens(len(words)),
-        }
+        usage = self.reported(
+            {
+                "prompt_tokens": PROMPT_TOKENS,
+                "completion_tokens": completion_tokens(len(words)),
+                "total_tokens": PROMPT_TOKENS + completion_tokens(len(words)),
+            }
+        )
         if not body.get("stream"):
-            return JSONResponse(
-                {
-                    "id": "chatcmpl-fake",
-                    "object": "chat.completion",
-                    "created": 1_700_000_000,
-                    "model": body["model"],
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "".join(words)},
-                            "finish_reason": "stop",
-                            "logprobs": None,
-                        }
-                    ],
-                    "usage": usage,
-                },
-                headers={"x-request-id": "req_fake_openai"},
-            )
+            answer = {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 1_700_000_000,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "".join(words)},
+                        "finish_reason": "stop",
+                        "logprobs": None,
+                    }
+                ],
+            }
+            if usage is not None:
+                answer["usage"] = usage
+            return JSONResponse(answer, headers={"x-request-id": "req_fake_openai"})
         include = (body.get("stream_options") or {}).get("include_usage") is True
         return StreamingResponse(
             self._openai_events(body["model"], words, usage if include else None),
@@ -122,7 +155,7 @@ class FakeProvider:
         )
 
     async def _openai_events(
-        self, model: str, words: list[str], usage: dict[str, int] | None
+        self, model: str, words: list[str], usage: dict[str, Any] | None
     ) -> AsyncIterator[bytes]:
         self.streams_started += 1
         base = {
@@ -142,7 +175,13 @@ class FakeProvider:
             await asyncio.sleep(self.delay)
             if self.scenario == "die_mid_stream" and i == len(words) // 2:
                 raise RuntimeError("the fake provider dies mid-stream")
+            if self.scenario == "key_mid_stream" and i == len(words) // 2:
+                message = f"upstream failure for KEY {PROVIDER_KEY.upper()}"
+                yield _data({"error": {"message": message, "type": "server_error"}})
+                return
             yield chunk({"content": word}, None)
+            if model in self.hang_models:
+                await asyncio.sleep(3_600)
         yield chunk({}, "stop")
         if usage is not None:
             yield _data({**base, "choices": [], "usage": usage})
@@ -208,7 +247,9 @@ class FakeProvider:
         if (error := self._error("anthropic")) is not None:
             return error
         words = self.text()
-        usage = {"input_tokens": PROMPT_TOKENS, "output_tokens": completion_tokens(len(words))}
+        usage = self.reported(
+            {"input_tokens": PROMPT_TOKENS, "output_tokens": completion_tokens(len(words))}
+        )
         message = {
             "id": "msg_fake",
             "type": "message",
@@ -219,20 +260,21 @@ class FakeProvider:
         }
         if not body.get("stream"):
             content = [{"type": "text", "text": "".join(words)}]
-            return JSONResponse(
-                {**message, "content": content, "usage": usage},
-                headers={"request-id": "req_fake_anthropic"},
-            )
+            answer = {**message, "content": content}
+            if usage is not None:
+                answer["usage"] = usage
+            return JSONResponse(answer, headers={"request-id": "req_fake_anthropic"})
         return StreamingResponse(
             self._anthropic_events(message, words, usage), media_type="text/event-stream"
         )
 
     async def _anthropic_events(
-        self, message: dict[str, Any], words: list[str], usage: dict[str, int]
+        self, message: dict[str, Any], words: list[str], usage: dict[str, Any] | None
     ) -> AsyncIterator[bytes]:
         self.streams_started += 1
         start = {**message, "content": [], "stop_reason": None}
-        start["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": 1}
+        if usage is not None:
+            start["usage"] = {"input_tokens": usage["input_tokens"], "output_tokens": 1}
         yield _event("message_start", {"type": "message_start", "message": start})
         block = {"type": "text", "text": ""}
         yield _event(
@@ -244,19 +286,23 @@ class FakeProvider:
             await asyncio.sleep(self.delay)
             if self.scenario == "die_mid_stream" and i == len(words) // 2:
                 raise RuntimeError("the fake provider dies mid-stream")
+            if self.scenario == "key_mid_stream" and i == len(words) // 2:
+                encoded = "".join(f"%{ord(c):02X}" for c in PROVIDER_KEY)  # a URL's spelling
+                error = {"type": "api_error", "message": f"overloaded {encoded}"}
+                yield _event("error", {"type": "error", "error": error})
+                return
             delta = {"type": "text_delta", "text": word}
             yield _event(
                 "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
             )
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        yield _event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                "usage": {"output_tokens": usage["output_tokens"]},
-            },
-        )
+        delta: dict[str, Any] = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        }
+        if usage is not None:
+            delta["usage"] = {"output_tokens": usage["output_tokens"]}
+        yield _event("message_delta", delta)
         yield _event("message_stop", {"type": "message_stop"})
         self.streams_finished += 1
 
@@ -279,3 +325,21 @@ def _error(
     else:
         body = {"type": "error", "error": {"type": error_type, "message": message}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _serve_forever(hang_models: set[str]) -> None:
+    """Serve a fake provider on a free loopback port; print the port first."""
+    provider = FakeProvider(hang_models=hang_models)
+    config = uvicorn.Config(provider.app(), host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    print(server.servers[0].sockets[0].getsockname()[1], flush=True)
+    await task
+
+
+if __name__ == "__main__":
+    # python -m tests.proxy.fake_provider [MODEL_THAT_HANGS ...]: the fake as its own process.
+    asyncio.run(_serve_forever(set(sys.argv[1:])))

@@ -50,6 +50,12 @@ async def nothing_happened(stack: Stack, db: asyncpg.Connection) -> None:
         ({"model": "gpt-4o", "messages": MESSAGES, "max_tokens": -1}, 400, "'max_tokens'"),
         ({"model": "my-own-model", "messages": MESSAGES}, 400, "LLMQUOTA_PROXY_DEFAULT"),
         ({"model": "gpt-4o", "messages": "hi"}, 400, "'messages'"),
+        # Model names follow llmquota.domain.names: 400 before any upstream lookup.
+        ({"model": "gpt 4o", "messages": MESSAGES}, 400, "'model' must be"),
+        ({"model": "gpt-4o\nforged", "messages": MESSAGES}, 400, "'model' must be"),
+        ({"model": "gpt-4o\u001b[2J", "messages": MESSAGES}, 400, "'model' must be"),
+        ({"model": "=HYPERLINK(1)", "messages": MESSAGES}, 400, "'model' must be"),
+        ({"model": "m" * 201, "messages": MESSAGES}, 400, "'model' must be"),
     ],
 )
 async def test_bad_input_is_refused_in_openai_format_with_nothing_reserved(
@@ -63,14 +69,23 @@ async def test_bad_input_is_refused_in_openai_format_with_nothing_reserved(
     await nothing_happened(stack, db)
 
 
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ({"stream": 1}, "'stream'"),
+        ({"model": "claude\tsonnet"}, "'model' must be"),
+        ({"model": "claude-sonnet-4\u0007"}, "'model' must be"),
+    ],
+)
 async def test_bad_input_is_refused_in_anthropic_format(
-    stack: Stack, db: asyncpg.Connection
+    stack: Stack, db: asyncpg.Connection, override: dict[str, Any], says: str
 ) -> None:
-    body = {"model": "claude-sonnet-4", "messages": MESSAGES, "stream": 1, "max_tokens": 5}
+    body = {"model": "claude-sonnet-4", "messages": MESSAGES, "max_tokens": 5, **override}
     response = await post(stack, "/v1/messages", body)
     assert response.status_code == 400
     assert response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
+    assert says in response.json()["error"]["message"]
     await nothing_happened(stack, db)
 
 

@@ -90,3 +90,27 @@ def test_a_layer_binds_when_it_would_refuse_a_minimal_request() -> None:
     assert binding_retry_ms(_layer(0.5, -3, 0), 1_000) == 4_000
     # Every permit taken: the concurrency hint.
     assert binding_retry_ms(_layer(100, 10, 2), 1_000) == 1_000
+
+
+def test_an_announced_key_change_drops_what_the_cache_knew_of_it() -> None:
+    cache = KeyCache(refresh_seconds=30, max_stale_seconds=3_600, negative_seconds=5)
+    known, refused = b"k" * 32, b"r" * 32
+    cache.confirm(known, KeyOwner(key_id=1, tenant="acme"), now=0.0)
+    cache.refuse(refused, now=0.0)
+    cache.drop(known)
+    cache.drop(refused)
+    assert cache.known(known, now=1.0) is None
+    assert not cache.refused(refused, now=1.0)
+
+
+def test_a_resync_makes_every_known_key_refresh_at_its_next_use() -> None:
+    cache = KeyCache(refresh_seconds=30, max_stale_seconds=3_600, negative_seconds=5)
+    known, refused = b"k" * 32, b"r" * 32
+    cache.confirm(known, KeyOwner(key_id=1, tenant="acme"), now=0.0)
+    cache.refuse(refused, now=0.0)
+    assert not cache.claim_refresh(known, now=1.0)
+    cache.refresh_all()
+    # Still serving, but its next use claims a lookup; no refusal stands.
+    assert cache.known(known, now=1.0) == KeyOwner(key_id=1, tenant="acme")
+    assert cache.claim_refresh(known, now=1.0)
+    assert not cache.refused(refused, now=1.0)

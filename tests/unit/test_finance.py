@@ -48,7 +48,7 @@ def test_report_scripts_define_the_listed_reports() -> None:
 
 @pytest.mark.parametrize(
     ("text", "value"),
-    [("2.50", Decimal("2.50")), (" 10 ", Decimal(10)), ("0", Decimal(0)),
+    [("2.50", Decimal("2.50")), ("10", Decimal(10)), ("0", Decimal(0)),
      ("0.000001", Decimal("0.000001")), ("1000000", Decimal(1_000_000))],
 )  # fmt: skip
 def test_parse_price_accepts_plain_decimals(text: str, value: Decimal) -> None:
@@ -57,9 +57,13 @@ def test_parse_price_accepts_plain_decimals(text: str, value: Decimal) -> None:
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("-0.01", "between"), ("NaN", "between"), ("Infinity", "between"),
-     ("1000000.01", "between"), ("1e-7", "decimal places"), ("two", "decimal number"),
-     ("", "decimal number")],
+    [("1000000.01", "between"), ("0.0000001", "decimal places"),
+     # Anything but ASCII digits and one point, though Decimal() takes it:
+     ("-0.01", "decimal number"), ("+1", "decimal number"), ("NaN", "decimal number"),
+     ("Infinity", "decimal number"), ("1e-7", "decimal number"), ("two", "decimal number"),
+     ("", "decimal number"), (" 10 ", "decimal number"), ("1_000", "decimal number"),
+     ("\u0661\u0662\u0663", "decimal number"), ("\uff11\uff12\uff13", "decimal number"),
+     ("2.", "decimal number"), (".5", "decimal number")],
 )  # fmt: skip
 def test_parse_price_refuses(text: str, message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
@@ -71,9 +75,17 @@ def test_parse_effective_from() -> None:
     assert parse_effective_from("2026-03-01T12:30:00+02:00") == datetime(
         2026, 3, 1, 12, 30, tzinfo=timezone(timedelta(hours=2))
     )
-    for bad in ("2026-02-30", "yesterday", "2026-03-01T12:00:00"):
+    assert parse_effective_from("2026-03-01T12:30:00Z") == datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
+    for bad in ("2026-02-30", "yesterday", "2026-03-01T12:00:00", " 2026-03-01",
+                "\u0662\u0660\u0662\u0666-03-01", "\uff12\uff10\uff12\uff16-03-01",
+                "2026-03-01T1\uff12:00Z"):  # fmt: skip
         with pytest.raises(InvalidRequest):
             parse_effective_from(bad)
+    with pytest.raises(InvalidRequest, match="empty"):
+        parse_effective_from("")
+    # asyncpg would send 0001-01-01 as -infinity: every usage ever priced.
+    with pytest.raises(InvalidRequest, match="2000-01-01 or later"):
+        parse_effective_from("0001-01-01")
 
 
 def test_adjustment_checks() -> None:
@@ -116,3 +128,9 @@ def test_render_keeps_decimals_exact_in_every_format() -> None:
     ]
     assert render(columns, [], "json") == "[]\n"
     assert render(columns, [], "csv") == "day,route,cost_usd,requests\n"
+
+
+def test_report_days_are_ascii_digits() -> None:
+    for bad in ("\u0662\u0660\u0662\u0666-03-01", "2026-03-01\n", "\uff12\uff10\uff12\uff16-03-01"):
+        with pytest.raises(InvalidRequest, match="must be a date"):
+            parse_period(bad, "2026-04-01")

@@ -27,6 +27,9 @@ class FakeExchange:
     async def finish(self, tracker: UsageTracker, outcome: str) -> None:
         self.finished.append((outcome, tracker.output_tokens))
 
+    def relayed(self) -> None:
+        """The relay saw output; nothing to mark without a store."""
+
     async def keep_alive(self, _every_seconds: float) -> None:
         await asyncio.Event().wait()
 

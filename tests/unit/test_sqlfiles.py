@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from llmquota.resources import sql_dir
-from llmquota.store import catalog, estimates, store
+from llmquota.store import admit_statement, catalog, estimates, keys, outage, store, tenants
 from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
 def _names_the_store_runs() -> set[str]:
     """String literals passed first to self._fetch(...) or used as self._sql[...]
-    in the modules that run queries.sql (the Store, its catalog and estimates)."""
+    in the modules that run queries.sql (the Store, its admit statement, catalog,
+    estimates, outage and keys)."""
     tree = ast.parse(_sources())
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -41,7 +42,7 @@ def _names_the_store_runs() -> set[str]:
 
 
 def _sources() -> str:
-    modules = (store, catalog, estimates)
+    modules = (store, admit_statement, catalog, estimates, outage, keys, tenants)
     return "\n".join(inspect.getsource(module) for module in modules)
 
 
@@ -152,6 +153,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "ledger.sql",
         "reliability.sql",
         "quotas.sql",
+        "keys.sql",
     )
     for name in (*names, "roles.sql"):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
@@ -166,9 +168,10 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "ledger.sql",
         "reliability.sql",
         "quotas.sql",
+        "keys.sql",
         "reports/00_a.sql",
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[7].text == "SELECT 1;\n"
-    assert scripts[7].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[8].text == "SELECT 1;\n"
+    assert scripts[8].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

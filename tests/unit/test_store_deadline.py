@@ -1,8 +1,9 @@
 """The decision deadline (store/deadline.py): on a batch's futures, as the coalescer
 hands them over (DeadlineQueue), and on a coroutine (within_store_deadline).
 
-Outcomes only, no durations: what the caller gets and what becomes of the
-future its producer holds.
+Outcomes: what the caller gets and what becomes of the future its producer
+holds; and one bound, that a loop's scheduling jitter is not credited as a
+stall (it compounded: each credit's timer was as late as the last).
 """
 
 from __future__ import annotations
@@ -101,3 +102,37 @@ async def test_a_coroutine_runs_in_a_task_cancelled_on_timeout() -> None:
     await asyncio.sleep(0)
     assert started.is_set()
     assert cancelled.is_set()
+
+
+# A loop busy 10 ms every turn: each timer fires about that late.
+JITTER_SECONDS = 0.01
+JITTERY_DEADLINE_SECONDS = 0.05
+# The deadline, its late timer and grace turns, with room for a loaded
+# machine; crediting the jitter ran to MAX_LAG_CREDIT_SECONDS (5 s) here.
+JITTERY_ANSWER_BOUND_SECONDS = JITTERY_DEADLINE_SECONDS + 0.15
+
+
+async def _jitter_forever() -> None:
+    while True:
+        time.sleep(JITTER_SECONDS)  # noqa: ASYNC251 (a busy loop turn is the point)
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("kind", ["queue", "coroutine"])
+async def test_a_jittery_loop_is_not_credited_as_a_stall(kind: str) -> None:
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[int] = loop.create_future()
+    jitter = asyncio.ensure_future(_jitter_forever())
+    started = time.perf_counter()
+    try:
+        with pytest.raises(StoreTimeout):
+            if kind == "queue":
+                await DeadlineQueue(JITTERY_DEADLINE_SECONDS, _timeout).watch(never)
+            else:
+                await within_store_deadline(
+                    asyncio.shield(never), JITTERY_DEADLINE_SECONDS, _timeout
+                )
+        took = time.perf_counter() - started
+    finally:
+        jitter.cancel()
+    assert JITTERY_DEADLINE_SECONDS <= took < JITTERY_ANSWER_BOUND_SECONDS, took

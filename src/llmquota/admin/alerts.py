@@ -13,6 +13,7 @@ from decimal import Decimal
 from llmquota.domain.alerts import AlertEvent, Webhook
 from llmquota.domain.errors import IdempotencyConflict, UnknownTenant
 from llmquota.domain.quotas import CreditAccount, Quota, QuotaSpec, TopUp
+from llmquota.domain.validation import check_name
 from llmquota.store.alerts import AlertStore
 from llmquota.store.store import Store
 
@@ -46,6 +47,10 @@ class AlertService:
         self, tenant: str, route: str | None, name: str, spec: QuotaSpec
     ) -> tuple[Quota, bool]:
         """Create or replace a quota of a registered tenant: (it, whether it is new)."""
+        check_name("tenant", tenant)
+        if route is not None:
+            check_name("route", route)
+        check_name("name", name)
         await self._require_tenant(tenant)
         _, created = await self._alerts.put_quota(tenant, route, name, spec)
         return await self.get_quota(tenant, route, name), created
@@ -89,7 +94,9 @@ class AlertService:
         self, name: str, url: str, secret: str, tenant: str | None
     ) -> tuple[Webhook, bool]:
         """Create or replace a webhook (of a registered tenant, when it names one)."""
+        check_name("name", name)
         if tenant is not None:
+            check_name("tenant", tenant)
             await self._require_tenant(tenant)
         return await self._alerts.put_webhook(name, url, secret, tenant)
 

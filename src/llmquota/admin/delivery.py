@@ -8,6 +8,13 @@ same time. A loop killed between its POST and its record leaves the
 delivery to become due again when its lease passes: the receiver may then
 see the event a second time, with the same `llmquota-event-id`, and drops it.
 
+Destinations are independent: each delivery is a task of its own, at most
+`per_destination` of one webhook are in flight in a loop (the claim itself
+leaves a busy webhook's other rows for later), and the loop claims again as
+soon as a slot frees, never waiting for a batch to finish. So one receiver
+that answers slowly (each attempt bounded by the sender to the timeout)
+holds a few slots, and every other webhook's alerts go out beside it.
+
 HTTP is not this layer's (import-linter): the adapter that starts the loop
 injects `send`, a callable that POSTs bytes with headers and says what came
 back. Every failure of a receiver is recorded and retried with exponential
@@ -17,7 +24,7 @@ backoff and jitter (domain.alerts.retry_delay_seconds) for up to a day.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import random
 import time
@@ -54,6 +61,7 @@ class DeliveryLimits:
     claim_seconds: float = 60.0
     timeout_seconds: float = 10.0
     interval_seconds: float = 1.0
+    per_destination: int = 4
 
 
 class DeliveryLoop:
@@ -72,29 +80,78 @@ class DeliveryLoop:
         self._limits = limits or DeliveryLimits()
         self._metrics = metrics or Metrics()
         self._jitter = jitter
+        self._sending: set[asyncio.Task[None]] = set()
+        self._in_flight: dict[str, int] = {}
+        self._slot_freed = asyncio.Event()
 
     async def run_once(self) -> int:
-        """Claim one batch of due deliveries and send them concurrently; how many."""
-        claimed = await self._store.claim_deliveries(
-            self._limits.batch_size, self._limits.claim_seconds
-        )
-        if claimed:
-            await asyncio.gather(*(self._deliver(d) for d in claimed))
-        return len(claimed)
+        """Claim what is due (within the per-destination cap) and send it; wait for
+        those sends; how many were claimed."""
+        started = await self._claim_and_start()
+        if started:
+            await asyncio.gather(*started)
+        return len(started)
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Deliver until `stop` is set (or the task is cancelled), outliving outages."""
         stop = stop or asyncio.Event()
-        while not stop.is_set():
-            try:
-                busy = await self.run_once() >= self._limits.batch_size
-            except StoreUnavailable as exc:
-                log.warning("alert delivery: database unavailable, retrying: %s", exc)
-                busy = False
-            if busy:
-                continue  # more may be due: no pause between full batches
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self._limits.interval_seconds)
+        try:
+            while not stop.is_set():
+                try:
+                    started = await self._claim_and_start()
+                except StoreUnavailable as exc:
+                    log.warning("alert delivery: database unavailable, retrying: %s", exc)
+                    started = []
+                if started and len(self._sending) < self._limits.batch_size:
+                    continue  # more may be due: claim again at once
+                # Wait for a slot to free, for stop, or for the interval.
+                self._slot_freed.clear()
+                waits = [asyncio.ensure_future(stop.wait())]
+                if self._sending:
+                    waits.append(asyncio.ensure_future(self._slot_freed.wait()))
+                try:
+                    await asyncio.wait(
+                        waits,
+                        timeout=self._limits.interval_seconds,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    for wait in waits:
+                        wait.cancel()
+        finally:
+            # Sends in flight finish (each bounded by the timeout) or, when the
+            # loop itself is cancelled, are cancelled: unrecorded, sent again later.
+            pending = list(self._sending)
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _claim_and_start(self) -> list[asyncio.Task[None]]:
+        free = self._limits.batch_size - len(self._sending)
+        if free <= 0:
+            return []
+        claimed = await self._store.claim_deliveries(
+            free,
+            self._limits.claim_seconds,
+            self._limits.per_destination,
+            {hook: count for hook, count in self._in_flight.items() if count > 0},
+        )
+        started = []
+        for delivery in claimed:
+            self._in_flight[delivery.webhook] = self._in_flight.get(delivery.webhook, 0) + 1
+            task = asyncio.create_task(self._deliver(delivery), name="llmquota-alert-send")
+            self._sending.add(task)
+            task.add_done_callback(functools.partial(self._sent, delivery.webhook))
+            started.append(task)
+        return started
+
+    def _sent(self, webhook: str, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        left = self._in_flight.get(webhook, 1) - 1
+        if left > 0:
+            self._in_flight[webhook] = left
+        else:
+            self._in_flight.pop(webhook, None)
+        self._slot_freed.set()
 
     async def _deliver(self, delivery: Delivery) -> None:
         body = encode_body(delivery.event)

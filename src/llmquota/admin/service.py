@@ -16,17 +16,27 @@ rows and may fairly take as long as a statement may run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from llmquota.domain.errors import InvalidRequest, NameInUse, UnknownName, UnknownTenant
-from llmquota.domain.keys import KeyOwner, key_digest, new_key
+from llmquota.admin.keys import KeyService
+from llmquota.domain.errors import (
+    InvalidRequest,
+    NameInUse,
+    PreconditionFailed,
+    TenantBusy,
+    UnknownName,
+    UnknownTenant,
+)
+from llmquota.domain.keys import KeyOwner
 from llmquota.domain.plans import Ceiling, Plan, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import LayerStatus, StoredPolicy, UsageTotals
+from llmquota.domain.validation import check_name
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.store import Store
+from llmquota.store.tenants import TenantEntry
 
 # A usage query spans at most about ten years.
 MAX_USAGE_RANGE = timedelta(days=3_660)
@@ -43,8 +53,19 @@ class AdminService:
         *,
         deadline_seconds: float = DEFAULT_DEADLINE_SECONDS,
         report_deadline_seconds: float | None = None,
+        policies_written: Callable[[], Awaitable[None]] | None = None,
+        admin_key_configured: bool = False,
     ) -> None:
         self._store = store
+        # The key lifecycle and tenant suspension (admin/keys.py).
+        self.keys = KeyService(
+            store, deadline_seconds=deadline_seconds, admin_elsewhere=admin_key_configured
+        )
+        # Called after a policy, plan or ceiling write committed and before it
+        # answers: the app reloads its own worker's policy cache there, so its
+        # next admission already decides by the write (other workers hear of it
+        # by NOTIFY, store/listener.py).
+        self._policies_written = policies_written
         self._catalog = store.catalog
         self._deadline_seconds = deadline_seconds
         self._report_deadline_seconds = (
@@ -75,34 +96,50 @@ class AdminService:
         *,
         fallback_models: Sequence[str] = (),
         shards: int | None = None,
+        if_match: Sequence[str] | None = None,
     ) -> int:
         """Create or replace the global or a route's policy; its new policy version.
 
         A route policy needs its tenant registered; `shards` is the global
-        layer's (None: as many as now).
+        layer's (None: as many as now). `if_match` (ETags, or "*"):
+        PreconditionFailed unless the layer's ETag is one of them, in the write's statement.
         """
+        _check_names(tenant=tenant, route=route)
         if scope == "route" and tenant is not None and not await self._tenant_exists(tenant):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
-        return await self._store.put_policy(
+        version = await self._store.put_policy(
             scope,
             tenant,
             route,
             policy,
             fallback_models=fallback_models,
             shards=shards,
+            if_match=if_match,
             deadline_seconds=self._deadline_seconds,
         )
+        await self._written()
+        return version
 
-    async def put_tenant_policy(self, tenant: str, plan: str | None, own: dict[str, Any]) -> int:
+    async def put_tenant_policy(
+        self,
+        tenant: str,
+        plan: str | None,
+        own: dict[str, Any],
+        *,
+        if_match: Sequence[str] | None = None,
+    ) -> int:
         """Set the fields a tenant's policy sets itself and its plan; its policy version.
 
         Registers the tenant. The fields `own` leaves out come from the plan.
+        `if_match`: as put_policy's.
         """
+        _check_names(tenant=tenant, plan=plan)
         version = await self._catalog.put_tenant_policy(
-            tenant, plan, own, deadline_seconds=self._deadline_seconds
+            tenant, plan, own, if_match=if_match, deadline_seconds=self._deadline_seconds
         )
         if version is None:
             raise InvalidRequest(f"plan: unknown plan {plan!r}")
+        await self._written()
         return version
 
     async def get_policy(self, scope: Scope, tenant: str | None, route: str | None) -> StoredPolicy:
@@ -114,9 +151,19 @@ class AdminService:
             raise UnknownTenant(f"no {scope} policy")
         return found
 
-    async def put_plan(self, name: str, plan: Plan) -> int:
-        """Create or replace a plan; how many tenants it changed (all at once)."""
-        return await self._catalog.put_plan(name, plan, deadline_seconds=self._deadline_seconds)
+    async def put_plan(
+        self, name: str, plan: Plan, *, if_match: Sequence[str] | None = None
+    ) -> int:
+        """Create or replace a plan; how many tenants it changed (all at once).
+
+        `if_match`: as put_policy's, against the plan's ETag.
+        """
+        _check_names(plan=name)
+        changed = await self._catalog.put_plan(
+            name, plan, if_match=if_match, deadline_seconds=self._deadline_seconds
+        )
+        await self._written()
+        return changed
 
     async def plans(self, name: str | None = None) -> list[StoredPlan]:
         """Every plan, or the one named (UnknownName when there is none)."""
@@ -132,12 +179,21 @@ class AdminService:
             raise NameInUse(f"plan {name!r} has tenants on it; move them first")
         if status == "not_found":
             raise UnknownName(f"unknown plan {name!r}")
+        await self._written()
 
-    async def put_ceiling(self, name: str, ceiling: Ceiling) -> int:
-        """Create or replace a provider ceiling; its policy version."""
-        return await self._catalog.put_ceiling(
-            name, ceiling, deadline_seconds=self._deadline_seconds
+    async def put_ceiling(
+        self, name: str, ceiling: Ceiling, *, if_match: Sequence[str] | None = None
+    ) -> int:
+        """Create or replace a provider ceiling; its policy version.
+
+        `if_match`: as put_policy's, against the ceiling's ETag (its policy version).
+        """
+        _check_names(ceiling=name)
+        version = await self._catalog.put_ceiling(
+            name, ceiling, if_match=if_match, deadline_seconds=self._deadline_seconds
         )
+        await self._written()
+        return version
 
     async def ceilings(self, name: str | None = None) -> list[StoredCeiling]:
         """Every ceiling, or the one named (UnknownName when there is none), refilled to now."""
@@ -162,28 +218,25 @@ class AdminService:
         """Delete a provider ceiling (UnknownName when there is none)."""
         if not await self._catalog.delete_ceiling(name, deadline_seconds=self._deadline_seconds):
             raise UnknownName(f"unknown ceiling {name!r}")
+        await self._written()
+
+    async def _written(self) -> None:
+        if self._policies_written is not None:
+            await self._policies_written()
 
     async def create_key(self, tenant: str) -> str:
         """Issue a key for a tenant (registering it if new); the plaintext, shown once."""
-        await self._store.ensure_tenant(tenant, deadline_seconds=self._deadline_seconds)
-        key = new_key()
-        await self._store.insert_api_key(
-            key_digest(key), tenant, deadline_seconds=self._deadline_seconds
-        )
-        return key
+        _check_names(tenant=tenant)
+        return (await self.keys.create(tenant)).key
 
     async def ensure_first_admin_key(self) -> str | None:
         """An admin key, when the database has none yet; None when it has one."""
-        key = new_key()
-        stored = await self._store.insert_first_admin_key(
-            key_digest(key), deadline_seconds=self._deadline_seconds
-        )
-        return key if stored else None
+        return await self.keys.ensure_first_admin_key()
 
     async def find_key(self, digest: bytes) -> KeyOwner | None:
-        """Whose key has this digest; None for a key that was never issued (or was deleted)."""
-        found = await self._store.find_api_key(digest, deadline_seconds=self._deadline_seconds)
-        return None if found is None else KeyOwner(key_id=found[0], tenant=found[1])
+        """The usable key with this digest; None for one unknown, revoked, expired or
+        rotated out."""
+        return await self.keys.find(digest)
 
     async def tenant_status(self, tenant: str) -> list[LayerStatus]:
         """Every layer the tenant's requests pass, refilled to now."""
@@ -202,5 +255,51 @@ class AdminService:
             tenant, start, end, deadline_seconds=self._report_deadline_seconds
         )
 
+    async def list_tenants(
+        self, after: str | None, limit: int, plan: str | None
+    ) -> list[TenantEntry]:
+        """At most `limit` tenants by name after `after`, on `plan` when named."""
+        return await self._store.tenants.list_tenants(
+            after, limit, plan, deadline_seconds=self._deadline_seconds
+        )
+
+    async def tenant_own_policy(self, tenant: str) -> tuple[dict[str, Any], str | None, int]:
+        """The fields a tenant's policy sets itself, its plan and version (UnknownTenant)."""
+        found = await self._store.tenants.own_policy(
+            tenant, deadline_seconds=self._deadline_seconds
+        )
+        if found is None:
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        return found
+
+    async def delete_tenant(self, tenant: str, if_match: Sequence[str] | None = None) -> None:
+        """Delete a tenant's layers, keys and policy; the usage ledger keeps its rows.
+
+        UnknownTenant, PreconditionFailed, or NameInUse while it has active reservations.
+        """
+        _check_names(tenant=tenant)
+        done = await self._store.tenants.delete_tenant(
+            tenant, if_match, deadline_seconds=self._deadline_seconds
+        )
+        if done.status == "not_found":
+            raise UnknownTenant(f"unknown tenant {tenant!r}")
+        if done.status == "precondition_failed":
+            raise PreconditionFailed(f"the policy of tenant {tenant!r} changed since that ETag")
+        if done.status == "active":
+            raise TenantBusy(
+                f"tenant {tenant!r} has {done.active_reservations} active reservations; "
+                "settle or release them (or let their leases expire) first",
+                done.active_reservations,
+            )
+        await self._written()
+
     async def _tenant_exists(self, tenant: str) -> bool:
         return await self._store.tenant_exists(tenant, deadline_seconds=self._deadline_seconds)
+
+
+def _check_names(**names: str | None) -> None:
+    """Every name a write stores follows domain.names, whoever calls (the API checks
+    its paths and bodies first; the library and the CLI come here directly)."""
+    for kind, name in names.items():
+        if name is not None:
+            check_name(kind, name)

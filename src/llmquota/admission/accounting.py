@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from llmquota.admission.reservation import Settlement
 from llmquota.domain.records import AdmitDecision, FinishResult
+from llmquota.domain.vocabulary import Scope
 from llmquota.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ class TokenAccounting:
         self.metrics.charged_tokens.labels(model, plan).inc(settlement.charged_tokens)
         self.metrics.settlements.labels(str(settlement.late).lower()).inc()
         self.metrics.refunded_tokens.inc(settlement.refunded_tokens)
+        self._forgiven(reservation_id, result)
         if settlement.excess_tokens:
             self.metrics.excess_settlements.inc()
             self.metrics.excess_tokens.inc(settlement.excess_tokens)
@@ -108,3 +110,21 @@ class TokenAccounting:
                 result.tenant,
                 settlement.excess_tokens,
             )
+
+    def _forgiven(self, reservation_id: uuid.UUID, result: FinishResult) -> None:
+        """Count what shared layers forgave at their floor (minus their burst), by scope."""
+        forgiven: tuple[tuple[Scope, int | None], ...] = (
+            ("global", result.forgiven_global_tokens),
+            ("ceiling", result.forgiven_ceiling_tokens),
+        )
+        for scope, tokens in forgiven:
+            if tokens:
+                self.metrics.shared_debt_forgiven_tokens.labels(scope).inc(tokens)
+                log.warning(
+                    "reservation %s of tenant %s: the %s layer stood at minus its burst and "
+                    "was not debited %d of its usage (charged to the tenant, in the ledger)",
+                    reservation_id,
+                    result.tenant,
+                    scope,
+                    tokens,
+                )

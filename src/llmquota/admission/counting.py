@@ -15,12 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Unpack
 
 from llmquota.config import Settings
-from llmquota.domain.admit_request import AdmitArguments, prepare_admit_request
+from llmquota.domain.admit_request import (
+    AdmitArguments,
+    prepare_admit_request,
+    request_hash_key,
+)
 from llmquota.domain.records import AdmitRequest
 from llmquota.domain.tokens import TokenCountError, message_chars
 
@@ -28,7 +32,14 @@ from llmquota.domain.tokens import TokenCountError, message_chars
 class TokenCounter:
     """Prepares admission requests, counting big ones on a thread pool."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(
+        self, settings: Settings, server_key: Callable[[], bytes | None] = lambda: None
+    ) -> None:
+        # The server's key as loaded from the database (None until it is):
+        # idempotent requests' digests are keyed by what it derives.
+        self._server_key = server_key
+        self._keyed_from: bytes | None = None
+        self._hash_key: bytes | None = None
         self._estimate_factors = settings.estimate_factors
         self._cpu_seconds = settings.token_count_cpu_budget_ms / 1000.0
         self._inline_chars = settings.token_count_inline_chars
@@ -43,8 +54,16 @@ class TokenCounter:
         return prepare_admit_request(
             estimate_factors=self._estimate_factors,
             count_cpu_seconds=self._cpu_seconds,
+            request_hash_key=self._request_hash_key(),
             **request,
         )
+
+    def _request_hash_key(self) -> bytes | None:
+        server_key = self._server_key()
+        if server_key is not self._keyed_from:
+            self._keyed_from = server_key
+            self._hash_key = None if server_key is None else request_hash_key(server_key)
+        return self._hash_key
 
     def inline(self, request: AdmitArguments) -> bool:
         """Whether `request` is counted here and now (prepare), not on the pool."""

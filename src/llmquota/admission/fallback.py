@@ -6,7 +6,11 @@ for that layer, and a request passes every layer that limits it:
 - a `closed` layer refuses (the caller gets StoreUnavailable, a 503, never a
   429: an outage must not look like a tenant over its limit);
 - a `local` layer admits against its worker-local bucket (a fraction of its
-  limits, see local_bucket.py), all such layers or none;
+  limits, see local_bucket.py), all such layers or none; a `local` decision
+  also passes a local bucket of each provider ceiling the model matches, and
+  a fraction of what each blocking quota and the prepaid balance had left
+  when the worker last looked (local_budget.py), so a tenant out of credit
+  or quota is refused (402, 429) rather than served for free;
 - an `open` layer lets the request through.
 
 No cached policy (an unknown tenant, or a copy past its expiry) counts as
@@ -23,11 +27,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 from llmquota.admission.outage import JournalFull, OutageEntry, OutageJournal
 from llmquota.admission.policy_cache import LayerKey, PolicyCache
 from llmquota.domain.errors import ReservationConflict, ReservationNotFound
-from llmquota.domain.local_bucket import LocalLayer, admit_locally, give_back_locally
+from llmquota.domain.local_bucket import NEVER_MS, LocalLayer, admit_locally, give_back_locally
+from llmquota.domain.local_budget import (
+    BudgetHold,
+    BudgetRefusal,
+    CeilingFigures,
+    LocalBudgets,
+)
 from llmquota.domain.outage_ids import is_signed_outage_id, new_outage_id
 from llmquota.domain.records import (
     AdmitDecision,
@@ -66,8 +77,12 @@ class Fallback:
         self.concurrency_retry_ms = concurrency_retry_ms
         # Worker-local limits of `local` layers, with the policy version they copy.
         self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
+        # Worker-local buckets of provider ceilings, by name, with their version.
+        self._ceilings: dict[str, tuple[int, LocalLayer]] = {}
         # The local layers each locally admitted reservation holds a permit on.
         self._holds: dict[uuid.UUID, list[LocalLayer]] = {}
+        # What local admissions took of the last-known quotas and balances.
+        self.budgets = LocalBudgets(local_fraction)
         # The key this worker signs its outage ids with, loaded from the store
         # with the policies; without it the worker admits nothing on its own.
         self.id_key: bytes | None = None
@@ -106,7 +121,29 @@ class Fallback:
                     capacity=too_large.policy.effective_token_burst,
                 ),
             )
-        local_layers = [self._local_layer(layer, now) for layer in local]
+        taken = self._take_local(request, mode, local, figures, now)
+        if isinstance(taken, FallbackDecision):
+            return taken
+        local_layers, hold = taken
+        return self._journal_admission(request, mode, layers, local_layers, now, hold=hold)
+
+    def _take_local(
+        self,
+        request: AdmitRequest,
+        mode: FailureMode,
+        local: Sequence[CachedLayer],
+        figures: TenantFigures,
+        now: float,
+    ) -> FallbackDecision | tuple[list[LocalLayer], BudgetHold | None]:
+        """Take the request's share of each `local` layer and, for a `local`
+        decision, of each ceiling, quota and prepaid balance: all or nothing.
+        The refusal, or the local layers held and the budgets to hold."""
+        cost = request.input_tokens + request.max_tokens
+        budgets = self.policies.budgets
+        local_layers = [self._local_layer(layer, now) for layer in local] + [
+            self._ceiling_layer(ceiling, now)
+            for ceiling in (budgets.ceilings_for(request.model) if local else ())
+        ]
         refusal = admit_locally(local_layers, cost, now, self.concurrency_retry_ms)
         if refusal is not None:
             return FallbackDecision(
@@ -120,7 +157,22 @@ class Fallback:
                     retry_after_ms=refusal.retry_after_ms,
                 ),
             )
-        return self._journal_admission(request, mode, layers, local_layers, now)
+        if not local:
+            return local_layers, None
+        hold = self.budgets.admit(
+            budgets,
+            tenant=request.tenant,
+            route=request.route,
+            model=request.model,
+            input_tokens=request.input_tokens,
+            max_tokens=request.max_tokens,
+            prepaid=request.tenant in budgets.credits,
+            now=datetime.now(UTC),
+        )
+        if isinstance(hold, BudgetRefusal):
+            give_back_locally(local_layers, cost, 1.0, now)
+            return FallbackDecision(mode, _budget_refusal(hold, request, figures))
+        return local_layers, hold
 
     def _journal_admission(
         self,
@@ -129,6 +181,8 @@ class Fallback:
         layers: Sequence[CachedLayer],
         local_layers: list[LocalLayer],
         now: float,
+        *,
+        hold: BudgetHold | None,
     ) -> FallbackDecision:
         """Admit a request that passed every layer: journal it before saying yes."""
         cost = request.input_tokens + request.max_tokens
@@ -140,6 +194,7 @@ class Fallback:
             request=request,
             mode=mode,
             policy_version=max(layer.policy_version for layer in layers),
+            admitted_at=datetime.now(UTC),
         )
         try:
             self.journal.add(entry)
@@ -149,6 +204,8 @@ class Fallback:
             return FallbackDecision("closed", None, str(exc))
         if local_layers:
             self._holds[entry.reservation_id] = local_layers
+        if hold is not None:
+            self.budgets.hold(entry.reservation_id, hold)
         lease = request.lease_seconds or layers[-1].policy.lease_seconds
         return FallbackDecision(
             mode,
@@ -178,7 +235,8 @@ class Fallback:
             raise ReservationNotFound(f"no reservation {request.reservation_id}")
         result = _journal_finish(entry, request)
         if result.status in ("settled", "released"):
-            self.journal.set_finish(entry, request)
+            self.journal.set_finish(entry, request, datetime.now(UTC))
+            self._budgets_finish(entry, request)
             held = self._holds.pop(entry.reservation_id, None)
             if held:
                 if request.action == "release":
@@ -218,6 +276,25 @@ class Fallback:
             held = self._holds.pop(entry.reservation_id, None)
             if held:
                 give_back_locally(held, 0.0, 0.0, now)
+            self.budgets.recorded(entry.reservation_id)
+
+    def _budgets_finish(self, entry: OutageEntry, request: FinishRequest) -> None:
+        """A settle holds what was used (priced as last known); a release nothing."""
+        if request.action == "release":
+            self.budgets.finish(entry.reservation_id, 0, Decimal(0))
+            return
+        input_tokens = int(request.input_tokens or 0)
+        output_tokens = int(request.output_tokens or 0)
+        money = self.policies.budgets.cost(entry.request.model, input_tokens, output_tokens)
+        self.budgets.finish(entry.reservation_id, input_tokens + output_tokens, money or Decimal(0))
+
+    def _ceiling_layer(self, ceiling: CeilingFigures, now: float) -> LocalLayer:
+        held = self._ceilings.get(ceiling.ceiling)
+        if held is None or held[0] != ceiling.policy_version:
+            local = LocalLayer.from_policy("ceiling", ceiling.policy, self.local_fraction, now)
+            held = (ceiling.policy_version, local)
+            self._ceilings[ceiling.ceiling] = held
+        return held[1]
 
     def _local_layer(self, layer: CachedLayer, now: float) -> LocalLayer:
         key: LayerKey = (layer.scope, layer.tenant, layer.route)
@@ -241,6 +318,29 @@ def _too_large(layers: Sequence[CachedLayer], cost: int) -> CachedLayer | None:
         key=lambda layer: layer.policy.effective_token_burst or 0,
         default=None,
     )
+
+
+def _budget_refusal(
+    refusal: BudgetRefusal, request: AdmitRequest, figures: TenantFigures
+) -> AdmitDecision:
+    """A quota used up or a balance short, as lq_admit would answer it."""
+    cost = request.input_tokens + request.max_tokens
+    if refusal.kind == "quota_exceeded" and refusal.quota is not None:
+        quota = refusal.quota
+        wait = (quota.window_end - datetime.now(UTC)).total_seconds() * 1000
+        return _decision(
+            "quota_exceeded",
+            figures,
+            reserved_tokens=cost,
+            limit_kind="quota",
+            limit_scope="route" if quota.route is not None else "tenant",
+            retry_after_ms=min(NEVER_MS, max(1, math.ceil(wait))),
+        )._replace(quota=quota.name, resets_at=quota.window_end, model=request.model)
+    if refusal.kind == "credits_exhausted":
+        return _decision(
+            "credits_exhausted", figures, reserved_tokens=cost, limit_kind="credits"
+        )._replace(credit_balance=refusal.available, model=request.model)
+    return _decision("unpriced_model", figures, reserved_tokens=cost)._replace(model=request.model)
 
 
 def _replay(request: AdmitRequest, prior: OutageEntry) -> AdmitDecision:

@@ -17,8 +17,9 @@ Concurrent admissions of one process are coalesced into batch statements
 the SQL decides a batch exactly as it would decide its requests one by one
 in arrival order, so callers see the same answers, only sooner.
 
-A caller that would rather wait than be refused passes `max_wait_ms`: its
-refusal is decided again at the hint, in its tenant's queue (waiting.py).
+A tenant's repeat requests past its limit are refused from memory for a
+moment (refusals.py); a caller that would rather wait passes `max_wait_ms`
+(waiting.py).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from llmquota.admission.counting import TokenCounter
 from llmquota.admission.estimates import OutputEstimator
 from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
+from llmquota.admission.refusals import RefusalMemory
 from llmquota.admission.releases import BackgroundReleases
-from llmquota.admission.reservation import Admission, Reservation, Settlement
+from llmquota.admission.reservation import Admission, Reservation, Settlement, heartbeat_refusal
 from llmquota.admission.waiting import WaitQueue
 from llmquota.config import Settings
 from llmquota.domain.admit_request import AdmitArguments
@@ -51,6 +53,7 @@ from llmquota.domain.errors import (
     ReservationNotFound,
     StoreTimeout,
     StoreUnavailable,
+    TenantSuspended,
 )
 from llmquota.domain.outage_ids import is_outage_id
 from llmquota.domain.records import (
@@ -60,6 +63,7 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
 )
+from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.domain.validation import (
     check_lease_generation,
     check_lease_seconds,
@@ -83,13 +87,16 @@ class Limiter:
         self.settings = settings
         self.metrics = metrics or Metrics()
         self.deadline_seconds = settings.decision_deadline_ms / 1000.0
-        self.outage = OutageRecovery(store, settings, self.metrics)
+        self.refusals = RefusalMemory(settings.refusal_memory_ms / 1000.0)
+        self.outage = OutageRecovery(store, settings, self.metrics, self.refusals.forget_all)
         self.policies = self.outage.policies
+        # A suspension (announced, or done on this worker) reloads the policies with it.
+        self.outage.changes.watch_tenants(lambda _tenant: self.outage.policies_changed())
         self.journal = self.outage.journal
         self.fallback = self.outage.fallback
         self.estimates = OutputEstimator(store, self.policies, settings)
         self._sweeper = Sweeper(store, settings, self.metrics)
-        self.counter = TokenCounter(settings)
+        self.counter = TokenCounter(settings, server_key=lambda: self.fallback.id_key)
         self.accounting = TokenAccounting(self.metrics)
         # Releases of admissions whose caller was cancelled or left.
         self.orphans = BackgroundReleases(self.release)
@@ -170,12 +177,7 @@ class Limiter:
         await self.close()
 
     def prepare(self, **request: Unpack[AdmitArguments]) -> AdmitRequest:
-        """Validate and count a request here and now; raises InvalidRequest.
-
-        Keyword arguments: tenant, model, max_tokens, and exactly one of
-        messages or input_tokens; optionally route, lease_seconds and
-        idempotency_key.
-        """
+        """Validate and count a request (AdmitArguments) now; raises InvalidRequest."""
         return self.counter.prepare(**request)
 
     async def prepare_off_loop(self, **request: Unpack[AdmitArguments]) -> AdmitRequest:
@@ -193,12 +195,14 @@ class Limiter:
         return results
 
     async def _admit_statement(self, requests: list[AdmitRequest]) -> list[AdmitDecision]:
-        return await self.store.admit(requests, deadline_seconds=self.deadline_seconds)
+        return await self.outage.admit(requests, self.deadline_seconds)  # see abandoned.py
 
     async def _finish_batch(self, requests: list[FinishRequest]) -> list[FinishResult | Exception]:
         """One finish statement for the batch, isolating refused data like admissions."""
         self.metrics.batch_size.labels("finish").observe(len(requests))
-        return await isolating(self._finish_statement, requests, RefusedValue)
+        results = await isolating(self._finish_statement, requests, RefusedValue)
+        self.refusals.forget_finished(results)  # what they held is back (refusals.py)
+        return results
 
     async def _finish_statement(self, requests: list[FinishRequest]) -> list[FinishResult]:
         return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
@@ -217,6 +221,11 @@ class Limiter:
         """
         started = time.perf_counter()
         request = self.estimates.apply(request)  # the output to reserve (estimates.py)
+        remembered = self.refusals.recall(request, time.monotonic()) if answer else None
+        if remembered is not None:  # a refusal that still holds (refusals.py)
+            self.metrics.count_answer(remembered)
+            self.metrics.refusals_from_memory.inc()
+            return Admission(remembered, request.input_tokens, request.input_estimated, None)
         try:
             if self._admissions is not None:
                 decision = await self._admit_deadlines.watch(self._admissions.enqueue(request))
@@ -229,11 +238,12 @@ class Limiter:
         except StoreUnavailable as exc:
             self.outage.store_failed("admit", exc)
             try:
-                admission = self._decide_by_failure_mode(request, exc)
+                admission = self.outage.decide_by_failure_mode(request, exc)
             finally:
                 self.metrics.decision_seconds.observe(time.perf_counter() - started)
         else:
             self.metrics.decision_seconds.observe(time.perf_counter() - started)
+            self.refusals.remember(request, decision, time.monotonic())
             admission = Admission(
                 decision,
                 request.input_tokens,
@@ -244,20 +254,6 @@ class Limiter:
         if answer:
             self.metrics.count_answer(admission.decision)
         return admission
-
-    def _decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
-        """The store did not decide in time: the layers' failure modes do (see fallback.py)."""
-        fallback = self.fallback.decide(request, time.monotonic())
-        offline = fallback.decision
-        status = offline.status if offline is not None else "refused"
-        if status != "replayed":
-            outcome = "admitted" if status == "admitted" else "refused"
-            self.metrics.fallback_decisions.labels(fallback.mode, outcome).inc()
-        if offline is None or fallback.mode == "closed":
-            raise StoreUnavailable(f"{cause}; {fallback.reason}") from cause
-        if status == "admitted":
-            self.outage.ensure_recovery()  # record it as soon as the store answers
-        return Admission(offline, request.input_tokens, request.input_estimated, fallback.mode)
 
     # -- while the store is away -------------------------------------------
     async def refresh_policies(self) -> None:
@@ -276,6 +272,7 @@ class Limiter:
         Keyword arguments are those of `prepare`, and `max_wait_ms`: wait up
         to that long for room rather than raise RateLimited (waiting.py).
         """
+        self.refuse_suspended(request["tenant"])
         if self.counter.inline(request):  # no coroutine for a count done here and now
             prepared = self.counter.prepare(**request)
         else:
@@ -286,6 +283,11 @@ class Limiter:
             admission = await self.decide(prepared)
         admission.raise_for_refusal(prepared.tenant)
         return Reservation(self, prepared.tenant, admission)
+
+    def refuse_suspended(self, tenant: str) -> None:
+        """TenantSuspended for a tenant this worker knows is suspended (policy_cache.py)."""
+        if tenant in self.policies.suspended:
+            raise TenantSuspended(f"tenant {tenant!r} is suspended")
 
     @contextlib.asynccontextmanager
     async def reservation(
@@ -310,8 +312,9 @@ class Limiter:
                         raise
                 held.released = True
 
-    async def _finish_one(self, request: FinishRequest) -> FinishResult:
-        """Settle or release one reservation, in a batch shared with concurrent callers."""
+    async def _finish_one(self, request: FinishRequest, journal: bool = False) -> FinishResult:
+        """Settle or release one reservation, in a batch shared with concurrent callers
+        (`journal`: a settle the store does not answer is journaled, see recovery.py)."""
         if is_outage_id(request.reservation_id):
             offline = self.fallback.finish(request, time.monotonic())
             if offline is not None:
@@ -328,7 +331,9 @@ class Limiter:
                 )
         except StoreUnavailable as exc:
             self.outage.store_failed(request.action, exc)
-            raise
+            if not journal:
+                raise
+            return self.outage.journal_settlement(request, exc)
         self.outage.store_answered()
         if result.status == "not_found":
             self._raise_not_found(request.reservation_id)
@@ -352,15 +357,24 @@ class Limiter:
         output_tokens: int,
         outcome: str = "ok",
         caller: str | None = None,
+        usage: UpstreamUsage | None = None,
     ) -> Settlement:
-        """Charge actual usage for a reservation; idempotent for the same figures."""
+        """Charge actual usage for a reservation; idempotent for the same figures.
+
+        `usage`: an upstream reported the figures, for an answer relayed
+        already. Its source goes to the ledger row, and a store that does not
+        answer gets the settle journaled, not lost (Settlement.journaled).
+        """
         check_token_count("input_tokens", input_tokens)
         check_token_count("output_tokens", output_tokens)
         if outcome not in OUTCOMES:
             raise InvalidRequest(f"outcome must be one of {sorted(OUTCOMES)}")
-        result = await self._finish_one(
-            FinishRequest(reservation_id, "settle", caller, input_tokens, output_tokens, outcome)
+        request = FinishRequest(
+            reservation_id, "settle", caller, input_tokens, output_tokens, outcome
         )
+        if usage is not None:
+            request = usage.onto(request)
+        result = await self._finish_one(request, journal=usage is not None)
         if result.status == "conflict":
             raise ReservationConflict(
                 "reservation was released; it cannot be settled"
@@ -373,6 +387,7 @@ class Limiter:
             refunded_tokens=int(result.refunded_tokens or 0),
             late=bool(result.late),
             excess_tokens=int(result.excess_tokens or 0),
+            journaled=result.status == "journaled",
         )
         if result.status == "settled":
             self.accounting.settled(reservation_id, result, settlement)
@@ -394,12 +409,14 @@ class Limiter:
         lease_seconds: int | None = None,
         caller: str | None = None,
         lease_generation: int | None = None,
+        relayed: bool = False,
     ) -> HeartbeatResult:
         """Extend a live lease, or raise why it cannot be.
 
         `lease_generation`, when given, is the fencing token the caller holds
         (from the admission or its last heartbeat): a stale one is refused, so
         a worker that was paused while another took over cannot extend it.
+        `relayed`: the proxy relayed its output (kept for the audit).
         """
         check_lease_seconds(lease_seconds)
         check_lease_generation(lease_generation)
@@ -413,6 +430,7 @@ class Limiter:
                 caller,
                 lease_seconds,
                 lease_generation,
+                relayed=relayed,
                 deadline_seconds=self.deadline_seconds,
             )
         except StoreUnavailable as exc:
@@ -422,25 +440,7 @@ class Limiter:
         if result is None:
             raise ReservationNotFound(f"no reservation {reservation_id}")
         if result.lease_expires_at is None:
-            if (
-                result.lease_live
-                and lease_generation is not None
-                and result.current_generation != lease_generation
-            ):
-                raise ReservationConflict(
-                    f"stale lease generation {lease_generation}: the lease is at generation "
-                    f"{result.current_generation}; another holder extended it",
-                    state=result.state,
-                )
-            # 'active' here means the lease ran out, or a settle won the race.
-            state = (
-                "no longer active (its lease ran out, or it was just settled)"
-                if result.state == "active"
-                else result.state
-            )
-            raise ReservationConflict(
-                f"reservation is {state}; its lease cannot be extended", state=result.state
-            )
+            raise heartbeat_refusal(result, lease_generation)
         return result
 
     async def sweep(

@@ -5,10 +5,16 @@ and local). Each such reservation gets a reservation id the worker makes (a
 version-8 UUID, so any worker can tell it from PostgreSQL's version-4 ids)
 and an entry here, as do its settle or release. When the store answers
 again, `flush` writes the admissions (lq_record_outage_admissions) and then
-their settlements (lq_finish), in batches, and forgets each entry once the
-store holds everything about it. Both statements are idempotent on the
-reservation id, so a flush repeated after a lost answer, a crash or a spool
-replayed by another worker records nothing twice.
+their settlements (lq_finish_outage), in batches, and forgets each entry once
+the store holds everything about it. Each entry carries the worker's wall
+clock at its admission and at its settle, so the store bills the usage to
+the quota windows it happened in, not to the moment of the replay. A
+settlement of a reservation the store already holds, whose statement the
+store did not answer (a proxied answer relayed during an outage: its usage
+must not be lost), is journaled too (`add_settlement`) and replayed first.
+All these statements are idempotent on the reservation id, so a flush
+repeated after a lost answer, a crash or a spool replayed by another worker
+records nothing twice.
 
 The journal is bounded (`max_entries`): when it is full the worker stops
 admitting on its own, because it could not count what it admitted. With a
@@ -28,8 +34,9 @@ import logging
 import os
 import secrets
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,6 +64,10 @@ class OutageEntry:
     policy_version: int
     finish: FinishRequest | None = None
     recorded: bool = False
+    # The worker's wall clock (UTC) at the admission and at the settle or
+    # release: when the usage happened. None in a spool written without them.
+    admitted_at: datetime | None = None
+    finished_at: datetime | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -76,14 +87,26 @@ class FlushReport:
     forgotten: list[OutageEntry]
 
 
+# Owner only: the spool is the worker's, and its adopter runs as the same user.
+SPOOL_DIRECTORY_MODE = 0o700
+SPOOL_FILE_MODE = 0o600
+
+
 class Spool:
-    """An append-only, fsync'd file of journal changes, locked by its owner."""
+    """An append-only, fsync'd file of journal changes, locked by its owner.
+
+    The journal holds tenants' requests (models, counts, idempotency keys):
+    the directory is made 0700 and each file 0600, whatever the umask, so
+    no other account on the host reads them."""
 
     def __init__(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=SPOOL_DIRECTORY_MODE, parents=True, exist_ok=True)
+        directory.chmod(SPOOL_DIRECTORY_MODE)  # an existing one, or one the umask widened
         self.directory = directory
         self.path = directory / f"spool-{os.getpid()}-{secrets.token_hex(4)}.jsonl"
-        self._file: IO[str] = self.path.open("a+", encoding="utf-8")
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, SPOOL_FILE_MODE)
+        os.fchmod(descriptor, SPOOL_FILE_MODE)
+        self._file: IO[str] = os.fdopen(descriptor, "a+", encoding="utf-8")
         fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
     def append(self, record: dict[str, Any]) -> None:
@@ -132,13 +155,28 @@ def _admit_record(entry: OutageEntry) -> dict[str, Any]:
         "mode": entry.mode,
         "policy_version": entry.policy_version,
         "request": entry.request._asdict(),
+        "at": _instant(entry.admitted_at),
     }
 
 
-def _finish_record(finish: FinishRequest) -> dict[str, Any]:
+def _finish_of(record: dict[str, Any]) -> FinishRequest:
+    fields = dict(record["finish"])
+    fields["reservation_id"] = uuid.UUID(record["id"])
+    return FinishRequest(**fields)
+
+
+def _finish_record(finish: FinishRequest, at: datetime | None) -> dict[str, Any]:
     record = dataclasses.asdict(finish)
     record["reservation_id"] = str(finish.reservation_id)
-    return {"op": "finish", "id": str(finish.reservation_id), "finish": record}
+    return {"op": "finish", "id": str(finish.reservation_id), "finish": record, "at": _instant(at)}
+
+
+def _instant(at: datetime | None) -> str | None:
+    return None if at is None else at.isoformat()
+
+
+def _parse_instant(text: str | None) -> datetime | None:
+    return None if text is None else datetime.fromisoformat(text)
 
 
 class OutageJournal:
@@ -148,13 +186,15 @@ class OutageJournal:
         self.max_entries = max_entries
         self._entries: dict[uuid.UUID, OutageEntry] = {}
         self._keys: dict[tuple[str, str], uuid.UUID] = {}
+        # Settlements of reservations the store holds, that it did not answer.
+        self._settlements: dict[uuid.UUID, FinishRequest] = {}
         self._spool = Spool(spool_dir) if spool_dir is not None else None
         if self._spool is not None:
             for records in self._spool.orphans():
                 self._adopt(records)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._settlements)
 
     def get(self, reservation_id: uuid.UUID) -> OutageEntry | None:
         return self._entries.get(reservation_id)
@@ -173,15 +213,39 @@ class OutageJournal:
         if entry.request.idempotency_key is not None:
             self._keys[(entry.tenant, entry.request.idempotency_key)] = entry.reservation_id
 
-    def set_finish(self, entry: OutageEntry, finish: FinishRequest) -> None:
-        """Journal the settle or release of a journaled reservation."""
+    def set_finish(
+        self, entry: OutageEntry, finish: FinishRequest, at: datetime | None = None
+    ) -> None:
+        """Journal the settle or release of a journaled reservation, made at `at`."""
         if self._spool is not None:
-            self._spool.append(_finish_record(finish))
+            self._spool.append(_finish_record(finish, at))
         entry.finish = finish
+        entry.finished_at = at
+
+    def add_settlement(self, finish: FinishRequest) -> None:
+        """Journal the settle of a reservation the store holds but did not answer for.
+
+        Replayed by `flush` after the admissions, like the settle of an outage
+        admission: lq_finish records it once (on time, late if the lease ran
+        out meanwhile, or `replayed` if the unanswered statement committed).
+        """
+        if finish.action != "settle":
+            raise ValueError("only a settlement is journaled for a reservation the store holds")
+        if finish.reservation_id not in self._settlements and len(self) >= self.max_entries:
+            raise JournalFull(f"outage journal holds {self.max_entries} entries")
+        self._keep_settlement(finish)
+
+    def _keep_settlement(self, finish: FinishRequest) -> None:
+        if self._spool is not None:
+            record = _finish_record(finish, None)
+            record["op"] = "settle"
+            self._spool.append(record)
+        self._settlements[finish.reservation_id] = finish
 
     def _adopt(self, records: Sequence[dict[str, Any]]) -> None:
         """Take a dead worker's entries (copied into our own spool first)."""
         adopted: dict[uuid.UUID, OutageEntry] = {}
+        settlements: dict[uuid.UUID, FinishRequest] = {}
         for record in records:
             reservation_id = uuid.UUID(record["id"])
             if record["op"] == "admit":
@@ -190,13 +254,16 @@ class OutageJournal:
                     request=AdmitRequest(**record["request"]),
                     mode=record["mode"],
                     policy_version=int(record["policy_version"]),
+                    admitted_at=_parse_instant(record.get("at")),
                 )
             elif record["op"] == "finish" and reservation_id in adopted:
-                fields = dict(record["finish"])
-                fields["reservation_id"] = reservation_id
-                adopted[reservation_id].finish = FinishRequest(**fields)
+                adopted[reservation_id].finish = _finish_of(record)
+                adopted[reservation_id].finished_at = _parse_instant(record.get("at"))
+            elif record["op"] == "settle":
+                settlements[reservation_id] = _finish_of(record)
             elif record["op"] == "forgotten":
                 adopted.pop(reservation_id, None)
+                settlements.pop(reservation_id, None)
         for entry in adopted.values():
             if entry.reservation_id in self._entries:
                 continue
@@ -205,9 +272,19 @@ class OutageJournal:
             if self._spool is not None:
                 self._spool.append(_admit_record(entry))
             if finish is not None:
-                self.set_finish(entry, finish)
-        if adopted:
-            log.warning("adopted %d outage admissions from a stopped worker", len(adopted))
+                self.set_finish(entry, finish, entry.finished_at)
+        self._adopt_settlements(settlements.values())
+        if adopted or settlements:
+            log.warning(
+                "adopted %d outage admissions and %d settlements from a stopped worker",
+                len(adopted),
+                len(settlements),
+            )
+
+    def _adopt_settlements(self, settlements: Iterable[FinishRequest]) -> None:
+        for finish in settlements:
+            if finish.reservation_id not in self._settlements:
+                self._keep_settlement(finish)  # adopted whatever the bound: never dropped
 
     async def flush(
         self, store: Store, batch_size: int, deadline_seconds: float | None
@@ -222,15 +299,17 @@ class OutageJournal:
         entry is forgotten only when the store holds everything it had when
         the batch was sent, so the settle is sent by this flush or the next.
         """
-        recorded = finished = 0
+        recorded, settled = 0, await self._flush_settlements(store, batch_size, deadline_seconds)
         forgotten: list[OutageEntry] = []
         while True:
             batch = [e for e in self._entries.values() if not e.recorded][:batch_size]
             if not batch:
                 break
-            await store.record_outage_admissions(
+            await store.outage.record_admissions(
                 [
-                    OutageAdmissionRecord(e.reservation_id, e.request, e.policy_version, e.mode)
+                    OutageAdmissionRecord(
+                        e.reservation_id, e.request, e.policy_version, e.mode, e.admitted_at
+                    )
                     for e in batch
                 ],
                 deadline_seconds=deadline_seconds,
@@ -238,17 +317,43 @@ class OutageJournal:
             for entry in batch:
                 entry.recorded = True
             recorded += len(batch)
+        finished = settled + await self._flush_finishes(
+            store, batch_size, deadline_seconds, forgotten
+        )
+        # Recorded and not finished: the store holds the reservation now, so
+        # its settle or release goes to the store like any other. (No await
+        # between this check and the forgetting: no settle can slip between.)
+        for entry in [e for e in self._entries.values() if e.recorded and e.finish is None]:
+            self._forget(entry)
+            forgotten.append(entry)
+        if self._spool is not None and not len(self):
+            self._spool.truncate()
+        return FlushReport(recorded, finished, forgotten)
+
+    async def _flush_finishes(
+        self,
+        store: Store,
+        batch_size: int,
+        deadline_seconds: float | None,
+        forgotten: list[OutageEntry],
+    ) -> int:
+        """Send the settles and releases of recorded entries, with the moment each
+        happened; forget (into `forgotten`) each entry the store now finished."""
+        finished = 0
         while True:
             sent = [
-                (e, e.finish) for e in self._entries.values() if e.recorded and e.finish is not None
+                (e, e.finish, e.finished_at)
+                for e in self._entries.values()
+                if e.recorded and e.finish is not None
             ][:batch_size]
             if not sent:
                 break
-            results = await store.finish(
-                [finish for _, finish in sent if finish is not None],
+            results = await store.outage.finish(
+                [finish for _, finish, _ in sent if finish is not None],
+                [at for _, finish, at in sent if finish is not None],
                 deadline_seconds=deadline_seconds,
             )
-            for (entry, finish), result in zip(sent, results, strict=True):
+            for (entry, finish, _), result in zip(sent, results, strict=True):
                 if result.status not in ("settled", "released", "replayed"):
                     log.error(
                         "outage %s of %s came back %s",
@@ -260,15 +365,33 @@ class OutageJournal:
                     self._forget(entry)
                     forgotten.append(entry)
             finished += len(sent)
-        # Recorded and not finished: the store holds the reservation now, so
-        # its settle or release goes to the store like any other. (No await
-        # between this check and the forgetting: no settle can slip between.)
-        for entry in [e for e in self._entries.values() if e.recorded and e.finish is None]:
-            self._forget(entry)
-            forgotten.append(entry)
-        if self._spool is not None and not self._entries:
-            self._spool.truncate()
-        return FlushReport(recorded, finished, forgotten)
+        return finished
+
+    async def _flush_settlements(
+        self,
+        store: Store,
+        batch_size: int,
+        deadline_seconds: float | None,
+    ) -> int:
+        """Replay the journaled settlements of reservations the store holds, first
+        (they wait for no admission to be recorded)."""
+        finished = 0
+        while sent := list(self._settlements.values())[:batch_size]:
+            results = await store.finish(sent, deadline_seconds=deadline_seconds)
+            for finish, result in zip(sent, results, strict=True):
+                if result.status not in ("settled", "replayed"):
+                    log.error(
+                        "journaled settle of %s came back %s (%s)",
+                        finish.reservation_id,
+                        result.status,
+                        result.state,
+                    )
+                if self._settlements.get(finish.reservation_id) is finish:
+                    del self._settlements[finish.reservation_id]
+                    if self._spool is not None:
+                        self._spool.append({"op": "forgotten", "id": str(finish.reservation_id)})
+            finished += len(sent)
+        return finished
 
     def _forget(self, entry: OutageEntry) -> None:
         self._entries.pop(entry.reservation_id, None)
@@ -281,4 +404,4 @@ class OutageJournal:
     def close(self) -> None:
         """Close the spool; the file stays when it still holds unflushed entries."""
         if self._spool is not None:
-            self._spool.close(remove=not self._entries)
+            self._spool.close(remove=not len(self))

@@ -5,12 +5,18 @@ while the store answers, and keeps using the last copy while it does not,
 for at most `max_stale_seconds`; past that the copy is not trusted and every
 layer counts as `closed`. The copy has a version, (max policy_version, layer
 count), so a refresh that finds nothing changed transfers one row.
+
+With it, every refresh also takes the budgets as they are then (provider
+ceilings, blocking quotas' remaining, prepaid balances, prices: see
+domain/local_budget.py), which move with every admission and so have no
+version: `local` decisions use a fraction of what they had left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmquota.domain.local_budget import OutageBudgets
 from llmquota.domain.records import CachedLayer
 from llmquota.domain.vocabulary import Scope
 
@@ -27,6 +33,10 @@ class PolicyCache:
         self.complete = True
         self._loaded_at: float | None = None
         self._layers: dict[LayerKey, CachedLayer] = {}
+        self.budgets = OutageBudgets()
+        # The suspended tenants, loaded with every refresh: none of their
+        # admissions is decided, whatever key (or library caller) asks.
+        self.suspended: frozenset[str] = frozenset()
 
     def replace(self, version: tuple[int, int], layers: Sequence[CachedLayer], now: float) -> None:
         """Take a fresh snapshot (complete when it holds every layer the version counts)."""
@@ -34,6 +44,10 @@ class PolicyCache:
         self.version = version
         self.complete = len(layers) >= version[1]
         self._loaded_at = now
+
+    def replace_budgets(self, budgets: OutageBudgets) -> None:
+        """Take the budgets as the store has them now (usable as long as the policies)."""
+        self.budgets = budgets
 
     def confirm(self, now: float) -> None:
         """The store says nothing changed: the copy is fresh again."""

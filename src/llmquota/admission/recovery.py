@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+from llmquota.admission.abandoned import RETRY_MISSING_SECONDS, AbandonedAdmissions
+from llmquota.admission.changes import ChangeFeed
 from llmquota.admission.fallback import Fallback
-from llmquota.admission.outage import FlushReport, OutageJournal
+from llmquota.admission.outage import FlushReport, JournalFull, OutageJournal
 from llmquota.admission.policy_cache import PolicyCache
+from llmquota.admission.reservation import Admission
 from llmquota.config import Settings
 from llmquota.domain.errors import StoreTimeout, StoreUnavailable
+from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
 from llmquota.metrics import Metrics
 from llmquota.store.store import Store
 
@@ -29,8 +36,16 @@ log = logging.getLogger(__name__)
 class OutageRecovery:
     """The policy cache, the outage journal and the fallback of one worker."""
 
-    def __init__(self, store: Store, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        metrics: Metrics,
+        policies_moved: Callable[[], None] = lambda: None,
+    ) -> None:
         self._store = store
+        # Called when policies changed (announced, or written by this worker).
+        self._policies_moved = policies_moved
         self._settings = settings
         self._metrics = metrics
         self._deadline_seconds = settings.decision_deadline_ms / 1000.0
@@ -45,8 +60,19 @@ class OutageRecovery:
             settings.outage_local_fraction,
             settings.concurrency_retry_ms,
         )
+        # Admission statements abandoned at their deadline (abandoned.py).
+        self.abandoned = AbandonedAdmissions(
+            settings.outage_journal_max_entries, settings.statement_timeout_ms / 1000.0
+        )
         self._refreshing: asyncio.Task[None] | None = None
         self._recovering: asyncio.Task[None] | None = None
+        # One refresh at a time, so that a slow one cannot put an older
+        # snapshot over a newer one; and one announced by NOTIFY waits for it.
+        self._refresh_lock = asyncio.Lock()
+        self._announced: asyncio.Task[None] | None = None
+        self._announced_again = False
+        # Announced changes (changes.py): listening from the first refresh on.
+        self.changes = ChangeFeed(settings, self.policies_changed)
         metrics.outage_journal_pending.set_function(lambda: len(self.journal))
 
     def store_failed(self, operation: str, exc: StoreUnavailable) -> None:
@@ -56,7 +82,7 @@ class OutageRecovery:
 
     def store_answered(self) -> None:
         """The store answered: record the outage journal and refresh policies if due."""
-        if len(self.journal):
+        if len(self.journal) or len(self.abandoned):
             self.ensure_recovery()
         if self.policies.due(time.monotonic()) and (
             self._refreshing is None or self._refreshing.done()
@@ -72,9 +98,74 @@ class OutageRecovery:
         except Exception:
             log.warning("refreshing the policy cache failed", exc_info=True)
 
+    async def admit(
+        self, requests: list[AdmitRequest], deadline_seconds: float
+    ) -> list[AdmitDecision]:
+        """One admit statement, under reservation ids named here: when nobody waits
+        for its answer any more (its deadline passed, its connection was lost, its
+        caller was cancelled), whatever it made is released once the store answers
+        (abandoned.py), so the failure mode's answer is the only one."""
+        reservation_ids = [uuid.uuid4() for _ in requests]
+        try:
+            return await self._store.admit(
+                requests, deadline_seconds=deadline_seconds, reservation_ids=reservation_ids
+            )
+        except (StoreUnavailable, asyncio.CancelledError):
+            self.abandon(reservation_ids)
+            raise
+
+    def decide_by_failure_mode(self, request: AdmitRequest, cause: StoreUnavailable) -> Admission:
+        """The store did not decide in time: the layers' failure modes do (see fallback.py)."""
+        fallback = self.fallback.decide(request, time.monotonic())
+        offline = fallback.decision
+        status = offline.status if offline is not None else "refused"
+        if status != "replayed":
+            outcome = "admitted" if status == "admitted" else "refused"
+            self._metrics.fallback_decisions.labels(fallback.mode, outcome).inc()
+        if offline is None or fallback.mode == "closed":
+            raise StoreUnavailable(f"{cause}; {fallback.reason}") from cause
+        if status == "admitted":
+            self.ensure_recovery()  # record it as soon as the store answers
+        return Admission(offline, request.input_tokens, request.input_estimated, fallback.mode)
+
+    def abandon(self, reservation_ids: list[uuid.UUID]) -> None:
+        """An admission statement naming these ids was given up on: release
+        whatever it made as soon as the store answers (abandoned.py)."""
+        self.abandoned.abandon(reservation_ids)
+        self.ensure_recovery()
+
+    def policies_changed(self) -> None:
+        """A change was announced (NOTIFY): refresh the cache now, and once more
+        after a refresh already running, which may have read before the change."""
+        self._announced_again = True
+        self._policies_moved()
+        if self._announced is None or self._announced.done():
+            self._announced = asyncio.ensure_future(self._refresh_announced())
+
+    async def _refresh_announced(self) -> None:
+        while self._announced_again:
+            self._announced_again = False
+            await self._refresh_quietly()
+
     async def refresh_policies(self) -> None:
         """Load every layer's policy into this worker's cache (one row if unchanged),
-        and the outage id key the first time."""
+        and the outage id key the first time; from then on, listen for changes."""
+        self.changes.listen(self._store.dsn)
+        async with self._refresh_lock:
+            await self._refresh_policies()
+
+    async def policies_written(self) -> None:
+        """An admin write of this worker committed: reload the cache before it
+        answers, so this worker's next admission already decides by it."""
+        self._policies_moved()
+        try:
+            await self.refresh_policies()
+        except StoreUnavailable as exc:
+            # Committed all the same: the announcement, or the periodic refresh,
+            # brings it as soon as the store answers.
+            self.store_failed("policy_snapshot", exc)
+
+    async def _refresh_policies(self) -> None:
         if self.fallback.id_key is None:
             self.fallback.id_key = await self._store.outage_id_key(
                 deadline_seconds=self._settings.statement_timeout_ms / 1000.0
@@ -83,6 +174,19 @@ class OutageRecovery:
             self.policies.version,
             self._settings.policy_cache_max_layers,
             deadline_seconds=self._settings.statement_timeout_ms / 1000.0,
+        )
+        # The budgets move with every admission: taken afresh each time, after
+        # marking which of this worker's recorded outage admissions they hold.
+        epoch = self.fallback.budgets.epoch()
+        self.policies.replace_budgets(
+            await self._store.outage.budgets(
+                self._settings.policy_cache_max_layers,
+                deadline_seconds=self._settings.statement_timeout_ms / 1000.0,
+            )
+        )
+        self.fallback.budgets.rebase(epoch)
+        self.policies.suspended = await self._store.tenants.suspended(
+            deadline_seconds=self._settings.statement_timeout_ms / 1000.0
         )
         now = time.monotonic()
         if snapshot.layers is None:
@@ -104,7 +208,7 @@ class OutageRecovery:
 
     async def _recover(self) -> None:
         """Until the journal is empty: try to record it, wait, try again."""
-        while len(self.journal):
+        while len(self.journal) or len(self.abandoned):
             try:
                 # A cheap probe first, within the decision deadline: while the
                 # store hangs, no flush sits on a statement for long.
@@ -121,6 +225,27 @@ class OutageRecovery:
                 await asyncio.sleep(self._settings.outage_probe_seconds)
                 continue
             await self._refresh_quietly()
+            if len(self.abandoned):  # ids not found yet: look again a little later
+                await asyncio.sleep(RETRY_MISSING_SECONDS)
+
+    def journal_settlement(self, request: FinishRequest, cause: StoreUnavailable) -> FinishResult:
+        """Keep a settle the store did not answer (an upstream answer relayed
+        already, whose usage must land), and replay it when the store is back.
+
+        The answer is what the settle will most likely be (on time, the whole
+        charge). A full journal cannot take it: the caller gets the store's
+        error, and the lease expires as it would have (the audit flags it).
+        """
+        try:
+            self.journal.add_settlement(request)
+        except JournalFull as exc:
+            raise StoreUnavailable(f"{cause}; {exc}") from cause
+        self.ensure_recovery()
+        log.warning(
+            "settle of %s journaled: the store did not answer (%s)", request.reservation_id, cause
+        )
+        charged = int(request.input_tokens or 0) + int(request.output_tokens or 0)
+        return FinishResult("journaled", "active", request.caller, charged, None, False)
 
     async def flush(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
@@ -132,16 +257,27 @@ class OutageRecovery:
         self.fallback.recorded(report.forgotten, time.monotonic())
         self._metrics.outage_recorded.labels("admission").inc(report.admissions_recorded)
         self._metrics.outage_recorded.labels("finish").inc(report.finishes_recorded)
+        if len(self.abandoned):
+            released = await self.abandoned.release(
+                functools.partial(
+                    self._store.finish,
+                    deadline_seconds=self._settings.statement_timeout_ms / 1000.0,
+                ),
+                self._settings.outage_flush_batch_size,
+                time.monotonic(),
+            )
+            self._metrics.abandoned_released.inc(released)
         return report
 
     async def close(self) -> None:
         """Stop the background tasks; record the journal if the store answers."""
-        for task in (self._refreshing, self._recovering):
+        await self.changes.close()
+        for task in (self._refreshing, self._recovering, self._announced):
             if task is not None and not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, StoreUnavailable):
                     await task
-        if len(self.journal):
+        if len(self.journal) or len(self.abandoned):
             try:
                 await self.flush()
             except StoreUnavailable:

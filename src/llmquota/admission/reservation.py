@@ -2,35 +2,39 @@
 
 An Admission is the store's (or the failure mode's) answer with what was
 counted to reach it; refusals stay data until a caller asks for them as
-exceptions. A Reservation is the handle a library caller settles, releases
-or heartbeats; it only forwards to the Limiter, which owns every transition.
+exceptions. A Reservation is the one handle a caller settles, releases or
+heartbeats, the library's callers and the proxy alike; it only forwards to
+the Limiter, which owns every transition. What differs for the proxy is
+asked for by name: a fenced lease (`fence`), figures an upstream reported
+(`settle_upstream`, journaled when the store is away) and the mark that its
+output was relayed (`heartbeat(relayed=True)`).
 """
 
 from __future__ import annotations
 
 import functools
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
 from typing import TYPE_CHECKING, NamedTuple
 
 from llmquota.domain.errors import (
-    CreditsExhausted,
     IdempotencyConflict,
-    QuotaExceeded,
-    RateLimited,
-    RequestTooLarge,
+    ReservationConflict,
     UnknownTenant,
-    UnpricedModel,
 )
 from llmquota.domain.output_estimates import OutputEstimateInfo, OutputStrategy
-from llmquota.domain.records import AdmitDecision
-from llmquota.domain.refusals import refusal_message
+from llmquota.domain.records import AdmitDecision, HeartbeatResult
+from llmquota.domain.refusal_table import REFUSALS
+from llmquota.domain.settlement import Settlement
+from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.domain.vocabulary import FailureMode, Outcome
 
 if TYPE_CHECKING:
     from llmquota.admission.limiter import Limiter
+
+# Settlement is re-exported: it lives in the domain so that the REST client
+# (llmquota.client) returns the same type.
+__all__ = ["Admission", "Reservation", "Settlement", "heartbeat_refusal"]
 
 
 class Admission(NamedTuple):
@@ -61,34 +65,10 @@ class Admission(NamedTuple):
         d = self.decision
         if d.status in ("admitted", "replayed"):
             return
-        if d.status == "quota_exceeded" and d.quota and d.resets_at and d.limit_scope:
-            raise QuotaExceeded(
-                quota=d.quota,
-                scope=d.limit_scope,
-                resets_at=d.resets_at,
-                retry_after_ms=int(d.retry_after_ms or 0),
-                message=refusal_message(tenant, d),
-            )
-        if d.status == "credits_exhausted":
-            raise CreditsExhausted(
-                balance=d.credit_balance or Decimal(0), message=refusal_message(tenant, d)
-            )
-        if d.status == "unpriced_model":
-            raise UnpricedModel(refusal_message(tenant, d))
-        if d.status == "rate_limited" and d.limit_kind and d.limit_scope:
-            raise RateLimited(
-                limit=d.limit_kind,
-                scope=d.limit_scope,
-                retry_after_ms=int(d.retry_after_ms or 0),
-                message=refusal_message(tenant, d),
-            )
-        if d.status == "too_large" and d.limit_scope:
-            raise RequestTooLarge(
-                scope=d.limit_scope,
-                requested=int(d.reserved_tokens or 0),
-                capacity=int(d.capacity or 0),
-                message=refusal_message(tenant, d),
-            )
+        rule = REFUSALS.get(d.status)
+        error = rule.error(tenant, d) if rule is not None else None
+        if error is not None:
+            raise error
         if d.status == "unknown_tenant":
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         if d.status == "idempotency_conflict":
@@ -100,23 +80,41 @@ class Admission(NamedTuple):
         raise RuntimeError(f"refusal {d.status!r} without the limit that bound it")
 
 
-@dataclass(frozen=True, slots=True)
-class Settlement:
-    """What settling charged and gave back."""
-
-    charged_tokens: int
-    refunded_tokens: int
-    late: bool
-    # Tokens above the request's possible maximum (counted input with a
-    # tolerance, plus max_tokens): charged to the tenant, flagged in the
-    # ledger, and kept off the shared layers (see lq_shared_charge_cap).
-    excess_tokens: int = 0
+def heartbeat_refusal(result: HeartbeatResult, lease_generation: int | None) -> ReservationConflict:
+    """Why a heartbeat the store answered extended nothing (no new expiry)."""
+    if (
+        result.lease_live
+        and lease_generation is not None
+        and result.current_generation != lease_generation
+    ):
+        return ReservationConflict(
+            f"stale lease generation {lease_generation}: the lease is at generation "
+            f"{result.current_generation}; another holder extended it",
+            state=result.state,
+        )
+    # 'active' here means the lease ran out, or a settle won the race.
+    state = (
+        "no longer active (its lease ran out, or it was just settled)"
+        if result.state == "active"
+        else result.state
+    )
+    return ReservationConflict(
+        f"reservation is {state}; its lease cannot be extended", state=result.state
+    )
 
 
 class Reservation:
-    """Admitted capacity held until settled, released or expired."""
+    """Admitted capacity held until settled, released or expired.
 
-    def __init__(self, limiter: Limiter, tenant: str, admission: Admission) -> None:
+    `fence`: heartbeats carry the lease generation this handle last saw, so a
+    holder paused while another extended the lease is refused (the proxy's
+    streams heartbeat from a task of their own). Off for the library, whose
+    callers may extend a lease by id as well.
+    """
+
+    def __init__(
+        self, limiter: Limiter, tenant: str, admission: Admission, *, fence: bool = False
+    ) -> None:
         d = admission.decision
         if d.reservation_id is None or d.lease_expires_at is None:
             raise RuntimeError("a reservation needs an admitted decision")
@@ -131,6 +129,11 @@ class Reservation:
         self.degraded = d.degraded
         self.lease_expires_at: datetime = d.lease_expires_at
         self._admission = admission
+        self.decision = d
+        # The failure mode that admitted it while the store was away, if one did.
+        self.fallback = admission.fallback
+        self.lease_generation = d.lease_generation
+        self._fence = fence
         self.replayed = d.status == "replayed"
         self.settlement: Settlement | None = None
         self.released = False
@@ -155,17 +158,50 @@ class Reservation:
             input_tokens=input_tokens,
             output_tokens=output_tokens,
             outcome=outcome,
+            caller=self.tenant,
+        )
+        return self.settlement
+
+    async def settle_upstream(self, usage: UpstreamUsage, outcome: Outcome = "ok") -> Settlement:
+        """Settle what an upstream answered (resolved by domain/upstream_usage.py).
+
+        The answer was relayed already, so its usage must land whatever
+        happens to the store: a settle the store does not answer is journaled
+        and replayed when it is back (Settlement.journaled). The ledger row
+        says where the figures came from, with the upstream's own where they
+        differ.
+        """
+        self.settlement = await self._limiter.settle(
+            self.reservation_id,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            outcome=outcome,
+            caller=self.tenant,
+            usage=usage,
         )
         return self.settlement
 
     async def release(self) -> None:
         """Give everything back: the provider was never called."""
-        await self._limiter.release(self.reservation_id)
+        await self._limiter.release(self.reservation_id, caller=self.tenant)
         self.released = True
 
-    async def heartbeat(self, lease_seconds: int | None = None) -> datetime:
-        """Extend the lease while the work is healthy."""
-        result = await self._limiter.heartbeat(self.reservation_id, lease_seconds=lease_seconds)
+    async def heartbeat(
+        self, lease_seconds: int | None = None, *, relayed: bool = False
+    ) -> datetime:
+        """Extend the lease while the work is healthy.
+
+        `relayed`: output of it reached the client (the proxy says so once, at
+        the first relayed text), remembered by the store for the audit.
+        """
+        result = await self._limiter.heartbeat(
+            self.reservation_id,
+            lease_seconds=lease_seconds,
+            caller=self.tenant,
+            lease_generation=self.lease_generation if self._fence else None,
+            relayed=relayed,
+        )
         assert result.lease_expires_at is not None
         self.lease_expires_at = result.lease_expires_at
+        self.lease_generation = result.lease_generation or self.lease_generation
         return self.lease_expires_at

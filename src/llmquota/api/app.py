@@ -28,6 +28,7 @@ from starlette.types import Scope
 
 from llmquota.admin.alerts import AlertService
 from llmquota.admin.gauges import UtilizationGauges
+from llmquota.admin.running import maintenance_running
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator, Triage
@@ -73,10 +74,11 @@ def _client_address(scope: Scope) -> str:
 
 @contextlib.asynccontextmanager
 async def _background_tasks(
-    app: FastAPI, limiter: Limiter, admin: AdminService, settings: Settings
+    app: FastAPI, limiter: Limiter, admin: AdminService, settings: Settings, dsn: str
 ) -> AsyncIterator[None]:
-    """The server's own loops: utilization gauges read from the database, and
-    alert delivery, for as long as the app runs."""
+    """The server's own loops: utilization gauges read from the database, alert
+    delivery, and the maintenance (the sweeper, on the one leader), for as long
+    as the app runs."""
     app.state.gauges = UtilizationGauges(
         admin, limiter.metrics, tenants=settings.tenant_utilization_metrics
     )
@@ -87,7 +89,10 @@ async def _background_tasks(
         delivery_store = AlertStore(
             limiter.store.pool, deadline_seconds=settings.statement_timeout_ms / 1000.0 + 1.0
         )
-        async with delivery_running(delivery_store, settings, limiter.metrics):
+        async with (
+            delivery_running(delivery_store, settings, limiter.metrics),
+            maintenance_running(limiter.store, settings, limiter.metrics, dsn),
+        ):
             yield
     finally:
         gauges.cancel()
@@ -109,8 +114,14 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
             limiter.store,
             deadline_seconds=limiter.deadline_seconds,
             report_deadline_seconds=settings.statement_timeout_ms / 1000.0,
+            policies_written=limiter.outage.policies_written,
+            admin_key_configured=bool(settings.admin_key),
         )
-        authenticator = Authenticator(admin.find_key, settings.admin_key, settings, limiter.metrics)
+        authenticator = Authenticator(
+            admin.find_key, settings.admin_key, settings, limiter.metrics, admin.keys.note_use
+        )
+        limiter.outage.changes.watch_keys(authenticator.key_changed)
+        limiter.outage.changes.watch_tenants(authenticator.tenant_changed)
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = authenticator
@@ -119,7 +130,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
             limiter.store, deadline_seconds=limiter.deadline_seconds
         )
         try:
-            async with _background_tasks(app, limiter, admin, settings):
+            async with _background_tasks(app, limiter, admin, settings, database):
                 yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
         finally:
             try:
@@ -134,6 +145,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         version="0.1.0",
         lifespan=lifespan,
     )
+    app.state.settings = settings
     _add_middlewares(app, settings)
     install_error_handlers(app)
     app.include_router(router)

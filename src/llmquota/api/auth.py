@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 from llmquota.api.failures import FailureBudget
 from llmquota.api.keycache import KeyCache
+from llmquota.api.keyuses import KeyUse, UseNotes
 from llmquota.config import Settings
-from llmquota.domain.errors import StoreUnavailable
-from llmquota.domain.keys import KeyOwner, key_digest
+from llmquota.domain.errors import StoreUnavailable, TenantSuspended
+from llmquota.domain.keys import SCOPES, KeyOwner, key_digest
 from llmquota.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,25 @@ class Caller:
     """Who is calling: an admin (any tenant) or one tenant."""
 
     tenant: str | None
+    # What the key may do (an admin may do everything), and whether its tenant
+    # is suspended: both read with the key, so checking them costs no statement.
+    scopes: frozenset[str] = frozenset(SCOPES)
+    suspended: bool = False
+    key_id: int | None = None
 
     @property
     def is_admin(self) -> bool:
         return self.tenant is None
+
+    def require_scope(self, scope: str) -> None:
+        if not self.is_admin and scope not in self.scopes:
+            raise Forbidden(f"this key lacks the '{scope}' scope")
+
+    def require_admission(self) -> None:
+        """New work: the `admit` scope and a tenant that is not suspended."""
+        self.require_scope("admit")
+        if self.suspended:
+            raise TenantSuspended(f"tenant {self.tenant!r} is suspended")
 
     def require_admin(self) -> None:
         if not self.is_admin:
@@ -95,6 +111,12 @@ class Triage:
 
     lane: str | None = None
     refusal: AuthenticationFailed | TooManyFailedAuthentications | None = None
+
+
+def _caller_of(owner: KeyOwner) -> Caller:
+    return Caller(
+        tenant=owner.tenant, scopes=owner.scopes, suspended=owner.suspended, key_id=owner.key_id
+    )
 
 
 def bearer_token(authorization: str | None) -> str:
@@ -124,8 +146,10 @@ class Authenticator:
         admin_key: str | None,
         settings: Settings,
         metrics: Metrics | None = None,
+        note_use: KeyUse | None = None,
     ) -> None:
         self._lookup = lookup
+        self._uses = UseNotes(note_use)
         self._admin_digest = key_digest(admin_key) if admin_key else None
         self._keys = KeyCache(
             settings.key_cache_refresh_seconds,
@@ -137,7 +161,8 @@ class Authenticator:
         )
         self._metrics = metrics or Metrics()
         # One lookup per digest at a time, however many requests carry it.
-        self._first_lookups: dict[bytes, asyncio.Task[KeyOwner | None]] = {}
+        # Each with the key cache's generation when it started (KeyCache.confirm).
+        self._first_lookups: dict[bytes, asyncio.Task[tuple[KeyOwner | None, int]]] = {}
         self._refreshes: set[asyncio.Task[None]] = set()
 
     def triage(self, authorization: str | None, client: str) -> Triage:
@@ -168,7 +193,8 @@ class Authenticator:
             if owner is not None:
                 if self._keys.claim_refresh(digest, now):
                     self._start_refresh(digest)
-                return Caller(tenant=owner.tenant)
+                self._uses.used(owner.key_id, now)
+                return _caller_of(owner)
         refusal = self._refusal_from_memory(digest, client, now)
         if refusal is not None:
             raise refusal
@@ -180,19 +206,40 @@ class Authenticator:
         if retry_after_ms is not None:
             self._metrics.auth_refusals.labels("throttled").inc()
             raise TooManyFailedAuthentications(retry_after_ms)
-        owner = await self._first_lookup(digest)
+        owner, since = await self._first_lookup(digest)
         now = time.monotonic()
         if owner is None:
-            self._keys.refuse(digest, now)
+            self._keys.refuse(digest, now, since)
             self._metrics.auth_refusals.labels("unknown_key").inc()
             raise AuthenticationFailed
         self._failures.refund(client, now)
-        self._keys.confirm(digest, owner, now)
-        return Caller(tenant=owner.tenant)
+        self._keys.confirm(digest, owner, now, since)
+        self._uses.used(owner.key_id, now)
+        return _caller_of(owner)
+
+    def key_changed(self, digest: bytes | None) -> None:
+        """A key's row changed (announced by the database): forget what this worker
+        remembers of it, so its next use is looked up. None: any key may have
+        changed (the announcements were interrupted), so every known key is
+        looked up again at its next use, serving meanwhile, and no refusal stands."""
+        if digest is None:
+            self._keys.refresh_all()
+        else:
+            self._keys.drop(digest)
+
+    def tenant_changed(self, tenant: str) -> None:
+        """A tenant was suspended or resumed (announced, or done on this worker):
+        forget its keys."""
+        self._keys.drop_tenant(tenant)
+
+    def key_id_changed(self, key_id: int) -> None:
+        """This worker revoked or rotated the key: forget it now, before the
+        announcement comes back, so that its next request is refused at once."""
+        self._keys.drop_key_id(key_id)
 
     async def close(self) -> None:
         """Stop the lookups still running."""
-        tasks = [*self._refreshes, *self._first_lookups.values()]
+        tasks = [*self._refreshes, *self._first_lookups.values(), *self._uses.tasks]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -216,16 +263,20 @@ class Authenticator:
             return AuthenticationFailed()
         return None
 
-    async def _first_lookup(self, digest: bytes) -> KeyOwner | None:
+    async def _first_lookup(self, digest: bytes) -> tuple[KeyOwner | None, int]:
         task = self._first_lookups.get(digest)
         if task is None:
-            task = asyncio.ensure_future(self._counted_lookup(digest, "first"))
+            task = asyncio.ensure_future(self._stamped_lookup(digest))
             self._first_lookups[digest] = task
             task.add_done_callback(lambda done: self._lookup_done(digest, done))
         # Shielded: one caller giving up must not cancel the others' lookup.
         return await asyncio.shield(task)
 
-    def _lookup_done(self, digest: bytes, task: asyncio.Task[KeyOwner | None]) -> None:
+    async def _stamped_lookup(self, digest: bytes) -> tuple[KeyOwner | None, int]:
+        since = self._keys.generation
+        return await self._counted_lookup(digest, "first"), since
+
+    def _lookup_done(self, digest: bytes, task: asyncio.Task[tuple[KeyOwner | None, int]]) -> None:
         self._first_lookups.pop(digest, None)
         if not task.cancelled():
             # Retrieved here, so that a lookup whose callers all left logs nothing.
@@ -238,6 +289,7 @@ class Authenticator:
 
     async def _refresh(self, digest: bytes) -> None:
         """Look a known key up again; meanwhile (and if the store is away) it serves as known."""
+        since = self._keys.generation
         try:
             owner = await self._counted_lookup(digest, "refresh")
         except StoreUnavailable:
@@ -246,9 +298,9 @@ class Authenticator:
             log.warning("refreshing a cached API key failed", exc_info=True)
             return
         if owner is None:
-            self._keys.refuse(digest, time.monotonic())
+            self._keys.refuse(digest, time.monotonic(), since)
         else:
-            self._keys.confirm(digest, owner, time.monotonic())
+            self._keys.confirm(digest, owner, time.monotonic(), since)
 
     async def _counted_lookup(self, digest: bytes, purpose: str) -> KeyOwner | None:
         try:

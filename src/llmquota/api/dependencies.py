@@ -18,7 +18,7 @@ from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Caller
 from llmquota.api.schemas import ErrorResponse
-from llmquota.domain.policy import NAME_PATTERN
+from llmquota.domain.names import NAME_MAX_CHARS, NAME_PATTERN, NAME_RULE
 
 _ERROR_DESCRIPTIONS = {
     400: "the body could not be parsed at all",
@@ -28,6 +28,8 @@ _ERROR_DESCRIPTIONS = {
     403: "the key may not act on this tenant or endpoint",
     404: "no such tenant or reservation (another tenant's looks the same)",
     409: "the reservation's state does not allow this",
+    412: "precondition_failed: the resource changed since the If-Match ETag (or is gone)",
+    415: "the body's content-type is not one this endpoint reads",
     413: "the body is over the size limit, or the reservation can never fit",
     422: "invalid request: wrong types, out-of-range numbers, malformed JSON",
     503: "limiter_unavailable: the database did not answer in time; retryable",
@@ -72,7 +74,16 @@ AdminDep = Annotated[AdminService, Depends(get_admin)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 AlertServiceDep = Annotated[AlertService, Depends(get_alert_service)]
 
-TenantName = Annotated[str, Path(pattern=NAME_PATTERN)]
-RouteName = Annotated[str, Path(pattern=NAME_PATTERN)]
-# Quotas and webhooks are named like tenants and routes.
-ObjectName = Annotated[str, Path(pattern=NAME_PATTERN)]
+
+# Names in paths follow the one name pattern (domain.names), declared so that
+# the OpenAPI schema shows it: a generated client refuses what the server would.
+def _path_name() -> Any:
+    return Path(
+        min_length=1, max_length=NAME_MAX_CHARS, pattern=NAME_PATTERN, description=NAME_RULE
+    )
+
+
+TenantName = Annotated[str, _path_name()]
+RouteName = Annotated[str, _path_name()]
+# Plans, ceilings, quotas and webhooks are named like tenants and routes.
+ObjectName = Annotated[str, _path_name()]

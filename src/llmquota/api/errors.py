@@ -31,19 +31,26 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from llmquota.api.auth import AuthenticationFailed, Forbidden, TooManyFailedAuthentications
+from llmquota.api.auth import (
+    AuthenticationFailed,
+    Forbidden,
+    TooManyFailedAuthentications,
+)
 from llmquota.api.provider_errors import error_body as provider_error_body
 from llmquota.api.provider_errors import proxy_kind
 from llmquota.domain.errors import (
     IdempotencyConflict,
     InvalidRequest,
     NameInUse,
+    PreconditionFailed,
     ReservationConflict,
     ReservationNotFound,
     StoreTimeout,
     StoreUnavailable,
+    TenantSuspended,
     UnknownName,
     UnknownTenant,
+    UnsupportedMediaType,
 )
 from llmquota.domain.refusals import ceil_seconds
 
@@ -164,9 +171,11 @@ _SIMPLE: list[tuple[type[Exception], int, str]] = [
     (UnknownTenant, 404, "not_found_error"),
     (UnknownName, 404, "not_found_error"),
     (NameInUse, 409, "conflict_error"),
+    (PreconditionFailed, 412, "precondition_failed"),
+    (UnsupportedMediaType, 415, "unsupported_media_type"),
     (ReservationNotFound, 404, "not_found_error"),
-    (ReservationConflict, 409, "conflict_error"),
     (Forbidden, 403, "permission_error"),
+    (TenantSuspended, 403, "tenant_suspended"),
 ]
 
 # Starlette's own HTTP errors (unknown path, wrong method, ...) and those the
@@ -248,6 +257,12 @@ def install_error_handlers(app: FastAPI) -> None:
             headers={"Retry-After": "1"},
         )
 
+    async def conflict(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ReservationConflict)
+        # The state (settled, released, expired) is what a client branches on:
+        # an expired lease already gave its capacity back (llmquota.client).
+        return error_response(409, "conflict_error", message=str(exc), state=exc.state)
+
     async def invalid(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         return error_response(422, "invalid_request_error", message=_validation_message(exc))
@@ -268,6 +283,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(AuthenticationFailed, unauthenticated)
     app.add_exception_handler(TooManyFailedAuthentications, unauthenticated)
+    app.add_exception_handler(ReservationConflict, conflict)
     app.add_exception_handler(StoreUnavailable, unavailable)
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(StarletteHTTPException, http_error)

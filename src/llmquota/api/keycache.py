@@ -5,10 +5,24 @@ while the database is away: a request nobody can authenticate never reaches
 its failure mode, so an outage would turn `open` and `local` into `closed`.
 So a key found once is remembered, and a use of it past `refresh_seconds`
 claims a background lookup while the remembered answer keeps serving. A key
-in use thus stays fresh, a key deleted from the database is forgotten at its
-next refresh, and during an outage (the refresh fails) a known key keeps
+in use thus stays fresh, a key deleted from the database is forgotten as soon
+as the database announces it (Authenticator.key_changed), else at its next
+refresh, and during an outage (the refresh fails) a known key keeps
 working for `max_stale_seconds`, the window the policy cache decides by;
 past it, the key must be looked up again like an unknown one.
+
+A key that ends (its expiry, or the end of a rotation's grace for its old
+secret) is remembered with how long it had left when looked up, measured on
+the database's clock and counted down on this worker's monotonic one, so it is
+refused at its end without an announcement. A suspension or resumption of a
+tenant is announced by tenant name (migration 0018): its keys are dropped, so
+their next use reads the tenant's state with the key.
+
+A lookup that was under way when a change of its key was announced (or made
+on this worker) may have read the row from before the change: its answer is
+not remembered (`generation` stamps each change; `confirm` and `refuse` take
+the generation the lookup started at), so a refresh in flight cannot put a
+revoked key back.
 
 A key found not to exist is remembered too, by digest, for
 `negative_seconds`, so that repeating a wrong key costs no lookup.
@@ -33,6 +47,8 @@ class _Known:
     confirmed_at: float
     # When the next use of the key should start a background lookup.
     refresh_at: float
+    # When this secret stops being valid (expiry, end of grace); None: never.
+    valid_until: float | None
 
 
 class KeyCache:
@@ -52,11 +68,20 @@ class KeyCache:
         self._known: dict[bytes, _Known] = {}
         # digest -> when the refusal is forgotten; in insertion (= expiry) order.
         self._refused: dict[bytes, float] = {}
+        # A counter of changes, and the last change of each digest, key id and
+        # tenant (and of all keys at once), for lookups in flight to compare with.
+        self.generation = 0
+        self._changed: dict[bytes | int | str, int] = {}
+        self._all_changed = -1
 
     def known(self, digest: bytes, now: float) -> KeyOwner | None:
         """The owner of a key confirmed within the stale window; None otherwise."""
         entry = self._known.get(digest)
         if entry is None:
+            return None
+        if entry.valid_until is not None and now >= entry.valid_until:
+            # Expired or rotated out: looked up again, found no more, refused.
+            del self._known[digest]
             return None
         if now - entry.confirmed_at > self.max_stale_seconds:
             # Too old to vouch for, even during an outage: look it up again.
@@ -76,21 +101,74 @@ class KeyCache:
         entry.refresh_at = now + self.refresh_seconds
         return True
 
-    def confirm(self, digest: bytes, owner: KeyOwner, now: float) -> None:
-        """The store says the key exists: remember it, fresh."""
+    def changed_since(self, digest: bytes, owner: KeyOwner | None, generation: int) -> bool:
+        """Whether the key may have changed after a lookup that started at `generation`."""
+        marks = [self._all_changed, self._changed.get(digest, -1)]
+        if owner is not None:
+            marks.append(self._changed.get(owner.key_id, -1))
+            if owner.tenant is not None:
+                marks.append(self._changed.get(owner.tenant, -1))
+        return max(marks) > generation
+
+    def _mark(self, *what: bytes | int | str) -> None:
+        self.generation += 1
+        if len(self._changed) >= self.max_entries:
+            # Forgetting the marks is safe: every lookup in flight counts as stale.
+            self._changed.clear()
+            self._all_changed = self.generation
+        for item in what:
+            self._changed[item] = self.generation
+
+    def confirm(self, digest: bytes, owner: KeyOwner, now: float, since: int | None = None) -> None:
+        """The store says the key exists: remember it, fresh (unless the lookup that
+        says so started at `since` and the key changed after)."""
+        if since is not None and self.changed_since(digest, owner, since):
+            return
         self._refused.pop(digest, None)
         # Re-inserted at the end, so the map stays in order of confirmation.
         self._known.pop(digest, None)
         if len(self._known) >= self.max_entries:
             del self._known[next(iter(self._known))]
-        self._known[digest] = _Known(owner, now, now + self.refresh_seconds)
+        valid_until = None if owner.valid_seconds is None else now + owner.valid_seconds
+        self._known[digest] = _Known(owner, now, now + self.refresh_seconds, valid_until)
 
     def forget(self, digest: bytes) -> None:
         """The store says the key is gone: stop vouching for it."""
         self._known.pop(digest, None)
 
-    def refuse(self, digest: bytes, now: float) -> None:
-        """The store says no such key: answer 401 for it without a lookup for a while."""
+    def drop(self, digest: bytes) -> None:
+        """The key's row changed: remember nothing of it, found or refused."""
+        self._mark(digest)
+        self._known.pop(digest, None)
+        self._refused.pop(digest, None)
+
+    def drop_key_id(self, key_id: int) -> None:
+        """The key with this id changed (revoked or rotated on this worker): forget
+        every secret of it."""
+        self._mark(key_id)
+        for digest in [d for d, entry in self._known.items() if entry.owner.key_id == key_id]:
+            del self._known[digest]
+
+    def drop_tenant(self, tenant: str) -> None:
+        """The tenant's state changed (suspended, resumed): forget its keys."""
+        self._mark(tenant)
+        for digest in [d for d, entry in self._known.items() if entry.owner.tenant == tenant]:
+            del self._known[digest]
+
+    def refresh_all(self) -> None:
+        """Any key may have changed: each known key's next use claims a lookup
+        (while it keeps serving), and every refusal is forgotten."""
+        self.generation += 1
+        self._all_changed = self.generation
+        for entry in self._known.values():
+            entry.refresh_at = 0.0
+        self._refused.clear()
+
+    def refuse(self, digest: bytes, now: float, since: int | None = None) -> None:
+        """The store says no such key: answer 401 for it without a lookup for a while
+        (unless the lookup started at `since` and the key changed after: created)."""
+        if since is not None and self.changed_since(digest, None, since):
+            return
         self._known.pop(digest, None)
         if self.negative_seconds <= 0:
             return

@@ -1,7 +1,9 @@
 """Request and response bodies of the REST API.
 
 Token counts are strict integers with a ceiling: a float, NaN, Infinity,
-1e400 or a string is refused before anything touches the database.
+1e400, a string or a boolean is refused before anything touches the
+database. Names and models follow the patterns of llmquota.domain.names,
+declared here as `pattern` and `maxLength` so the OpenAPI schema shows them.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from pydantic import (
     StrictStr,
 )
 
+from llmquota.domain.names import ModelName, Name
 from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
-from llmquota.domain.policy import MAX_GLOBAL_SHARDS, MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.domain.policy import MAX_GLOBAL_SHARDS, MAX_LEASE_SECONDS
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
-    MAX_MODEL_NAME_CHARS,
     MAX_TOKEN_COUNT,
     storable_text_problem,
 )
@@ -32,7 +34,6 @@ from llmquota.domain.vocabulary import FailureMode, Priority, Scope
 
 TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
-Name = Annotated[StrictStr, Field(pattern=NAME_PATTERN)]
 
 
 def _storable(value: str) -> str:
@@ -43,10 +44,7 @@ def _storable(value: str) -> str:
     return value
 
 
-# Free-form strings that reach the database: bounded, and storable as text.
-ModelName: TypeAlias = Annotated[
-    StrictStr, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS), AfterValidator(_storable)
-]
+# A free-form string that reaches the database: bounded, and storable as text.
 IdempotencyKey: TypeAlias = Annotated[
     StrictStr,
     Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
@@ -90,11 +88,21 @@ class AdmitBody(BaseModel):
 
 
 class Remaining(BaseModel):
-    """What is left at the tightest layer of each kind; null where unlimited."""
+    """What is left at the tightest layer of each kind; null where unlimited.
+
+    `in_flight` elsewhere (a layer's status) counts held permits; here the
+    free ones are `permits`, and `in_flight` is its deprecated old name (the
+    same number), kept for one release.
+    """
 
     tokens: int | None
     requests: int | None
-    in_flight: int | None
+    permits: int | None = Field(
+        description="free concurrency permits at the tightest max_in_flight layer"
+    )
+    in_flight: int | None = Field(
+        deprecated=True, description="deprecated alias of `permits` (free permits, not held)"
+    )
 
 
 class OutputEstimateUsed(BaseModel):
@@ -121,7 +129,12 @@ class AdmitResponse(BaseModel):
         default=None,
         description="the refusal the requested model got: limit, scope, reason, ceiling",
     )
-    priority: Priority | None = None
+    priority: Priority | None = Field(default=None, description="the priority admitted at")
+    priority_lowered_from: Priority | None = Field(
+        default=None,
+        description="the priority asked for, when it was above the plan's and only an admin "
+        "key may raise it: the request was admitted at `priority` instead",
+    )
     output_estimate: OutputEstimateUsed = Field(
         description="what was reserved for output and how: reserved_tokens is input_tokens "
         "plus tokens; strategy max_tokens, learned or fixed"
@@ -209,6 +222,11 @@ class PolicyBody(BaseModel):
         '{"strategy": "max_tokens"} (the default), {"strategy": "learned", "quantile": 0.95, '
         '"min_samples": 50} or {"strategy": "fixed", "tokens": N}',
     )
+    unlimited: StrictBool | None = Field(
+        default=None,
+        description="tenant and route policies: true to store a policy with no limit and "
+        "no plan (without it such a PUT is refused with 422)",
+    )
     shards: Annotated[StrictInt, Field(ge=1, le=MAX_GLOBAL_SHARDS)] | None = Field(
         default=None,
         description="the global policy only: how many rows its budget is split over, so "
@@ -233,13 +251,6 @@ class PolicyResponse(BaseModel):
     prepaid: bool = False
     output_estimate: OutputEstimate | None = None
     shards: int = 1
-
-
-class KeyResponse(BaseModel):
-    """201 from POST /v1/tenants/{tenant}/keys: shown once, stored hashed."""
-
-    key: str
-    tenant: str
 
 
 class LayerStatusResponse(BaseModel):

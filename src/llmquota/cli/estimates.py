@@ -18,6 +18,8 @@ from typing import Any
 from llmquota.cli.options import add_flag
 from llmquota.cli.tabular import FORMATS, render
 from llmquota.config import Settings
+from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.validation import check_model, check_name
 from llmquota.store.database import open_database
 
 COLUMNS = ("tenant", "route", "model", "samples", "weight", "p50", "p95", "p99", "as_of")
@@ -28,6 +30,15 @@ MAX_ROWS = 10_000
 def cmd_estimates(args: argparse.Namespace, settings: Settings) -> int:
     """Print the learned output distributions."""
     from llmquota.store.store import Store
+
+    try:
+        if args.tenant is not None:
+            check_name("--tenant", args.tenant)
+        if args.model is not None:
+            check_model(args.model, "--model")
+    except InvalidRequest as exc:
+        print(f"llmquota: error: {exc}", file=sys.stderr)
+        return 2
 
     async def run(dsn: str) -> list[tuple[Any, ...]]:
         store = await Store.connect(

@@ -14,7 +14,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from llmquota.cli.options import add_flag
+from llmquota.cli.options import add_flag, ascii_integer
 from llmquota.config import Settings
 from llmquota.domain.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
 from llmquota.store.connection import Connection, DatabaseError
@@ -128,23 +128,59 @@ def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
     from llmquota.finance.ledger import LedgerStore, parse_effective_from, parse_price
 
     async def set_price(connection: Connection) -> int:
-        price, replaced = await LedgerStore(connection).set_price(
+        price, superseded = await LedgerStore(connection).set_price(
             model=args.model,
             input_usd_per_million=parse_price("--input-per-million", args.input_per_million),
             output_usd_per_million=parse_price("--output-per-million", args.output_per_million),
+            # An empty value (flag or variable) is an error, not "now".
             effective_from=(
-                parse_effective_from(args.effective_from) if args.effective_from else None
+                None if args.effective_from is None else parse_effective_from(args.effective_from)
             ),
+            set_by=args.set_by,
+            backdate_reason=args.backdate,
         )
-        verb = "replaced" if replaced else "set"
+        verb = "superseded" if superseded else "set"
+        backdated = f" (backdated: {price.backdate_reason})" if price.backdate_reason else ""
         _print_line(
             f"{verb}: {price.model} from {price.effective_from.isoformat()}: "
             f"input {price.input_usd_per_million} USD, output {price.output_usd_per_million} "
-            "USD per million tokens"
+            f"USD per million tokens, by {price.set_by}{backdated}"
         )
         return 0
 
     return _run_on_connection(settings, set_price)
+
+
+def cmd_prices_import(args: argparse.Namespace, settings: Settings) -> int:
+    """Import the price table shipped with llmquota; say what each row did."""
+    from llmquota.finance.builtin_prices import OUTCOMES, import_builtin_prices, load_builtin_prices
+    from llmquota.finance.ledger import LedgerStore
+
+    if not args.builtin:
+        print("llmquota: error: say what to import: --builtin", file=sys.stderr)
+        return 2
+    try:
+        table = load_builtin_prices()
+    except InvalidRequest as exc:  # a broken package, not the operator's input
+        print(f"llmquota: error: the builtin price table: {exc}", file=sys.stderr)
+        return 1
+
+    async def import_prices(connection: Connection) -> int:
+        done = await import_builtin_prices(LedgerStore(connection), table)
+        for row in done:
+            if row.outcome in ("added", "operator"):
+                _print_line(
+                    f"{row.outcome}: {row.model} from {row.effective_from.date().isoformat()}"
+                    f" (table: {row.declared_from.date().isoformat()})"
+                )
+        counts = {outcome: sum(r.outcome == outcome for r in done) for outcome in OUTCOMES}
+        _print_line(
+            f"builtin prices: {len(done)} rows: "
+            + ", ".join(f"{outcome} {n}" for outcome, n in counts.items())
+        )
+        return 0
+
+    return _run_on_connection(settings, import_prices)
 
 
 def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -154,9 +190,25 @@ def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
 
     async def list_prices(connection: Connection) -> int:
         prices = await LedgerStore(connection).prices(args.model)
-        columns = ("model", "effective_from", "input_usd_per_million", "output_usd_per_million")
+        columns = (
+            "model",
+            "effective_from",
+            "input_usd_per_million",
+            "output_usd_per_million",
+            "set_at",
+            "set_by",
+            "backdate_reason",
+        )
         rows = [
-            (p.model, p.effective_from, p.input_usd_per_million, p.output_usd_per_million)
+            (
+                p.model,
+                p.effective_from,
+                p.input_usd_per_million,
+                p.output_usd_per_million,
+                p.set_at,
+                p.set_by,
+                p.backdate_reason,
+            )
             for p in prices
         ]
         sys.stdout.write(render(columns, rows, args.format))
@@ -206,8 +258,8 @@ def _add_ledger_commands(commands: Any) -> None:
         "Export ids are gapless; resume with the last printed id. Rows committed out of "
         "entry id order are never skipped (see lq_export_ledger in sql/ledger.sql).",
     )
-    add_flag(export, "ledger export", "--after-id", type=int, metavar="N")
-    add_flag(export, "ledger export", "--limit", type=int, metavar="N")
+    add_flag(export, "ledger export", "--after-id", type=ascii_integer, metavar="N")
+    add_flag(export, "ledger export", "--limit", type=ascii_integer, metavar="N")
     export.set_defaults(func=cmd_ledger_export)
 
     adjust = actions.add_parser(
@@ -216,7 +268,7 @@ def _add_ledger_commands(commands: Any) -> None:
         description="Append an adjustment row: signed tokens for a tenant, with a reason.",
     )
     add_flag(adjust, "ledger adjust", "--tenant", required=True)
-    add_flag(adjust, "ledger adjust", "--tokens", required=True, type=int)
+    add_flag(adjust, "ledger adjust", "--tokens", required=True, type=ascii_integer)
     add_flag(adjust, "ledger adjust", "--reason", required=True)
     add_flag(adjust, "ledger adjust", "--model")
     add_flag(adjust, "ledger adjust", "--route")
@@ -231,16 +283,33 @@ def _add_price_commands(commands: Any) -> None:
     actions = prices.add_subparsers(dest="prices_command", required=True)
     set_ = actions.add_parser(
         "set",
-        help="set a model's prices from a date on",
-        description="Reports cost usage at the price in force when it was recorded.",
+        help="add a version of a model's prices from a date on",
+        description="Reports cost usage at the price in force when it was recorded. Prices "
+        "are append-only versions; a model is a name or a * glob (the exact name wins, then "
+        "the longest glob). A price taking effect in the past needs --backdate REASON, and "
+        "never reaches into a closed month.",
     )
     add_flag(set_, "prices set", "--model", required=True)
     add_flag(set_, "prices set", "--input-per-million", required=True, metavar="USD")
     add_flag(set_, "prices set", "--output-per-million", required=True, metavar="USD")
     add_flag(set_, "prices set", "--effective-from", metavar="DATE")
+    add_flag(set_, "prices set", "--set-by", required=True, metavar="WHO")
+    add_flag(set_, "prices set", "--backdate", metavar="REASON")
     set_.set_defaults(func=cmd_prices_set)
 
-    list_ = actions.add_parser("list", help="show prices")
+    import_ = actions.add_parser(
+        "import",
+        help="import the price table shipped with llmquota (--builtin)",
+        description="Add the shipped prices (OpenAI, Anthropic, Google; USD per million "
+        "tokens, each in force from its date, never before this month) as versions set by "
+        "'llmquota builtin'. A model you priced yourself (by its name or a glob matching it) "
+        "is left alone, and a row whose prices are already in force adds nothing: importing "
+        "again changes nothing.",
+    )
+    import_.add_argument("--builtin", action="store_true", help="the table shipped in the package")
+    import_.set_defaults(func=cmd_prices_import)
+
+    list_ = actions.add_parser("list", help="show every version of the prices")
     add_flag(list_, "prices list", "--model")
     add_flag(list_, "prices list", "--format", choices=FORMATS)
     list_.set_defaults(func=cmd_prices_list)

@@ -7,6 +7,7 @@ commands add what only argparse cares about (type, choices, metavar...).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,22 @@ def add_converted_flag(
         help=declared.help_text,
         **kwargs,
     )
+
+
+# A whole number as typed in a shell: ASCII digits with an optional leading
+# `-`. int() also takes Arabic-Indic or fullwidth digits, `+7`, `1_000` and
+# `' 12 '`; a count or an id typed that way is a mistake to point out, not a
+# number to guess.
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def ascii_integer(text: str) -> int:
+    """argparse `type` for integer flags: ASCII digits only (see _INTEGER)."""
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number in ASCII digits (e.g. 1200 or -300)"
+        )
+    return int(text)
 
 
 def is_one(value: str) -> bool:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from typing import Any
 
-from llmquota.cli.options import add_converted_flag, add_flag, is_one
+from llmquota.cli.options import add_converted_flag, add_flag, ascii_integer, is_one
 from llmquota.config import Settings, export_for_workers
 from llmquota.store.database import open_database
+
+log = logging.getLogger(__name__)
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
@@ -26,16 +29,29 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _ensure_admin_key(dsn: str, settings: Settings) -> str | None:
-    """Create and return an admin key on first start, when none is configured."""
+    """Create and return an admin key on first start, when none is configured.
+
+    With LLMQUOTA_ADMIN_KEY set, the admin keys stored in the database (the one
+    generated at first start among them) keep working beside it until revoked:
+    say so, by id, so that the operator can revoke them.
+    """
     from llmquota.admin.service import AdminService
 
-    if settings.admin_key:
-        return None
     admin = await AdminService.connect(dsn, transaction_pooler=settings.transaction_pooler)
     try:
-        return await admin.ensure_first_admin_key()
+        if not settings.admin_key:
+            return await admin.ensure_first_admin_key()
+        stored = [k.key_id for k in await admin.keys.list(None) if k.revoked_at is None]
     finally:
         await admin.close()
+    if stored:
+        log.warning(
+            "LLMQUOTA_ADMIN_KEY is set, and %d admin key(s) stored in the database still "
+            "work beside it (ids %s): revoke them with `llmquota keys revoke --admin ID`",
+            len(stored),
+            ", ".join(map(str, stored)),
+        )
+    return None
 
 
 _PROXY_PATHS = {
@@ -73,7 +89,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         for line in _proxy_lines(settings):
             print(line, flush=True)
         # Workers are separate processes: they read the resolved DSN from the environment.
-        export_for_workers(db.dsn)
+        export_for_workers(db.dsn, (args.host, args.port))
         uvicorn.run(
             "llmquota.api.app:create_app_from_env",
             factory=True,
@@ -92,8 +108,8 @@ def add_service_commands(commands: Any) -> None:
     """`serve` and `migrate`."""
     serve = commands.add_parser("serve", help="run the REST API")
     add_flag(serve, "serve", "--host")
-    add_converted_flag(serve, "serve", "--port", int, type=int)
-    add_converted_flag(serve, "serve", "--workers", int, type=int)
+    add_converted_flag(serve, "serve", "--port", ascii_integer, type=ascii_integer)
+    add_converted_flag(serve, "serve", "--workers", ascii_integer, type=ascii_integer)
     add_converted_flag(serve, "serve", "--migrate", is_one, action="store_true")
     add_flag(serve, "serve", "--log-level")
     add_converted_flag(serve, "serve", "--access-log", is_one, action="store_true")

@@ -55,8 +55,8 @@ class CommandDefault:
 # The values of single commands, by command. The service's own settings (the
 # database, timeouts, the sweeper's batches...) are the Settings fields above.
 COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
-    CommandDefault("serve", "--host", "HOST", default="127.0.0.1"),
-    CommandDefault("serve", "--port", "PORT", default="8080"),
+    CommandDefault("serve", "--host", "HOST", "address to listen on", default="127.0.0.1"),
+    CommandDefault("serve", "--port", "PORT", "port to listen on", default="8080"),
     CommandDefault("serve", "--workers", "WORKERS", "uvicorn worker processes", default="1"),
     CommandDefault(
         "serve",
@@ -66,7 +66,13 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         default="0",
         env_note="=1",
     ),
-    CommandDefault("serve", "--log-level", "LOG_LEVEL", default="info"),
+    CommandDefault(
+        "serve",
+        "--log-level",
+        "LOG_LEVEL",
+        "uvicorn's log level (critical to trace)",
+        default="info",
+    ),
     CommandDefault(
         "serve",
         "--access-log",
@@ -121,7 +127,9 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         "whether the tokens are input or output tokens",
         "output",
     ),
-    CommandDefault("prices set", "--model", "PRICE_MODEL", "model name, e.g. gpt-4o"),
+    CommandDefault(
+        "prices set", "--model", "PRICE_MODEL", "model name or * glob, e.g. gpt-4o or gpt-4o*"
+    ),
     CommandDefault(
         "prices set",
         "--input-per-million",
@@ -139,6 +147,15 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         "--effective-from",
         "PRICE_EFFECTIVE_FROM",
         "YYYY-MM-DD (midnight UTC) or an ISO time with offset (default: now)",
+    ),
+    CommandDefault(
+        "prices set", "--set-by", "PRICE_SET_BY", "who sets this price (kept with the version)"
+    ),
+    CommandDefault(
+        "prices set",
+        "--backdate",
+        "PRICE_BACKDATE",
+        "why a price taking effect in the past (this month only) may reprice recorded usage",
     ),
     CommandDefault("prices list", "--model", "PRICE_MODEL", "only this model"),
     CommandDefault("prices list", "--format", "REPORT_FORMAT", "output format", "table"),

@@ -15,11 +15,12 @@ a Settings and pass it down.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Literal, Self
+from typing import Annotated, Self
 
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, PrivateAttr, model_validator
+from pydantic_settings import SettingsConfigDict
 
+from llmquota.config.outbound import OutboundSettings
 from llmquota.config.upstreams import (
     EVERY_MODEL,
     UpstreamConfig,
@@ -42,7 +43,7 @@ DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
-class Settings(BaseSettings):
+class Settings(OutboundSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
     # Errors never echo the values: a provider key must not reach a traceback.
@@ -88,18 +89,56 @@ class Settings(BaseSettings):
         "parameters but application_name, no prepared-statement cache, no session reset; "
         "the statement and lock timeouts are then the role's (docs/operations.md)",
     )
-    pool_min_size: int = Field(default=2, ge=1, le=100)
-    pool_max_size: int = Field(default=10, ge=1, le=200)
+    change_notifications: bool = Field(
+        default=True,
+        description="each worker LISTENs on one direct connection and applies policy, plan, "
+        "ceiling, quota and key changes as they commit",
+    )
+    listen_database_url: str | None = Field(
+        default=None,
+        description="DSN of that connection and of the maintenance lock (direct, never a "
+        "pooler); unset: DATABASE_URL, none with TRANSACTION_POOLER",
+    )
+    pool_min_size: int = Field(
+        default=2, ge=1, le=100, description="database connections each worker keeps open"
+    )
+    pool_max_size: int = Field(
+        default=10, ge=1, le=200, description="most database connections each worker opens"
+    )
     statement_timeout_ms: int = Field(
         default=5_000, ge=10, le=600_000, description="server-side cap on any statement"
     )
-    lock_timeout_ms: int = Field(default=2_000, ge=10, le=600_000)
+    lock_timeout_ms: int = Field(
+        default=2_000, ge=10, le=600_000, description="server-side cap on waiting for a row lock"
+    )
     concurrency_retry_ms: int = Field(
         default=1_000, ge=1, le=600_000, description="retry hint for a concurrency refusal"
     )
-    max_body_bytes: int = Field(default=1_048_576, ge=1_024, le=64 * 1_048_576)
-    sweep_batch_size: int = Field(default=500, ge=1, le=10_000)
-    sweep_max_batches: int = Field(default=100, ge=1, le=100_000)
+    max_body_bytes: int = Field(
+        default=1_048_576,
+        ge=1_024,
+        le=64 * 1_048_576,
+        description="largest request body; a larger one gets 413 (a chunked one as it passes this)",
+    )
+    sweep_batch_size: int = Field(
+        default=500, ge=1, le=10_000, description="lapsed reservations one sweep statement expires"
+    )
+    sweep_max_batches: int = Field(
+        default=100, ge=1, le=100_000, description="sweep statements per run, at most"
+    )
+    serve_sweeper: bool = Field(
+        default=True,
+        description="`serve` runs the sweeper: one leader across all workers and replicas",
+    )
+    sweep_interval_seconds: float = Field(
+        default=5.0, ge=0.1, le=3_600.0, description="how often the maintenance leader sweeps"
+    )
+    maintenance_retry_seconds: float = Field(
+        default=1.0,
+        ge=0.1,
+        le=60.0,
+        description="how often a process that does not lead tries the maintenance lock",
+    )
     decision_deadline_ms: int = Field(
         default=250,
         ge=1,
@@ -122,7 +161,12 @@ class Settings(BaseSettings):
         default=None,
         description="directory for fsync'd outage journal files (unset: memory only)",
     )
-    outage_flush_batch_size: int = Field(default=500, ge=1, le=10_000)
+    outage_flush_batch_size: int = Field(
+        default=500,
+        ge=1,
+        le=10_000,
+        description="outage journal entries recorded per statement when the database is back",
+    )
     outage_probe_seconds: float = Field(
         default=0.5, gt=0.0, le=60.0, description="retry interval while recording an outage"
     )
@@ -135,7 +179,13 @@ class Settings(BaseSettings):
         le=7 * 86_400.0,
         description="oldest cached policies a worker decides by during an outage",
     )
-    policy_cache_max_layers: int = Field(default=100_000, ge=1, le=10_000_000)
+    policy_cache_max_layers: int = Field(
+        default=100_000,
+        ge=1,
+        le=10_000_000,
+        description="limit layers a worker's policy cache holds; those beyond count as closed "
+        "during an outage",
+    )
     estimate_refresh_seconds: float = Field(
         default=5.0,
         gt=0.0,
@@ -258,6 +308,15 @@ class Settings(BaseSettings):
         "(settlement and the ledger always wait); a crash may then forget the admissions "
         "of its last few hundred milliseconds, see BENCHMARKS.md",
     )
+    refusal_memory_ms: int = Field(
+        default=100,
+        ge=0,
+        le=100,
+        description="how long a worker answers a tenant's repeats of a request refused as "
+        "rate limited from memory (never past the refusal's retry hint); a settlement in another "
+        "worker can make room sooner, so this bounds how long a refusal can be wrong. "
+        "0: every request is decided by the store",
+    )
     retention_seconds: int = Field(
         default=7 * 86_400,
         ge=86_400,
@@ -311,92 +370,6 @@ class Settings(BaseSettings):
         min_length=16,
         description="bearer token GET /metrics requires; unset: /metrics is open",
     )
-    # Alert delivery (llmquota.admin.delivery), in `serve` and in `sweep --loop`.
-    alert_delivery: bool = Field(
-        default=True,
-        description="run the webhook delivery loop in this process (serve, sweep --loop)",
-    )
-    alert_delivery_interval_seconds: float = Field(
-        default=1.0, gt=0, le=300.0, description="pause of the delivery loop when nothing is due"
-    )
-    alert_delivery_batch_size: int = Field(
-        default=50, ge=1, le=1_000, description="deliveries one loop claims and sends at once"
-    )
-    alert_delivery_timeout_seconds: float = Field(
-        default=10.0, gt=0, le=120.0, description="longest wait for one webhook's answer"
-    )
-    alert_delivery_claim_seconds: float = Field(
-        default=60.0,
-        ge=1.0,
-        le=3_600.0,
-        description="how long a claimed delivery is this loop's alone; after a crash it is "
-        "due again then (keep it above the timeout)",
-    )
-    # Proxy mode (llmquota.api.proxy): each upstream needs its base URL and its key.
-    openai_base_url: str | None = Field(
-        default=None,
-        description="OpenAI-format upstream as the openai SDK takes it, /v1 included "
-        "(e.g. https://api.openai.com/v1); enables POST /v1/chat/completions",
-    )
-    openai_api_key: SecretStr | None = Field(
-        default=None, description="the provider key sent upstream; never shown to clients"
-    )
-    anthropic_base_url: str | None = Field(
-        default=None,
-        description="Anthropic-format upstream as the anthropic SDK takes it, without /v1 "
-        "(e.g. https://api.anthropic.com); enables POST /v1/messages",
-    )
-    anthropic_api_key: SecretStr | None = Field(
-        default=None, description="the provider key sent upstream; never shown to clients"
-    )
-    upstreams_file: str | None = Field(
-        default=None,
-        description="TOML file of several upstreams and the models each serves (see "
-        "llmquota.config.upstreams); read and checked at start-up",
-    )
-    proxy_default_max_tokens: int | None = Field(
-        default=None,
-        ge=1,
-        le=10_000_000,
-        description="output tokens reserved when a proxied request gives no max_tokens; "
-        "unset: the model's maximum output from the shipped table",
-    )
-    proxy_disconnect: Literal["drain", "cancel"] = Field(
-        default="drain",
-        description="a client hanging up mid-stream: drain (read the provider to its final "
-        "usage, bounded) or cancel (close upstream, settle output counted so far)",
-    )
-    proxy_drain_seconds: float = Field(
-        default=120.0, gt=0, le=3_600.0, description="longest a hung-up stream is drained"
-    )
-    proxy_client_stall_seconds: float = Field(
-        default=300.0,
-        gt=0,
-        le=3_600.0,
-        description="a streaming client that reads nothing for this long counts as gone "
-        "(drain or cancel, as for a hang-up)",
-    )
-    proxy_connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600.0)
-    proxy_read_timeout_seconds: float = Field(
-        default=600.0, gt=0, le=3_600.0, description="longest wait for the provider's next bytes"
-    )
-    proxy_max_connections: int = Field(
-        default=200, ge=1, le=100_000, description="pooled upstream connections per worker"
-    )
-    proxy_ceiling_cooldown_seconds: float = Field(
-        default=0.0,
-        ge=0,
-        le=3_600.0,
-        description="0: off. Otherwise an upstream 429 for a model empties the provider "
-        "ceilings matching it and debits their refill for the provider's retry-after (this "
-        "many seconds when it gives none), so llmquota refuses that model itself meanwhile",
-    )
-    proxy_heartbeat_seconds: float = Field(
-        default=20.0,
-        gt=0,
-        le=3_600.0,
-        description="how often a running stream renews its reservation's lease",
-    )
 
     @model_validator(mode="after")
     def _upstreams_are_whole(self) -> Self:
@@ -438,11 +411,14 @@ def environment_value(variable: str, default: str | None = None) -> str | None:
     return os.environ.get(variable, default)
 
 
-def export_for_workers(database_url: str) -> None:
-    """Put the resolved DSN into LLMQUOTA_DATABASE_URL for worker processes.
+def export_for_workers(database_url: str, listen: tuple[str, int] | None = None) -> None:
+    """Put the resolved DSN into LLMQUOTA_DATABASE_URL for worker processes, and
+    where serve listens into LLMQUOTA_SERVE_LISTEN.
 
     `llmquota serve` resolves the database (perhaps starting the embedded
     server) once; uvicorn's workers are separate processes that build their
     own `Settings` from the environment they inherit.
     """
     os.environ[DATABASE_URL_ENV] = database_url
+    if listen is not None:
+        os.environ[f"{ENV_PREFIX}SERVE_LISTEN"] = f"{listen[0]}:{listen[1]}"

@@ -8,6 +8,7 @@ tokens the same way before anything reaches the store.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict
@@ -70,23 +71,19 @@ def prepare_admit_request(
     fallback_models: Sequence[str] | None = None,
     degrade: bool | None = None,
     count_cpu_seconds: float = UNLIMITED_SECONDS,
+    request_hash_key: bytes | None = None,
 ) -> AdmitRequest:
     """Validate and count a request; raises InvalidRequest.
 
     Counting stops encoding after `count_cpu_seconds` of this thread's CPU and
     bounds the rest from above (marked as an estimate; see tokens.py).
+    `request_hash_key` keys the digest of an idempotent request (request_hash).
     """
-    check_name("tenant", tenant)
-    if route is not None:
-        check_name("route", route)
-    check_model(model)
+    _check_names(tenant, route, model)
+    _check_options(lease_seconds, idempotency_key, priority)
     max_tokens, max_tokens_given = _output_limit(model, max_tokens, max_tokens_given)
-    check_lease_seconds(lease_seconds)
-    check_idempotency_key(idempotency_key)
     if (messages is None) == (input_tokens is None):
         raise InvalidRequest("give exactly one of messages or input_tokens")
-    if priority is not None and priority not in PRIORITIES:
-        raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}")
     models = _fallback_models(model, fallback_models)
     counted, estimated, fallbacks = _count_each(
         model, models, messages, input_tokens, estimate_factors, count_cpu_seconds
@@ -95,7 +92,8 @@ def prepare_admit_request(
     if idempotency_key is not None:
         request_hash = _request_hash(
             [route, model, max_tokens, lease_seconds, input_tokens, messages]
-            + ([priority, list(models), degrade] if priority or models or degrade is False else [])
+            + ([priority, list(models), degrade] if priority or models or degrade is False else []),
+            request_hash_key,
         )
     return AdmitRequest(
         tenant=tenant,
@@ -113,6 +111,24 @@ def prepare_admit_request(
         fallbacks=fallbacks,
         max_tokens_given=max_tokens_given,
     )
+
+
+def _check_names(tenant: str, route: str | None, model: str) -> None:
+    """The request's names, each refused naming it."""
+    check_name("tenant", tenant)
+    if route is not None:
+        check_name("route", route)
+    check_model(model)
+
+
+def _check_options(
+    lease_seconds: int | None, idempotency_key: str | None, priority: Priority | None
+) -> None:
+    """The request's plain options, each refused naming it."""
+    check_lease_seconds(lease_seconds)
+    check_idempotency_key(idempotency_key)
+    if priority is not None and priority not in PRIORITIES:
+        raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}")
 
 
 def _output_limit(model: str, max_tokens: int | None, given: bool) -> tuple[int, bool]:
@@ -164,7 +180,7 @@ def _fallback_models(model: str, fallback_models: Sequence[str] | None) -> tuple
     if len(fallback_models) > MAX_FALLBACK_MODELS:
         raise InvalidRequest(f"fallback_models: at most {MAX_FALLBACK_MODELS} models")
     for name in fallback_models:
-        check_model(name)
+        check_model(name, "fallback_models")
     try:
         check_model_list("fallback_models", list(fallback_models), requested=model)
     except ValueError as exc:
@@ -188,7 +204,21 @@ def _count(
     return count.tokens, count.estimated
 
 
-def _request_hash(fields: list[Any]) -> str:
-    """A digest of what an idempotent request asked for, to tell a replay from a reuse."""
-    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=repr)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def request_hash_key(server_key: bytes) -> bytes:
+    """The key of request hashes, derived from the server's own key (outage_id_key):
+    one secret in the database, a separate key for each use."""
+    return hmac.new(server_key, b"llmquota request_hash v1", hashlib.sha256).digest()
+
+
+def _request_hash(fields: list[Any], key: bytes | None) -> str:
+    """A digest of what an idempotent request asked for, to tell a replay from a reuse.
+
+    An HMAC under a server secret, not a bare SHA-256: the digest is stored
+    with the reservation, and a bare hash of the messages would let whoever
+    reads the table confirm a guessed prompt. Without the key (a worker that
+    has not reached the database yet) it is the bare SHA-256, so such a worker
+    still tells replays from reuses of its own."""
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=repr).encode()
+    if key is None:
+        return hashlib.sha256(canonical).hexdigest()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()

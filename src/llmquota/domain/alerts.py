@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlsplit
 
+from llmquota.domain.destinations import (
+    DestinationRules,
+    connect_problem,
+    is_loopback_name,
+    is_own_address,
+    literal_address,
+)
 from llmquota.domain.errors import InvalidRequest
 
 MIN_SECRET_BYTES = 16
@@ -33,12 +39,6 @@ MAX_URL_CHARS = 2048
 FIRST_RETRY_SECONDS = 5.0
 MAX_RETRY_SECONDS = 3_600.0
 MAX_DELIVERY_AGE_SECONDS = 86_400.0
-
-# Cloud metadata lives at link-local addresses (169.254.169.254, fd00:ec2::254
-# aside): never a receiver of ours.
-_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
-_UNSPECIFIED_HOSTS = frozenset({"0.0.0.0", "::", ""})
-_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,47 +171,15 @@ def check_secret(value: object) -> str:
     return value
 
 
-def forbidden_address(host: str) -> str | None:
-    """Why an IP address may not receive webhooks (link-local), or None."""
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%")[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if any(address in network for network in _LINK_LOCAL):
-        return f"url: {host} is a link-local address (cloud metadata), refused"
-    return None
+def check_webhook_url(value: object, rules: DestinationRules | None = None) -> str:
+    """An http(s) URL whose host, when it is an address or a name for this
+    machine, passes the destination rules (llmquota.domain.destinations).
 
-
-def _is_loopback(host: str) -> bool:
-    if host.lower() in _LOOPBACK_NAMES or host in _UNSPECIFIED_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def is_own_address(host: str, port: int, own: Iterable[tuple[str, int]]) -> bool:
-    """Whether (host, port) is where this service listens: the same port at its
-    own address, or at loopback when it listens there or on every address."""
-    for own_host, own_port in own:
-        if port != own_port:
-            continue
-        if host.lower() == own_host.lower():
-            return True
-        if _is_loopback(host) and (_is_loopback(own_host) or own_host in _UNSPECIFIED_HOSTS):
-            return True
-    return False
-
-
-def check_webhook_url(value: object, own: Iterable[tuple[str, int]] = ()) -> str:
-    """An http(s) URL with a host that is neither link-local nor this service itself.
-
-    Loopback and private addresses are allowed: receivers often run beside the
-    service. A host name is checked again at delivery, once resolved.
+    A host name is resolved and its addresses checked by the adapter, at
+    registration and again at every delivery (the connection then goes to the
+    address that was checked).
     """
+    rules = rules or DestinationRules()
     if not isinstance(value, str) or not 0 < len(value) <= MAX_URL_CHARS:
         raise InvalidRequest(f"url must be an http(s) URL of at most {MAX_URL_CHARS} characters")
     try:
@@ -224,10 +192,12 @@ def check_webhook_url(value: object, own: Iterable[tuple[str, int]] = ()) -> str
     if any(ch.isspace() for ch in value) or not value.isascii():
         raise InvalidRequest("url must be ASCII without spaces")
     host = parts.hostname
-    problem = forbidden_address(host)
-    if problem is not None:
-        raise InvalidRequest(problem)
     effective_port = port if port is not None else (443 if parts.scheme == "https" else 80)
-    if is_own_address(host, effective_port, own):
+    address = literal_address(host)
+    if address is not None or is_loopback_name(host):
+        problem = connect_problem(host, effective_port, [address] if address else [], rules)
+        if problem is not None:
+            raise InvalidRequest(f"url: {problem}, refused")
+    elif is_own_address(host, effective_port, rules.own):
         raise InvalidRequest("url: that is this service's own listening address, refused")
     return value

@@ -68,6 +68,11 @@ class UnknownTenant(LimiterError):
     """No such tenant is registered."""
 
 
+class TenantSuspended(LimiterError):
+    """The tenant is suspended: no new admissions, whoever asks (403 tenant_suspended);
+    what it holds still settles, releases and heartbeats."""
+
+
 class UnknownName(LimiterError):
     """No plan, ceiling or other named object of that name."""
 
@@ -76,12 +81,28 @@ class NameInUse(LimiterError):
     """The named object is still in use (a plan with tenants on it)."""
 
 
+class TenantBusy(NameInUse):
+    """A tenant cannot be deleted while it has active reservations."""
+
+    def __init__(self, message: str, active_reservations: int) -> None:
+        super().__init__(message)
+        self.active_reservations = active_reservations
+
+
 class UnknownReport(LimiterError):
     """No report function of that name (that this database role may run)."""
 
 
+class PreconditionFailed(LimiterError):
+    """An If-Match precondition did not hold: the resource changed (or is gone) since."""
+
+
 class InvalidRequest(LimiterError):
     """The request's values are out of range or of the wrong kind."""
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """A body in a content-type the endpoint does not read (a PATCH not a merge patch)."""
 
 
 class UnpricedModel(InvalidRequest):

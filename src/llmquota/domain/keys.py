@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
+
+from llmquota.domain.errors import InvalidRequest
 
 KEY_PREFIX = "lq_"
+# How much of a secret is kept in the clear to tell keys apart: "lq_" and 8
+# random characters (48 bits), too few to guess the other 40.
+SHOWN_PREFIX_CHARS = 11
+# What a tenant key may do: `admit` the reservation lifecycle and the proxy,
+# `read` the tenant's GET endpoints (status, usage, its keys).
+SCOPES = ("admit", "read")
+# The longest a rotated-out secret keeps working.
+MAX_GRACE_SECONDS = 7 * 24 * 3600
+MAX_LABEL_CHARS = 200
 
 
 def new_key() -> str:
@@ -25,9 +38,68 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
+def shown_prefix(key: str) -> str:
+    """The part of a secret listed with its key."""
+    return key[:SHOWN_PREFIX_CHARS]
+
+
+def check_scopes(scopes: Iterable[str]) -> tuple[str, ...]:
+    """Known scopes, deduplicated in the canonical order; InvalidRequest otherwise."""
+    wanted = set(scopes)
+    unknown = sorted(wanted - set(SCOPES))
+    if unknown:
+        raise InvalidRequest(f"'scopes': unknown scope(s) {unknown}; known: {list(SCOPES)}")
+    if not wanted:
+        raise InvalidRequest("'scopes': a key needs at least one scope")
+    return tuple(scope for scope in SCOPES if scope in wanted)
+
+
+def check_grace_seconds(grace_seconds: int) -> int:
+    if not 0 <= grace_seconds <= MAX_GRACE_SECONDS:
+        raise InvalidRequest(f"'grace_seconds' must be between 0 and {MAX_GRACE_SECONDS} (7 days)")
+    return grace_seconds
+
+
+def check_label(label: str | None) -> str | None:
+    if label is not None and (len(label) > MAX_LABEL_CHARS or not label.isprintable()):
+        raise InvalidRequest(f"'label' must be printable, at most {MAX_LABEL_CHARS} characters")
+    return label
+
+
 @dataclass(frozen=True, slots=True)
 class KeyOwner:
-    """A stored key's id and tenant; no tenant means an admin key."""
+    """A stored key's id and tenant; no tenant means an admin key.
+
+    `scopes`: what the key may do; `suspended`: its tenant is suspended;
+    `valid_seconds`: how long, from the lookup, this secret stays valid
+    (its expiry or the end of a rotation's grace; None: no end).
+    """
 
     key_id: int
     tenant: str | None
+    scopes: frozenset[str] = frozenset(SCOPES)
+    suspended: bool = False
+    valid_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A stored key as listed: never its secret nor its digest."""
+
+    key_id: int
+    tenant: str | None
+    prefix: str | None
+    label: str | None
+    scopes: tuple[str, ...]
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A key just created or rotated: its secret (shown once) and its record."""
+
+    key: str
+    record: KeyRecord

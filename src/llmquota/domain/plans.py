@@ -30,24 +30,20 @@ from pydantic import (
     model_validator,
 )
 
+from llmquota.domain.names import ModelGlob, ModelName
 from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
-from llmquota.domain.validation import MAX_MODEL_NAME_CHARS, storable_text_problem
 from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, priority_rank
 
 MAX_FALLBACK_MODELS = 8
 MAX_CEILING_MODELS = 64
 MAX_SHED_STEPS = 8
 
-ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_CHARS)]
-
 
 def check_model_list(field: str, models: list[str], *, requested: str | None = None) -> None:
-    """A list of model names: storable, no duplicates, not the requested model."""
+    """A list of model names (each already matching its pattern): no duplicates, not
+    the requested model."""
     seen: set[str] = set()
     for model in models:
-        problem = storable_text_problem(model)
-        if problem is not None:
-            raise ValueError(f"{field}: {problem}")
         if model in seen:
             raise ValueError(f"{field} names {model!r} twice")
         if requested is not None and model == requested:
@@ -92,7 +88,7 @@ class Ceiling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    models: Annotated[list[ModelName], Field(min_length=1, max_length=MAX_CEILING_MODELS)]
+    models: Annotated[list[ModelGlob], Field(min_length=1, max_length=MAX_CEILING_MODELS)]
     tokens_per_minute: TokenRate | None = None
     token_burst: TokenRate | None = None
     requests_per_minute: RequestRate | None = None
@@ -150,6 +146,7 @@ class StoredPlan:
     name: str
     plan: Plan
     tenants: int
+    version: int = 0  # its ETag: updated_at in microseconds (lq_plan_version)
 
 
 @dataclass(frozen=True, slots=True)

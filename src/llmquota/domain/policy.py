@@ -22,8 +22,6 @@ MAX_LEASE_SECONDS = 86_400
 MAX_GLOBAL_SHARDS = 64
 DEFAULT_LEASE_SECONDS = 120
 
-NAME_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
-
 TokenRate = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
 RequestRate = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
 

@@ -17,7 +17,7 @@ from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from llmquota.domain.errors import InvalidRequest
-from llmquota.domain.validation import check_model, check_text
+from llmquota.domain.validation import check_model_glob, check_text
 
 Period = Literal["day", "month"]
 Enforce = Literal["block", "alert_only"]
@@ -187,10 +187,7 @@ def check_models(value: object) -> tuple[str, ...]:
         return ()
     if not isinstance(value, list | tuple) or len(value) > MAX_MODELS:
         raise InvalidRequest(f"models must be a list of at most {MAX_MODELS} names or globs")
-    try:
-        return tuple(check_model(item) for item in value)
-    except InvalidRequest as exc:
-        raise InvalidRequest(f"models: {exc}") from exc
+    return tuple(check_model_glob(item, "models") for item in value)
 
 
 def glob_to_like(pattern: str) -> str:

@@ -31,6 +31,7 @@ from llmquota.domain.vocabulary import (
     Priority,
     RefusalReason,
     Scope,
+    UsageSource,
 )
 
 
@@ -119,6 +120,12 @@ class FinishRequest:
     input_tokens: int | None = None
     output_tokens: int | None = None
     outcome: str | None = None
+    # Settle only, for the ledger row: where the figures came from (None:
+    # reported), and an upstream's own figures where they differ from them
+    # (domain/upstream_usage.py).
+    usage_source: UsageSource | None = None
+    reported_input_tokens: int | None = None
+    reported_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +141,10 @@ class FinishResult:
     # Usage settled above the request's possible maximum: charged in full to
     # the tenant's own layers, at most the maximum to shared ones.
     excess_tokens: int | None = None
+    # Usage the global layer, and the provider ceilings (summed), were not
+    # debited because they stood at minus their burst (lq_shared_forgiven).
+    forgiven_global_tokens: int | None = None
+    forgiven_ceiling_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +185,9 @@ class OutageAdmissionRecord:
     request: AdmitRequest
     policy_version: int
     mode: FailureMode
+    # When the worker admitted it, by its own clock (the only one there was);
+    # None for a journal written before the time was kept: the store's now.
+    admitted_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +236,9 @@ class LayerStatus:
     requests: float | None
     in_flight: int
     plan: str | None = None
+    fallback_models: tuple[str, ...] = ()  # the layer's own, else its plan's
+    prepaid: bool = False
+    shards: int = 1
 
 
 @dataclass(frozen=True, slots=True)

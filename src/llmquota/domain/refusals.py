@@ -7,20 +7,31 @@ all say the same thing in the same words, because they all come from here.
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
+from llmquota.domain.money import money_text
 from llmquota.domain.records import AdmitDecision, LayerStatus
 
 
 def refusal_message(tenant: str, d: AdmitDecision) -> str:
     """A sentence a developer can act on: what bound, and what to do."""
     if d.status == "quota_exceeded":
+        until = d.resets_at.isoformat() if d.resets_at else "its window resets"
+        if d.alt_max_tokens:
+            # Room is left, only not this much: say what still fits.
+            return (
+                f"This request's reservation does not fit in what is left of the "
+                f"{d.limit_scope} quota {d.quota!r} of tenant {tenant} until {until}; "
+                f"with the same input, max_tokens up to {d.alt_max_tokens} fits."
+            )
         return (
-            f"The {d.limit_scope} quota {d.quota!r} of tenant {tenant} is used up until "
-            f"{d.resets_at.isoformat() if d.resets_at else 'its window resets'}."
+            f"The {d.limit_scope} quota {d.quota!r} of tenant {tenant} has no room left for "
+            f"this request's input until {until}."
         )
     if d.status == "credits_exhausted":
+        balance = money_text(d.credit_balance or Decimal(0))
         return (
-            f"The prepaid balance of tenant {tenant} ({d.credit_balance}) cannot cover this "
+            f"The prepaid balance of tenant {tenant} ({balance}) cannot cover this "
             f"request's maximum cost; top up the credits or lower max_tokens."
         )
     if d.status == "unpriced_model":
@@ -35,6 +46,14 @@ def refusal_message(tenant: str, d: AdmitDecision) -> str:
             f"max_tokens or split the input."
         )
     retry_s = (d.retry_after_ms or 0) / 1000.0
+    if d.reason == "shed" and d.ceiling:
+        # Not short of tokens: the ceiling keeps its last room for higher priorities.
+        used = f" at {d.utilization:.0%} utilization" if d.utilization is not None else ""
+        return (
+            f"The provider ceiling {d.ceiling!r}{used} is shedding: it admits only requests "
+            f"of a priority above {d.priority or 'this one'} now (tenant {tenant}); retry in "
+            f"{retry_s:.3f}s."
+        )
     what = {
         "tokens": f"has too few tokens for {d.reserved_tokens}",
         "requests": "is out of requests",

@@ -7,25 +7,29 @@ refused on every path, with the same words.
 
 from __future__ import annotations
 
-import re
-
 from llmquota.domain.errors import InvalidRequest
-from llmquota.domain.policy import MAX_LEASE_SECONDS, NAME_PATTERN
+from llmquota.domain.names import (
+    MODEL_GLOB_RULE,
+    MODEL_RULE,
+    NAME_RULE,
+    is_model,
+    is_model_glob,
+    is_name,
+)
+from llmquota.domain.policy import MAX_LEASE_SECONDS
 
 # A single token count above this is refused as absurd (and as a likely bug).
 MAX_TOKEN_COUNT = 10_000_000
 # A tokenizer estimate is off by a factor, not by orders of magnitude.
 MAX_ESTIMATE_FACTOR = 10.0
-MAX_MODEL_NAME_CHARS = 200
 MAX_IDEMPOTENCY_KEY_CHARS = 255
-
-_NAME = re.compile(NAME_PATTERN)
 
 
 def check_name(kind: str, value: object) -> str:
-    """A tenant or route name, or InvalidRequest."""
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise InvalidRequest(f"{kind} must match {NAME_PATTERN}")
+    """A tenant, route, plan, ceiling, quota or webhook name (domain.names), or
+    InvalidRequest naming `kind`."""
+    if not is_name(value):
+        raise InvalidRequest(f"{kind} must be {NAME_RULE}")
     return value
 
 
@@ -57,9 +61,19 @@ def check_text(field: str, value: object, max_chars: int) -> str:
     return value
 
 
-def check_model(value: object) -> str:
-    """A model name: 1 to MAX_MODEL_NAME_CHARS characters PostgreSQL can store."""
-    return check_text("model", value, MAX_MODEL_NAME_CHARS)
+def check_model(value: object, field: str = "model") -> str:
+    """A model name (domain.names), or InvalidRequest naming `field`."""
+    if not is_model(value):
+        raise InvalidRequest(f"{field} must be {MODEL_RULE}")
+    return value
+
+
+def check_model_glob(value: object, field: str = "models") -> str:
+    """A model name or a `*` glob of them (a ceiling's or a quota's), or
+    InvalidRequest naming `field`."""
+    if not is_model_glob(value):
+        raise InvalidRequest(f"{field} must be {MODEL_GLOB_RULE}")
+    return value
 
 
 def check_token_count(name: str, value: object) -> int:

@@ -31,6 +31,14 @@ def priority_rank(priority: Priority) -> int:
     return PRIORITIES.index(priority)
 
 
+def lowered_from(requested: Priority | None, granted: Priority | None) -> Priority | None:
+    """The priority asked for when the decision was made at a lower one (only an
+    admin may raise a request above its plan's), else None: the answer says so."""
+    if requested is None or granted is None:
+        return None
+    return requested if priority_rank(requested) > priority_rank(granted) else None
+
+
 def priority_of(rank: int) -> Priority:
     """The priority of a stored rank."""
     return PRIORITIES[rank]
@@ -59,9 +67,20 @@ AdmitStatus = Literal[
     "unpriced_model",
 ]
 FinishAction = Literal["settle", "release", "expire"]
+# journaled: the store did not answer a settle; the worker's outage journal
+# holds it and records it when the store is back (never a store answer).
 FinishStatus = Literal[
-    "settled", "released", "expired", "replayed", "conflict", "not_found", "not_due"
+    "settled", "released", "expired", "replayed", "conflict", "not_found", "not_due", "journaled"
 ]
 # How the provider call ended, as the caller reports it when settling.
 Outcome = Literal["ok", "error", "cancelled"]
 OUTCOMES: tuple[Outcome, ...] = ("ok", "error", "cancelled")
+
+# Where a settlement's figures came from (usage_ledger.usage_source):
+#   reported  as the caller or the upstream reported them;
+#   clamped   an upstream reported more than MAX_TOKEN_COUNT: settled at that
+#             maximum, its own figure kept in the ledger (reported_*_tokens);
+#   counted   an upstream reported nothing usable (missing, not an integer,
+#             negative): the relayed text counted with tiktoken instead.
+UsageSource = Literal["reported", "counted", "clamped"]
+USAGE_SOURCES: tuple[UsageSource, ...] = ("reported", "counted", "clamped")

@@ -18,23 +18,36 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Literal
 
 from llmquota.domain.errors import InvalidRequest, UnknownTenant
-from llmquota.domain.validation import check_model, check_name
+from llmquota.domain.validation import check_model, check_model_glob, check_name
 from llmquota.store.connection import Connection, Row, translate_errors
 from llmquota.store.sqlfiles import named_queries
 
 TokenType = Literal["input", "output"]
 TOKEN_TYPES: tuple[TokenType, ...] = ("input", "output")
 
-# One adjustment moves at most this many tokens either way (a month of a large
-# tenant's corrections fits; a typo with extra zeros does not).
-MAX_ADJUSTMENT_TOKENS = 1_000_000_000_000
+# One adjustment moves at most this many tokens either way: a billion tokens,
+# days of a large tenant's traffic, is more than one correction of a real
+# mistake needs; 10^12 (the old bound) hid a year of anyone's usage in one
+# row. lq_ledger_adjust enforces the same figure, and refuses taking back
+# more than the tenant recorded lately.
+MAX_ADJUSTMENT_TOKENS = 1_000_000_000
 MAX_REASON_CHARS = 1_000
+MAX_SET_BY_CHARS = 200
 # Prices are numeric(14, 6) in the database: refuse what it would round.
 PRICE_DECIMAL_PLACES = 6
 MAX_PRICE_USD_PER_MILLION = Decimal(1_000_000)
 MAX_EXPORT_PAGE_ROWS = 10_000
+# No price takes effect before this (lq_set_price's bound too): asyncpg sends
+# 0001-01-01 as -infinity, which priced all of history.
+MIN_EFFECTIVE_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 
-_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+# ASCII digits only: `\d` and Decimal() also take other scripts' digits
+# (Arabic-Indic, fullwidth), and Decimal() takes `_` separators and
+# surrounding space.
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+_PRICE = re.compile(r"[0-9]+(\.[0-9]+)?")
+# What an ISO time may hold: digits, separators, a fraction and an offset.
+_ISO_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}[T ][0-9:.]+(Z|[+-][0-9]{2}:?[0-9]{2})?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,12 @@ class LedgerEntry:
     outcome: str
     policy_version: int | None
     reason: str | None
+    # Where the figures came from (reported | clamped | counted; None on an
+    # expiry, an adjustment, and rows older than revision 0016), and an
+    # upstream's own figures where they differ from the settled ones.
+    usage_source: str | None = None
+    reported_input_tokens: int | None = None
+    reported_output_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON line a billing pipeline reads; `id` is the export cursor."""
@@ -73,7 +92,15 @@ class LedgerEntry:
             "outcome": self.outcome,
             "policy_version": self.policy_version,
             "reason": self.reason,
+            "usage_source": self.usage_source,
+            "reported_input_tokens": self.reported_input_tokens,
+            "reported_output_tokens": self.reported_output_tokens,
         }
+
+
+def _whole(value: Decimal | None) -> int | None:
+    """A numeric(…, 0) figure as the integer it is (a provider's can exceed bigint)."""
+    return None if value is None else int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,12 +133,19 @@ class Adjustment:
 
 @dataclass(frozen=True, slots=True)
 class ModelPrice:
-    """A model's prices per million tokens from effective_from on."""
+    """One version of a model's prices per million tokens from effective_from on.
+
+    `model` is a name or a `*` glob. Versions are never changed: set_at, who
+    set it, and why it took effect before it was set (backdate_reason).
+    """
 
     model: str
     effective_from: datetime
     input_usd_per_million: Decimal
     output_usd_per_million: Decimal
+    set_at: datetime
+    set_by: str
+    backdate_reason: str | None
 
 
 def check_adjustment_tokens(tokens: object) -> int:
@@ -135,15 +169,27 @@ def check_reason(reason: object) -> str:
     return reason
 
 
+def check_set_by(set_by: object) -> str:
+    """Who sets a price version: 1 to MAX_SET_BY_CHARS characters."""
+    if not isinstance(set_by, str) or not set_by.strip():
+        raise InvalidRequest("a price version needs who set it (--set-by)")
+    if len(set_by) > MAX_SET_BY_CHARS:
+        raise InvalidRequest(f"set-by must be at most {MAX_SET_BY_CHARS} characters")
+    return set_by
+
+
 def parse_price(name: str, text: str) -> Decimal:
-    """A price per million tokens: a plain decimal, 0 or more, at most 6 places."""
+    """A price per million tokens: ASCII digits with an optional fraction
+    (`2.50`), 0 or more, at most 6 places; no sign, space or `_`."""
+    if not isinstance(text, str) or not _PRICE.fullmatch(text):
+        raise InvalidRequest(f"{name} must be a decimal number such as 2.50, not {text!r}")
     try:
-        value = Decimal(text.strip())
-    except (InvalidOperation, AttributeError):
+        value = Decimal(text)
+    except InvalidOperation:
         raise InvalidRequest(
             f"{name} must be a decimal number such as 2.50, not {text!r}"
         ) from None
-    if not value.is_finite() or value < 0 or value > MAX_PRICE_USD_PER_MILLION:
+    if value > MAX_PRICE_USD_PER_MILLION:
         raise InvalidRequest(f"{name} must be between 0 and {MAX_PRICE_USD_PER_MILLION}")
     exponent = value.as_tuple().exponent
     if isinstance(exponent, int) and exponent < -PRICE_DECIMAL_PLACES:
@@ -152,10 +198,17 @@ def parse_price(name: str, text: str) -> Decimal:
 
 
 def parse_effective_from(text: str) -> datetime:
-    """YYYY-MM-DD (midnight UTC) or an ISO 8601 time with a UTC offset."""
+    """YYYY-MM-DD (midnight UTC) or an ISO 8601 time with a UTC offset, in
+    ASCII digits; empty is an error, not "now" (leave the flag out for now)."""
+    if not text:
+        raise InvalidRequest("effective-from is empty: give a date, or leave it out for now")
     try:
-        if _DATE.match(text):
-            return datetime.combine(date.fromisoformat(text), time(), tzinfo=UTC)
+        if _DATE.fullmatch(text):
+            return check_effective_from(
+                datetime.combine(date.fromisoformat(text), time(), tzinfo=UTC)
+            )
+        if not _ISO_TIME.fullmatch(text):
+            raise ValueError(text)
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise InvalidRequest(
@@ -163,6 +216,15 @@ def parse_effective_from(text: str) -> datetime:
         ) from None
     if moment.tzinfo is None:
         raise InvalidRequest("effective-from as a time must carry a UTC offset, e.g. +00:00")
+    return check_effective_from(moment)
+
+
+def check_effective_from(moment: datetime) -> datetime:
+    """A price's start: from MIN_EFFECTIVE_FROM on (the far end is the database's)."""
+    if moment < MIN_EFFECTIVE_FROM:
+        raise InvalidRequest(
+            f"effective-from must be {MIN_EFFECTIVE_FROM.date().isoformat()} or later"
+        )
     return moment
 
 
@@ -174,7 +236,9 @@ class LedgerStore:
         self._sql = named_queries("finance_queries.sql")
 
     async def _fetch(self, name: str, *args: Any) -> list[Row]:
-        with translate_errors():
+        # The finance functions' own refusals (a backdate without a reason, a
+        # correction beyond the bound) reach the operator with their reasons.
+        with translate_errors(own_refusals=True):
             rows: list[Row] = await self._connection.fetch(self._sql[name], *args)
         return rows
 
@@ -227,7 +291,13 @@ class LedgerStore:
         # Numbering fewer rows than a page would end a stream early.
         numbered = max(number_limit, limit)
         rows = await self._fetch("export_ledger", after_export_id, limit, numbered)
-        return [LedgerEntry(**dict(row)) for row in rows]
+        entries = []
+        for row in rows:
+            fields = dict(row)
+            for name in ("reported_input_tokens", "reported_output_tokens"):
+                fields[name] = _whole(fields[name])
+            entries.append(LedgerEntry(**fields))
+        return entries
 
     async def export(
         self,
@@ -261,18 +331,54 @@ class LedgerStore:
         model: str,
         input_usd_per_million: Decimal,
         output_usd_per_million: Decimal,
+        set_by: str,
         effective_from: datetime | None = None,
+        backdate_reason: str | None = None,
     ) -> tuple[ModelPrice, bool]:
-        """Set a model's prices from `effective_from` (None: now); (price, replaced)."""
-        check_model(model)
+        """Add a version of a model's (or a `*` glob's) prices from
+        `effective_from` (None: now); (version, superseded).
+
+        A version taking effect in the past needs `backdate_reason`, and never
+        reaches into a closed month (lq_set_price decides, by the database
+        clock).
+        """
+        check_model_glob(model, "model")  # an exact name or a `*` glob, as quotas take
+        check_set_by(set_by)
+        if effective_from is not None:
+            check_effective_from(effective_from)
+        if backdate_reason is not None:
+            check_reason(backdate_reason)
         rows = await self._fetch(
-            "set_price", model, effective_from, input_usd_per_million, output_usd_per_million
+            "set_price",
+            model,
+            effective_from,
+            input_usd_per_million,
+            output_usd_per_million,
+            set_by,
+            backdate_reason,
         )
         row = rows[0]
-        return _price(row), bool(row["replaced"])
+        return _price(row), bool(row["superseded"])
+
+    async def import_builtin_prices(
+        self, rows: list[tuple[str, datetime, Decimal, Decimal]]
+    ) -> list[tuple[str, datetime, datetime, str]]:
+        """Import (model, in force from, input, output) rows of the shipped table in
+        one statement; per row (model, declared from, effective from, outcome),
+        outcome one of added, unchanged, operator, superseded (sql/ledger.sql)."""
+        result = await self._fetch(
+            "import_builtin_prices",
+            [r[0] for r in rows],
+            [r[1] for r in rows],
+            [r[2] for r in rows],
+            [r[3] for r in rows],
+        )
+        return [(r["model"], r["declared_from"], r["effective_from"], r["outcome"]) for r in result]
 
     async def prices(self, model: str | None = None) -> list[ModelPrice]:
-        """Every price (or one model's), oldest first."""
+        """Every price version (or one model's), oldest first."""
+        if model is not None:
+            check_model_glob(model, "model")
         return [_price(row) for row in await self._fetch("list_prices", model)]
 
 
@@ -282,4 +388,7 @@ def _price(row: Row) -> ModelPrice:
         effective_from=row["effective_from"],
         input_usd_per_million=row["input_usd_per_million"],
         output_usd_per_million=row["output_usd_per_million"],
+        set_at=row["set_at"],
+        set_by=row["set_by"],
+        backdate_reason=row["backdate_reason"],
     )

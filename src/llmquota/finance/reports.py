@@ -22,7 +22,8 @@ from llmquota.store.sqlfiles import named_queries
 # A period longer than this is a typo (or a report that would run for hours).
 MAX_REPORT_DAYS = 3_660
 
-_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+# ASCII digits only (`\d` takes any script's digits), the whole text.
+_DATE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 # What a report function's name may look like before it is quoted into SQL.
 _REPORT_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -50,7 +51,7 @@ def parse_day(flag: str, text: str | None) -> date:
     if text is None:
         raise InvalidRequest(f"{flag} is required (YYYY-MM-DD)")
     try:
-        if not _DATE.match(text):
+        if not _DATE.fullmatch(text):
             raise ValueError(text)
         return date.fromisoformat(text)
     except ValueError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -157,9 +158,25 @@ class AlertStore:
         rows = await self._fetch("list_alerts", tenant, limit)
         return [_event(row) for row in rows]
 
-    async def claim_deliveries(self, limit: int, claim_seconds: float) -> list[Delivery]:
-        """Claim up to `limit` due deliveries for `claim_seconds` (see claim_deliveries)."""
-        rows = await self._fetch("claim_deliveries", limit, claim_seconds)
+    async def claim_deliveries(
+        self,
+        limit: int,
+        claim_seconds: float,
+        per_destination: int = 1_000,
+        in_flight: Mapping[str, int] | None = None,
+    ) -> list[Delivery]:
+        """Claim up to `limit` due deliveries for `claim_seconds`, at most
+        `per_destination` of one webhook counting those `in_flight` already (see
+        claim_deliveries)."""
+        busy = dict(in_flight or {})
+        rows = await self._fetch(
+            "claim_deliveries",
+            limit,
+            claim_seconds,
+            per_destination,
+            list(busy),
+            list(busy.values()),
+        )
         return [
             Delivery(
                 event=_event(row),

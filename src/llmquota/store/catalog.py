@@ -9,8 +9,10 @@ a plan in the plan's transaction) is in sql/plans.sql.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
+from llmquota.domain.errors import PreconditionFailed
 from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
@@ -35,19 +37,39 @@ class Catalog:
         plan: str | None,
         own: dict[str, Any],
         *,
+        if_match: Sequence[str] | None = None,
         deadline_seconds: float | None = None,
     ) -> int | None:
-        """Set a tenant's own fields and plan; its policy version, None for an unknown plan."""
+        """Set a tenant's own fields and plan; its policy version, None for an unknown plan.
+
+        `if_match` (ETags, or "*"): PreconditionFailed unless the layer's is one of them,
+        checked and written in one statement.
+        """
         rows = await self._fetch(
-            "put_tenant_policy", tenant, plan, json.dumps(own), deadline_seconds=deadline_seconds
+            "put_tenant_policy",
+            tenant,
+            plan,
+            json.dumps(own),
+            _etags(if_match),
+            deadline_seconds=deadline_seconds,
         )
+        if not rows[0]["precondition_met"]:
+            raise PreconditionFailed(f"the policy of tenant {tenant!r} changed since that ETag")
         version = rows[0]["policy_version"]
         return None if version is None else int(version)
 
     async def put_global_policy(
-        self, policy: Policy, shards: int | None, *, deadline_seconds: float | None = None
+        self,
+        policy: Policy,
+        shards: int | None,
+        *,
+        if_match: Sequence[str] | None = None,
+        deadline_seconds: float | None = None,
     ) -> int:
-        """Set the global layer's limits, split over `shards` rows (None: as many as now)."""
+        """Set the global layer's limits, split over `shards` rows (None: as many as now).
+
+        `if_match`: as put_tenant_policy's.
+        """
         p = policy.resolved()
         rows = await self._fetch(
             "put_global_policy",
@@ -59,14 +81,25 @@ class Catalog:
             p.lease_seconds,
             p.failure_mode,
             shards,
+            _etags(if_match),
             deadline_seconds=deadline_seconds,
         )
+        if not rows[0]["precondition_met"]:
+            raise PreconditionFailed("the global policy changed since that ETag")
         return int(rows[0]["policy_version"])
 
     async def put_plan(
-        self, name: str, plan: Plan, *, deadline_seconds: float | None = None
+        self,
+        name: str,
+        plan: Plan,
+        *,
+        if_match: Sequence[str] | None = None,
+        deadline_seconds: float | None = None,
     ) -> int:
-        """Create or replace a plan; how many tenants it changed."""
+        """Create or replace a plan; how many tenants it changed.
+
+        `if_match`: PreconditionFailed unless the plan's ETag is one of these.
+        """
         p = plan.resolved()
         rows = await self._fetch(
             "put_plan",
@@ -82,8 +115,11 @@ class Catalog:
             list(plan.fallback_models),
             plan.prepaid,
             None if plan.output_estimate is None else plan.output_estimate.model_dump_json(),
+            _etags(if_match),
             deadline_seconds=deadline_seconds,
         )
+        if not rows[0]["precondition_met"]:
+            raise PreconditionFailed(f"plan {name!r} changed since that ETag")
         return int(rows[0]["tenants"])
 
     async def get_plans(
@@ -108,6 +144,7 @@ class Catalog:
                     output_estimate=parse_output_estimate(row["output_estimate"]),
                 ),
                 tenants=int(row["tenants"]),
+                version=int(row["version"]),
             )
             for row in rows
         ]
@@ -118,9 +155,17 @@ class Catalog:
         return str(rows[0]["status"])
 
     async def put_ceiling(
-        self, name: str, ceiling: Ceiling, *, deadline_seconds: float | None = None
+        self,
+        name: str,
+        ceiling: Ceiling,
+        *,
+        if_match: Sequence[str] | None = None,
+        deadline_seconds: float | None = None,
     ) -> int:
-        """Create or replace a provider ceiling; its policy version."""
+        """Create or replace a provider ceiling; its policy version.
+
+        `if_match`: PreconditionFailed unless the ceiling's ETag is one of these.
+        """
         rows = await self._fetch(
             "put_ceiling",
             name,
@@ -133,8 +178,11 @@ class Catalog:
             [float(step.above) for step in ceiling.shed],
             [step.admit_mask for step in ceiling.shed],
             [step.small_request_tokens for step in ceiling.shed],
+            _etags(if_match),
             deadline_seconds=deadline_seconds,
         )
+        if not rows[0]["precondition_met"]:
+            raise PreconditionFailed(f"ceiling {name!r} changed since that ETag")
         return int(rows[0]["policy_version"])
 
     async def get_ceilings(
@@ -164,6 +212,11 @@ class Catalog:
         """Delete a ceiling; whether it existed."""
         rows = await self._fetch("delete_ceiling", name, deadline_seconds=deadline_seconds)
         return bool(rows)
+
+
+def _etags(if_match: Sequence[str] | None) -> list[str] | None:
+    """The If-Match list as the statements take it (None: no precondition)."""
+    return None if if_match is None else list(if_match)
 
 
 def _stored_ceiling(row: Row) -> StoredCeiling:

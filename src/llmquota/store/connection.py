@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
-from llmquota.domain.errors import RefusedValue, StoreUnavailable
+from llmquota.domain.errors import InvalidRequest, RefusedValue, StoreUnavailable
 
 Connection: TypeAlias = asyncpg.Connection
 Row: TypeAlias = asyncpg.Record
@@ -39,13 +39,23 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 
 
 @contextlib.contextmanager
-def translate_errors() -> Iterator[None]:
+def translate_errors(*, own_refusals: bool = False) -> Iterator[None]:
     """Turn driver errors into ours: 'not answering' into StoreUnavailable, a
-    refused value into RefusedValue; anything else is a bug and stays as it is."""
+    refused value into RefusedValue; anything else is a bug and stays as it is.
+
+    own_refusals: the statement calls our own functions, whose
+    invalid_parameter_value refusals (RAISE ... USING ERRCODE) are written
+    for the operator (the finance commands): they become InvalidRequest with
+    the function's message instead of a bare SQLSTATE.
+    """
     try:
         yield
     except UNAVAILABLE as exc:
         raise unavailable(exc) from exc
+    except asyncpg.exceptions.InvalidParameterValueError as exc:
+        if own_refusals:
+            raise InvalidRequest(exc.args[0] if exc.args else str(exc)) from exc
+        raise refused_value(exc) from exc
     except asyncpg.exceptions.DataError as exc:
         raise refused_value(exc) from exc
 

@@ -2,7 +2,8 @@
 
 lq_admit takes one array per field (a batch in one round trip) and answers
 one row per request; this module is the translation both ways, kept apart
-from the Store so that its shape is read in one place.
+from the Store so that its shape is read in one place. lq_finish's arrays
+are built here too, for the same reason.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from llmquota.domain.records import AdmitDecision, AdmitRequest, TenantFigures
+from llmquota.domain.records import (
+    AdmitDecision,
+    AdmitRequest,
+    FinishRequest,
+    FinishResult,
+    TenantFigures,
+)
 from llmquota.domain.vocabulary import priority_of, priority_rank
 from llmquota.store.connection import Row
 
@@ -70,6 +77,22 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
     )
 
 
+def finish_arguments(requests: Sequence[FinishRequest]) -> tuple[list[Any], ...]:
+    """lq_finish's arrays, one element per request, in its argument order."""
+    return (
+        [r.reservation_id for r in requests],
+        [r.action for r in requests],
+        [r.caller for r in requests],
+        [r.input_tokens for r in requests],
+        [r.output_tokens for r in requests],
+        [r.outcome for r in requests],
+        [r.usage_source for r in requests],
+        # numeric in the database: a provider's figure may exceed any bigint
+        [r.reported_input_tokens for r in requests],
+        [r.reported_output_tokens for r in requests],
+    )
+
+
 def _or_null(column: Sequence[Any]) -> Sequence[Any] | None:
     """A column with no value as one NULL array: lq_admit reads a NULL array as all
     NULL, and asyncpg then encodes nothing per element (its array encoder checks
@@ -118,9 +141,15 @@ ADMIT_COLUMNS = (
 )
 
 
+# The admit statement adds the database's clock after lq_admit's columns
+# (queries.sql), read by position too.
+DATABASE_NOW_COLUMN = len(ADMIT_COLUMNS)
+
+
 def admit_decisions(rows: Sequence[Row]) -> list[AdmitDecision]:
-    """A batch's rows of lq_admit as decisions, in order."""
-    if rows and tuple(rows[0].keys()) != ADMIT_COLUMNS:
+    """A batch's rows of lq_admit as decisions, in order (columns past
+    ADMIT_COLUMNS, such as the statement's database_now, are not read)."""
+    if rows and tuple(rows[0].keys())[: len(ADMIT_COLUMNS)] != ADMIT_COLUMNS:
         raise RuntimeError(f"lq_admit returned columns {list(rows[0].keys())}, not ADMIT_COLUMNS")
     return [admit_decision(row) for row in rows]
 
@@ -162,3 +191,21 @@ def _local(instant: datetime, zone: str | None) -> datetime:
         return instant.astimezone(ZoneInfo(zone))
     except ZoneInfoNotFoundError:  # a zone the server knows and Python does not: UTC
         return instant
+
+
+def finish_results(rows: Sequence[Row]) -> list[FinishResult]:
+    """lq_finish's rows (and lq_finish_outage's, the same columns), in order."""
+    return [
+        FinishResult(
+            status=row["status"],
+            state=row["state"],
+            tenant=row["tenant"],
+            charged_tokens=row["charged_tokens"],
+            refunded_tokens=row["refunded_tokens"],
+            late=row["late"],
+            excess_tokens=row["excess_tokens"],
+            forgiven_global_tokens=row["forgiven_global_tokens"],
+            forgiven_ceiling_tokens=row["forgiven_ceiling_tokens"],
+        )
+        for row in rows
+    ]

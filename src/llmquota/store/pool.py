@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -63,6 +63,14 @@ async def _warn_without_role_timeouts(pool: asyncpg.Pool) -> None:
             "(ALTER ROLE ... SET, see docs/operations.md); the server has none",
             " and ".join(unset),
         )
+
+
+# A statement's arguments, or what makes them once a connection is held.
+Arguments = tuple[Any, ...] | Callable[[], tuple[Any, ...]]
+
+
+def _bound(args: Arguments) -> tuple[Any, ...]:
+    return args() if callable(args) else args
 
 
 class DeadlinePool:
@@ -127,18 +135,20 @@ class DeadlinePool:
                 yield connection
 
     async def fetch(
-        self, sql: str, args: tuple[Any, ...], *, deadline_seconds: float | None = None
+        self, sql: str, args: Arguments, *, deadline_seconds: float | None = None
     ) -> list[Row]:
-        """Run a statement; its rows, or StoreTimeout once the deadline (if any) passes."""
+        """Run a statement; its rows, or StoreTimeout once the deadline (if any) passes.
+
+        `args` may be a callable, called once a connection is held, right
+        before the statement is sent: for an argument that must be as late as
+        it can be (the admission statement's own deadline)."""
         if deadline_seconds is None:
             async with self.acquire() as connection:
-                rows: list[Row] = await connection.fetch(sql, *args)
+                rows: list[Row] = await connection.fetch(sql, *_bound(args))
                 return rows
         return await self._fetch_within(deadline_seconds, sql, args)
 
-    async def _fetch_within(
-        self, deadline_seconds: float, sql: str, args: tuple[Any, ...]
-    ) -> list[Row]:
+    async def _fetch_within(self, deadline_seconds: float, sql: str, args: Arguments) -> list[Row]:
         """Run a statement; its answer, or StoreTimeout once the deadline passes."""
         answer: asyncio.Future[list[Row]] = asyncio.get_running_loop().create_future()
         worker = asyncio.ensure_future(self._answer(answer, sql, args))
@@ -159,9 +169,7 @@ class DeadlinePool:
                 answer.cancel()
                 worker.cancel()
 
-    async def _answer(
-        self, answer: asyncio.Future[list[Row]], sql: str, args: tuple[Any, ...]
-    ) -> None:
+    async def _answer(self, answer: asyncio.Future[list[Row]], sql: str, args: Arguments) -> None:
         """Run `sql` and put its rows (or its error) into `answer` as soon as they exist.
 
         The answer is set before the connection goes back to the pool, so a
@@ -175,7 +183,7 @@ class DeadlinePool:
                 answer.set_exception(unavailable(exc))
             return
         try:
-            rows: list[Row] = await connection.fetch(sql, *args)
+            rows: list[Row] = await connection.fetch(sql, *_bound(args))
         except asyncio.CancelledError:
             connection.terminate()
             raise

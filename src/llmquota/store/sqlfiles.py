@@ -73,9 +73,9 @@ def report_scripts() -> list[str]:
 # output estimates' (which lq_finish calls), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the quota, credit and alert helpers (which admission and
-# settlement call in their own transaction), the reporting schema (the base
-# views first), and last the grants, which cover every function and view the
-# scripts before them define.
+# settlement call in their own transaction), the keys' revocation, the
+# reporting schema (the base views first), and last the grants, which cover
+# every function and view the scripts before them define.
 REPEATABLE_SCRIPTS = (
     "admission.sql",
     "plans.sql",
@@ -84,6 +84,7 @@ REPEATABLE_SCRIPTS = (
     "ledger.sql",
     "reliability.sql",
     "quotas.sql",
+    "keys.sql",
     "reports/*.sql",
     "roles.sql",
 )

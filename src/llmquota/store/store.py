@@ -19,6 +19,7 @@ from typing import Any
 
 import asyncpg
 
+from llmquota.domain.errors import PreconditionFailed
 from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import (
@@ -31,18 +32,24 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
     LayerStatus,
-    OutageAdmissionRecord,
     PolicySnapshotRows,
     StoredPolicy,
     UsageTotals,
 )
 from llmquota.domain.vocabulary import Scope
+from llmquota.store.admit_statement import AdmitStatement
 from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
-from llmquota.store.decisions import admit_arguments, admit_decisions
+from llmquota.store.decisions import (
+    finish_arguments,
+    finish_results,
+)
 from llmquota.store.estimates import EstimateStore
+from llmquota.store.keys import KeyStore
+from llmquota.store.outage import OutageStore
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import queries
+from llmquota.store.tenants import TenantDirectory
 
 
 class Store:
@@ -58,10 +65,19 @@ class Store:
         self._sql = queries()
         # Plans, tenant policies on them, provider ceilings (store/catalog.py).
         self.catalog = Catalog(pool, self._sql)
+        # The tenant listing and deletion (store/tenants.py).
+        self.tenants = TenantDirectory(pool, self._sql)
         # The learned output histograms (store/estimates.py).
         self.estimates = EstimateStore(pool, self._sql)
+        # Recording outage journals, and the budgets for `local` (store/outage.py).
+        self.outage = OutageStore(pool, self._sql)
+        # API keys and tenant suspension (store/keys.py).
+        self.keys = KeyStore(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
-        self._admission_synchronous_commit = admission_synchronous_commit
+        self.dsn: str | None = None  # set by connect: what a listener connects to
+        self._admit = AdmitStatement(
+            pool, self._sql, concurrency_retry_ms, admission_synchronous_commit
+        )
 
     @classmethod
     async def connect(
@@ -85,11 +101,13 @@ class Store:
             lock_timeout_ms=lock_timeout_ms,
             transaction_pooler=transaction_pooler,
         )
-        return cls(
+        store = cls(
             pool,
             concurrency_retry_ms=concurrency_retry_ms,
             admission_synchronous_commit=admission_synchronous_commit,
         )
+        store.dsn = dsn
+        return store
 
     @property
     def pool(self) -> DeadlinePool:
@@ -106,48 +124,25 @@ class Store:
         return await self._pool.fetch(self._sql[name], args, deadline_seconds=deadline_seconds)
 
     async def admit(
-        self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
+        self,
+        requests: Sequence[AdmitRequest],
+        *,
+        deadline_seconds: float | None = None,
+        reservation_ids: Sequence[uuid.UUID] | None = None,
     ) -> list[AdmitDecision]:
-        """Decide a batch of admissions in order, in one statement.
-
-        With admission_synchronous_commit off, the statement's commit does not
-        wait for the WAL flush (see admit_without_flush in queries.sql).
-        """
-        args = admit_arguments(requests, self._concurrency_retry_ms)
-        if self._admission_synchronous_commit:
-            rows = await self._fetch("admit", *args, deadline_seconds=deadline_seconds)
-        else:
-            rows = await self._fetch(
-                "admit_without_flush", *args, deadline_seconds=deadline_seconds
-            )
-        return admit_decisions(rows)
+        """Decide a batch of admissions in order, in one statement; with
+        `deadline_seconds` it writes nothing past it, and it admits under
+        `reservation_ids` when given (store/admit_statement.py)."""
+        return await self._admit.admit(requests, deadline_seconds, reservation_ids)
 
     async def finish(
         self, requests: Sequence[FinishRequest], *, deadline_seconds: float | None = None
     ) -> list[FinishResult]:
         """Settle, release or expire a batch of reservations, in one statement."""
         rows = await self._fetch(
-            "finish",
-            [r.reservation_id for r in requests],
-            [r.action for r in requests],
-            [r.caller for r in requests],
-            [r.input_tokens for r in requests],
-            [r.output_tokens for r in requests],
-            [r.outcome for r in requests],
-            deadline_seconds=deadline_seconds,
+            "finish", *finish_arguments(requests), deadline_seconds=deadline_seconds
         )
-        return [
-            FinishResult(
-                status=row["status"],
-                state=row["state"],
-                tenant=row["tenant"],
-                charged_tokens=row["charged_tokens"],
-                refunded_tokens=row["refunded_tokens"],
-                late=row["late"],
-                excess_tokens=row["excess_tokens"],
-            )
-            for row in rows
-        ]
+        return finish_results(rows)
 
     async def sweep(self, limit: int, *, deadline_seconds: float | None = None) -> tuple[int, int]:
         """Expire up to `limit` lapsed reservations: (count, tokens returned)."""
@@ -161,15 +156,17 @@ class Store:
         lease_seconds: int | None,
         expected_generation: int | None = None,
         *,
+        relayed: bool = False,
         deadline_seconds: float | None = None,
     ) -> HeartbeatResult | None:
-        """Extend a live lease; None when no such reservation exists for the caller."""
+        """Extend a live lease (`relayed`: mark relayed_at); None: no such reservation."""
         rows = await self._fetch(
             "heartbeat",
             reservation_id,
             caller,
             lease_seconds,
             expected_generation,
+            relayed,
             deadline_seconds=deadline_seconds,
         )
         if not rows:
@@ -219,28 +216,6 @@ class Store:
         ]
         return PolicySnapshotRows(version=version, layers=layers)
 
-    async def record_outage_admissions(
-        self, records: Sequence[OutageAdmissionRecord], *, deadline_seconds: float | None = None
-    ) -> list[bool]:
-        """Record outage admissions once each; True where this call wrote the row."""
-        rows = await self._fetch(
-            "record_outage_admissions",
-            [r.reservation_id for r in records],
-            [r.request.tenant for r in records],
-            [r.request.route for r in records],
-            [r.request.model for r in records],
-            [r.request.input_tokens for r in records],
-            [r.request.max_tokens for r in records],
-            [r.request.input_estimated for r in records],
-            [r.request.lease_seconds for r in records],
-            [r.request.idempotency_key for r in records],
-            [r.request.request_hash for r in records],
-            [r.policy_version for r in records],
-            [r.mode for r in records],
-            deadline_seconds=deadline_seconds,
-        )
-        return [bool(row["recorded"]) for row in rows]
-
     async def audit(self, *, deadline_seconds: float | None = None) -> list[AuditFinding]:
         """Every drift between counters and journal; empty when the books agree."""
         rows = await self._fetch("audit", deadline_seconds=deadline_seconds)
@@ -274,25 +249,27 @@ class Store:
         *,
         fallback_models: Sequence[str] = (),
         shards: int | None = None,
+        if_match: Sequence[str] | None = None,
         deadline_seconds: float | None = None,
     ) -> int:
         """Create or replace a layer's policy; returns its policy version.
 
         A tenant's goes through the catalog with the fields the policy was given
         (no plan); the global layer's is split over `shards` rows (None: as now).
+        `if_match` (ETags or "*"): PreconditionFailed unless the layer's is one of them.
         """
         if scope == "tenant" and tenant is not None:
             own = policy.model_dump(include=policy.model_fields_set, exclude_none=True)
             if fallback_models:
                 own["fallback_models"] = list(fallback_models)
             version = await self.catalog.put_tenant_policy(
-                tenant, None, own, deadline_seconds=deadline_seconds
+                tenant, None, own, if_match=if_match, deadline_seconds=deadline_seconds
             )
             assert version is not None  # no plan to miss
             return version
         if scope == "global":
             return await self.catalog.put_global_policy(
-                policy, shards, deadline_seconds=deadline_seconds
+                policy, shards, if_match=if_match, deadline_seconds=deadline_seconds
             )
         p = policy.resolved()
         rows = await self._fetch(
@@ -309,8 +286,11 @@ class Store:
             p.failure_mode,
             list(fallback_models),
             _estimate_json(p),
+            None if if_match is None else list(if_match),
             deadline_seconds=deadline_seconds,
         )
+        if not rows:
+            raise PreconditionFailed(f"the policy of route {route!r} changed since that ETag")
         return int(rows[0]["policy_version"])
 
     async def get_policy(
@@ -346,33 +326,6 @@ class Store:
         rows = await self._fetch("tenant_exists", tenant, deadline_seconds=deadline_seconds)
         return bool(rows[0][0])
 
-    async def insert_api_key(
-        self, key_hash: bytes, tenant: str | None, *, deadline_seconds: float | None = None
-    ) -> int:
-        """Store a key digest; returns the key id."""
-        rows = await self._fetch(
-            "insert_api_key", key_hash, tenant, deadline_seconds=deadline_seconds
-        )
-        return int(rows[0]["key_id"])
-
-    async def insert_first_admin_key(
-        self, key_hash: bytes, *, deadline_seconds: float | None = None
-    ) -> bool:
-        """Store an admin key digest unless one exists; True if stored."""
-        rows = await self._fetch(
-            "insert_first_admin_key", key_hash, deadline_seconds=deadline_seconds
-        )
-        return bool(rows)
-
-    async def find_api_key(
-        self, key_hash: bytes, *, deadline_seconds: float | None = None
-    ) -> tuple[int, str | None] | None:
-        """(key id, tenant or None for admin) for a key digest, or None."""
-        rows = await self._fetch("find_api_key", key_hash, deadline_seconds=deadline_seconds)
-        if not rows:
-            return None
-        return int(rows[0]["key_id"]), rows[0]["tenant"]
-
     async def layer_status(
         self, tenant: str, *, deadline_seconds: float | None = None
     ) -> list[LayerStatus]:
@@ -389,6 +342,9 @@ class Store:
                 requests=row["requests"],
                 in_flight=int(row["in_flight"]),
                 plan=row["plan"],
+                fallback_models=tuple(row["fallback_models"]),
+                prepaid=bool(row["prepaid"]),
+                shards=int(row["shards"]),
             )
             for row in rows
         ]

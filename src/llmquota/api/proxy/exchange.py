@@ -2,10 +2,16 @@
 
 Whatever happens to the request (an answer, a provider error, a client that
 hangs up, a drain cut short, a shutdown), its reservation is finished exactly
-once: released when the provider produced nothing, else settled with the
-provider's own usage or, where the provider never reported it, with the
-output counted so far by tiktoken. The UsageTracker reads both wire formats'
-usage as it passes.
+once: released when the provider produced nothing, else settled. The
+reservation is the library's own handle (admission/reservation.py), so the
+settlement rules live in one place; what is the proxy's is turning what the
+provider said into figures. The UsageTracker keeps the provider's usage as it
+passes (in both wire formats, as reported: a figure can be absurd, a string
+or missing) and the text produced; domain/upstream_usage.py resolves them
+into what to settle: reported, clamped at the settle limit, or counted with
+tiktoken on the relayed text. Usage is never dropped: a settle the store
+does not answer is journaled and replayed when it is back, and a stream that
+lost its lease still settles (late).
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from llmquota.admission.limiter import Limiter
-from llmquota.admission.reservation import Admission
+from llmquota.admission.reservation import Reservation
 from llmquota.api.proxy.wire import Kind, usage_of
-from llmquota.domain.errors import LimiterError
+from llmquota.domain.errors import LimiterError, ReservationConflict, StoreUnavailable
+from llmquota.domain.records import AdmitDecision
 from llmquota.domain.tokens import count_text
-from llmquota.domain.vocabulary import Outcome
+from llmquota.domain.upstream_usage import UpstreamUsage, resolve_usage
+from llmquota.domain.vocabulary import FailureMode, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +43,30 @@ class UsageTracker:
 
     def __init__(self, kind: Kind) -> None:
         self.kind = kind
-        self.input_tokens: int | None = None
-        self.output_tokens: int | None = None
+        # As the provider reported them (None: not reported): anything JSON holds.
+        self.reported_input: object = None
+        self.reported_output: object = None
         self.text: list[str] = []
         self.failed = False
         # Whether the final figures arrived (a body's usage, OpenAI's usage
         # chunk, Anthropic's message_delta), not only message_start's.
         self.final = False
 
+    @property
+    def output_tokens(self) -> int | None:
+        """The output the provider reported, if it is a plain figure (for metrics)."""
+        value = self.reported_output
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        return None
+
     def record_usage(self, usage: object) -> None:
         """Keep the latest figures the provider reported (Anthropic's are cumulative)."""
         input_tokens, output_tokens = usage_of(self.kind, usage)
         if input_tokens is not None:
-            self.input_tokens = input_tokens
+            self.reported_input = input_tokens
         if output_tokens is not None:
-            self.output_tokens = output_tokens
+            self.reported_output = output_tokens
 
     def read_body(self, body: object) -> None:
         """Read a whole (non-streamed) answer: its usage, and its text in case it has none."""
@@ -121,32 +137,59 @@ class UsageTracker:
         """Whether the provider produced any output (or reported any)."""
         return any(self.text) or (self.final and bool(self.output_tokens))
 
+    def usage(
+        self,
+        counted_input: int,
+        model: str,
+        estimate_factors: Mapping[str, float],
+        outcome: Outcome,
+    ) -> UpstreamUsage:
+        """What to settle: the provider's final figures where usable, else our count.
+
+        Only final figures count as reported (Anthropic's message_start says
+        1 output token); an answer cut short settles at least what was relayed.
+        """
+
+        def count_output() -> int:
+            text = "".join(self.text)
+            return count_text(text, model, estimate_factors).tokens if text else 0
+
+        return resolve_usage(
+            self.reported_input,
+            self.reported_output if self.final else None,
+            counted_input=counted_input,
+            count_output=count_output,
+            complete=outcome == "ok",
+        )
+
 
 class Exchange:
     """The reservation of one proxied request; finished exactly once."""
 
     def __init__(
-        self,
-        limiter: Limiter,
-        tenant: str,
-        model: str,
-        admission: Admission,
-        estimate_factors: Mapping[str, float],
+        self, reservation: Reservation, model: str, estimate_factors: Mapping[str, float]
     ) -> None:
-        decision = admission.decision
-        assert decision.reservation_id is not None
-        self.limiter = limiter
-        self.tenant = tenant
+        self.reservation = reservation
         self.model = model
-        self.reservation_id: uuid.UUID = decision.reservation_id
-        self.lease_generation = decision.lease_generation
-        self.counted_input = admission.input_tokens
-        self.decision = decision
-        self.fallback = admission.fallback  # admitted by a failure mode during an outage
         self.estimate_factors = estimate_factors
         self.finished = False
         # A stream's pump owns the reservation from the moment it starts.
         self.handed_over = False
+        # Set at the first relayed output: the next heartbeat goes at once and says so.
+        self._relayed = asyncio.Event()
+
+    @property
+    def reservation_id(self) -> uuid.UUID:
+        return self.reservation.reservation_id
+
+    @property
+    def decision(self) -> AdmitDecision:
+        return self.reservation.decision
+
+    @property
+    def fallback(self) -> FailureMode | None:
+        """The failure mode that admitted it during an outage, if one did."""
+        return self.reservation.fallback
 
     async def release(self) -> None:
         """The provider was not called, or charged nothing: give everything back."""
@@ -154,7 +197,7 @@ class Exchange:
             return
         self.finished = True
         try:
-            await self.limiter.release(self.reservation_id, caller=self.tenant)
+            await self.reservation.release()
         except LimiterError as exc:
             log.warning("could not release reservation %s: %s", self.reservation_id, exc)
 
@@ -166,44 +209,74 @@ class Exchange:
             await self.release()
             return
         self.finished = True
-        output = tracker.output_tokens if tracker.final else None
-        if outcome != "ok" or output is None:
-            text = "".join(tracker.text)
-            counted = count_text(text, self.model, self.estimate_factors).tokens if text else 0
-            output = max(output or 0, counted)
-        input_tokens = tracker.input_tokens
-        if input_tokens is None:
-            input_tokens = self.counted_input
-        try:
-            await self.limiter.settle(
+        usage = tracker.usage(
+            self.reservation.input_tokens, self.model, self.estimate_factors, outcome
+        )
+        if usage.source != "reported":
+            log.warning(
+                "upstream usage of %s was not usable as reported (input %.40r, output %.40r): "
+                "settled %d + %d tokens, %s",
                 self.reservation_id,
-                input_tokens=input_tokens,
-                output_tokens=output,
-                outcome=outcome,
-                caller=self.tenant,
+                tracker.reported_input,
+                tracker.reported_output,
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.source,
             )
+        try:
+            settlement = await self.reservation.settle_upstream(usage, outcome)
         except LimiterError as exc:
-            # The lease will expire and the sweeper records it; nothing is lost twice.
-            log.warning("could not settle reservation %s: %s", self.reservation_id, exc)
+            # Journaling failed too (a full journal), or the store refused it:
+            # the lease expires with nothing, and the audit flags a relayed one.
+            log.error("could not settle reservation %s: %s", self.reservation_id, exc)
+            return
+        if settlement.late:
+            log.warning(
+                "reservation %s settled late (its lease ran out); usage recorded",
+                self.reservation_id,
+            )
+
+    def relayed(self) -> None:
+        """Output reached the client: the store is told with the next heartbeat, at once."""
+        self._relayed.set()
 
     async def keep_alive(self, every_seconds: float) -> None:
         """Renew the lease until cancelled (a long stream must not lose its reservation).
 
         Every `every_seconds`, or a third of the lease when a policy's lease is
-        shorter than that.
+        shorter than that; and once at the first relayed output, which marks
+        the reservation as relayed for the audit. A failed heartbeat is
+        logged and tried again; a lost lease (expired, or taken over) ends the
+        heartbeats, and the stream's settlement still records the usage (late).
         """
-        expires_at = self.decision.lease_expires_at
+        marked = failed = False
         while True:
-            interval = every_seconds
-            if expires_at is not None:
-                left = (expires_at - datetime.now(UTC)).total_seconds()
-                interval = min(every_seconds, max(MIN_HEARTBEAT_SECONDS, left / 3))
-            await asyncio.sleep(interval)
-            with contextlib.suppress(LimiterError):
-                result = await self.limiter.heartbeat(
+            expires_at = self.reservation.lease_expires_at
+            left = (expires_at - datetime.now(UTC)).total_seconds()
+            interval = min(every_seconds, max(MIN_HEARTBEAT_SECONDS, left / 3))
+            if marked or failed:
+                await asyncio.sleep(interval)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._relayed.wait(), interval)
+            relayed = self._relayed.is_set() and not marked
+            try:
+                await self.reservation.heartbeat(relayed=relayed)
+            except StoreUnavailable as exc:
+                log.warning("heartbeat of %s failed, will retry: %s", self.reservation_id, exc)
+                failed = True
+                continue
+            except ReservationConflict as exc:
+                if exc.state in ("settled", "released"):
+                    return  # the stream ended while this heartbeat was on its way
+                log.warning(
+                    "reservation %s lost its lease (%s); the stream goes on and "
+                    "its settlement will be recorded late",
                     self.reservation_id,
-                    caller=self.tenant,
-                    lease_generation=self.lease_generation,
+                    exc,
                 )
-                self.lease_generation = result.lease_generation or self.lease_generation
-                expires_at = result.lease_expires_at or expires_at
+                return
+            except LimiterError as exc:
+                log.warning("heartbeat of %s refused: %s", self.reservation_id, exc)
+                return
+            marked, failed = marked or relayed, False

@@ -11,7 +11,8 @@ estimate, so the reservation is marked `input_estimated`). Legacy
 completions and embeddings count their prompt or input texts the same way,
 and token-id inputs one token each.
 
-A bad parameter is a 400 naming it, as the providers answer it; a model no
+A bad parameter is a 400 naming it, as the providers answer it (a model
+name outside the pattern of llmquota.domain.names among them); a model no
 output bound is known for, asked without max_tokens, is refused rather than
 forwarded with a guessed reservation.
 """
@@ -24,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmquota.api.proxy.wire import Endpoint, Kind, kind_of
+from llmquota.domain.json_limits import loads_bounded
 from llmquota.domain.media import MEDIA_TYPES
 from llmquota.domain.model_limits import max_output_tokens
+from llmquota.domain.names import MODEL_RULE, is_model
 
 MAX_CHOICES = 128
 # OpenAI's own default for the legacy completions endpoint: what it generates
@@ -70,14 +73,18 @@ def parse(
     `unserved` explains no upstream serves, checked before anything else about it)."""
     kind = kind_of(endpoint)
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
+        body = loads_bounded(raw)
+    except ValueError as exc:  # UnicodeDecodeError and JsonTooDeep are ValueErrors
         raise BadProxyRequest(400, f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadProxyRequest(400, "the body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadProxyRequest(400, "'model' is required and must be a string", "model")
+    if not is_model(model):
+        # Before the upstream lookup: a name no upstream could serve is the
+        # client's mistake (400), not a model missing here (404).
+        raise BadProxyRequest(400, f"'model' must be {MODEL_RULE}", "model")
     if (why := unserved(model)) is not None:
         raise BadProxyRequest(404, why, "model")
     stream = body.get("stream", False)

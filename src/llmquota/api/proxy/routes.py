@@ -21,6 +21,7 @@ from fastapi import APIRouter, Request, Response
 
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
+from llmquota.admission.reservation import Reservation
 from llmquota.api.auth import (
     AuthenticationFailed,
     Authenticator,
@@ -29,6 +30,7 @@ from llmquota.api.auth import (
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics
+from llmquota.api.proxy.pool import PoolRefusal, Slot
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
 from llmquota.api.proxy.upstream import (
@@ -48,6 +50,7 @@ from llmquota.api.proxy.wire import (
     refusal,
 )
 from llmquota.domain.errors import InvalidRequest, LimiterError, StoreUnavailable
+from llmquota.domain.json_limits import loads_bounded
 
 log = logging.getLogger("llmquota.proxy")
 
@@ -104,6 +107,12 @@ async def _tenant(kind: Kind, request: Request) -> str | Response:
         )
     if caller.tenant is None:
         return error_response(kind, 403, "the admin key cannot call providers: use a tenant's key")
+    if "admit" not in caller.scopes:
+        return error_response(kind, 403, "this key lacks the 'admit' scope")
+    if caller.suspended:
+        return error_response(
+            kind, 403, f"tenant {caller.tenant!r} is suspended", error_type="tenant_suspended"
+        )
     return caller.tenant
 
 
@@ -175,11 +184,20 @@ async def _admit(
         return refused
     if admission.decision.status != "admitted":
         return error_response(kind, 403, f"tenant {tenant!r} has no policy in llmquota")
-    return Exchange(limiter, tenant, parsed.model, admission, limiter.settings.estimate_factors)
+    # Fenced: the stream's heartbeats come from a task of their own.
+    reservation = Reservation(limiter, tenant, admission, fence=True)
+    return Exchange(reservation, parsed.model, limiter.settings.estimate_factors)
 
 
 def _passed_back(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k in PASSED_BACK}
+
+
+def _pool_refused(kind: Kind, exc: PoolRefusal, headers: dict[str, str]) -> Response:
+    """No connection to the upstream for this request: nothing was sent, the
+    reservation is released by the caller; retry in a second."""
+    retry = {"retry-after": "1", "retry-after-ms": "1000"}
+    return error_response(kind, exc.status, str(exc), headers={**headers, **retry})
 
 
 def _upstream_failed(kind: Kind, exc: httpx.HTTPError, headers: dict[str, str]) -> Response:
@@ -204,7 +222,7 @@ def _upstream_error(
     return Response(
         upstream.scrub(response.content),
         status_code=response.status_code,
-        headers={**headers, **passed},
+        headers={**headers, **upstream.scrub_headers(passed)},
         media_type=response.headers.get("content-type", "application/json"),
     )
 
@@ -226,13 +244,18 @@ class Call:
 
     def outgoing(self, content: bytes) -> httpx.Request:
         """The upstream request: the body, our key, the provider's own headers."""
-        return self.proxy.client.build_request(
+        client = self.proxy.client(self.upstream)
+        return client.build_request(
             "POST",
             self.upstream.url(self.endpoint),
             content=content,
             headers=self.upstream.headers(self.request.headers),
-            timeout=self.upstream.timeout or self.proxy.client.timeout,
+            timeout=self.upstream.timeout or client.timeout,
         )
+
+    async def connection(self) -> Slot:
+        """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""
+        return await self.proxy.shares[self.upstream.name].acquire(self.exchange.reservation.tenant)
 
 
 async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
@@ -272,8 +295,12 @@ async def _complete(call: Call) -> Response:
     kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
     outgoing, calls = call.outgoing(await call.request.body()), call.metrics()
     try:
+        slot = await call.connection()
+    except PoolRefusal as exc:
+        return _pool_refused(kind, exc, headers)
+    try:
         # Streamed, to time the response head apart from the body.
-        response = await call.proxy.client.send(outgoing, stream=True)
+        response = await call.proxy.client(upstream).send(outgoing, stream=True)
         try:
             calls.answered(response.status_code)
             await response.aread()
@@ -282,17 +309,19 @@ async def _complete(call: Call) -> Response:
     except httpx.HTTPError as exc:
         calls.failed(exc)
         return _upstream_failed(kind, exc, headers)
+    finally:
+        slot.release()
     if response.status_code >= 400:
         await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
-        tracker.read_body(response.json())
+        tracker.read_body(loads_bounded(response.content))
     await call.exchange.finish(tracker, "ok")
     return Response(
-        response.content,
+        upstream.scrub(response.content),
         status_code=response.status_code,
-        headers={**_passed_back(response), **headers},
+        headers={**upstream.scrub_headers(_passed_back(response)), **headers},
         media_type=response.headers.get("content-type"),
     )
 
@@ -309,16 +338,25 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
     content = json.dumps(body).encode() if hold_back else await call.request.body()
     outgoing, calls = call.outgoing(content), call.metrics()
     try:
-        response = await proxy.client.send(outgoing, stream=True)
+        slot = await call.connection()
+    except PoolRefusal as exc:
+        return _pool_refused(kind, exc, headers)
+    try:
+        response = await proxy.client(upstream).send(outgoing, stream=True)
     except httpx.HTTPError as exc:
+        slot.release()
         calls.failed(exc)
         return _upstream_failed(kind, exc, headers)
+    except BaseException:
+        slot.release()
+        raise
     calls.answered(response.status_code)
     if response.status_code >= 400:
         try:
             await response.aread()
         finally:
             await response.aclose()
+            slot.release()
         await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     settings = proxy.settings
@@ -332,11 +370,13 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         heartbeat_seconds=settings.proxy_heartbeat_seconds,
         stall_seconds=settings.proxy_client_stall_seconds,
         metrics=calls,
+        scrub=upstream.scrub,
+        slot=slot,
     )
     relay.start(proxy.pumps)
     call.exchange.handed_over = True
     return RelayResponse(
         relay,
-        headers={**_passed_back(response), **headers},
+        headers={**upstream.scrub_headers(_passed_back(response)), **headers},
         media_type=response.headers.get("content-type", "text/event-stream"),
     )

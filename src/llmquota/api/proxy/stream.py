@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import httpx
 from starlette.responses import StreamingResponse
@@ -27,7 +27,9 @@ from starlette.types import Receive, Scope, Send
 
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics
+from llmquota.api.proxy.pool import Slot
 from llmquota.api.proxy.wire import Kind, error_body
+from llmquota.domain.json_limits import loads_bounded
 from llmquota.domain.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
@@ -61,8 +63,8 @@ def event_data(event: bytes) -> object:
     if data.strip() == b"[DONE]":
         return None
     try:
-        return json.loads(data)
-    except ValueError:
+        return loads_bounded(data)
+    except ValueError:  # not JSON, or nested absurdly deep: relayed, not read
         return None
 
 
@@ -98,6 +100,8 @@ class StreamRelay:
         heartbeat_seconds: float,
         stall_seconds: float = 300.0,
         metrics: CallMetrics | None = None,
+        scrub: Callable[[bytes], bytes] = bytes,
+        slot: Slot | None = None,
     ) -> None:
         self.exchange = exchange
         self.upstream = upstream
@@ -108,9 +112,15 @@ class StreamRelay:
         self.heartbeat_seconds = heartbeat_seconds
         self.stall_seconds = stall_seconds
         self.metrics = metrics
+        # Every relayed event goes through it: the provider key never reaches a client.
+        self.scrub = scrub
+        # The upstream connection this stream holds, until its upstream is closed.
+        self.slot = slot
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(QUEUE_EVENTS)
         self.client_gone = False
         self.completed = False
+        # Whether the provider's output has started coming through.
+        self.relayed = False
         self.pump_task: asyncio.Task[None] | None = None
 
     def start(self, tasks: set[asyncio.Task[None]]) -> None:
@@ -132,7 +142,8 @@ class StreamRelay:
                 self._observe_output()
                 if self.client_gone or (usage_only and self.hold_back_usage):
                     continue
-                await self._forward(without_usage(event, data) if self.hold_back_usage else event)
+                relayed = without_usage(event, data) if self.hold_back_usage else event
+                await self._forward(self.scrub(relayed))
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -153,8 +164,12 @@ class StreamRelay:
             await asyncio.shield(self._close(outcome))
 
     def _observe_output(self) -> None:
+        if self.relayed or not self.tracker.produced():
+            return
+        self.relayed = True
+        self.exchange.relayed()  # the store learns it with the next heartbeat, sent at once
         calls = self.metrics
-        if calls is not None and calls.first_output_at is None and self.tracker.produced():
+        if calls is not None and calls.first_output_at is None:
             calls.output()
 
     def _observe_end(self, outcome: Outcome) -> None:
@@ -179,8 +194,12 @@ class StreamRelay:
             self.response_ended()
 
     async def _close(self, outcome: Outcome) -> None:
-        with contextlib.suppress(httpx.HTTPError):
-            await self.upstream.aclose()
+        try:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.upstream.aclose()
+        finally:
+            if self.slot is not None:
+                self.slot.release()
         await self.exchange.finish(self.tracker, outcome)
         if not self.client_gone:
             with contextlib.suppress(TimeoutError):  # a stalled client gets no end marker
@@ -206,9 +225,13 @@ class StreamRelay:
         task = self.pump_task
         if task is None or task.done():
             return
-        if self.disconnect == "cancel":
+        # A tenant past its cap of drains has its further hang-ups cancelled:
+        # abandoned streams cannot pin its share of the upstream's pool.
+        if self.disconnect == "cancel" or (self.slot is not None and not self.slot.may_drain()):
             task.cancel()
         else:
+            if self.slot is not None:
+                self.slot.start_drain()
             if self.metrics is not None:
                 self.metrics.drain_started()
             asyncio.get_running_loop().call_later(self.drain_seconds, task.cancel)

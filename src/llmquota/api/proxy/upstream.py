@@ -7,8 +7,10 @@ else to the first whose glob matches it, else nowhere (a 404, nothing
 reserved). Each upstream may have its own timeouts on the shared pool.
 
 The provider key lives here and goes only into the upstream request's
-headers: nothing the proxy answers, and nothing it logs, contains it. An
-upstream error body is passed through with the key scrubbed from it, and an
+headers: nothing the proxy answers, and nothing it logs, contains it. Every
+byte relayed from an upstream (error bodies, whole answers, each stream
+event, the headers passed back) goes through `scrub`, which replaces the key
+in any spelling a provider plausibly echoes it in (domain.scrubbing), and an
 upstream authentication failure is answered as a gateway error of our own
 (the provider's message names the key it was given).
 """
@@ -18,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
 from llmquota.api.proxy.metrics import ProxyMetrics
+from llmquota.api.proxy.pool import ConnectionShares
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
+from llmquota.domain.scrubbing import SecretScrubber
 
 ANTHROPIC_VERSION = "2023-06-01"
 # Client headers a provider needs to read the request as it was meant.
@@ -54,6 +58,10 @@ class Upstream:
     name: str = ""
     # None: the pool's timeouts (LLMQUOTA_PROXY_*_TIMEOUT_SECONDS).
     timeout: httpx.Timeout | None = None
+    _scrubber: SecretScrubber = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_scrubber", SecretScrubber(self.api_key.get_secret_value()))
 
     def url(self, endpoint: Endpoint) -> str:
         return self.base_url.rstrip("/") + PATHS[endpoint]
@@ -73,8 +81,15 @@ class Upstream:
         return headers
 
     def scrub(self, text: bytes) -> bytes:
-        """`text` without the provider key in it."""
-        return text.replace(self.api_key.get_secret_value().encode(), b"[provider key]")
+        """`text` without the provider key in it, in any spelling."""
+        return self._scrubber.scrub(text)
+
+    def scrub_headers(self, headers: Mapping[str, str]) -> dict[str, str]:
+        """Headers passed back from the upstream, each value scrubbed."""
+        return {
+            name: self._scrubber.scrub(value.encode("latin-1", "replace")).decode("latin-1")
+            for name, value in headers.items()
+        }
 
 
 def missing_upstream(kind: Kind) -> str:
@@ -106,25 +121,30 @@ def _upstream(config: UpstreamConfig, settings: Settings) -> Upstream:
 
 
 class Proxy:
-    """The upstreams of one worker, its pooled client, and the streams it is still settling."""
+    """The upstreams of one worker, a pooled client for each with its tenants'
+    shares (pool.py), and the streams it is still settling."""
 
     def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics(registry or CollectorRegistry())
         self.configs = settings.upstreams()
         self.upstreams = {c.name: _upstream(c, settings) for c in self.configs}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                settings.proxy_read_timeout_seconds, connect=settings.proxy_connect_timeout_seconds
-            ),
-            limits=httpx.Limits(
-                max_connections=settings.proxy_max_connections,
-                max_keepalive_connections=settings.proxy_max_connections,
-            ),
-            trust_env=False,
-            follow_redirects=False,
-        )
+        self.clients = {name: _pooled_client(settings) for name in self.upstreams}
+        self.shares = {
+            name: ConnectionShares(
+                name,
+                capacity=settings.proxy_max_connections,
+                tenant_share=settings.proxy_tenant_connection_share,
+                wait_seconds=settings.proxy_pool_wait_ms / 1000.0,
+                max_drains=settings.proxy_tenant_max_drains,
+            )
+            for name in self.upstreams
+        }
         self.pumps: set[asyncio.Task[None]] = set()
+
+    def client(self, upstream: Upstream) -> httpx.AsyncClient:
+        """The pooled client of `upstream` (one pool per upstream)."""
+        return self.clients[upstream.name]
 
     def configured(self, kind: Kind) -> bool:
         """Whether any upstream speaks `kind` (else its endpoints answer 404)."""
@@ -146,4 +166,20 @@ class Proxy:
             for task in pending:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self.client.aclose()
+        for client in self.clients.values():
+            await client.aclose()
+
+
+def _pooled_client(settings: Settings) -> httpx.AsyncClient:
+    """One upstream's client: its pool as large as the slots its shares count."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            settings.proxy_read_timeout_seconds, connect=settings.proxy_connect_timeout_seconds
+        ),
+        limits=httpx.Limits(
+            max_connections=settings.proxy_max_connections,
+            max_keepalive_connections=settings.proxy_max_connections,
+        ),
+        trust_env=False,
+        follow_redirects=False,
+    )

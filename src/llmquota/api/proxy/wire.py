@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from llmquota.api.headers import rate_limit_headers
 from llmquota.api.provider_errors import Kind, error_body
 from llmquota.domain.records import AdmitDecision, TenantFigures
+from llmquota.domain.refusal_table import REFUSALS
 from llmquota.domain.refusals import ceil_seconds, refusal_message, seconds_until_full
 
 __all__ = [
@@ -87,57 +88,57 @@ def limit_headers(kind: Kind, figures: TenantFigures) -> dict[str, str]:
 
 
 def refusal(kind: Kind, tenant: str, decision: AdmitDecision) -> JSONResponse | None:
-    """A 429 or 413 for a refused decision, as the provider would send it; else None."""
+    """The answer to a refused decision, as the provider would send it; else None.
+
+    Status and retry headers are the refusal table's; the error type is the
+    provider's dialect (OpenAI names the limit, and a quota `insufficient_quota`).
+    """
+    rule = REFUSALS.get(decision.status)
+    if rule is None:
+        return None
     headers = limit_headers(kind, decision.tenant)
+    if rule.retry:
+        retry_ms = int(decision.retry_after_ms or 1)
+        headers["retry-after"] = str(ceil_seconds(retry_ms))
+        headers["retry-after-ms"] = str(retry_ms)
+    if rule.never_retry:
+        headers["x-should-retry"] = "false"
+    error_type: str | None = None
+    code: str | None = None
+    if kind == "openai" and decision.status == "rate_limited":
+        error_type = decision.limit_kind
+    if kind == "openai" and decision.status == "quota_exceeded":
+        error_type = code = "insufficient_quota"
     message = refusal_message(tenant, decision)
-    if decision.status == "rate_limited":
-        retry_ms = int(decision.retry_after_ms or 1)
-        headers["retry-after"] = str(ceil_seconds(retry_ms))
-        headers["retry-after-ms"] = str(retry_ms)
-        error_type = decision.limit_kind if kind == "openai" else None
-        return error_response(kind, 429, message, headers=headers, error_type=error_type)
-    if decision.status == "quota_exceeded":
-        retry_ms = int(decision.retry_after_ms or 1)
-        headers["retry-after"] = str(ceil_seconds(retry_ms))
-        headers["retry-after-ms"] = str(retry_ms)
-        quota_type = "insufficient_quota" if kind == "openai" else None
-        return error_response(
-            kind, 429, message, headers=headers, error_type=quota_type, code=quota_type
-        )
-    if decision.status == "credits_exhausted":
-        headers["x-should-retry"] = "false"  # not before a top-up
-        return error_response(kind, 402, message, headers=headers)
-    if decision.status == "unpriced_model":
-        return error_response(kind, 422, message, headers=headers)
-    if decision.status == "too_large":
-        headers["x-should-retry"] = "false"  # it can never fit: the SDKs must not retry
-        return error_response(kind, 413, message, headers=headers)
-    return None
+    return error_response(
+        kind, rule.http_status, message, headers=headers, error_type=error_type, code=code
+    )
 
 
-def _whole(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def usage_of(kind: Kind, usage: object) -> tuple[int | None, int | None]:
-    """(input, output) tokens of a provider's `usage` object; None where absent.
+def usage_of(kind: Kind, usage: object) -> tuple[object, object]:
+    """(input, output) tokens of a provider's `usage` object, as reported; None where absent.
 
-    Anthropic reports cached input apart from `input_tokens`; all of it is input.
+    Not judged here: a figure may be a string, negative or absurd, and
+    domain/upstream_usage.py decides what to settle instead. Anthropic
+    reports cached input apart from `input_tokens`; all of it is input,
+    summed when every part is a count (else the first part that is not).
     """
     if not isinstance(usage, Mapping):
         return None, None
     if kind == "openai":
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return (
-            _whole(prompt) if prompt is not None else None,
-            _whole(completion) if completion is not None else None,
-        )
+        return usage.get("prompt_tokens"), usage.get("completion_tokens")
     fresh = usage.get("input_tokens")
-    cached = _whole(usage.get("cache_creation_input_tokens")) + _whole(
-        usage.get("cache_read_input_tokens")
-    )
-    output = usage.get("output_tokens")
-    return (
-        _whole(fresh) + cached if fresh is not None else None,
-        _whole(output) if output is not None else None,
-    )
+    cached = [
+        usage[field]
+        for field in ("cache_creation_input_tokens", "cache_read_input_tokens")
+        if usage.get(field) is not None
+    ]
+    if fresh is not None and cached:
+        parts = [fresh, *cached]
+        bad = [part for part in parts if not _is_count(part)]
+        fresh = bad[0] if bad else sum(parts)
+    return fresh, usage.get("output_tokens")

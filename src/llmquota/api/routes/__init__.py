@@ -1,7 +1,7 @@
 """The REST endpoints, one module per resource group, behind one router.
 
 Each module holds the routes of one thing a client or an operator acts on
-(operations, admission, policies, plans and ceilings, tenants, quotas, webhooks), so
+(operations, admission, policies, plans and ceilings, tenants, keys, quotas, webhooks), so
 that a change to one contract
 reads and reviews on its own. Paths, fields and status codes are a contract
 with clients; see README.md. The app includes `router` and nothing else.
@@ -14,10 +14,13 @@ from fastapi import APIRouter
 from llmquota.api.dependencies import error_responses
 from llmquota.api.routes import (
     admission,
+    keys,
     operations,
     plans,
     policies,
+    policy_patch,
     quotas,
+    tenant_directory,
     tenants,
     webhooks,
 )
@@ -26,7 +29,18 @@ from llmquota.api.routes import (
 # failed-authentication budget, or a full fair-share queue), body size, validation, outage.
 router = APIRouter(responses=error_responses(400, 401, 403, 404, 413, 422, 429, 503))
 # The order of the OpenAPI document's paths.
-for _group in (operations, admission, policies, plans, tenants, quotas, webhooks):
+for _group in (
+    operations,
+    admission,
+    policies,
+    policy_patch,
+    plans,
+    tenants,
+    tenant_directory,
+    keys,
+    quotas,
+    webhooks,
+):
     router.include_router(_group.router)
 
 __all__ = ["router"]

@@ -41,6 +41,7 @@ from llmquota.api.schemas import (
     SettleBody,
     SettleResponse,
 )
+from llmquota.domain.vocabulary import Priority, lowered_from
 
 router = APIRouter(tags=["admission"])
 
@@ -66,10 +67,11 @@ async def admit_answer(
 ) -> Response:
     """The admit route's answer; llmquota.api.hotpaths calls it without FastAPI's routing.
 
-    `receive` is the request's channel once its body is read (a waiting
-    admission watches it for the client hanging up).
-    """
+    `receive`: the request's channel once its body is read (a waiter watches it
+    for the client hanging up)."""
     caller.require_tenant(body.tenant)
+    caller.require_admission()
+    limiter.refuse_suspended(body.tenant)  # also when the admin key asks
     if body.max_wait_ms is not None:
         limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
     prepared = await limiter.prepare_off_loop(
@@ -108,14 +110,14 @@ async def admit_answer(
     if admission.fallback is not None:
         # Decided by the failure mode while the store was away.
         headers["llmquota-fallback"] = admission.fallback
-    refused = refusal_response(body.tenant, admission.decision, headers)
+    refused = refusal_response(body.tenant, admission.decision, headers, body.priority)
     if refused is not None:
         return refused
     admission.raise_for_refusal(body.tenant)  # unknown tenant, idempotency conflict
     # pydantic's own JSON encoder, one call: the same bytes as dumping the model
     # to a dict and that through json (no floats here), at half the CPU.
     return Response(
-        _admitted(admission, body.model).model_dump_json().encode(),
+        _admitted(admission, body.model, body.priority).model_dump_json().encode(),
         status_code=201,
         headers=headers,
         media_type=JSON_MEDIA_TYPE,
@@ -132,8 +134,11 @@ async def _client_left(receive: Receive) -> None:
         pass
 
 
-def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
+def _admitted(
+    admission: Admission, requested_model: str, requested_priority: Priority | None
+) -> AdmitResponse:
     d = admission.decision
+
     assert d.reservation_id is not None and d.lease_expires_at is not None
     return AdmitResponse(
         reservation_id=str(d.reservation_id),
@@ -146,6 +151,7 @@ def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
         remaining=Remaining(
             tokens=d.remaining_tokens,
             requests=d.remaining_requests,
+            permits=d.remaining_in_flight,
             in_flight=d.remaining_in_flight,
         ),
         model=d.model or requested_model,
@@ -153,6 +159,7 @@ def _admitted(admission: Admission, requested_model: str) -> AdmitResponse:
         degraded_from=requested_model if d.degraded else None,
         degraded_because=refusal_cause(d) if d.degraded and d.limit_kind else None,
         priority=d.priority,
+        priority_lowered_from=lowered_from(requested_priority, d.priority),
     )
 
 
@@ -172,6 +179,8 @@ async def settle_answer(
     reservation_id: uuid.UUID, body: SettleBody, caller: Caller, limiter: Limiter
 ) -> SettleResponse:
     """The settle route's answer; llmquota.api.hotpaths calls it without FastAPI's routing."""
+    # A suspended tenant still settles: money must land.
+    caller.require_scope("admit")
     result = await limiter.settle(
         reservation_id,
         input_tokens=body.input_tokens,
@@ -195,6 +204,7 @@ async def release(
     reservation_id: uuid.UUID, caller: CallerDep, limiter: LimiterDep
 ) -> ReleaseResponse:
     """Give the whole reservation back: the provider was never called."""
+    caller.require_scope("admit")
     await limiter.release(reservation_id, caller=caller.scope)
     return ReleaseResponse(released=True)
 
@@ -211,6 +221,7 @@ async def heartbeat(
     body: Annotated[HeartbeatBody | None, Body()] = None,
 ) -> HeartbeatResponse:
     """Extend a live lease."""
+    caller.require_scope("admit")
     result = await limiter.heartbeat(
         reservation_id,
         lease_seconds=body.lease_seconds if body else None,

@@ -8,11 +8,15 @@ models passes, decided in the admission statement itself.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
+from llmquota.admin.service import AdminService
 from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, error_responses
+from llmquota.api.etags import if_match, set_etag
 from llmquota.api.plan_schemas import CeilingList, CeilingResponse, PlanList, PlanResponse
+from llmquota.api.routes.policy_patch import merged_write, patch_body, validated
 from llmquota.domain.plans import Ceiling, Plan, StoredCeiling, StoredPlan
 
 router = APIRouter(tags=["plans and ceilings"])
@@ -60,12 +64,55 @@ def _ceiling_response(stored: StoredCeiling) -> CeilingResponse:
     )
 
 
-@router.put("/v1/plans/{plan}", response_model=PlanResponse)
-async def put_plan(plan: PlanName, body: Plan, caller: CallerDep, admin: AdminDep) -> PlanResponse:
+async def _stored_plan(admin: AdminService, name: str, response: Response) -> PlanResponse:
+    stored = (await admin.plans(name))[0]
+    set_etag(response, stored.version)
+    return _plan_response(stored)
+
+
+async def _stored_ceiling(admin: AdminService, name: str, response: Response) -> CeilingResponse:
+    stored = (await admin.ceilings(name))[0]
+    set_etag(response, stored.policy_version)
+    return _ceiling_response(stored)
+
+
+@router.put("/v1/plans/{plan}", response_model=PlanResponse, responses=error_responses(412))
+async def put_plan(
+    plan: PlanName,
+    body: Plan,
+    *,
+    request: Request,
+    response: Response,
+    caller: CallerDep,
+    admin: AdminDep,
+) -> PlanResponse:
     """Create or replace a plan; every tenant on it changes at once."""
     caller.require_admin()
-    await admin.put_plan(plan, body)
-    return _plan_response((await admin.plans(plan))[0])
+    await admin.put_plan(plan, body, if_match=if_match(request))
+    return await _stored_plan(admin, plan, response)
+
+
+@router.patch(
+    "/v1/plans/{plan}",
+    response_model=PlanResponse,
+    responses=error_responses(412, 415),
+    openapi_extra=patch_body("Plan"),
+)
+async def patch_plan(
+    plan: PlanName, request: Request, response: Response, caller: CallerDep, admin: AdminDep
+) -> PlanResponse:
+    """Change some of a plan's fields (JSON Merge Patch; null: back to the default)."""
+    caller.require_admin()
+
+    async def stored() -> tuple[dict[str, Any], int]:
+        found = (await admin.plans(plan))[0]
+        return found.plan.model_dump(mode="json", exclude_none=True), found.version
+
+    async def write(document: dict[str, Any], version: str) -> None:
+        await admin.put_plan(plan, validated(Plan, document), if_match=[version])
+
+    await merged_write(request, f"plan {plan!r}", stored, write)
+    return await _stored_plan(admin, plan, response)
 
 
 @router.get("/v1/plans", response_model=PlanList)
@@ -76,10 +123,12 @@ async def list_plans(caller: CallerDep, admin: AdminDep) -> PlanList:
 
 
 @router.get("/v1/plans/{plan}", response_model=PlanResponse)
-async def get_plan(plan: PlanName, caller: CallerDep, admin: AdminDep) -> PlanResponse:
-    """One plan."""
+async def get_plan(
+    plan: PlanName, response: Response, caller: CallerDep, admin: AdminDep
+) -> PlanResponse:
+    """One plan, with its ETag."""
     caller.require_admin()
-    return _plan_response((await admin.plans(plan))[0])
+    return await _stored_plan(admin, plan, response)
 
 
 @router.delete(
@@ -92,14 +141,45 @@ async def delete_plan(plan: PlanName, caller: CallerDep, admin: AdminDep) -> Res
     return Response(status_code=204)
 
 
-@router.put("/v1/ceilings/{ceiling}", response_model=CeilingResponse)
+@router.put(
+    "/v1/ceilings/{ceiling}", response_model=CeilingResponse, responses=error_responses(412)
+)
 async def put_ceiling(
-    ceiling: CeilingName, body: Ceiling, caller: CallerDep, admin: AdminDep
+    ceiling: CeilingName,
+    body: Ceiling,
+    *,
+    request: Request,
+    response: Response,
+    caller: CallerDep,
+    admin: AdminDep,
 ) -> CeilingResponse:
     """Create or replace a provider ceiling for the models it names."""
     caller.require_admin()
-    await admin.put_ceiling(ceiling, body)
-    return _ceiling_response((await admin.ceilings(ceiling))[0])
+    await admin.put_ceiling(ceiling, body, if_match=if_match(request))
+    return await _stored_ceiling(admin, ceiling, response)
+
+
+@router.patch(
+    "/v1/ceilings/{ceiling}",
+    response_model=CeilingResponse,
+    responses=error_responses(412, 415),
+    openapi_extra=patch_body("Ceiling"),
+)
+async def patch_ceiling(
+    ceiling: CeilingName, request: Request, response: Response, caller: CallerDep, admin: AdminDep
+) -> CeilingResponse:
+    """Change some of a ceiling's fields (JSON Merge Patch; null: back to no limit)."""
+    caller.require_admin()
+
+    async def stored() -> tuple[dict[str, Any], int]:
+        found = (await admin.ceilings(ceiling))[0]
+        return found.ceiling.model_dump(mode="json", exclude_none=True), found.policy_version
+
+    async def write(document: dict[str, Any], version: str) -> None:
+        await admin.put_ceiling(ceiling, validated(Ceiling, document), if_match=[version])
+
+    await merged_write(request, f"ceiling {ceiling!r}", stored, write)
+    return await _stored_ceiling(admin, ceiling, response)
 
 
 @router.get("/v1/ceilings", response_model=CeilingList)
@@ -110,10 +190,12 @@ async def list_ceilings(caller: CallerDep, admin: AdminDep) -> CeilingList:
 
 
 @router.get("/v1/ceilings/{ceiling}", response_model=CeilingResponse)
-async def get_ceiling(ceiling: CeilingName, caller: CallerDep, admin: AdminDep) -> CeilingResponse:
-    """One provider ceiling, with its utilization now."""
+async def get_ceiling(
+    ceiling: CeilingName, response: Response, caller: CallerDep, admin: AdminDep
+) -> CeilingResponse:
+    """One provider ceiling, with its utilization now and its ETag."""
     caller.require_admin()
-    return _ceiling_response((await admin.ceilings(ceiling))[0])
+    return await _stored_ceiling(admin, ceiling, response)
 
 
 @router.delete("/v1/ceilings/{ceiling}", status_code=204, response_class=Response)

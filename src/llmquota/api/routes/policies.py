@@ -7,10 +7,13 @@ rules (a route policy needs its tenant registered).
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Request, Response
 
 from llmquota.admin.service import AdminService
 from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, TenantName
+from llmquota.api.etags import if_match, set_etag
 from llmquota.api.schemas import PolicyBody, PolicyResponse
 from llmquota.domain.errors import InvalidRequest, UnknownTenant
 from llmquota.domain.policy import Policy
@@ -22,7 +25,7 @@ router = APIRouter(tags=["policies"])
 
 def _policy(body: PolicyBody) -> Policy:
     fields = body.model_dump(
-        exclude_none=True, exclude={"plan", "fallback_models", "prepaid", "shards"}
+        exclude_none=True, exclude={"plan", "fallback_models", "prepaid", "shards", "unlimited"}
     )
     try:
         return Policy(**fields)
@@ -43,9 +46,42 @@ def policy_response(stored: StoredPolicy) -> PolicyResponse:
     )
 
 
-async def _put(
-    admin: AdminService, scope: Scope, tenant: str | None, route: str | None, body: PolicyBody
-) -> PolicyResponse:
+# The fields that limit something: a tenant or route policy sets one, names a plan,
+# or says "unlimited": true (a body of none is a mistake more often than a wish).
+LIMIT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_in_flight")
+
+
+def check_limited(scope: Scope, body: PolicyBody) -> None:
+    """422 for a tenant or route policy with no limit, no plan and no "unlimited": true."""
+    if scope == "global" or body.unlimited or body.plan is not None:
+        return
+    if all(getattr(body, name) is None for name in LIMIT_FIELDS):
+        raise InvalidRequest(
+            "body: sets no limit (tokens_per_minute, requests_per_minute or max_in_flight) "
+            'and no plan; say "unlimited": true for a layer without limits'
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyTarget:
+    """Which policy a request writes: the global one, a tenant's, or a tenant's route's."""
+
+    scope: Scope
+    tenant: str | None = None
+    route: str | None = None
+
+
+async def put_policy(
+    admin: AdminService, target: PolicyTarget, body: PolicyBody, if_match: list[str] | None
+) -> StoredPolicy:
+    """Validate a full policy body and write it; the stored policy after the write.
+
+    `if_match`: PreconditionFailed unless the layer's ETag is one of these,
+    checked in the write's own statement.
+    """
+    scope, tenant, route = target.scope, target.tenant, target.route
+    if body.unlimited is not None and scope == "global":
+        raise InvalidRequest("unlimited: the global policy is unlimited when it sets no limit")
     if body.plan is not None and scope != "tenant":
         raise InvalidRequest("plan: only a tenant policy may name a plan")
     if body.prepaid is not None and scope != "tenant":
@@ -56,12 +92,13 @@ async def _put(
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
     if body.shards is not None and scope != "global":
         raise InvalidRequest("shards: only the global policy is sharded")
+    check_limited(scope, body)
     if scope == "global":
         await _check_shards(admin, body)
     policy = _policy(body)  # checks the limits whatever the plan adds
     if scope == "tenant" and tenant is not None:
-        own = body.model_dump(exclude_none=True, exclude={"plan"})
-        await admin.put_tenant_policy(tenant, body.plan, own)
+        own = body.model_dump(exclude_none=True, exclude={"plan", "unlimited"})
+        await admin.put_tenant_policy(tenant, body.plan, own, if_match=if_match)
     else:
         await admin.put_policy(
             scope,
@@ -70,8 +107,21 @@ async def _put(
             policy,
             fallback_models=body.fallback_models or (),
             shards=body.shards,
+            if_match=if_match,
         )
-    return await _get(admin, scope, tenant, route)
+    return await admin.get_policy(scope, tenant, route)
+
+
+async def _put(
+    request: Request,
+    response: Response,
+    admin: AdminService,
+    target: PolicyTarget,
+    body: PolicyBody,
+) -> PolicyResponse:
+    stored = await put_policy(admin, target, body, if_match(request))
+    set_etag(response, stored.policy_version)
+    return policy_response(stored)
 
 
 async def _check_shards(admin: AdminService, body: PolicyBody) -> None:
@@ -97,56 +147,75 @@ async def _check_shards(admin: AdminService, body: PolicyBody) -> None:
 
 
 async def _get(
-    admin: AdminService, scope: Scope, tenant: str | None, route: str | None
+    response: Response, admin: AdminService, scope: Scope, tenant: str | None, route: str | None
 ) -> PolicyResponse:
-    return policy_response(await admin.get_policy(scope, tenant, route))
+    stored = await admin.get_policy(scope, tenant, route)
+    set_etag(response, stored.policy_version)
+    return policy_response(stored)
 
 
 @router.put("/v1/policies/global", response_model=PolicyResponse)
-async def put_global_policy(body: PolicyBody, caller: CallerDep, admin: AdminDep) -> PolicyResponse:
-    """Set the limits every request passes, whatever its tenant."""
+async def put_global_policy(
+    body: PolicyBody, request: Request, response: Response, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """Set the limits every request passes, whatever its tenant ({}: no global limit)."""
     caller.require_admin()
-    return await _put(admin, "global", None, None, body)
+    return await _put(request, response, admin, PolicyTarget("global"), body)
 
 
 @router.get("/v1/policies/global", response_model=PolicyResponse)
-async def get_global_policy(caller: CallerDep, admin: AdminDep) -> PolicyResponse:
-    """The global limits."""
+async def get_global_policy(
+    response: Response, caller: CallerDep, admin: AdminDep
+) -> PolicyResponse:
+    """The global limits, with their ETag."""
     caller.require_admin()
-    return await _get(admin, "global", None, None)
+    return await _get(response, admin, "global", None, None)
 
 
 @router.put("/v1/tenants/{tenant}/policy", response_model=PolicyResponse)
 async def put_tenant_policy(
-    tenant: TenantName, body: PolicyBody, caller: CallerDep, admin: AdminDep
+    tenant: TenantName,
+    body: PolicyBody,
+    *,
+    request: Request,
+    response: Response,
+    caller: CallerDep,
+    admin: AdminDep,
 ) -> PolicyResponse:
-    """Set a tenant's limits (registering the tenant if new)."""
+    """Replace a tenant's limits (registering the tenant if new)."""
     caller.require_admin()
-    return await _put(admin, "tenant", tenant, None, body)
+    return await _put(request, response, admin, PolicyTarget("tenant", tenant), body)
 
 
 @router.get("/v1/tenants/{tenant}/policy", response_model=PolicyResponse)
 async def get_tenant_policy(
-    tenant: TenantName, caller: CallerDep, admin: AdminDep
+    tenant: TenantName, response: Response, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
-    """A tenant's limits."""
+    """A tenant's limits, with their ETag."""
     caller.require_admin()
-    return await _get(admin, "tenant", tenant, None)
+    return await _get(response, admin, "tenant", tenant, None)
 
 
 @router.put("/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse)
 async def put_route_policy(
-    tenant: TenantName, route: RouteName, body: PolicyBody, caller: CallerDep, admin: AdminDep
+    tenant: TenantName,
+    route: RouteName,
+    body: PolicyBody,
+    *,
+    request: Request,
+    response: Response,
+    caller: CallerDep,
+    admin: AdminDep,
 ) -> PolicyResponse:
-    """Set the limits of one route of a tenant."""
+    """Replace the limits of one route of a tenant."""
     caller.require_admin()
-    return await _put(admin, "route", tenant, route, body)
+    return await _put(request, response, admin, PolicyTarget("route", tenant, route), body)
 
 
 @router.get("/v1/tenants/{tenant}/routes/{route}/policy", response_model=PolicyResponse)
 async def get_route_policy(
-    tenant: TenantName, route: RouteName, caller: CallerDep, admin: AdminDep
+    tenant: TenantName, route: RouteName, response: Response, caller: CallerDep, admin: AdminDep
 ) -> PolicyResponse:
-    """A route's limits."""
+    """A route's limits, with their ETag."""
     caller.require_admin()
-    return await _get(admin, "route", tenant, route)
+    return await _get(response, admin, "route", tenant, route)

@@ -1,8 +1,9 @@
 """Calendar quotas, prepaid credits and a tenant's alerts.
 
-Admin key only. The bodies are parsed loosely by pydantic (so a wrong JSON
-type is a 422 naming the field) and checked by domain.quotas, which names
-the field of any value it refuses; the AlertService stores them.
+Admin key only. The bodies are parsed by pydantic in strict mode (a wrong
+JSON type, `true` or `"100"` for a number among them, is a 422 naming the
+field) and checked by domain.quotas, which names the field of any value it
+refuses; the AlertService stores them.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
 
 from llmquota.admin.alerts import AlertService
 from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName, RouteName, TenantName
 from llmquota.domain.alerts import AlertEvent
+from llmquota.domain.money import money_text
 from llmquota.domain.quotas import Quota, TopUp, check_amount, check_reference, quota_spec
 
 router = APIRouter(tags=["quotas"])
@@ -26,13 +28,14 @@ class QuotaBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    period: str
-    timezone: str = "UTC"
-    tokens: int | None = None
-    cost: str | None = None
-    models: list[str] | None = None
-    alerts: list[float] | None = None
-    enforce: str = "block"
+    period: StrictStr
+    timezone: StrictStr = "UTC"
+    tokens: StrictInt | None = None
+    # Money is a decimal string: a JSON number would have lost cents already.
+    cost: StrictStr | None = None
+    models: list[StrictStr] | None = None
+    alerts: list[StrictFloat | StrictInt] | None = None
+    enforce: StrictStr = "block"
 
 
 class TopUpBody(BaseModel):
@@ -40,8 +43,8 @@ class TopUpBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    amount: str
-    reference: str
+    amount: StrictStr
+    reference: StrictStr
 
 
 def quota_json(quota: Quota) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def quota_json(quota: Quota) -> dict[str, Any]:
             "start": quota.window_start.isoformat(),
             "end": quota.window_end.isoformat(),
             "usage_tokens": quota.usage_tokens,
-            "usage_cost": format(quota.usage_cost.normalize(), "f"),
+            "usage_cost": money_text(quota.usage_cost),
         },
         "created_at": quota.created_at.isoformat(),
         "updated_at": quota.updated_at.isoformat(),
@@ -86,7 +89,7 @@ def alert_json(event: AlertEvent) -> dict[str, Any]:
 def _topup_json(topup: TopUp) -> dict[str, Any]:
     return {
         "entry_id": topup.entry_id,
-        "amount": format(topup.amount.normalize(), "f"),
+        "amount": money_text(topup.amount),
         "reference": topup.reference,
         "recorded_at": topup.recorded_at.isoformat(),
     }
@@ -194,8 +197,8 @@ async def top_up(
         "tenant": tenant,
         "applied": topup.applied,
         **_topup_json(topup),
-        "balance": format(account.balance.normalize(), "f"),
-        "reserved": format(account.reserved.normalize(), "f"),
+        "balance": money_text(account.balance),
+        "reserved": money_text(account.reserved),
     }
     return JSONResponse(answer, status_code=201 if topup.applied else 200)
 
@@ -209,9 +212,9 @@ async def get_credits(
     account = await svc.credits(tenant)
     return {
         "tenant": tenant,
-        "balance": format(account.balance.normalize(), "f"),
-        "reserved": format(account.reserved.normalize(), "f"),
-        "available": format(account.available.normalize(), "f"),
+        "balance": money_text(account.balance),
+        "reserved": money_text(account.reserved),
+        "available": money_text(account.available),
         "topups": [_topup_json(t) for t in account.topups],
     }
 

@@ -1,6 +1,6 @@
-"""Tenants: their keys, their live status, their usage.
+"""Tenants: their live status, their usage (their keys: routes/keys.py).
 
-An operator issues keys; a tenant (or the admin) reads its own status and
+A tenant (or the admin) reads its own status and
 usage. The admin service answers; these routes only parse the query and
 render its records, so the REST bodies stay what clients parse.
 
@@ -22,21 +22,13 @@ from fastapi.responses import JSONResponse
 from llmquota.api.auth import Caller
 from llmquota.api.dependencies import AdminDep, CallerDep, LimiterDep, TenantName
 from llmquota.api.routes.policies import policy_response
-from llmquota.api.schemas import KeyResponse, LayerStatusResponse, StatusResponse, UsageResponse
+from llmquota.api.schemas import LayerStatusResponse, StatusResponse, UsageResponse
 from llmquota.domain.records import LayerStatus, StoredPolicy
 from llmquota.domain.refusals import binding_retry_ms, seconds_until_full
 
 router = APIRouter(tags=["tenants"])
 # The usage range when the query names none.
 DEFAULT_USAGE_DAYS = 30
-
-
-@router.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=KeyResponse)
-async def create_key(tenant: TenantName, caller: CallerDep, admin: AdminDep) -> KeyResponse:
-    """Issue an API key for a tenant (registering it if new). Shown once."""
-    caller.require_admin()
-    key = await admin.create_key(tenant)
-    return KeyResponse(key=key, tenant=tenant)
 
 
 @router.get("/v1/tenants/{tenant}/status", response_model=StatusResponse)
@@ -49,6 +41,7 @@ async def tenant_status(
     `retry_after_ms`.
     """
     caller.require_tenant(tenant)
+    caller.require_scope("read")
     layers = await admin.tenant_status(tenant)
     retry_ms = limiter.settings.concurrency_retry_ms
     plan = next((layer.plan for layer in layers if layer.scope == "tenant"), None)
@@ -78,7 +71,16 @@ def _layer_status(layer: LayerStatus, caller: Caller, retry_ms: int) -> LayerSta
     return LayerStatusResponse(
         scope=layer.scope,
         route=layer.route,
-        limits=policy_response(StoredPolicy(layer.policy, layer.policy_version, layer.plan)),
+        limits=policy_response(
+            StoredPolicy(
+                layer.policy,
+                layer.policy_version,
+                layer.plan,
+                fallback_models=layer.fallback_models,
+                prepaid=layer.prepaid,
+                shards=layer.shards,
+            )
+        ),
         remaining_tokens=None if layer.tokens is None else math.floor(layer.tokens),
         remaining_requests=None if layer.requests is None else math.floor(layer.requests),
         in_flight=layer.in_flight,
@@ -103,6 +105,7 @@ async def tenant_usage(
 ) -> JSONResponse:
     """Ledger totals for [from, to); default: the last 30 days."""
     caller.require_tenant(tenant)
+    caller.require_scope("read")
     end = _aware(to) if to else datetime.now(UTC)
     start = _aware(from_) if from_ else _days_before(end, DEFAULT_USAGE_DAYS)
     totals = await admin.tenant_usage(tenant, start, end)

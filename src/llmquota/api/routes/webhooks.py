@@ -1,10 +1,13 @@
 """Webhooks: where alerts are POSTed. Admin key only.
 
 A webhook takes every tenant's alerts, or one tenant's. Its URL must be
-http(s) and may not point at a link-local address (cloud metadata) or at
-this service itself (SSRF); loopback and private addresses are fine, since
-receivers often run beside the service. The secret signs every delivery and
-is never shown again.
+http(s) and may not reach anything but a public address (SSRF): loopback,
+private and other non-public addresses only within
+LLMQUOTA_WEBHOOK_ALLOWED_NETWORKS (on-premise receivers), link-local (cloud
+metadata) and this service itself never (llmquota.domain.destinations). The
+secret signs every delivery and is never shown again; credentials embedded in
+the URL (userinfo, token-like query parameters) are shown masked
+(llmquota.domain.url_masking).
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictStr
 
 from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName
 from llmquota.api.webhooks import check_webhook_target
+from llmquota.config import Settings
 from llmquota.domain.alerts import Webhook, check_secret
+from llmquota.domain.url_masking import mask_url
 from llmquota.domain.validation import check_name
 
 router = APIRouter(tags=["webhooks"])
@@ -28,16 +33,16 @@ class WebhookBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str
-    secret: str
-    tenant: str | None = None
+    url: StrictStr
+    secret: StrictStr
+    tenant: StrictStr | None = None
 
 
 def webhook_json(hook: Webhook) -> dict[str, Any]:
-    """A webhook as the API shows it: never its secret."""
+    """A webhook as the API shows it: never its secret, nor a credential in its URL."""
     return {
         "name": hook.name,
-        "url": hook.url,
+        "url": mask_url(hook.url),
         "tenant": hook.tenant,
         "created_at": hook.created_at.isoformat() if hook.created_at else None,
         "updated_at": hook.updated_at.isoformat() if hook.updated_at else None,
@@ -63,7 +68,8 @@ async def put_webhook(
 ) -> JSONResponse:
     """Create (201) or replace (200) a webhook."""
     caller.require_admin()
-    url = await check_webhook_target(body.url, own_addresses(request))
+    settings: Settings = request.app.state.settings
+    url = await check_webhook_target(body.url, settings.destination_rules(own_addresses(request)))
     secret = check_secret(body.secret)
     tenant = None if body.tenant is None else check_name("tenant", body.tenant)
     hook, created = await svc.put_webhook(name, url, secret, tenant)

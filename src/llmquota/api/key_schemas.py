@@ -1,0 +1,86 @@
+"""The bodies of the key lifecycle's endpoints (routes/keys.py).
+
+Never a secret's digest: a listed key shows `prefix`, the first characters of
+its secret as shown at creation; the secret itself only in the answer that
+creates or rotates it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from llmquota.domain.keys import MAX_GRACE_SECONDS, MAX_LABEL_CHARS, KeyRecord
+
+ScopeName = Literal["admit", "read"]
+Label = Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)]
+
+
+class AdminKeyBody(BaseModel):
+    """POST /v1/admin/keys: an admin key may do everything, so it has no scopes.
+
+    `expires_at` without an offset is UTC, as in the usage query.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Label | None = None
+    expires_at: datetime | None = None
+
+
+class KeyBody(AdminKeyBody):
+    """POST /v1/tenants/{tenant}/keys (every field optional)."""
+
+    scopes: Annotated[list[ScopeName], Field(min_length=1)] = ["admit", "read"]
+
+
+class RotateBody(BaseModel):
+    """POST .../keys/{id}/rotate: how long the old secret keeps working."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    grace_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_GRACE_SECONDS)] = 0
+
+
+class KeyInfo(BaseModel):
+    """One key as listed."""
+
+    id: int
+    tenant: str | None
+    prefix: str | None
+    label: str | None
+    scopes: list[str]
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+    @classmethod
+    def of(cls, record: KeyRecord) -> KeyInfo:
+        return cls(
+            id=record.key_id,
+            tenant=record.tenant,
+            prefix=record.prefix,
+            label=record.label,
+            scopes=list(record.scopes),
+            created_at=record.created_at,
+            last_used_at=record.last_used_at,
+            expires_at=record.expires_at,
+            revoked_at=record.revoked_at,
+        )
+
+
+class KeyResponse(KeyInfo):
+    """201 from creating a key, 200 from rotating one: `key` is shown once, stored hashed."""
+
+    key: str
+
+
+class SuspensionResponse(BaseModel):
+    """POST /v1/tenants/{tenant}/suspend or /resume."""
+
+    tenant: str
+    suspended: bool
+    suspended_at: datetime | None

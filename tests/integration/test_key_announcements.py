@@ -1,0 +1,56 @@
+"""What the database announces when keys and tenants change (migrations 0014, 0018):
+every digest a worker may have cached, and the tenant of a suspension."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+
+from llmquota.admin.keys import KeyService
+from llmquota.domain.keys import key_digest
+from llmquota.store.store import Store
+
+
+async def test_rotations_revocation_and_suspension_announce_every_cached_digest(
+    app_dsn: str, db: asyncpg.Connection
+) -> None:
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    await db.add_listener("llmquota_changes", lambda *args: heard.put_nowait(args[3]))
+    store = await Store.connect(app_dsn, min_size=1, max_size=1)
+    keys = KeyService(store, deadline_seconds=10, admin_elsewhere=False)
+
+    async def announced() -> set[str]:
+        await asyncio.sleep(0.2)
+        found = set()
+        while not heard.empty():
+            found.add(heard.get_nowait())
+        return found
+
+    def named(*secrets: str) -> set[str]:
+        return {f"api_keys:{key_digest(secret).hex()}" for secret in secrets}
+
+    try:
+        first = await keys.create("acme")
+        assert named(first.key) <= await announced()
+        key_id = first.record.key_id
+        second = await keys.rotate("acme", key_id, grace_seconds=60)
+        assert await announced() == named(first.key, second.key)
+        # Rotating again in the grace: the first secret ends, and is announced.
+        third = await keys.rotate("acme", key_id, grace_seconds=60)
+        assert await announced() == named(first.key, second.key, third.key)
+        assert (await keys.find(key_digest(first.key))) is None
+        assert (await keys.find(key_digest(second.key))) is not None
+        # Revoking announces the current and the previous secret.
+        await keys.revoke("acme", key_id)
+        assert await announced() == named(second.key, third.key)
+        assert await keys.find(key_digest(second.key)) is None
+        assert await keys.find(key_digest(third.key)) is None
+        await keys.suspend("acme", True)
+        assert await announced() == {"tenants:acme"}
+        await keys.suspend("acme", True)  # already suspended: nothing changes
+        assert await announced() == set()
+        await keys.suspend("acme", False)
+        assert await announced() == {"tenants:acme"}
+    finally:
+        await store.close()

@@ -1,0 +1,51 @@
+"""The proxy honours the key lifecycle: a suspended tenant gets a provider-format
+403 `tenant_suspended`, a key without `admit` a 403, a revoked key a 401;
+none reaches the provider. Resuming lets the tenant through again."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from tests.proxy.conftest import Stack
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+async def chat(stack: Stack, key: str) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=stack.url) as client:
+        return await client.post(
+            "/v1/chat/completions",
+            json={"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 5},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+
+async def until(stack: Stack, key: str, status: int) -> httpx.Response:
+    started = time.monotonic()
+    while (response := await chat(stack, key)).status_code != status:
+        assert time.monotonic() - started < 1.0, (status, response.text)
+        await asyncio.sleep(0.01)
+    return response
+
+
+async def test_suspension_scopes_and_revocation_on_the_proxy(stack: Stack) -> None:
+    assert (await chat(stack, stack.key)).status_code == 200
+    calls = len(stack.fake.requests)
+    assert (await stack.admin.post("/v1/tenants/acme/suspend")).status_code == 200
+    refused = await until(stack, stack.key, 403)
+    assert refused.json()["error"]["type"] == "tenant_suspended"
+    assert "suspended" in refused.json()["error"]["message"]
+    assert len(stack.fake.requests) == calls
+    assert (await stack.admin.post("/v1/tenants/acme/resume")).status_code == 200
+    await until(stack, stack.key, 200)
+    reader = (await stack.admin.post("/v1/tenants/acme/keys", json={"scopes": ["read"]})).json()
+    no_scope = await chat(stack, reader["key"])
+    assert no_scope.status_code == 403
+    assert "'admit' scope" in no_scope.json()["error"]["message"]
+    listed = (await stack.admin.get("/v1/tenants/acme/keys")).json()
+    assert (await stack.admin.delete(f"/v1/tenants/acme/keys/{listed[0]['id']}")).status_code == 204
+    await until(stack, stack.key, 401)
+    assert len(stack.fake.requests) == calls + 1
