@@ -99,6 +99,20 @@ SELECT o.event_id, o.event_type, o.tenant, o.subject, o.threshold, o.window_star
  ORDER BY o.created_at DESC, o.event_id
  LIMIT $2::integer
 
+-- recent_alerts --
+-- Every tenant's last $1 alerts, newest first, with how their deliveries
+-- stand (list_alerts of alerts_queries.sql, for all tenants).
+SELECT o.event_id, o.event_type, o.tenant, o.subject, o.threshold, o.window_start,
+       o.window_end, o.usage, o.limit_value, o.projected_exhaustion_at, o.payload, o.created_at,
+       count(d.webhook) AS deliveries,
+       count(d.delivered_at) AS delivered,
+       count(d.gave_up_at) AS gave_up
+  FROM alert_outbox AS o
+       LEFT JOIN alert_deliveries AS d ON d.event_id = o.event_id
+ GROUP BY o.event_id
+ ORDER BY o.created_at DESC, o.event_id
+ LIMIT $1::integer
+
 -- claim_deliveries --
 -- Claim up to $1 due deliveries for this loop: each claimed row is locked
 -- (SKIP LOCKED: another loop takes other rows, never waits for these), its

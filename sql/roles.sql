@@ -61,6 +61,9 @@ GRANT SELECT ON global_layer TO llmquota_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON quotas, quota_windows, credit_accounts, webhooks,
     alert_deliveries TO llmquota_app;
 GRANT SELECT ON credit_ledger TO llmquota_app;
+-- The console: decision counts each worker adds to (and prunes), and its
+-- sessions (migration 0020).
+GRANT SELECT, INSERT, UPDATE, DELETE ON decision_counts, console_sessions TO llmquota_app;
 GRANT SELECT, INSERT ON alert_outbox, alert_delivery_attempts TO llmquota_app;
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON credit_ledger FROM llmquota_app;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO llmquota_app;

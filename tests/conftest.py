@@ -47,7 +47,7 @@ os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
 
 # The suites whose every test ends with the audit (RELIABILITY.md), and the
 # fixtures that give a test a database of its own.
-AUDITED_SUITES = frozenset({"api", "integration", "faults"})
+AUDITED_SUITES = frozenset({"api", "integration", "faults", "console"})
 AUDITED_DATABASES = ("database_dsn", "twin_dsn")
 
 

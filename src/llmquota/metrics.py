@@ -31,6 +31,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from llmquota.domain.decision_counts import DecisionTally
 from llmquota.domain.records import AdmitDecision
 
 DECISION_BUCKETS_SECONDS = (
@@ -167,6 +168,9 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # The same answers per minute and tenant, for the console's chart: the
+        # worker flushes them into PostgreSQL (admin/decision_flush.py).
+        self.tally = DecisionTally()
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self._declare_decisions(counter)
@@ -317,10 +321,11 @@ class Metrics:
             buckets=WAIT_BUCKETS_SECONDS,
         )
 
-    def count_answer(self, decision: AdmitDecision) -> None:
+    def count_answer(self, decision: AdmitDecision, tenant: str) -> None:
         """Count what a caller was answered (once per admission, after any wait)."""
         reason = decision_reason(decision)
         outcome = decision_outcome(decision)
+        self.tally.add(time.time(), tenant, outcome, reason)
         key = (outcome, reason)
         child = self._answer_children.get(key)
         if child is None:

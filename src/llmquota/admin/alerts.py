@@ -119,3 +119,7 @@ class AlertService:
         """A registered tenant's last alerts, newest first."""
         await self._require_tenant(tenant)
         return await self._alerts.list_alerts(tenant, max(1, min(limit, MAX_ALERTS_LISTED)))
+
+    async def recent_alerts(self, limit: int = 100) -> list[AlertEvent]:
+        """Every tenant's last alerts, newest first (the console's alerts page)."""
+        return await self._alerts.recent_alerts(max(1, min(limit, MAX_ALERTS_LISTED)))

@@ -223,7 +223,7 @@ class Limiter:
         request = self.estimates.apply(request)  # the output to reserve (estimates.py)
         remembered = self.refusals.recall(request, time.monotonic()) if answer else None
         if remembered is not None:  # a refusal that still holds (refusals.py)
-            self.metrics.count_answer(remembered)
+            self.metrics.count_answer(remembered, request.tenant)
             self.metrics.refusals_from_memory.inc()
             return Admission(remembered, request.input_tokens, request.input_estimated, None)
         try:
@@ -252,7 +252,7 @@ class Limiter:
                 request.output_strategy,
             )
         if answer:
-            self.metrics.count_answer(admission.decision)
+            self.metrics.count_answer(admission.decision, request.tenant)
         return admission
 
     # -- while the store is away -------------------------------------------

@@ -181,10 +181,12 @@ class WaitQueue:
             # Nobody of this tenant waits: decide now, as without waiting.
             first = await self._decide(request)
             if not _retryable(first) or loop.time() + _hint(first) > deadline:
-                return self._answer(first)
+                return self._answer(first, request.tenant)
             queue = self._queues.setdefault(request.tenant, _TenantQueue())
         if len(queue.waiters) >= self.max_per_tenant:
-            return self._answer(first or self._behind(queue, request), queue_full=True)
+            return self._answer(
+                first or self._behind(queue, request), request.tenant, queue_full=True
+            )
         if first is not None:
             queue.blocked_by = first
         retry_at = loop.time() + (_hint(first) if first is not None else 0.0)
@@ -208,7 +210,8 @@ class WaitQueue:
             self.metrics.waiting.dec()
             self.metrics.wait_seconds.labels(outcome).observe(loop.time() - started)
             self._leave(request.tenant, queue, waiter)
-        return self._answer(admission, waited_ms=math.ceil((loop.time() - started) * 1000))
+        waited_ms = math.ceil((loop.time() - started) * 1000)
+        return self._answer(admission, request.tenant, waited_ms=waited_ms)
 
     async def _wait(self, queue: _TenantQueue, waiter: _Waiter, request: AdmitRequest) -> Admission:
         """Wait for the turn, then decide at each hint until admitted or out of time."""
@@ -276,9 +279,9 @@ class WaitQueue:
             head.turn.set()
 
     def _answer(
-        self, admission: Admission, *, waited_ms: int = 0, queue_full: bool = False
+        self, admission: Admission, tenant: str, *, waited_ms: int = 0, queue_full: bool = False
     ) -> Waited:
-        self.metrics.count_answer(admission.decision)
+        self.metrics.count_answer(admission.decision, tenant)
         return Waited(admission, waited_ms, queue_full)
 
     async def _decide(self, request: AdmitRequest) -> Admission:

@@ -27,12 +27,15 @@ from fastapi import FastAPI
 from starlette.types import Scope
 
 from llmquota.admin.alerts import AlertService
+from llmquota.admin.console import ConsoleService
+from llmquota.admin.decision_flush import decision_counts_flushing
 from llmquota.admin.gauges import UtilizationGauges
 from llmquota.admin.running import maintenance_running
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import RequestLimits
+from llmquota.api.console import install_console
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.hotpaths import HotPaths
@@ -90,6 +93,11 @@ async def _background_tasks(
             limiter.store.pool, deadline_seconds=settings.statement_timeout_ms / 1000.0 + 1.0
         )
         async with (
+            decision_counts_flushing(
+                limiter.metrics.tally,
+                app.state.console.store,
+                settings.decision_counts_flush_seconds,
+            ),
             delivery_running(delivery_store, settings, limiter.metrics),
             maintenance_running(limiter.store, settings, limiter.metrics, dsn),
         ):
@@ -129,6 +137,11 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.alert_service = AlertService(
             limiter.store, deadline_seconds=limiter.deadline_seconds
         )
+        app.state.console = ConsoleService(
+            limiter.store,
+            deadline_seconds=limiter.deadline_seconds,
+            session_seconds=settings.console_session_seconds,
+        )
         try:
             async with _background_tasks(app, limiter, admin, settings, database):
                 yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
@@ -149,6 +162,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     _add_middlewares(app, settings)
     install_error_handlers(app)
     app.include_router(router)
+    install_console(app)
     formats = {upstream.format for upstream in settings.upstreams()}
     app.include_router(
         proxy_router({"openai": "openai" in formats, "anthropic": "anthropic" in formats})

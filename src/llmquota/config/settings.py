@@ -234,6 +234,19 @@ class Settings(OutboundSettings):
         description="how often a worker reads the provider ceilings' utilization (and, when "
         "enabled, the tenants') into its gauges",
     )
+    decision_counts_flush_seconds: float = Field(
+        default=5.0,
+        ge=0.1,
+        le=60.0,
+        description="how often a worker adds its decision counts to the database (one "
+        "statement each time), for the console's decisions-per-minute chart",
+    )
+    console_session_seconds: int = Field(
+        default=8 * 3_600,
+        ge=60,
+        le=7 * 86_400,
+        description="how long a console sign-in lasts (the session cookie and its row)",
+    )
     tenant_utilization_metrics: bool = Field(
         default=False,
         description="export a utilization gauge per tenant (one series per tenant with a "

@@ -158,6 +158,11 @@ class AlertStore:
         rows = await self._fetch("list_alerts", tenant, limit)
         return [_event(row) for row in rows]
 
+    async def recent_alerts(self, limit: int) -> list[AlertEvent]:
+        """Every tenant's last `limit` alerts, newest first, with delivery counts."""
+        rows = await self._fetch("recent_alerts", limit)
+        return [_event(row) for row in rows]
+
     async def claim_deliveries(
         self,
         limit: int,
