@@ -136,6 +136,13 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Console",
+        (
+            "console_session_seconds",
+            "decision_counts_flush_seconds",
+        ),
+    ),
+    (
         "Maintenance",
         (
             "serve_sweeper",

@@ -14,7 +14,10 @@ import html
 import math
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from decimal import Decimal
 from urllib.parse import quote
+
+from llmquota.domain.money import money_text
 
 
 class Markup(str):
@@ -39,6 +42,8 @@ def _text(value: object) -> str:
         return "-"
     if isinstance(value, datetime):
         return value.strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+    if isinstance(value, Decimal):
+        return money_text(value)  # as the API writes amounts: "12.5", "0.02"
     if isinstance(value, float):
         return "-" if math.isnan(value) else f"{value:,.2f}"
     if isinstance(value, int) and not isinstance(value, bool):
