@@ -95,6 +95,8 @@ async def test_the_tenant_page_shows_the_apis_balances_and_revoke_works(
     # One token a minute: the balance a test sees moves by at most one.
     policy = {"tokens_per_minute": 1, "token_burst": 10_000, "max_in_flight": 5}
     await put(api, "/v1/tenants/acme/policy", policy, admin)
+    quota = {"period": "day", "tokens": 50_000, "alerts": [0.9]}
+    await put(api, "/v1/tenants/acme/quotas/daily", quota, admin)
     key_id, key = await new_key(api, "acme", admin, label="<script>alert(1)</script>")
     other_id, _ = await new_key(api, "acme", admin, label="batch")
     for tokens in (3_000, 1_200):
@@ -118,6 +120,10 @@ async def test_the_tenant_page_shows_the_apis_balances_and_revoke_works(
     assert 5_800 <= int(shown["tenant"][2]) <= 5_801
     assert int(shown["tenant"][3]) == tenant_after["limits"]["token_burst"] == 10_000
     assert int(shown["tenant"][7]) == tenant_after["in_flight"] == 2
+    window = (await api.get("/v1/tenants/acme/quotas/daily", headers=admin)).json()["window"]
+    name, _, period, limit, _, used = (await cells(page, "quotas"))[0][:6]
+    assert (name, period, int(limit)) == ("daily", "day", 50_000)
+    assert int(used) == window["usage_tokens"]
     credits = (await api.get("/v1/tenants/acme/credits", headers=admin)).json()
     assert (await cells(page, "credits"))[0][0] == credits["balance"] == "12.5"
     assert (await cells(page, "credit-ledger"))[0][2] == "invoice-1"
