@@ -168,9 +168,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        # The same answers per minute and tenant, for the console's chart: the
-        # worker flushes them into PostgreSQL (admin/decision_flush.py).
-        self.tally = DecisionTally()
+        # The same answers per minute and tenant, for the console's chart, while
+        # a flush loop drains them into PostgreSQL (admin/decision_flush.py sets
+        # it); None, so nothing accumulates, in a process that runs no such loop.
+        self.tally: DecisionTally | None = None
         counter = functools.partial(Counter, registry=self.registry)
         histogram = functools.partial(Histogram, registry=self.registry)
         self._declare_decisions(counter)
@@ -325,7 +326,8 @@ class Metrics:
         """Count what a caller was answered (once per admission, after any wait)."""
         reason = decision_reason(decision)
         outcome = decision_outcome(decision)
-        self.tally.add(time.time(), tenant, outcome, reason)
+        if self.tally is not None:
+            self.tally.add(time.time(), tenant, outcome, reason)
         key = (outcome, reason)
         child = self._answer_children.get(key)
         if child is None:

@@ -16,7 +16,7 @@ import asyncpg
 from llmquota.admin.decision_flush import KEEP_SECONDS, flush_decision_counts
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.domain.decision_counts import minute_datetime, minute_of
+from llmquota.domain.decision_counts import DecisionTally, minute_datetime, minute_of
 from llmquota.store.console import ConsoleStore
 from tests.integration.support import put
 
@@ -37,14 +37,16 @@ async def test_two_workers_flushing_the_same_keys_add_up_exactly(
     await put(limiter, "tenant", "acme", tokens_per_minute=60, token_burst=1_000)
     await limiter.refresh_policies()
     other = await Limiter.connect(app_dsn, settings)
+    tallies = [DecisionTally(), DecisionTally()]  # as the server's flush loop sets them
+    limiter.metrics.tally, other.metrics.tally = tallies
     try:
         first = await _decide(limiter, "acme", 300, 5)  # 3 fit, 2 refused
         second = await _decide(other, "acme", 300, 4)
         stores = [ConsoleStore(lim.store.pool) for lim in (limiter, other)]
         written = await asyncio.gather(
             *(
-                flush_decision_counts(lim.metrics.tally, store)
-                for lim, store in zip((limiter, other), stores, strict=True)
+                flush_decision_counts(tally, store)
+                for tally, store in zip(tallies, stores, strict=True)
             )
         )
     finally:
@@ -58,7 +60,7 @@ async def test_two_workers_flushing_the_same_keys_add_up_exactly(
     )
     assert [tuple(r) for r in rows] == [("admitted", "none", 3), ("refused", "tenant_tokens", 6)]
     # Drained: a second flush writes nothing more.
-    assert await flush_decision_counts(limiter.metrics.tally, stores[0]) == 0
+    assert await flush_decision_counts(tallies[0], stores[0]) == 0
 
 
 async def test_a_flush_adds_to_the_minute_and_prunes_minutes_older_than_two_days(
@@ -83,3 +85,12 @@ async def test_a_flush_adds_to_the_minute_and_prunes_minutes_older_than_two_days
     assert [(c.outcome, c.reason, c.decisions) for c in per_minute] == [
         ("refused", "concurrency", 5)
     ]
+
+
+async def test_a_process_that_runs_no_flush_loop_counts_nothing_in_memory(
+    limiter: Limiter,
+) -> None:
+    await put(limiter, "tenant", "acme", tokens_per_minute=60, token_burst=1_000)
+    await limiter.refresh_policies()
+    assert await _decide(limiter, "acme", 300, 3) == ["admitted"] * 3
+    assert limiter.metrics.tally is None

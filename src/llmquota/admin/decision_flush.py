@@ -1,7 +1,7 @@
 """`decision_counts_flushing`: a worker's decision counts into PostgreSQL, every few seconds.
 
-Metrics.count_answer counts each answer in the worker's memory
-(domain/decision_counts.py); this loop drains that tally every
+While it runs, Metrics.count_answer counts each answer in the worker's
+memory (domain/decision_counts.py); this loop drains that tally every
 DECISION_COUNTS_FLUSH_SECONDS and adds it to `decision_counts` with one
 statement, which also prunes the minutes older than KEEP_SECONDS. A flush the
 database does not take puts its counts back, so an outage delays the chart
@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 
 from llmquota.domain.decision_counts import DecisionTally
 from llmquota.domain.errors import LimiterError
+from llmquota.metrics import Metrics
 from llmquota.store.console import ConsoleStore
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,11 @@ async def _flush_forever(tally: DecisionTally, store: ConsoleStore, interval: fl
 
 @contextlib.asynccontextmanager
 async def decision_counts_flushing(
-    tally: DecisionTally, store: ConsoleStore, interval_seconds: float
+    metrics: Metrics, store: ConsoleStore, interval_seconds: float
 ) -> AsyncIterator[None]:
-    """Flush every `interval_seconds` for the length of the block, and once at its end."""
+    """Count the worker's decisions and flush them every `interval_seconds` for the
+    length of the block, and once at its end."""
+    tally = metrics.tally = metrics.tally or DecisionTally()
     task = asyncio.create_task(
         _flush_forever(tally, store, interval_seconds), name="llmquota-decision-counts"
     )

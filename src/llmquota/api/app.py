@@ -94,7 +94,7 @@ async def _background_tasks(
         )
         async with (
             decision_counts_flushing(
-                limiter.metrics.tally,
+                limiter.metrics,
                 app.state.console.store,
                 settings.decision_counts_flush_seconds,
             ),
