@@ -39,6 +39,7 @@ from llmquota.api.console import install_console
 from llmquota.api.errors import install_error_handlers
 from llmquota.api.fairness import TenantFairShare
 from llmquota.api.hotpaths import HotPaths
+from llmquota.api.openapi import install_openapi
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.proxy import Proxy, proxy_router
 from llmquota.api.requestids import RequestIds
@@ -167,6 +168,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     app.include_router(
         proxy_router({"openai": "openai" in formats, "anthropic": "anthropic" in formats})
     )
+    install_openapi(app, settings.max_wait_ms_cap)
     return app
 
 

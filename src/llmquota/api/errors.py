@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
 from starlette.types import Send
 
 from llmquota.api.auth import (
@@ -36,6 +37,7 @@ from llmquota.api.auth import (
     Forbidden,
     TooManyFailedAuthentications,
 )
+from llmquota.api.methods import allowed_methods, options_answer
 from llmquota.api.provider_errors import error_body as provider_error_body
 from llmquota.api.provider_errors import proxy_kind
 from llmquota.domain.errors import (
@@ -267,7 +269,7 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(422, "invalid_request_error", message=_validation_message(exc))
 
-    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         kind = proxy_kind(request.scope)
         if kind is not None:  # a body refused mid-read on a proxy path: the provider's format
@@ -276,9 +278,15 @@ def install_error_handlers(app: FastAPI) -> None:
                 headers["x-should-retry"] = "false"
             body = provider_error_body(kind, exc.status_code, str(exc.detail))
             return JSONResponse(body, status_code=exc.status_code, headers=headers)
+        answer_headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # the router's Allow names one route's method: name all
+            options = options_answer(request)
+            if options is not None:
+                return options
+            answer_headers["Allow"] = ", ".join(allowed_methods(request))
         error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
         return error_response(
-            exc.status_code, error_type, headers=exc.headers, message=str(exc.detail)
+            exc.status_code, error_type, headers=answer_headers, message=str(exc.detail)
         )
 
     app.add_exception_handler(AuthenticationFailed, unauthenticated)

@@ -10,24 +10,36 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from llmquota.domain.keys import MAX_GRACE_SECONDS, MAX_LABEL_CHARS, KeyRecord
+from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_text import DateTime, pattern_check, pattern_field
+from llmquota.domain.keys import (
+    LABEL_PATTERN,
+    LABEL_RULE,
+    MAX_GRACE_SECONDS,
+    MAX_LABEL_CHARS,
+    KeyRecord,
+)
 
 ScopeName = Literal["admit", "read"]
-Label = Annotated[str, Field(min_length=1, max_length=MAX_LABEL_CHARS)]
+Label = Annotated[
+    StrictStr,
+    pattern_field(LABEL_PATTERN, MAX_LABEL_CHARS, LABEL_RULE),
+    pattern_check(LABEL_PATTERN, LABEL_RULE),
+]
 
 
 class AdminKeyBody(BaseModel):
     """POST /v1/admin/keys: an admin key may do everything, so it has no scopes.
 
-    `expires_at` without an offset is UTC, as in the usage query.
+    `expires_at` is an RFC 3339 date-time with its offset, as in the usage query.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     label: Label | None = None
-    expires_at: datetime | None = None
+    expires_at: DateTime | None = None
 
 
 class KeyBody(AdminKeyBody):
@@ -41,7 +53,7 @@ class RotateBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    grace_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_GRACE_SECONDS)] = 0
+    grace_seconds: Annotated[int, WholeNumber(ge=0, le=MAX_GRACE_SECONDS)] = 0
 
 
 class KeyInfo(BaseModel):

@@ -17,14 +17,21 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
-    StrictInt,
     StrictStr,
 )
 
+from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_schemas import BURSTS_NEED_RATES, DISTINCT, present
 from llmquota.domain.names import ModelName, Name
 from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
-from llmquota.domain.policy import MAX_GLOBAL_SHARDS, MAX_LEASE_SECONDS
+from llmquota.domain.policy import (
+    MAX_GLOBAL_SHARDS,
+    MAX_IN_FLIGHT,
+    MAX_LEASE_SECONDS,
+    RequestRate,
+    TokenRate,
+)
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_TOKEN_COUNT,
@@ -32,8 +39,8 @@ from llmquota.domain.validation import (
 )
 from llmquota.domain.vocabulary import FailureMode, Priority, Scope
 
-TokenCount = Annotated[StrictInt, Field(ge=0, le=MAX_TOKEN_COUNT)]
-LeaseSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)]
+TokenCount = Annotated[int, WholeNumber(ge=0, le=MAX_TOKEN_COUNT)]
+LeaseSeconds = Annotated[int, WholeNumber(ge=1, le=MAX_LEASE_SECONDS)]
 
 
 def _storable(value: str) -> str:
@@ -56,7 +63,12 @@ MAX_MESSAGES = 10_000
 class AdmitBody(BaseModel):
     """POST /v1/admit. Give `messages` to have them counted, or `input_tokens`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [present("messages", "array"), present("input_tokens", "integer")]
+        },
+    )
 
     tenant: Name
     route: Name | None = None
@@ -71,17 +83,20 @@ class AdmitBody(BaseModel):
         description="lower this request below its plan's priority (a background job); only "
         "an admin key may raise it",
     )
-    fallback_models: Annotated[list[ModelName], Field(max_length=MAX_FALLBACK_MODELS)] | None = (
-        Field(
-            default=None,
-            description="models to degrade to, in order, when the requested one is refused; "
-            "default: the route's or the plan's list",
-        )
+    fallback_models: (
+        Annotated[
+            list[ModelName], Field(max_length=MAX_FALLBACK_MODELS, json_schema_extra=DISTINCT)
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="models to degrade to, in order, when the requested one is refused; "
+        "default: the route's or the plan's list",
     )
     degrade: StrictBool | None = Field(
         default=None, description="false: never degrade; the 429 lists the fallbacks that fit"
     )
-    max_wait_ms: Annotated[StrictInt, Field(ge=0)] | None = Field(
+    max_wait_ms: Annotated[int, WholeNumber(ge=0)] | None = Field(
         default=None,
         description="wait up to this long for room instead of a 429 (bounded by the server's cap)",
     )
@@ -169,7 +184,7 @@ class HeartbeatBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lease_seconds: LeaseSeconds | None = None
-    lease_generation: Annotated[StrictInt, Field(ge=1, le=2_147_483_647)] | None = None
+    lease_generation: Annotated[int, WholeNumber(ge=1, le=2_147_483_647)] | None = None
 
 
 class HeartbeatResponse(BaseModel):
@@ -186,16 +201,20 @@ class ReleaseResponse(BaseModel):
 
 
 class PolicyBody(BaseModel):
-    """A layer's policy; a field left out is no limit of that kind."""
+    """A layer's policy; a field left out is no limit of that kind.
 
-    model_config = ConfigDict(extra="forbid")
+    One model for the three scopes; the OpenAPI document shows each scope's
+    own fields and rules (llmquota.api.openapi).
+    """
 
-    tokens_per_minute: Annotated[StrictInt, Field(ge=1)] | None = None
-    token_burst: Annotated[StrictInt, Field(ge=1)] | None = None
-    requests_per_minute: Annotated[StrictInt, Field(ge=1)] | None = None
-    request_burst: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_in_flight: Annotated[StrictInt, Field(ge=1)] | None = None
-    lease_seconds: Annotated[StrictInt, Field(ge=1)] | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra=BURSTS_NEED_RATES)
+
+    tokens_per_minute: TokenRate | None = None
+    token_burst: TokenRate | None = None
+    requests_per_minute: RequestRate | None = None
+    request_burst: RequestRate | None = None
+    max_in_flight: Annotated[int, WholeNumber(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    lease_seconds: LeaseSeconds | None = None
     failure_mode: FailureMode | None = Field(
         default=None,
         description="when the store cannot answer in time: closed (503, the default), "
@@ -227,7 +246,7 @@ class PolicyBody(BaseModel):
         description="tenant and route policies: true to store a policy with no limit and "
         "no plan (without it such a PUT is refused with 422)",
     )
-    shards: Annotated[StrictInt, Field(ge=1, le=MAX_GLOBAL_SHARDS)] | None = Field(
+    shards: Annotated[int, WholeNumber(ge=1, le=MAX_GLOBAL_SHARDS)] | None = Field(
         default=None,
         description="the global policy only: how many rows its budget is split over, so "
         "that admissions of different tenants lock different rows (default: as many as now, "

@@ -61,7 +61,7 @@ async def resolved_addresses(host: str, timeout_seconds: float) -> list[str]:
             asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
             timeout_seconds,
         )
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, UnicodeError):  # UnicodeError: a name IDNA refuses
         return []
     return sorted({str(info[4][0]) for info in infos})
 

@@ -32,6 +32,9 @@ from llmquota.domain.errors import InvalidRequest
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 1024
 MAX_URL_CHARS = 2048
+# DNS's own limits on a host name (RFC 1035, 2.3.4).
+MAX_DNS_LABEL_CHARS = 63
+MAX_DNS_NAME_CHARS = 253
 # Retries: the first after about FIRST_RETRY_SECONDS, doubling up to
 # MAX_RETRY_SECONDS, each scaled by a jitter in [0.5, 1.0) so that receivers
 # coming back are not hit by every loop at once; given up once the delivery
@@ -200,4 +203,19 @@ def check_webhook_url(value: object, rules: DestinationRules | None = None) -> s
             raise InvalidRequest(f"url: {problem}, refused")
     elif is_own_address(host, effective_port, rules.own):
         raise InvalidRequest("url: that is this service's own listening address, refused")
+    elif not _is_dns_name(host):
+        # No resolver takes it (IDNA refuses a label over 63 characters with a
+        # UnicodeError, which was a 500): it could never be delivered to.
+        raise InvalidRequest(
+            f"url: host names have labels of 1 to {MAX_DNS_LABEL_CHARS} characters, "
+            f"at most {MAX_DNS_NAME_CHARS} in all"
+        )
     return value
+
+
+def _is_dns_name(host: str) -> bool:
+    """Whether `host` has the shape of a DNS name (RFC 1035 lengths; a final dot allowed)."""
+    name = host.removesuffix(".")
+    return 0 < len(name) <= MAX_DNS_NAME_CHARS and all(
+        0 < len(label) <= MAX_DNS_LABEL_CHARS for label in name.split(".")
+    )

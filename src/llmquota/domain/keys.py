@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.json_text import is_unicode, matches, shown_text_pattern
 
 KEY_PREFIX = "lq_"
 # How much of a secret is kept in the clear to tell keys apart: "lq_" and 8
@@ -26,6 +27,12 @@ SCOPES = ("admit", "read")
 # The longest a rotated-out secret keeps working.
 MAX_GRACE_SECONDS = 7 * 24 * 3600
 MAX_LABEL_CHARS = 200
+# What the OpenAPI document says a label is (llmquota.domain.json_text).
+LABEL_PATTERN = shown_text_pattern(MAX_LABEL_CHARS)
+LABEL_RULE = (
+    f"1 to {MAX_LABEL_CHARS} characters, without control characters, line separators, "
+    "bidirectional overrides or lone surrogates"
+)
 
 
 def new_key() -> str:
@@ -61,8 +68,9 @@ def check_grace_seconds(grace_seconds: int) -> int:
 
 
 def check_label(label: str | None) -> str | None:
-    if label is not None and (len(label) > MAX_LABEL_CHARS or not label.isprintable()):
-        raise InvalidRequest(f"'label' must be printable, at most {MAX_LABEL_CHARS} characters")
+    """A label is shown in tables and logs: LABEL_PATTERN, the schema's own."""
+    if label is not None and not (is_unicode(label) and matches(LABEL_PATTERN, label)):
+        raise InvalidRequest(f"'label': {LABEL_RULE}")
     return label
 
 

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal, NamedTuple, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, TypeAdapter
+
+from llmquota.domain.json_numbers import WholeNumber
 
 OutputStrategy = Literal["max_tokens", "learned", "fixed"]
 OUTPUT_STRATEGIES: tuple[OutputStrategy, ...] = ("max_tokens", "learned", "fixed")
@@ -177,7 +179,7 @@ class LearnedEstimate(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     strategy: Literal["learned"]
     quantile: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = DEFAULT_QUANTILE
-    min_samples: Annotated[StrictInt, Field(ge=1, le=MAX_MIN_SAMPLES)] = DEFAULT_MIN_SAMPLES
+    min_samples: Annotated[int, WholeNumber(ge=1, le=MAX_MIN_SAMPLES)] = DEFAULT_MIN_SAMPLES
 
 
 class FixedEstimate(BaseModel):
@@ -185,7 +187,7 @@ class FixedEstimate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     strategy: Literal["fixed"]
-    tokens: Annotated[StrictInt, Field(ge=0, le=MAX_FIXED_TOKENS)]
+    tokens: Annotated[int, WholeNumber(ge=0, le=MAX_FIXED_TOKENS)]
 
 
 OutputEstimate = Annotated[

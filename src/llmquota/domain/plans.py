@@ -26,10 +26,12 @@ from pydantic import (
     Field,
     StrictBool,
     StrictFloat,
-    StrictInt,
     model_validator,
 )
+from pydantic.config import JsonDict
 
+from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_schemas import BURST_RULES, DISTINCT, present
 from llmquota.domain.names import ModelGlob, ModelName
 from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
 from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, priority_rank
@@ -59,7 +61,8 @@ class Plan(Policy):
     # maximum cost against it (402 when it cannot cover it).
     prepaid: StrictBool = False
     fallback_models: Annotated[
-        list[ModelName], Field(max_length=MAX_FALLBACK_MODELS, default_factory=list)
+        list[ModelName],
+        Field(max_length=MAX_FALLBACK_MODELS, default_factory=list, json_schema_extra=DISTINCT),
     ]
 
     @model_validator(mode="after")
@@ -73,9 +76,9 @@ class ShedStep(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    above: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1)]
+    above: Annotated[StrictFloat, Field(gt=0, le=1)]
     admit: Annotated[list[Priority], Field(min_length=1, max_length=len(PRIORITIES))]
-    small_request_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    small_request_tokens: Annotated[int, WholeNumber(ge=1)] | None = None
 
     @property
     def admit_mask(self) -> int:
@@ -83,17 +86,33 @@ class ShedStep(BaseModel):
         return sum(1 << priority_rank(p) for p in set(self.admit))
 
 
+# A ceiling's rules between fields, as JSON Schema: the bursts' rates, and a
+# shedding ladder (it sheds by tokens) needs tokens_per_minute.
+_CEILING_RULES: JsonDict = {
+    "allOf": [
+        *BURST_RULES,
+        {
+            "if": {"required": ["shed"], "properties": {"shed": {"minItems": 1}}},
+            "then": present("tokens_per_minute", "integer"),
+        },
+    ]
+}
+
+
 class Ceiling(BaseModel):
     """A provider's limit on the whole account for the models it names."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_CEILING_RULES)
 
-    models: Annotated[list[ModelGlob], Field(min_length=1, max_length=MAX_CEILING_MODELS)]
+    models: Annotated[
+        list[ModelGlob],
+        Field(min_length=1, max_length=MAX_CEILING_MODELS, json_schema_extra=DISTINCT),
+    ]
     tokens_per_minute: TokenRate | None = None
     token_burst: TokenRate | None = None
     requests_per_minute: RequestRate | None = None
     request_burst: RequestRate | None = None
-    max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    max_in_flight: Annotated[int, WholeNumber(ge=1, le=MAX_IN_FLIGHT)] | None = None
     shed: Annotated[list[ShedStep], Field(max_length=MAX_SHED_STEPS, default_factory=list)]
 
     @model_validator(mode="after")

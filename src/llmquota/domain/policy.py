@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
+from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_schemas import BURSTS_NEED_RATES
 from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.vocabulary import DEFAULT_FAILURE_MODE, FailureMode
 
@@ -22,21 +24,21 @@ MAX_LEASE_SECONDS = 86_400
 MAX_GLOBAL_SHARDS = 64
 DEFAULT_LEASE_SECONDS = 120
 
-TokenRate = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_PER_MINUTE)]
-RequestRate = Annotated[StrictInt, Field(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
+TokenRate = Annotated[int, WholeNumber(ge=1, le=MAX_TOKENS_PER_MINUTE)]
+RequestRate = Annotated[int, WholeNumber(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
 
 
 class Policy(BaseModel):
     """One layer's limits. Capacity (burst) and refill (per minute) are separate dials."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=BURSTS_NEED_RATES)
 
     tokens_per_minute: TokenRate | None = None
     token_burst: TokenRate | None = None
     requests_per_minute: RequestRate | None = None
     request_burst: RequestRate | None = None
-    max_in_flight: Annotated[StrictInt, Field(ge=1, le=MAX_IN_FLIGHT)] | None = None
-    lease_seconds: Annotated[StrictInt, Field(ge=1, le=MAX_LEASE_SECONDS)] = DEFAULT_LEASE_SECONDS
+    max_in_flight: Annotated[int, WholeNumber(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    lease_seconds: Annotated[int, WholeNumber(ge=1, le=MAX_LEASE_SECONDS)] = DEFAULT_LEASE_SECONDS
     failure_mode: FailureMode = DEFAULT_FAILURE_MODE
     # What admission reserves for output (tenant, route and plan policies);
     # None: the whole max_tokens.

@@ -9,12 +9,13 @@ reads them; nothing here needs the clock.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.validation import check_model_glob, check_text
@@ -37,7 +38,12 @@ MAX_REFERENCE_CHARS = 255
 # files of the zone directory, not zones.
 _ZONE_NAME = re.compile(r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$")
 _NOT_ZONES = frozenset({"localtime", "posixrules", "Factory", "posix", "right"})
-_AMOUNT = re.compile(r"^[0-9]+(\.[0-9]+)?$")
+# A decimal string below MAX_AMOUNT with at most MAX_AMOUNT_PLACES places and
+# no leading zero: the OpenAPI document shows this pattern, so it is the rule.
+AMOUNT_PATTERN = rf"^(0|[1-9][0-9]{{0,14}})(\.[0-9]{{1,{MAX_AMOUNT_PLACES}}})?$"
+# An amount that is zero (refused where an amount must be positive).
+ZERO_AMOUNT_PATTERN = r"^0(\.0+)?$"
+_AMOUNT = re.compile(AMOUNT_PATTERN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +140,23 @@ def check_timezone(value: object) -> str:
     return value
 
 
+@functools.cache
+def known_timezones() -> list[str]:
+    """Every zone name check_timezone takes, sorted: the schema's enum of them."""
+    return sorted(
+        zone
+        for zone in available_timezones()
+        if len(zone) <= 64 and _ZONE_NAME.fullmatch(zone) and zone.split("/")[0] not in _NOT_ZONES
+    )
+
+
 def check_amount(field: str, value: object, *, allow_zero: bool = False) -> Decimal:
     """A decimal string (never a JSON number: floats lose cents), positive, bounded."""
     if not isinstance(value, str) or not _AMOUNT.fullmatch(value):
-        raise InvalidRequest(f'{field} must be a non-negative decimal string such as "12.50"')
+        raise InvalidRequest(
+            f'{field} must be a decimal string such as "12.50" (no leading zeros, at most '
+            f"{MAX_AMOUNT_PLACES} places, below {MAX_AMOUNT})"
+        )
     try:
         amount = Decimal(value)
     except InvalidOperation as exc:  # pragma: no cover - the pattern admits only decimals
@@ -145,8 +164,8 @@ def check_amount(field: str, value: object, *, allow_zero: bool = False) -> Deci
     places = -int(amount.as_tuple().exponent)
     if places > MAX_AMOUNT_PLACES:
         raise InvalidRequest(f"{field} has more than {MAX_AMOUNT_PLACES} decimal places")
-    if amount > MAX_AMOUNT or (amount == 0 and not allow_zero):
-        raise InvalidRequest(f"{field} must be greater than 0 and at most {MAX_AMOUNT}")
+    if amount >= MAX_AMOUNT or (amount == 0 and not allow_zero):
+        raise InvalidRequest(f"{field} must be greater than 0 and below {MAX_AMOUNT}")
     return amount
 
 
@@ -160,7 +179,7 @@ def check_quota_tokens(value: object) -> int | None:
 
 
 def check_alerts(value: object) -> tuple[Decimal, ...]:
-    """Alert thresholds: fractions in (0, 1], strictly increasing, at most MAX_ALERTS."""
+    """Alert thresholds: fractions in (0, 1], at most MAX_ALERTS, stored increasing."""
     if value is None:
         return DEFAULT_ALERTS
     if not isinstance(value, list | tuple) or len(value) > MAX_ALERTS:
@@ -175,10 +194,10 @@ def check_alerts(value: object) -> tuple[Decimal, ...]:
             raise InvalidRequest("alerts must be numbers in (0, 1]") from exc
         if not fraction.is_finite() or not 0 < fraction <= 1:
             raise InvalidRequest("alerts must be numbers in (0, 1]")
-        if fractions and fraction <= fractions[-1]:
-            raise InvalidRequest("alerts must be strictly increasing")
         fractions.append(fraction)
-    return tuple(fractions)
+    # A set of thresholds: in whatever order they came, each alerts once. (No
+    # JSON Schema can say "increasing", so the server does not ask for it.)
+    return tuple(sorted(set(fractions)))
 
 
 def check_models(value: object) -> tuple[str, ...]:

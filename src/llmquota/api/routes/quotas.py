@@ -12,30 +12,83 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictStr
+from pydantic.config import JsonDict
 
 from llmquota.admin.alerts import AlertService
 from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName, RouteName, TenantName
 from llmquota.domain.alerts import AlertEvent
+from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_text import pattern_field, storable_text_pattern
 from llmquota.domain.money import money_text
-from llmquota.domain.quotas import Quota, TopUp, check_amount, check_reference, quota_spec
+from llmquota.domain.names import ModelGlob
+from llmquota.domain.quotas import (
+    AMOUNT_PATTERN,
+    MAX_ALERTS,
+    MAX_MODELS,
+    MAX_QUOTA_TOKENS,
+    MAX_REFERENCE_CHARS,
+    ZERO_AMOUNT_PATTERN,
+    Enforce,
+    Period,
+    Quota,
+    TopUp,
+    check_amount,
+    check_reference,
+    known_timezones,
+    quota_spec,
+)
+
+REFERENCE_PATTERN = storable_text_pattern(MAX_REFERENCE_CHARS)
 
 router = APIRouter(tags=["quotas"])
+# The PUTs and the top-up answer 201 when they create, 200 when it existed.
+CREATED: dict[int | str, dict[str, Any]] = {201: {"description": "created"}}
+
+
+def _known_zones(schema: dict[str, Any]) -> None:
+    """The schema's `timezone` enum: the zones this server's zone database knows."""
+    schema["enum"] = known_timezones()
+
+
+Timezone = Annotated[StrictStr, Field(json_schema_extra=_known_zones)]
+Cost = Annotated[
+    StrictStr,
+    Field(
+        pattern=AMOUNT_PATTERN,
+        json_schema_extra={"not": {"pattern": ZERO_AMOUNT_PATTERN}},
+        description='a positive decimal string, e.g. "250.00"',
+    ),
+]
+Alert = Annotated[StrictFloat, Field(gt=0, le=1)]
+# A quota needs a budget: tokens or cost (or both), not null.
+_NEEDS_A_BUDGET: JsonDict = {
+    "anyOf": [
+        {"required": ["tokens"], "properties": {"tokens": {"type": "integer"}}},
+        {"required": ["cost"], "properties": {"cost": {"type": "string"}}},
+    ]
+}
 
 
 class QuotaBody(BaseModel):
     """PUT body of a quota: `tokens` and/or `cost` per calendar `period`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_NEEDS_A_BUDGET)
 
-    period: StrictStr
-    timezone: StrictStr = "UTC"
-    tokens: StrictInt | None = None
+    period: Period
+    timezone: Timezone = "UTC"
+    tokens: Annotated[int, WholeNumber(ge=1, le=MAX_QUOTA_TOKENS)] | None = None
     # Money is a decimal string: a JSON number would have lost cents already.
-    cost: StrictStr | None = None
-    models: list[StrictStr] | None = None
-    alerts: list[StrictFloat | StrictInt] | None = None
-    enforce: StrictStr = "block"
+    cost: Cost | None = None
+    models: Annotated[list[ModelGlob], Field(max_length=MAX_MODELS)] | None = None
+    alerts: Annotated[list[Alert], Field(max_length=MAX_ALERTS)] | None = None
+    enforce: Enforce = "block"
+
+
+Reference = Annotated[
+    StrictStr,
+    pattern_field(REFERENCE_PATTERN, MAX_REFERENCE_CHARS, "1 to 255 characters, no NUL"),
+]
 
 
 class TopUpBody(BaseModel):
@@ -43,8 +96,8 @@ class TopUpBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    amount: StrictStr
-    reference: StrictStr
+    amount: Cost
+    reference: Reference
 
 
 def quota_json(quota: Quota) -> dict[str, Any]:
@@ -103,7 +156,7 @@ async def _put(
     return JSONResponse(quota_json(quota), status_code=201 if created else 200)
 
 
-@router.put("/v1/tenants/{tenant}/quotas/{name}", status_code=200)
+@router.put("/v1/tenants/{tenant}/quotas/{name}", status_code=200, responses=CREATED)
 async def put_tenant_quota(
     tenant: TenantName, name: ObjectName, body: QuotaBody, caller: CallerDep, svc: AlertServiceDep
 ) -> JSONResponse:
@@ -112,7 +165,7 @@ async def put_tenant_quota(
     return await _put(svc, tenant, None, name, body)
 
 
-@router.put("/v1/tenants/{tenant}/routes/{route}/quotas/{name}", status_code=200)
+@router.put("/v1/tenants/{tenant}/routes/{route}/quotas/{name}", status_code=200, responses=CREATED)
 async def put_route_quota(
     *,
     tenant: TenantName,
@@ -182,7 +235,7 @@ async def delete_route_quota(
     await svc.delete_quota(tenant, route, name)
 
 
-@router.post("/v1/tenants/{tenant}/credits")
+@router.post("/v1/tenants/{tenant}/credits", responses=CREATED)
 async def top_up(
     tenant: TenantName, body: TopUpBody, caller: CallerDep, svc: AlertServiceDep
 ) -> JSONResponse:

@@ -23,6 +23,7 @@ from llmquota.api.auth import Caller
 from llmquota.api.dependencies import AdminDep, CallerDep, LimiterDep, TenantName
 from llmquota.api.routes.policies import policy_response
 from llmquota.api.schemas import LayerStatusResponse, StatusResponse, UsageResponse
+from llmquota.domain.json_text import DateTime
 from llmquota.domain.records import LayerStatus, StoredPolicy
 from llmquota.domain.refusals import binding_retry_ms, seconds_until_full
 
@@ -100,14 +101,14 @@ async def tenant_usage(
     tenant: TenantName,
     caller: CallerDep,
     admin: AdminDep,
-    from_: Annotated[datetime | None, Query(alias="from")] = None,
-    to: Annotated[datetime | None, Query()] = None,
+    from_: Annotated[DateTime | None, Query(alias="from")] = None,
+    to: Annotated[DateTime | None, Query()] = None,
 ) -> JSONResponse:
-    """Ledger totals for [from, to); default: the last 30 days."""
+    """Ledger totals for [from, to), RFC 3339 date-times; default: the last 30 days."""
     caller.require_tenant(tenant)
     caller.require_scope("read")
-    end = _aware(to) if to else datetime.now(UTC)
-    start = _aware(from_) if from_ else _days_before(end, DEFAULT_USAGE_DAYS)
+    end = to or datetime.now(UTC)
+    start = from_ or _days_before(end, DEFAULT_USAGE_DAYS)
     totals = await admin.tenant_usage(tenant, start, end)
     body = UsageResponse(
         tenant=tenant,
@@ -126,8 +127,3 @@ def _days_before(moment: datetime, days: int) -> datetime:
         return moment - timedelta(days=days)
     except OverflowError:
         return datetime.min.replace(tzinfo=UTC)
-
-
-def _aware(moment: datetime) -> datetime:
-    """Naive timestamps in a query are taken as UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

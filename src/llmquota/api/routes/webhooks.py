@@ -12,20 +12,29 @@ the URL (userinfo, token-like query parameters) are shown masked
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from llmquota.api.dependencies import AlertServiceDep, CallerDep, ObjectName
 from llmquota.api.webhooks import check_webhook_target
 from llmquota.config import Settings
-from llmquota.domain.alerts import Webhook, check_secret
+from llmquota.domain.alerts import (
+    MAX_SECRET_BYTES,
+    MAX_URL_CHARS,
+    MIN_SECRET_BYTES,
+    Webhook,
+    check_secret,
+)
+from llmquota.domain.names import Name
 from llmquota.domain.url_masking import mask_url
 from llmquota.domain.validation import check_name
 
 router = APIRouter(tags=["webhooks"])
+# What check_webhook_url takes at least: http(s), then printable ASCII (no spaces).
+URL_PATTERN = r"^https?://[!-~]+$"
 
 
 class WebhookBody(BaseModel):
@@ -33,9 +42,22 @@ class WebhookBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: StrictStr
-    secret: StrictStr
-    tenant: StrictStr | None = None
+    url: Annotated[
+        StrictStr,
+        Field(
+            max_length=MAX_URL_CHARS,
+            pattern=URL_PATTERN,
+            description="an http(s) URL, printable ASCII; its host must pass the "
+            "destination rules (LLMQUOTA_WEBHOOK_*)",
+        ),
+    ]
+    # Characters, each one byte or more: 16 of them are at least 16 bytes. The
+    # server counts UTF-8 bytes (at most MAX_SECRET_BYTES), which no schema can.
+    secret: Annotated[
+        StrictStr,
+        Field(min_length=MIN_SECRET_BYTES, max_length=MAX_SECRET_BYTES, pattern=r"^[^\x00]*$"),
+    ]
+    tenant: Name | None = None
 
 
 def webhook_json(hook: Webhook) -> dict[str, Any]:
@@ -62,7 +84,7 @@ def own_addresses(request: Request) -> list[tuple[str, int]]:
     return own
 
 
-@router.put("/v1/webhooks/{name}")
+@router.put("/v1/webhooks/{name}", responses={201: {"description": "created"}})
 async def put_webhook(
     name: ObjectName, body: WebhookBody, request: Request, caller: CallerDep, svc: AlertServiceDep
 ) -> JSONResponse:
