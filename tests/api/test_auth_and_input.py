@@ -190,7 +190,7 @@ async def test_bad_admit_body_is_refused_clearly_and_changes_nothing(
     [
         {"input_tokens": -1, "output_tokens": 1},
         {"input_tokens": 1, "output_tokens": 10_000_001},
-        {"input_tokens": 1.0, "output_tokens": 1},
+        {"input_tokens": 1.5, "output_tokens": 1},
         {"input_tokens": 1, "output_tokens": 1, "outcome": "maybe"},
         {"input_tokens": 1},
     ],

@@ -45,9 +45,11 @@ def test_amounts_are_positive_decimal_strings() -> None:
             check_amount("amount", bad)
 
 
-def test_alert_fractions_are_in_zero_one_and_increasing() -> None:
+def test_alert_fractions_are_in_zero_one_and_stored_increasing() -> None:
     assert [str(a) for a in check_alerts([0.25, 1])] == ["0.25", "1"]
-    for bad in ([0.5, 0.5], [1.01], [-0.1], [True], [float("nan")]):
+    # A set of thresholds (no schema can ask for "increasing"): sorted, each once.
+    assert [str(a) for a in check_alerts([1, 0.5, 0.25, 0.5])] == ["0.25", "0.5", "1"]
+    for bad in ([1.01], [-0.1], [True], [float("nan")]):
         with pytest.raises(InvalidRequest, match="alerts"):
             check_alerts(bad)
 
