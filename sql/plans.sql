@@ -265,8 +265,9 @@ $$;
 
 
 -- Delete a tenant (issue 22): its layers, keys, quotas, credit account and
--- webhooks go (ON DELETE CASCADE from tenants); the usage ledger keeps its
--- rows (it has no foreign key: append-only). The tenant's layers are locked
+-- webhooks go (ON DELETE CASCADE from tenants); the usage ledger and the
+-- credit ledger keep their rows (no foreign key: append-only), the credit
+-- ledger with one adjustment that closes a remaining balance out. The tenant's layers are locked
 -- first, in layer_id order as admission locks them, so an admission either
 -- committed before (its reservation is counted) or runs after and finds no
 -- tenant. Status: 'deleted', 'not_found', 'active' (with how many
@@ -294,6 +295,8 @@ BEGIN
         RETURN QUERY SELECT 'active'::text, n;
         RETURN;
     END IF;
+    -- A prepaid balance is money: closed out in the credit ledger, which keeps its rows.
+    PERFORM lq_credit_close_out(p_tenant);
     DELETE FROM api_keys WHERE tenant = p_tenant;
     DELETE FROM limit_layers WHERE tenant = p_tenant;
     DELETE FROM tenants WHERE tenant = p_tenant;

@@ -197,16 +197,6 @@ class Metrics:
             "Reservations made by admission statements this worker stopped waiting for "
             "(it answered by the failure mode), released when the store answered again",
         )
-        self.alerts = counter(
-            "llmquota_alerts",
-            "Alert deliveries attempted, by alert type (quota.threshold, credits.threshold, "
-            "ceiling.utilization) and result (delivered, retry, gave_up)",
-            ["type", "result"],
-        )
-        self.sweeper_reclaims = counter(
-            "llmquota_sweeper_reclaims",
-            "Reservations expired by the sweeper",
-        )
         self._declare_maintenance(counter)
         self.store_errors = counter(
             "llmquota_store_errors",
@@ -230,6 +220,16 @@ class Metrics:
 
     def _declare_maintenance(self, counter: Callable[..., Counter]) -> None:
         """The maintenance leader's series (admin/maintenance.py)."""
+        self.alerts = counter(
+            "llmquota_alerts",
+            "Alert deliveries attempted, by alert type (quota.threshold, credits.threshold, "
+            "ceiling.utilization) and result (delivered, retry, gave_up)",
+            ["type", "result"],
+        )
+        self.sweeper_reclaims = counter(
+            "llmquota_sweeper_reclaims",
+            "Reservations expired by the sweeper",
+        )
         self.sweeps = counter(
             "llmquota_sweeps",
             "Sweeper runs of this process as the maintenance leader, by result (ok, failed)",

@@ -92,3 +92,22 @@ async def test_ceiling_patch_and_if_match(client: httpx.AsyncClient, admin: dict
         "/v1/ceilings/none", json={"max_in_flight": 1}, headers={**admin, **MERGE}
     )
     assert missing.status_code == 404
+
+
+async def test_a_patch_member_no_resource_has_is_refused_even_as_null(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    """Merging a null member drops it, so a misspelt reset would answer 200 and do
+    nothing: every PATCH refuses a member its resource does not have, and changes nothing."""
+    await client.put("/v1/plans/pro", json={"tokens_per_minute": 5_000}, headers=admin)
+    await client.put("/v1/tenants/acme/policy", json={"tokens_per_minute": 7_000}, headers=admin)
+    await client.put("/v1/policies/global", json={"tokens_per_minute": 9_000}, headers=admin)
+    resources = ["/v1/plans/pro", "/v1/tenants/acme/policy", "/v1/policies/global"]
+    before = [(await client.get(url, headers=admin)).json() for url in resources]
+    for url in resources:
+        for body in ({"tokens_per_mintue": None}, {"": None}, {"max_in_flight": 2, "x": None}):
+            answer = await client.patch(url, json=body, headers={**admin, **MERGE})
+            assert answer.status_code == 422, (url, body, answer.text)
+            assert "no such field" in answer.json()["error"]["message"]
+    after = [(await client.get(url, headers=admin)).json() for url in resources]
+    assert after == before

@@ -6,6 +6,7 @@ import asyncpg
 import httpx
 
 from tests.api.conftest import make_tenant
+from tests.conftest import audit_findings
 
 
 async def test_pages_walk_every_tenant_once_in_name_order(
@@ -144,3 +145,33 @@ async def test_delete_honours_if_match(client: httpx.AsyncClient, admin: dict[st
     current = (await client.get("/v1/tenants/acme/policy", headers=admin)).headers["etag"]
     ok = await client.delete("/v1/tenants/acme", headers={**admin, "if-match": current})
     assert ok.status_code == 204
+
+
+async def test_delete_closes_a_credit_balance_out_in_the_credit_ledger(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection, database_dsn: str
+) -> None:
+    """The credit ledger keeps its rows: a deleted tenant's balance is closed out by
+    one adjustment, so the ledger still sums to each account and a tenant created
+    later under the same name starts from zero."""
+    await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    topup = await client.post(
+        "/v1/tenants/acme/credits", json={"amount": "22.9272", "reference": "inv-1"}, headers=admin
+    )
+    assert topup.status_code == 201, topup.text
+    assert (await client.delete("/v1/tenants/acme", headers=admin)).status_code == 204
+    rows = await db.fetch(
+        "SELECT entry_kind, amount, balance_after FROM credit_ledger"
+        " WHERE tenant = 'acme' ORDER BY entry_id"
+    )
+    assert [(r["entry_kind"], str(r["amount"]), str(r["balance_after"])) for r in rows] == [
+        ("topup", "22.9272", "22.9272"),
+        ("adjustment", "-22.9272", "0"),
+    ]
+    await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    again = await client.post(
+        "/v1/tenants/acme/credits", json={"amount": "1.5", "reference": "inv-2"}, headers=admin
+    )
+    assert again.status_code == 201, again.text
+    credits = (await client.get("/v1/tenants/acme/credits", headers=admin)).json()
+    assert credits["balance"] == "1.5"
+    assert await audit_findings(database_dsn) == []

@@ -13,12 +13,17 @@ import math
 
 import asyncpg
 import httpx
+import pytest
 from playwright.async_api import Page
 
 from tests.console.conftest import ADMIN_KEY, cells, new_key, put, screenshot, sign_in
 from tests.faults.conftest import wait_for
 from tests.receiver import Receiver
 from tests.support import run_cli
+
+# Debian's chromium is not on a machine with only Python: `.ci/run` installs
+# it and runs these with `pytest -m 'pgbouncer or browser'`.
+pytestmark = pytest.mark.browser
 
 ADMIT = {"model": "gpt-4o", "max_tokens": 0}
 

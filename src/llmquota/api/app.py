@@ -134,15 +134,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.limiter = limiter
         app.state.admin = admin
         app.state.authenticator = authenticator
-        app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
-        app.state.alert_service = AlertService(
-            limiter.store, deadline_seconds=limiter.deadline_seconds
-        )
-        app.state.console = ConsoleService(
-            limiter.store,
-            deadline_seconds=limiter.deadline_seconds,
-            session_seconds=settings.console_session_seconds,
-        )
+        _attach_services(app, limiter, settings)
         try:
             async with _background_tasks(app, limiter, admin, settings, database):
                 yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
@@ -170,6 +162,17 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
     )
     install_openapi(app, settings.max_wait_ms_cap)
     return app
+
+
+def _attach_services(app: FastAPI, limiter: Limiter, settings: Settings) -> None:
+    """The proxy, the alert service and the console's reads, on the app's state."""
+    app.state.proxy = Proxy(settings, limiter.metrics.registry)  # one /metrics for both
+    app.state.alert_service = AlertService(limiter.store, deadline_seconds=limiter.deadline_seconds)
+    app.state.console = ConsoleService(
+        limiter.store,
+        deadline_seconds=limiter.deadline_seconds,
+        session_seconds=settings.console_session_seconds,
+    )
 
 
 def _add_middlewares(app: FastAPI, settings: Settings) -> None:

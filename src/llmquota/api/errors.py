@@ -229,6 +229,29 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """The router's and Starlette's own errors (404, 405, 413 ...) in the one shape,
+    or the provider's on a proxy path; a 405 lists every method of the resource."""
+    assert isinstance(exc, StarletteHTTPException)
+    kind = proxy_kind(request.scope)
+    if kind is not None:  # a body refused mid-read on a proxy path: the provider's format
+        headers = dict(exc.headers or {})
+        if exc.status_code == 413:
+            headers["x-should-retry"] = "false"
+        body = provider_error_body(kind, exc.status_code, str(exc.detail))
+        return JSONResponse(body, status_code=exc.status_code, headers=headers)
+    answer_headers = dict(exc.headers or {})
+    if exc.status_code == 405:  # the router's Allow names one route's method: name all
+        options = options_answer(request)
+        if options is not None:
+            return options
+        answer_headers["Allow"] = ", ".join(allowed_methods(request))
+    error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
+    return error_response(
+        exc.status_code, error_type, headers=answer_headers, message=str(exc.detail)
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Render every error the app may raise in the one shape."""
     for exc_type, status, error_type in _SIMPLE:
@@ -269,29 +292,9 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(422, "invalid_request_error", message=_validation_message(exc))
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        kind = proxy_kind(request.scope)
-        if kind is not None:  # a body refused mid-read on a proxy path: the provider's format
-            headers = dict(exc.headers or {})
-            if exc.status_code == 413:
-                headers["x-should-retry"] = "false"
-            body = provider_error_body(kind, exc.status_code, str(exc.detail))
-            return JSONResponse(body, status_code=exc.status_code, headers=headers)
-        answer_headers = dict(exc.headers or {})
-        if exc.status_code == 405:  # the router's Allow names one route's method: name all
-            options = options_answer(request)
-            if options is not None:
-                return options
-            answer_headers["Allow"] = ", ".join(allowed_methods(request))
-        error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "http_error")
-        return error_response(
-            exc.status_code, error_type, headers=answer_headers, message=str(exc.detail)
-        )
-
     app.add_exception_handler(AuthenticationFailed, unauthenticated)
     app.add_exception_handler(TooManyFailedAuthentications, unauthenticated)
     app.add_exception_handler(ReservationConflict, conflict)
     app.add_exception_handler(StoreUnavailable, unavailable)
     app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -6,8 +6,8 @@ fields). A few refusals depend on what no schema can see: the clock, what
 is stored, what a host name resolves to. A generated request the schema
 calls valid may meet one of them and get its 422; such a refusal is the
 server being right, not the schema being wrong. This hook drops exactly
-those: a "schema-valid request rejected" failure whose 422 names one of the
-reasons below, each with why no schema can say it. Every other failure,
+those: a "schema-valid request rejected" failure whose 422 (or 413) names one of
+the reasons below, each with why no schema can say it. Every other failure,
 every other check, and every other 422 still fails the run.
 """
 
@@ -41,6 +41,9 @@ UNSTATEABLE: dict[str, str] = {
 # onto a plan without tokens_per_minute), which the server answers with 422
 # (RFC 5789). No schema of the patch alone can say which patches those are.
 MERGED_INTO_STORED = "PATCH"
+# The statuses of those refusals: 422, and 413 for an admission larger than the
+# stored capacity of a layer ("it can never fit").
+UNSTATEABLE_STATUSES = (413, 422)
 
 
 def unstateable_reason(message: str) -> str | None:
@@ -52,9 +55,11 @@ def unstateable_reason(message: str) -> str | None:
 def filter_failure(context: Any, failure: Any, case: Any, response: Any) -> bool:
     """Keep every failure but a positive case's 422 for one of UNSTATEABLE's reasons
     (or, for a PATCH, for its merged result)."""
-    if not isinstance(failure, RejectedPositiveData) or response.status_code != 422:
+    if not isinstance(failure, RejectedPositiveData):
         return True
-    if case.method.upper() == MERGED_INTO_STORED:
+    if response.status_code not in UNSTATEABLE_STATUSES:
+        return True
+    if case.method.upper() == MERGED_INTO_STORED and response.status_code == 422:
         return False
     try:
         message = str(response.json()["error"]["message"])

@@ -111,7 +111,7 @@ async def patch_plan(
     async def write(document: dict[str, Any], version: str) -> None:
         await admin.put_plan(plan, validated(Plan, document), if_match=[version])
 
-    await merged_write(request, f"plan {plan!r}", stored, write)
+    await merged_write(request, Plan, f"plan {plan!r}", stored, write)
     return await _stored_plan(admin, plan, response)
 
 
@@ -178,7 +178,7 @@ async def patch_ceiling(
     async def write(document: dict[str, Any], version: str) -> None:
         await admin.put_ceiling(ceiling, validated(Ceiling, document), if_match=[version])
 
-    await merged_write(request, f"ceiling {ceiling!r}", stored, write)
+    await merged_write(request, Ceiling, f"ceiling {ceiling!r}", stored, write)
     return await _stored_ceiling(admin, ceiling, response)
 
 

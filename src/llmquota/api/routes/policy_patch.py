@@ -110,16 +110,36 @@ def validated(model: type[M], document: dict[str, Any]) -> M:
         raise InvalidRequest("; ".join(fields)) from None
 
 
+def refuse_unknown_members(model: type[BaseModel], patch: dict[str, Any]) -> None:
+    """InvalidRequest naming a patch member `model` does not have.
+
+    Merging would drop a null member silently (it removes a field that was
+    never there), so `{"tokens_per_mintue": null}` would answer 200 and change
+    nothing; a PUT body with that member is refused, and so is the patch.
+    """
+    known = set(model.model_fields) | {
+        field.alias for field in model.model_fields.values() if field.alias
+    }
+    unknown = sorted(name for name in patch if name not in known)
+    if unknown:
+        raise InvalidRequest(
+            f"{unknown[0]!r}: no such field (the fields: {', '.join(sorted(model.model_fields))})"
+        )
+
+
 async def merged_write(
     request: Request,
+    model: type[BaseModel],
     what: str,
     stored: Callable[[], Awaitable[tuple[dict[str, Any], int]]],
     write: Callable[[dict[str, Any], str], Awaitable[R]],
 ) -> R:
     """The PATCH every policy resource shares: the stored document and its
     version, the patch merged over it, written guarded by that version; merged
-    again when another write came between, unless If-Match pinned a version."""
+    again when another write came between, unless If-Match pinned a version.
+    A member `model` lacks is refused before anything is read."""
     patch = await read_merge_patch(request)
+    refuse_unknown_members(model, patch)
     wanted = if_match(request)
     pinned = wanted is not None and "*" not in wanted
     for _ in range(MERGE_ATTEMPTS):
@@ -144,7 +164,11 @@ async def _patch(
         return policy_response(stored)
 
     return await merged_write(
-        request, f"the {target.scope} policy", lambda: _stored_document(admin, target), write
+        request,
+        PolicyBody,
+        f"the {target.scope} policy",
+        lambda: _stored_document(admin, target),
+        write,
     )
 
 
