@@ -190,6 +190,7 @@ async def test_open_and_local_keep_admitting_through_a_60s_outage(
     assert recorded == len(answers)
 
 
+@pytest.mark.slow
 async def test_a_key_outlives_its_refresh_age_during_a_hang_and_goes_once_deleted(
     proxy: PgProxy, db: asyncpg.Connection
 ) -> None:

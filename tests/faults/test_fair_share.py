@@ -51,8 +51,27 @@ async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[http
             yield c
 
 
+async def _lock_waiters(database_dsn: str, expected: int) -> None:
+    """Until `expected` sessions wait on the locked row (the flood holds those
+    connections): a fixed sleep is too short on a busy machine, where the
+    quiet tenant then finds a connection the flood had not taken yet."""
+    watcher = await asyncpg.connect(database_dsn)
+    try:
+        for _ in range(200):
+            waiting = await watcher.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            if waiting >= expected:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{waiting} admissions wait on the lock, not {expected}")
+    finally:
+        await watcher.close()
+
+
 async def _flood_while_stuck(
-    client: httpx.AsyncClient, database_dsn: str
+    client: httpx.AsyncClient, database_dsn: str, stuck: int
 ) -> tuple[bool, list[int]]:
     keys = {}
     for tenant in ("noisy", "quiet"):
@@ -76,7 +95,8 @@ async def _flood_while_stuck(
             )
             for _ in range(FLOOD)
         ]
-        await asyncio.sleep(0.3)  # the flood is in: stuck in the database or queued
+        await _lock_waiters(database_dsn, stuck)  # the flood holds its connections
+        await asyncio.sleep(0.3)  # the rest of it is in: queued (or turned away)
         quiet = asyncio.ensure_future(
             client.post("/v1/admit", headers=keys["quiet"], json={"tenant": "quiet", **body})
         )
@@ -107,7 +127,7 @@ async def unfair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
 async def test_stuck_tenant_cannot_starve_another(
     fair: httpx.AsyncClient, database_dsn: str, db: asyncpg.Connection
 ) -> None:
-    served_while_stuck, statuses = await _flood_while_stuck(fair, database_dsn)
+    served_while_stuck, statuses = await _flood_while_stuck(fair, database_dsn, stuck=2)
     assert served_while_stuck
     # 2 in progress and 8 queued were served once the lock went; the rest of
     # the flood was turned away at once, its tenant's queue being full.
@@ -118,6 +138,6 @@ async def test_stuck_tenant_cannot_starve_another(
 async def test_without_the_fair_share_the_flood_takes_every_connection(
     unfair: httpx.AsyncClient, database_dsn: str
 ) -> None:
-    served_while_stuck, statuses = await _flood_while_stuck(unfair, database_dsn)
+    served_while_stuck, statuses = await _flood_while_stuck(unfair, database_dsn, stuck=POOL)
     assert not served_while_stuck  # it waited for a connection the flood held
     assert statuses == [201] * FLOOD

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from llmquota.admission.limiter import Limiter
 from tests.faults.conftest import metric_value, port_of_process, served_process
@@ -37,6 +38,7 @@ async def hanging_upstream(model: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 async def test_200_abandoned_streams_to_a_hanging_upstream_leave_another_tenant_served(
     limiter: Limiter, database_dsn: str, tmp_path: Path
 ) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import pytest
 
 from llmquota.admin.alerts import AlertService
 from llmquota.admission.limiter import Limiter
@@ -75,6 +76,7 @@ async def fire(service: AlertService, tenant: str, n: int) -> dict[str, float]:
     return fired
 
 
+@pytest.mark.slow
 async def test_a_trickling_and_a_huge_receiver_delay_no_other_alert_and_cost_no_memory(
     limiter: Limiter, database_dsn: str, db: asyncpg.Connection, tmp_path: Path
 ) -> None:
