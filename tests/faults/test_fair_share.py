@@ -35,7 +35,7 @@ async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[http
         admin_key=ADMIN_KEY,
         pool_max_size=POOL,
         tenant_max_in_progress=max_in_progress,
-        tenant_max_waiting=8,
+        tenant_max_queued=8,
         decision_deadline_ms=30_000,
         lock_timeout_ms=30_000,
         # Group admission shares statements between tenants: a batch that holds

@@ -47,7 +47,7 @@ def _request(tenant: str, model: str = "gpt-4o") -> AdmitRequest:
 async def batching_limiter(database_dsn: str) -> AsyncIterator[Limiter]:
     # One batch statement at a time, so concurrent callers share batches.
     limiter = await Limiter.connect(
-        database_dsn, fault_settings(batch_max_in_flight=1, batch_window_ms=5)
+        database_dsn, fault_settings(batch_max_running=1, batch_window_ms=5)
     )
     yield limiter
     await limiter.close()

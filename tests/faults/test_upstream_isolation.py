@@ -52,7 +52,7 @@ async def test_200_abandoned_streams_to_a_hanging_upstream_leave_another_tenant_
             LLMQUOTA_OPENAI_API_KEY="sk-upstream-isolation-0123",
             LLMQUOTA_PROXY_MAX_CONNECTIONS="200",
             LLMQUOTA_TENANT_MAX_IN_PROGRESS="1000",
-            LLMQUOTA_TENANT_MAX_WAITING="1000",
+            LLMQUOTA_TENANT_MAX_QUEUED="1000",
             # Long enough to outlast the quiet tenant's requests; short enough
             # that the server's shutdown, which lets drains run to their bound,
             # is quick.

@@ -96,7 +96,7 @@ async def served(database_dsn: str) -> AsyncIterator[Served]:
 
 @pytest.fixture
 async def served_queue_of_two(database_dsn: str) -> AsyncIterator[Served]:
-    async for s in _served(database_dsn, wait_queue_per_tenant=2):
+    async for s in _served(database_dsn, tenant_max_waiting_for_room=2):
         yield s
 
 

@@ -73,7 +73,7 @@ async def test_a_body_over_the_limit_is_the_providers_413_and_rest_keeps_its_sha
 async def test_a_full_fair_share_queue_is_the_providers_429_and_rest_keeps_its_shape(
     fake: tuple[FakeProvider, str], database_dsn: str, db: asyncpg.Connection
 ) -> None:
-    lanes = {"tenant_max_in_progress": 1, "tenant_max_waiting": 0}
+    lanes = {"tenant_max_in_progress": 1, "tenant_max_queued": 0}
     async with stack_for(fake, database_dsn, GENEROUS, **lanes) as stack:
         client = stack.openai()
         await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)

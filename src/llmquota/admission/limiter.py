@@ -105,7 +105,7 @@ class Limiter:
             self.orphans,
             self.metrics,
             cap_ms=settings.max_wait_ms_cap,
-            max_per_tenant=settings.wait_queue_per_tenant,
+            max_per_tenant=settings.tenant_max_waiting_for_room,
         )
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
@@ -122,14 +122,14 @@ class Limiter:
                 self._admit_batch,
                 max_batch_size=settings.batch_max_size,
                 window_seconds=window_seconds,
-                max_in_flight=settings.batch_max_in_flight,
+                max_in_flight=settings.batch_max_running,
                 on_orphan=self.orphans.orphan,
             )
             self._finishes = Coalescer(
                 self._finish_batch,
                 max_batch_size=settings.batch_max_size,
                 window_seconds=window_seconds,
-                max_in_flight=settings.batch_max_in_flight,
+                max_in_flight=settings.batch_max_running,
             )
 
     @classmethod

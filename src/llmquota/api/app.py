@@ -190,7 +190,7 @@ def _add_middlewares(app: FastAPI, settings: Settings) -> None:
         TenantFairShare,
         triage=_triage,
         max_in_progress=settings.tenant_max_in_progress,
-        max_waiting=settings.tenant_max_waiting,
+        max_waiting=settings.tenant_max_queued,
         unknown_max_in_progress=settings.unknown_key_max_in_progress,
         unknown_max_waiting=settings.unknown_key_max_waiting,
     )

@@ -6,10 +6,10 @@ reads or writes the environment.
 """
 
 from llmquota.config.commands import COMMAND_DEFAULTS, CommandDefault, command_default
+from llmquota.config.renames import ENV_PREFIX
 from llmquota.config.settings import (
     DATA_DIR_ENV,
     DATABASE_URL_ENV,
-    ENV_PREFIX,
     MAX_BATCH_SIZE,
     MAX_BATCH_WINDOW_SECONDS,
     MAX_BATCHES_IN_FLIGHT,

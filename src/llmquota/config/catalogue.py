@@ -25,7 +25,8 @@ from pydantic import SecretStr
 from pydantic.fields import FieldInfo
 
 from llmquota.config.commands import COMMAND_DEFAULTS, CommandDefault
-from llmquota.config.settings import ENV_PREFIX, Settings
+from llmquota.config.renames import ENV_PREFIX
+from llmquota.config.settings import Settings
 from llmquota.domain.url_masking import MASK, mask_url
 
 # Every Settings field, once, by topic; the README's Configuration section
@@ -65,7 +66,7 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "batching",
             "batch_max_size",
             "batch_window_ms",
-            "batch_max_in_flight",
+            "batch_max_running",
             "admission_synchronous_commit",
         ),
     ),
@@ -75,14 +76,14 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "concurrency_retry_ms",
             "refusal_memory_ms",
             "max_wait_ms_cap",
-            "wait_queue_per_tenant",
+            "tenant_max_waiting_for_room",
         ),
     ),
     (
         "Fair share",
         (
             "tenant_max_in_progress",
-            "tenant_max_waiting",
+            "tenant_max_queued",
         ),
     ),
     (

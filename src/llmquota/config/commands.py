@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmquota.config.settings import ENV_PREFIX, Settings, environment_value
+from llmquota.config.renames import ENV_PREFIX
+from llmquota.config.settings import Settings, environment_value
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmquota.config.outbound import OutboundSettings
+from llmquota.config.renames import ENV_PREFIX, renamed, warn_of_renamed_variables
 from llmquota.config.upstreams import (
     EVERY_MODEL,
     UpstreamConfig,
@@ -35,7 +36,7 @@ MAX_BATCH_SIZE = 10_000
 MAX_BATCH_WINDOW_SECONDS = 1.0
 MAX_BATCHES_IN_FLIGHT = 1_000
 
-ENV_PREFIX = "LLMQUOTA_"
+
 DATABASE_URL_ENV = f"{ENV_PREFIX}DATABASE_URL"
 DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 
@@ -47,8 +48,10 @@ class Settings(OutboundSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
     # Errors never echo the values: a provider key must not reach a traceback.
+    # populate_by_name: a renamed field reads its new variable or, for one
+    # release, its old one (RENAMED_VARIABLES), and is still set by name in code.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True
+        env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True, populate_by_name=True
     )
     _upstreams: tuple[UpstreamConfig, ...] = PrivateAttr(default=())
 
@@ -207,11 +210,13 @@ class Settings(OutboundSettings):
         le=10_000,
         description="requests of one tenant a worker serves at once; the rest queue",
     )
-    tenant_max_waiting: int = Field(
+    tenant_max_queued: int = Field(
         default=256,
         ge=0,
         le=1_000_000,
-        description="requests of one tenant queued per worker before 429",
+        validation_alias=renamed("tenant_max_queued"),
+        description="requests of one tenant queued per worker for a connection (past "
+        "TENANT_MAX_IN_PROGRESS) before 429; was TENANT_MAX_WAITING",
     )
     max_wait_ms_cap: int = Field(
         default=30_000,
@@ -220,12 +225,13 @@ class Settings(OutboundSettings):
         description="largest max_wait_ms an admission may ask for (422 above it); 0 turns "
         "waiting off",
     )
-    wait_queue_per_tenant: int = Field(
+    tenant_max_waiting_for_room: int = Field(
         default=64,
         ge=0,
         le=100_000,
+        validation_alias=renamed("tenant_max_waiting_for_room"),
         description="admissions of one tenant a worker holds waiting for room (max_wait_ms); "
-        "past it 429 at once",
+        "past it 429 at once; was WAIT_QUEUE_PER_TENANT",
     )
     ceiling_metrics_refresh_seconds: float = Field(
         default=5.0,
@@ -308,12 +314,13 @@ class Settings(OutboundSettings):
         description="how long a request may wait for others while a batch is already in "
         "flight; a request arriving when nothing is in flight goes at once",
     )
-    batch_max_in_flight: int = Field(
+    batch_max_running: int = Field(
         default=2,
         ge=1,
         le=MAX_BATCHES_IN_FLIGHT,
+        validation_alias=renamed("batch_max_running"),
         description="batch statements of each kind (admit, finish) running at once; each "
-        "holds a pooled connection",
+        "holds a pooled connection; was BATCH_MAX_IN_FLIGHT",
     )
     admission_synchronous_commit: bool = Field(
         default=True,
@@ -383,6 +390,12 @@ class Settings(OutboundSettings):
         min_length=16,
         description="bearer token GET /metrics requires; unset: /metrics is open",
     )
+
+    @model_validator(mode="after")
+    def _warn_of_renamed_variables(self) -> Self:
+        """A deprecated variable still works, and says what it is called now."""
+        warn_of_renamed_variables()
+        return self
 
     @model_validator(mode="after")
     def _upstreams_are_whole(self) -> Self:
