@@ -33,6 +33,7 @@ from prometheus_client.utils import floatToGoString
 
 from llmquota.domain.decision_counts import DecisionTally
 from llmquota.domain.records import AdmitDecision
+from llmquota.domain.vocabulary import REASONS
 
 DECISION_BUCKETS_SECONDS = (
     0.0005,
@@ -62,6 +63,14 @@ MAX_TENANT_UTILIZATION_SERIES = 1_000
 # The reason label of a decision that nothing refused.
 NO_REASON = "none"
 
+# The reason label of llmquota_denials and llmquota_policy_denials: the store's
+# status of the refusal (a rate limit that a wait ends, or a request that never fits).
+DENIAL_REASONS = ("rate_limited", "too_large")
+# The reason label of llmquota_auth_refusals: no key or a malformed one, a key
+# nobody holds, or a client address throttled after too many such failures.
+AuthRefusalReason = Literal["missing", "unknown_key", "throttled"]
+AUTH_REFUSAL_REASONS: tuple[AuthRefusalReason, ...] = ("missing", "unknown_key", "throttled")
+
 # Outcomes of the decisions series: what the caller was answered, and "queued"
 # when it started waiting (a waiter also counts its final answer).
 DecisionOutcome = Literal["admitted", "degraded", "queued", "refused"]
@@ -73,16 +82,10 @@ def decision_reason(d: AdmitDecision) -> str:
 
     scope_kind for tokens and requests (tenant_tokens, global_requests, ...),
     ceiling_shed or ceiling_capacity for a provider ceiling, concurrency at
-    any scope, too_large, unknown_tenant, idempotency_conflict.
+    any scope, and the statuses that are their own reason (too_large,
+    unknown_tenant, ...): always one of domain.vocabulary.REASONS.
     """
-    if d.status in (
-        "too_large",
-        "unknown_tenant",
-        "idempotency_conflict",
-        "quota_exceeded",
-        "credits_exhausted",
-        "unpriced_model",
-    ):
+    if d.status in REASONS:
         return d.status
     if d.limit_kind is None or d.limit_scope is None:
         return NO_REASON
@@ -378,7 +381,7 @@ class Metrics:
         """Count one decision of the store under the series that describes it."""
         if decision.status == "admitted":
             self.admits.inc()
-        elif decision.status in ("rate_limited", "too_large"):
+        elif decision.status in DENIAL_REASONS:
             self.denials.labels(decision.limit_kind, decision.limit_scope, decision.status).inc()
             if decision.limit_kind == "concurrency":
                 self.concurrency_denials.labels(decision.limit_scope).inc()
@@ -404,6 +407,10 @@ class Metrics:
             registry=self.registry,
         )
         return lookups, refusals
+
+    def count_auth_refusal(self, reason: AuthRefusalReason) -> None:
+        """Count a request refused at authentication, by a reason mypy checks."""
+        self.auth_refusals.labels(reason).inc()
 
     def render(self) -> bytes:
         """The registry in Prometheus text format."""

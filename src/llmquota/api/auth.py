@@ -204,13 +204,13 @@ class Authenticator:
         # of new keys during an outage cannot keep the pool waiting on the deadline.
         retry_after_ms = self._failures.spend(client, now)
         if retry_after_ms is not None:
-            self._metrics.auth_refusals.labels("throttled").inc()
+            self._metrics.count_auth_refusal("throttled")
             raise TooManyFailedAuthentications(retry_after_ms)
         owner, since = await self._first_lookup(digest)
         now = time.monotonic()
         if owner is None:
             self._keys.refuse(digest, now, since)
-            self._metrics.auth_refusals.labels("unknown_key").inc()
+            self._metrics.count_auth_refusal("unknown_key")
             raise AuthenticationFailed
         self._failures.refund(client, now)
         self._keys.confirm(digest, owner, now, since)
@@ -254,12 +254,12 @@ class Authenticator:
         """The refusal of a key the worker cannot vouch for, if memory alone decides it."""
         retry_after_ms = self._failures.retry_after_ms(client, now)
         if retry_after_ms is not None:
-            self._metrics.auth_refusals.labels("throttled").inc()
+            self._metrics.count_auth_refusal("throttled")
             return TooManyFailedAuthentications(retry_after_ms)
         if digest is None or self._keys.refused(digest, now):
             # The budget had room (checked above): the failure is taken from it.
             self._failures.spend(client, now)
-            self._metrics.auth_refusals.labels("missing" if digest is None else "unknown_key").inc()
+            self._metrics.count_auth_refusal("missing" if digest is None else "unknown_key")
             return AuthenticationFailed()
         return None
 

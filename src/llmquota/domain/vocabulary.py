@@ -18,6 +18,35 @@ SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling")
 # Why a layer refused: it lacks what the request needs (capacity), or a
 # provider ceiling's shedding ladder keeps what is left for higher priorities.
 RefusalReason = Literal["capacity", "shed"]
+# The values of a refusal body's `reason` field (null where neither applies:
+# a quota, a prepaid balance, an unpriced model).
+REFUSAL_REASONS: tuple[RefusalReason, ...] = ("capacity", "shed")
+
+# What refused an admission, as operators see it: the `reason` label of
+# llmquota_decisions_total, the `kind` of llmquota_degradations_total and the
+# console's refusals. A closed vocabulary, so a label stays bounded and
+# docs/operations.md can list it (tests/unit/test_metrics_reference.py):
+# "none" for an answer nothing refused; scope_kind for a bucket of tokens or
+# requests; concurrency at any scope; ceiling_ plus the refusal reason for a
+# provider ceiling; and the statuses that are their own reason.
+REASONS: tuple[str, ...] = (
+    "none",
+    "global_tokens",
+    "global_requests",
+    "tenant_tokens",
+    "tenant_requests",
+    "route_tokens",
+    "route_requests",
+    "concurrency",
+    "ceiling_capacity",
+    "ceiling_shed",
+    "too_large",
+    "unknown_tenant",
+    "idempotency_conflict",
+    "quota_exceeded",
+    "credits_exhausted",
+    "unpriced_model",
+)
 
 # A request's priority, from its tenant's plan: who keeps working when a
 # provider ceiling gets tight. Stored as its rank (0 .. 3).
