@@ -14,6 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request, Response
 
+from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Authenticator
 from llmquota.api.dependencies import AdminDep, CallerDep, TenantName, error_responses
@@ -85,9 +86,7 @@ async def revoke_key(
 ) -> Response:
     """Revoke a key: 401 from then on. Again: 204, nothing changes."""
     caller.require_admin()
-    await admin.keys.revoke(tenant, key_id)
-    _changed(request, key_id=key_id)
-    return Response(status_code=204)
+    return await _revoke(admin, request, tenant, key_id)
 
 
 @router.post(
@@ -106,10 +105,7 @@ async def rotate_key(
 ) -> KeyResponse:
     """A new secret for the key; the old one works `grace_seconds` more."""
     caller.require_admin()
-    grace = (body or RotateBody()).grace_seconds
-    issued = await admin.keys.rotate(tenant, key_id, grace)
-    _changed(request, key_id=key_id)
-    return _issued(issued)
+    return await _rotate(admin, request, tenant, key_id, body)
 
 
 @router.get("/v1/admin/keys", response_model=list[KeyInfo])
@@ -135,9 +131,7 @@ async def revoke_admin_key(
 ) -> Response:
     """Revoke an admin key; 409 for the last one that stays usable."""
     caller.require_admin()
-    await admin.keys.revoke(None, key_id)
-    _changed(request, key_id=key_id)
-    return Response(status_code=204)
+    return await _revoke(admin, request, None, key_id)
 
 
 @router.post(
@@ -152,8 +146,28 @@ async def rotate_admin_key(
 ) -> KeyResponse:
     """A new secret for an admin key; the old one works `grace_seconds` more."""
     caller.require_admin()
-    grace = (body or RotateBody()).grace_seconds
-    issued = await admin.keys.rotate(None, key_id, grace)
+    return await _rotate(admin, request, None, key_id, body)
+
+
+async def _revoke(
+    admin: AdminService, request: Request, tenant: str | None, key_id: int
+) -> Response:
+    """Revoke a tenant's key (an admin key for None), dropped from this worker's cache at once."""
+    await admin.keys.revoke(tenant, key_id)
+    _changed(request, key_id=key_id)
+    return Response(status_code=204)
+
+
+async def _rotate(
+    admin: AdminService,
+    request: Request,
+    tenant: str | None,
+    key_id: int,
+    body: RotateBody | None,
+) -> KeyResponse:
+    """Rotate a tenant's key (an admin key for None); this worker forgets the old secret's
+    cached entry at once, the others on the announcement."""
+    issued = await admin.keys.rotate(tenant, key_id, (body or RotateBody()).grace_seconds)
     _changed(request, key_id=key_id)
     return _issued(issued)
 
