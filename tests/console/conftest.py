@@ -91,6 +91,11 @@ async def sign_in(page: Page, base_url: str, key: str) -> int:
     """Fill the sign-in form with `key` and submit it; the POST's status."""
     await page.goto(f"{base_url}/console")
     assert page.url.endswith("/console/login")
+    return await submit_key(page, key)
+
+
+async def submit_key(page: Page, key: str) -> int:
+    """Fill the sign-in form the page shows with `key` and submit it; the POST's status."""
     await page.fill("[data-testid=admin-key]", key)
     async with page.expect_response(
         lambda r: r.url.endswith("/console/login") and r.request.method == "POST"

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 from llmquota.api.console.chart import decisions_chart, minute_totals
 from llmquota.api.console.html import Markup, esc, table
+from llmquota.api.console.views import sign_in_body
 from llmquota.domain.decision_counts import OTHER_TENANTS, DecisionTally, MinuteCount, minute_of
 
 NOON = datetime(2026, 12, 2, 12, 0, tzinfo=UTC).timestamp()
@@ -71,3 +72,16 @@ def test_every_value_is_escaped_once_and_markup_is_not() -> None:
     html = table(("name",), [(hostile,)], test_id="t")
     assert "<script>" not in html
     assert esc(None) == "-"
+
+
+def test_the_sign_in_form_is_html_after_a_refusal_and_the_refusal_is_text() -> None:
+    """After a wrong key the page must still hold a working form (a str added to
+    Markup is escaped, which once printed the form as text)."""
+    for error in (None, "that key is not an admin key <b>"):
+        body = sign_in_body("tok&en", error)
+        assert body.count('<form method="post" action="/console/login"') == 1
+        assert '<input type="password" name="key"' in body
+        assert "&lt;form" not in body
+        assert 'value="tok&amp;en"' in body
+    assert "not an admin key &lt;b&gt;</p>" in sign_in_body("t", "that key is not an admin key <b>")
+    assert "sign-in-error" not in sign_in_body("t", None)

@@ -42,15 +42,26 @@ def percent(share: float | None) -> str | None:
 
 
 def sign_in_body(sign_in_token: str, error: str | None) -> Markup:
-    message = Markup(f'<p class="error" data-testid="sign-in-error">{esc(error)}</p>')
-    return Markup(
-        (message if error else "")
-        + '<form method="post" action="/console/login" data-testid="sign-in">'
+    """The sign-in form, after the refusal `error` when there was one.
+
+    Every literal is Markup: plain text added to Markup is escaped, so a form
+    written as a str after the error paragraph would show as text.
+    """
+    message = (
+        Markup('<p class="error" data-testid="sign-in-error">') + esc(error) + Markup("</p>")
+        if error
+        else Markup("")
+    )
+    return (
+        message
+        + Markup('<form method="post" action="/console/login" data-testid="sign-in">')
         + hidden_csrf(sign_in_token)
-        + '<label>Admin key <input type="password" name="key" autocomplete="off" '
-        'data-testid="admin-key" size="48" autofocus></label> '
-        '<button type="submit" data-testid="sign-in-button">Sign in</button></form>'
-        "<p>Only an admin key opens the console; a tenant's key is refused.</p>"
+        + Markup(
+            '<label>Admin key <input type="password" name="key" autocomplete="off" '
+            'data-testid="admin-key" size="48" autofocus></label> '
+            '<button type="submit" data-testid="sign-in-button">Sign in</button></form>'
+            "<p>Only an admin key opens the console; a tenant's key is refused.</p>"
+        )
     )
 
 
