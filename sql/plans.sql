@@ -278,7 +278,8 @@ RETURNS TABLE (status text, active bigint)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    n bigint;
+    n         bigint;
+    remaining numeric;
 BEGIN
     PERFORM 1 FROM tenants WHERE tenant = p_tenant FOR UPDATE;
     IF NOT FOUND THEN
@@ -295,8 +296,17 @@ BEGIN
         RETURN QUERY SELECT 'active'::text, n;
         RETURN;
     END IF;
-    -- A prepaid balance is money: closed out in the credit ledger, which keeps its rows.
-    PERFORM lq_credit_close_out(p_tenant);
+    -- A prepaid balance is money, and the credit ledger keeps its rows: one
+    -- adjustment takes what they sum to back to zero, under the account's
+    -- lock (as a top-up or a charge takes it), before the account goes.
+    PERFORM 1 FROM credit_accounts AS a WHERE a.tenant = p_tenant FOR UPDATE;
+    SELECT coalesce(sum(l.amount), 0) INTO remaining FROM credit_ledger AS l
+     WHERE l.tenant = p_tenant;
+    IF remaining <> 0 THEN
+        INSERT INTO credit_ledger (tenant, entry_kind, amount, balance_after, reason)
+        VALUES (p_tenant, 'adjustment', -remaining, 0,
+                'tenant deleted: its remaining balance is closed out');
+    END IF;
     DELETE FROM api_keys WHERE tenant = p_tenant;
     DELETE FROM limit_layers WHERE tenant = p_tenant;
     DELETE FROM tenants WHERE tenant = p_tenant;

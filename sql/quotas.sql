@@ -339,35 +339,6 @@ END
 $$;
 
 
--- Close a prepaid account out before its tenant is deleted (lq_delete_tenant,
--- in the caller's transaction): the credit ledger keeps its rows, so one
--- adjustment takes what they sum to back to zero, and a tenant created
--- later under the same name starts from nothing. The account row is locked
--- first, as a top-up or a charge locks it. Returns the amount closed out (0:
--- nothing was left, nothing is written).
-CREATE OR REPLACE FUNCTION lq_credit_close_out(p_tenant text)
-RETURNS numeric
-LANGUAGE plpgsql
-AS $$
-DECLARE
-    remaining numeric;
-BEGIN
-    PERFORM 1 FROM credit_accounts AS a WHERE a.tenant = p_tenant FOR UPDATE;
-    SELECT coalesce(sum(l.amount), 0) INTO remaining FROM credit_ledger AS l
-     WHERE l.tenant = p_tenant;
-    IF remaining <> 0 THEN
-        INSERT INTO credit_ledger (tenant, entry_kind, amount, balance_after, reason)
-        VALUES (p_tenant, 'adjustment', -remaining, 0,
-                'tenant deleted: its remaining balance is closed out');
-        UPDATE credit_accounts AS a
-           SET balance = 0, updated_at = clock_timestamp()
-         WHERE a.tenant = p_tenant;
-    END IF;
-    RETURN remaining;
-END
-$$;
-
-
 -- Change a prepaid account in the caller's transaction: p_reserved_delta
 -- (admission: +maximum cost; settlement or release: -what was reserved),
 -- and on settlement p_charge, the actual cost, written to the credit ledger

@@ -87,7 +87,7 @@ BEGIN
                FROM pg_proc AS p
               WHERE p.pronamespace = 'public'::regnamespace
                 AND p.proname IN ('lq_finish', 'lq_credit_topup', 'lq_credit_apply',
-                                  'lq_credit_close_out')
+                                  'lq_delete_tenant')
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = pg_catalog, public', f);
     END LOOP;

@@ -152,7 +152,8 @@ async def test_delete_closes_a_credit_balance_out_in_the_credit_ledger(
 ) -> None:
     """The credit ledger keeps its rows: a deleted tenant's balance is closed out by
     one adjustment, so the ledger still sums to each account and a tenant created
-    later under the same name starts from zero."""
+    later under the same name starts from a zero balance (its references stay
+    taken, as the payments they name were made)."""
     await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
     topup = await client.post(
         "/v1/tenants/acme/credits", json={"amount": "22.9272", "reference": "inv-1"}, headers=admin
@@ -168,6 +169,13 @@ async def test_delete_closes_a_credit_balance_out_in_the_credit_ledger(
         ("adjustment", "-22.9272", "0"),
     ]
     await make_tenant(client, admin, "acme", tokens_per_minute=60_000)
+    # A reference names one payment of that tenant name, deleted or not: the
+    # old one answers as the top-up it was (applied false), and adds nothing.
+    reused = await client.post(
+        "/v1/tenants/acme/credits", json={"amount": "22.9272", "reference": "inv-1"}, headers=admin
+    )
+    assert reused.status_code == 200, reused.text
+    assert (reused.json()["applied"], reused.json()["balance"]) == (False, "0")
     again = await client.post(
         "/v1/tenants/acme/credits", json={"amount": "1.5", "reference": "inv-2"}, headers=admin
     )

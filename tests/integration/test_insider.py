@@ -140,7 +140,7 @@ async def test_the_ledger_writers_run_as_the_owner_with_a_pinned_path(
             "lq_finish",
             "lq_credit_topup",
             "lq_credit_apply",
-            "lq_credit_close_out",
+            "lq_delete_tenant",
             "lq_ledger_adjust",
             "lq_set_price",
             "lq_export_ledger",
@@ -149,8 +149,8 @@ async def test_the_ledger_writers_run_as_the_owner_with_a_pinned_path(
     )
     assert [r["proname"] for r in rows] == [
         "lq_credit_apply",
-        "lq_credit_close_out",
         "lq_credit_topup",
+        "lq_delete_tenant",
         "lq_export_ledger",
         "lq_finish",
         "lq_import_builtin_prices",
