@@ -109,5 +109,19 @@ async def test_a_patch_member_no_resource_has_is_refused_even_as_null(
             answer = await client.patch(url, json=body, headers={**admin, **MERGE})
             assert answer.status_code == 422, (url, body, answer.text)
             assert "no such field" in answer.json()["error"]["message"]
+    nested = await client.patch(
+        "/v1/tenants/acme/policy",
+        json={"output_estimate": {"strategy": "fixed", "misspelt": None}},
+        headers={**admin, **MERGE},
+    )
+    assert nested.status_code == 422, nested.text
+    assert "output_estimate.'misspelt': no such field" in nested.json()["error"]["message"]
     after = [(await client.get(url, headers=admin)).json() for url in resources]
     assert after == before
+    fixed = await client.patch(
+        "/v1/tenants/acme/policy",
+        json={"output_estimate": {"strategy": "fixed", "tokens": 300}},
+        headers={**admin, **MERGE},
+    )
+    assert fixed.status_code == 200, fixed.text
+    assert fixed.json()["output_estimate"] == {"strategy": "fixed", "tokens": 300}

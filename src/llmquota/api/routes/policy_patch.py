@@ -11,7 +11,8 @@ did not (or sent *), the merge is redone on the newer policy, a few times.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import typing
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
@@ -111,20 +112,34 @@ def validated(model: type[M], document: dict[str, Any]) -> M:
 
 
 def refuse_unknown_members(model: type[BaseModel], patch: dict[str, Any]) -> None:
-    """InvalidRequest naming a patch member `model` does not have.
+    """InvalidRequest naming a patch member `model` does not have, at any depth.
 
     Merging would drop a null member silently (it removes a field that was
     never there), so `{"tokens_per_mintue": null}` would answer 200 and change
-    nothing; a PUT body with that member is refused, and so is the patch.
+    nothing; a PUT body with that member is refused, and so is the patch. An
+    object member of a field that holds models (`output_estimate`: one of
+    three strategies) is merged member by member, so it is checked against
+    the fields those models have.
     """
-    known = set(model.model_fields) | {
-        field.alias for field in model.model_fields.values() if field.alias
-    }
-    unknown = sorted(name for name in patch if name not in known)
-    if unknown:
-        raise InvalidRequest(
-            f"{unknown[0]!r}: no such field (the fields: {', '.join(sorted(model.model_fields))})"
-        )
+    _refuse_unknown((model,), patch, "")
+
+
+def _refuse_unknown(models: Sequence[type[BaseModel]], patch: dict[str, Any], at: str) -> None:
+    fields = {name: f for m in models for name, f in m.model_fields.items()}
+    known = set(fields) | {f.alias for f in fields.values() if f.alias}
+    for name, value in patch.items():
+        if name not in known:
+            raise InvalidRequest(f"{at}{name!r}: no such field (the fields: {', '.join(fields)})")
+        nested = _models_of(fields[name].annotation) if name in fields else ()
+        if nested and isinstance(value, dict):
+            _refuse_unknown(nested, value, f"{at}{name}.")
+
+
+def _models_of(annotation: Any) -> tuple[type[BaseModel], ...]:
+    """The models a field may hold (`OutputEstimate | None`: its three strategies)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return (annotation,)
+    return tuple(m for argument in typing.get_args(annotation) for m in _models_of(argument))
 
 
 async def merged_write(
