@@ -6,7 +6,10 @@ DECISION_COUNTS_FLUSH_SECONDS and adds it to `decision_counts` with one
 statement, which also prunes the minutes older than KEEP_SECONDS. A flush the
 database does not take puts its counts back, so an outage delays the chart
 and loses nothing (short of the worker stopping); the last counts are flushed
-when the worker stops.
+when the worker stops. The chart's counts are at least once: a statement that
+committed but whose answer was lost (a timeout after the commit) is added
+again by the next flush. They are a picture for the person on call; the
+ledger, not this table, is what is billed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ async def _flush_forever(tally: DecisionTally, store: ConsoleStore, interval: fl
             await flush_decision_counts(tally, store)
         except (LimiterError, OSError) as exc:
             log.info("decision counts not flushed (kept for the next flush): %s", exc)
+        except Exception:
+            # Never the end of the loop: the tally would grow until the worker stops.
+            log.exception("decision counts not flushed (kept for the next flush)")
 
 
 @contextlib.asynccontextmanager
