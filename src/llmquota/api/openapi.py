@@ -124,24 +124,43 @@ def _patches_are_merge_patches(document: JsonObject) -> None:
             for rule in ("required", "allOf", "anyOf", "oneOf"):
                 patch.pop(rule, None)
             patch["properties"] = {
-                field: _patch_value(value) for field, value in patch["properties"].items()
+                field: _patch_value(value, schemas) for field, value in patch["properties"].items()
             }
             patch["title"] = f"{name}Patch"
             schemas[f"{name}Patch"] = patch
             schema["$ref"] = _SCHEMAS + f"{name}Patch"
 
 
-def _patch_value(schema: JsonObject) -> JsonObject:
+def _patch_value(schema: JsonObject, schemas: JsonObject) -> JsonObject:
     """A field of a merge patch: its own schema or null (null removes it, RFC 7396).
 
     An object-valued field (output_estimate) is merged into the stored one
     member by member, so only the merged object has to be valid: the patch
-    says "an object", and the server judges the result.
+    says "an object" whose members are ones the field's models have (the
+    server refuses any other, even as null), and the server judges the result.
     """
     alternatives = schema.get("anyOf", [schema])
-    if any("$ref" in alternative or alternative.get("oneOf") for alternative in alternatives):
-        return {"anyOf": [{"type": "object"}, {"type": "null"}]}
-    return {"anyOf": [schema, {"type": "null"}]}
+    targets = [
+        reference
+        for alternative in alternatives
+        for reference in [alternative, *alternative.get("oneOf", [])]
+        if "$ref" in reference
+    ]
+    if not targets:
+        return {"anyOf": [schema, {"type": "null"}]}
+    members = sorted(
+        {
+            member
+            for reference in targets
+            for member in schemas[reference["$ref"].removeprefix(_SCHEMAS)].get("properties", {})
+        }
+    )
+    merged = {
+        "type": "object",
+        "properties": {member: {} for member in members},
+        "additionalProperties": False,
+    }
+    return {"anyOf": [merged, {"type": "null"}]}
 
 
 def _operation_id(document: JsonObject, path: str, method: str) -> str:

@@ -22,6 +22,7 @@ from pydantic import (
 
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_schemas import BURSTS_NEED_RATES, DISTINCT, present
+from llmquota.domain.json_text import storable_text_pattern
 from llmquota.domain.names import ModelName, Name
 from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
@@ -54,7 +55,11 @@ def _storable(value: str) -> str:
 # A free-form string that reaches the database: bounded, and storable as text.
 IdempotencyKey: TypeAlias = Annotated[
     StrictStr,
-    Field(min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS),
+    Field(
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        json_schema_extra={"pattern": storable_text_pattern(MAX_IDEMPOTENCY_KEY_CHARS)},
+    ),
     AfterValidator(_storable),
 ]
 MAX_MESSAGES = 10_000

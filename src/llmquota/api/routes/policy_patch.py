@@ -39,6 +39,9 @@ router = APIRouter(tags=["policies"], responses=error_responses(412, 415))
 
 MERGE_PATCH = "application/merge-patch+json"
 PATCH_MEDIA_TYPES = (MERGE_PATCH, "application/json")
+# How a refusal of the merged result begins (a patch valid alone can make an
+# invalid resource of the stored one, RFC 5789's 422).
+MERGED_RESULT = "the patch makes an invalid "
 # How often a PATCH without If-Match merges again after a concurrent write.
 MERGE_ATTEMPTS = 5
 
@@ -166,6 +169,9 @@ async def merged_write(
         except PreconditionFailed:
             if pinned:
                 raise
+        except InvalidRequest as exc:
+            # The patch was fine alone; what it made of the stored resource is not.
+            raise InvalidRequest(f"{MERGED_RESULT}{what}: {exc}") from None
     raise PreconditionFailed(f"{what} kept changing; retry the PATCH")
 
 
