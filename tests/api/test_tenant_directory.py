@@ -85,6 +85,10 @@ async def test_bad_limit_or_cursor_is_422_and_tenants_may_not_list(
         bad = await client.get("/v1/tenants", params={"cursor": cursor}, headers=admin)
         assert bad.status_code == 422, cursor
         assert "cursor" in bad.json()["error"]["message"]
+    for plan in ("F\x00x", "", ".hidden", "x" * 129):  # a NUL was a bare SQLSTATE 22021
+        bad = await client.get("/v1/tenants", params={"plan": plan}, headers=admin)
+        assert bad.status_code == 422, plan
+        assert "plan" in bad.json()["error"]["message"]
     assert (await client.get("/v1/tenants", headers=acme)).status_code == 403
 
 

@@ -21,7 +21,7 @@ from llmquota.api.dependencies import AdminDep, CallerDep, TenantName, error_res
 from llmquota.api.errors import error_response
 from llmquota.api.etags import if_match
 from llmquota.domain.errors import InvalidRequest, TenantBusy
-from llmquota.domain.names import is_name
+from llmquota.domain.names import NAME_MAX_CHARS, NAME_PATTERN, NAME_RULE, is_name
 
 router = APIRouter(tags=["tenants"])
 
@@ -70,7 +70,10 @@ async def list_tenants(
     admin: AdminDep,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = DEFAULT_PAGE,
     cursor: Annotated[str | None, Query(max_length=512)] = None,
-    plan: Annotated[str | None, Query(max_length=128)] = None,
+    plan: Annotated[
+        str | None,
+        Query(min_length=1, max_length=NAME_MAX_CHARS, pattern=NAME_PATTERN, description=NAME_RULE),
+    ] = None,
 ) -> TenantPage:
     """Tenants by name, `limit` at a time (1..1000, default 100), on `plan` when named."""
     caller.require_admin()
