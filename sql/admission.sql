@@ -325,9 +325,13 @@ $$;
 -- one, the shards of the batch's tenants, or all of them with p_all_shards),
 -- each request's tenant layer and its route's when that has a policy. Index
 -- probes on (scope, tenant, route, ceiling, shard), never a scan; inlined
--- into the statements that lock them.
+-- into the statements that lock them. Plus the layers of the requests' API
+-- keys (p_key_layers: a key layer's id per request, NULL for a key without
+-- limits), probed by id.
+-- p_key_layers was added (limits per API key): the old signature goes.
+DROP FUNCTION IF EXISTS lq_batch_layers(text[], text[], boolean);
 CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
-                                           p_all_shards boolean)
+                                           p_all_shards boolean, p_key_layers bigint[])
 RETURNS SETOF bigint
 LANGUAGE sql STABLE
 AS $$
@@ -345,6 +349,9 @@ AS $$
       FROM unnest(p_tenants, p_routes) AS u(t, r)
       JOIN limit_layers AS r
         ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r AND r.ceiling IS NULL
+    UNION
+    SELECT k.layer_id FROM limit_layers AS k
+     WHERE k.layer_id = ANY (p_key_layers) AND k.scope = 'key'
 $$;
 
 
@@ -352,8 +359,9 @@ $$;
 -- by one in array order, and debit every layer of each admitted request.
 --
 -- The layers of a request: the global layer, its tenant's, its route's (when
--- it names one that has a policy) and every provider ceiling whose models
--- match the model. A ceiling with a shedding ladder also refuses a request
+-- it names one that has a policy), its API key's (p_key_layers, when the key
+-- has limits) and every provider ceiling whose models match the model. A
+-- key layer's allowed_models also bound the fallbacks a default list offers. A ceiling with a shedding ladder also refuses a request
 -- that would take it below its priority's floor (lq_shed_floor).
 --
 -- Degradation: a request may come with fallback models (p_alt_*: explicit,
@@ -407,6 +415,11 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean);
+-- p_key_layers was added (limits per API key).
+DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
+                                        integer[], text[], text[], integer, smallint[], boolean[],
+                                        boolean[], integer[], text[], bigint[], bigint[], boolean,
+                                        uuid[]);
 CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_tenants          text[],
     p_routes           text[],
@@ -426,7 +439,8 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
-    p_reservation_ids  uuid[] DEFAULT NULL       -- the id each admission gets, NULL: a new one
+    p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
+    p_key_layers       bigint[] DEFAULT NULL     -- each request's key layer, NULL: none
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -496,6 +510,7 @@ DECLARE
     l_priority   smallint[];
     l_plan       text[];
     l_fallback   text[];     -- each layer's default list, as array text '{a,b}'
+    l_allowed    text[];     -- a key layer's allowed models (LIKE patterns), as array text
     l_ladder     boolean[];  -- a ceiling with a shedding ladder
     -- Ladder steps of every locked ceiling, flattened: step x belongs to layer s_pos[x].
     s_pos        integer[];
@@ -506,6 +521,7 @@ DECLARE
     x_gi         integer[];
     x_ti         integer[];
     x_ri         integer[];
+    x_ki         integer[];  -- and its API key's layer (NULL: none)
     -- The global layer's shard count, and when pooled (p_pool and more than
     -- one shard): the positions of its rows, their own bursts, and the
     -- permits held on the rows other than the first (which stands for all).
@@ -719,7 +735,8 @@ BEGIN
                                                FROM unnest(p_tenants) AS u(t))))
                     OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
                     OR (ll.scope = 'route' AND ll.tenant = ANY (p_tenants)
-                        AND ll.route = ANY (p_routes)))
+                        AND ll.route = ANY (p_routes))
+                    OR (ll.layer_id = ANY (p_key_layers) AND ll.scope = 'key'))
              ORDER BY ll.layer_id
                FOR UPDATE
         ), clock AS (
@@ -737,7 +754,8 @@ BEGIN
               FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
                    WITH ORDINALITY AS u(t, r, inp, mx, res, o)
         ), pairs AS (
-            -- each request with each of its layers: pos 1 global, 2 tenant, 3 route
+            -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
+            -- 4 its key's
             SELECT q.k, q.cost, 1 AS pos, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
@@ -748,6 +766,10 @@ BEGIN
             SELECT q.k, q.cost, 3, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
+            UNION ALL
+            SELECT q.k, q.cost, 4, l.layer_id
+              FROM req AS q JOIN layer AS l
+                ON l.scope = 'key' AND l.layer_id = p_key_layers[q.k]
         ), running AS (
             SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
                    l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
@@ -841,6 +863,7 @@ BEGIN
            array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
                                   WHEN 'tenant' THEN 't/' || x.tenant
                                   WHEN 'ceiling' THEN 'c/' || x.ceiling
+                                  WHEN 'key' THEN 'k/' || x.layer_id
                                   ELSE 'r/' || x.tenant || '/' || x.route END),
            array_agg(x.scope),
            array_agg(x.ceiling),
@@ -858,17 +881,19 @@ BEGIN
            array_agg(x.priority),
            array_agg(x.plan),
            array_agg(x.fallback_models::text),
+           array_agg(x.allowed_models::text),
            array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
            array_agg(x.prepaid),
            max(x.refilled_at),
            max(x.shards) FILTER (WHERE x.scope = 'global')
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
            l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_ladder, l_prepaid, now_ts, g_shards
+           l_fallback, l_allowed, l_ladder, l_prepaid, now_ts, g_shards
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
-                       SELECT b.layer_id FROM lq_batch_layers(p_tenants, p_routes, p_pool) AS b(layer_id)
+                       SELECT b.layer_id
+                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_layers) AS b(layer_id)
                        UNION
                        SELECT unnest(mc_layer))
              ORDER BY ll.layer_id
@@ -935,14 +960,16 @@ BEGIN
         gi := array_position(l_key, 'g/0');
     END IF;
 
-    -- Each request's global, tenant and route layer, found once for the batch.
+    -- Each request's global, tenant, route and key layer, found once for the batch.
     SELECT array_agg(CASE WHEN g_shards > 1 AND NOT pooled
                           THEN array_position(l_key, 'g/' || lq_tenant_shard(u.t, g_shards))
                           ELSE gi END ORDER BY u.o),
            array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
            array_agg(CASE WHEN u.r IS NULL THEN NULL
-                          ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o)
-      INTO x_gi, x_ti, x_ri
+                          ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o),
+           array_agg(CASE WHEN p_key_layers[u.o] IS NULL THEN NULL
+                          ELSE array_position(l_key, 'k/' || p_key_layers[u.o]) END ORDER BY u.o)
+      INTO x_gi, x_ti, x_ri, x_ki
       FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
 
     -- Sharded, not pooled: every shard must have room for the most its
@@ -1120,8 +1147,12 @@ BEGIN
         fits := '{}';
 
         FOR c IN 1 .. cardinality(c_models) LOOP
-            -- The layers of this candidate: global, tenant, route, matching ceilings.
-            layers := array_remove(ARRAY[x_gi[k], ti, ri], NULL);
+            -- A fallback the request's key may not use is never tried (the
+            -- requested model was checked before admission: 403).
+            CONTINUE WHEN c > 1 AND x_ki[k] IS NOT NULL AND l_allowed[x_ki[k]] IS NOT NULL
+                      AND NOT c_models[c] LIKE ANY (l_allowed[x_ki[k]]::text[]);
+            -- The layers of this candidate: global, tenant, route, key, matching ceilings.
+            layers := array_remove(ARRAY[x_gi[k], ti, ri, x_ki[k]], NULL);
             FOR x IN 1 .. coalesce(cardinality(mc_model), 0) LOOP
                 IF mc_model[x] = c_models[c] THEN
                     layers := layers || array_position(l_id, mc_layer[x]);
@@ -1506,8 +1537,12 @@ $$;
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[]);
+-- p_key_layers was added (limits per API key).
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[], bigint[], timestamptz,
+                                 uuid[]);
 CREATE OR REPLACE FUNCTION lq_admit(
-
     p_tenants          text[],
     p_routes           text[],
     p_models           text[],
@@ -1526,7 +1561,8 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_deadline         timestamptz DEFAULT NULL, -- past it, write nothing (LQ002); NULL: none
-    p_reservation_ids  uuid[] DEFAULT NULL       -- the id each admission gets, NULL: a new one
+    p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
+    p_key_layers       bigint[] DEFAULT NULL     -- each request's key layer, NULL: none
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1573,7 +1609,7 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids);
+            p_output_reserve, true, p_reservation_ids, p_key_layers);
         PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
@@ -1582,13 +1618,13 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false, p_reservation_ids);
+            p_output_reserve, false, p_reservation_ids, p_key_layers);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids);
+            p_output_reserve, true, p_reservation_ids, p_key_layers);
     END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END

@@ -142,7 +142,7 @@ BEGIN
                  requests * lq_shard_share(p_rburst, s.i, k) / p_rburst),
            now_ts
       FROM generate_series(0, k - 1) AS s(i)
-    ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
+    ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET shards              = excluded.shards,
            tokens_per_minute   = excluded.tokens_per_minute,
            token_burst         = excluded.token_burst,

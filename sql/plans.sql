@@ -109,7 +109,7 @@ BEGIN
     INSERT INTO tenants (tenant) VALUES (p_tenant) ON CONFLICT DO NOTHING;
     INSERT INTO limit_layers AS l (scope, tenant, own_policy, plan)
     VALUES ('tenant', p_tenant, p_own, p_plan)
-    ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
+    ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET own_policy = excluded.own_policy,
            plan = excluded.plan
     RETURNING l.layer_id INTO layer;
@@ -198,7 +198,7 @@ AS $$
     VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
             p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
             p_tburst, p_rburst)
-    ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
+    ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET models = excluded.models,
            model_patterns = excluded.model_patterns,
            tokens_per_minute = excluded.tokens_per_minute,

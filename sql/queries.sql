@@ -5,7 +5,8 @@
 
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit), by
--- the deadline $18 and with the reservation ids $19. database_now is the
+-- the deadline $18, with the reservation ids $19 and the requests' key layers
+-- $20. database_now is the
 -- database's clock once the batch is decided: the worker's deadlines are
 -- stated on it (store/clock.py).
 SELECT a.*, clock_timestamp() AS database_now
@@ -13,7 +14,7 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[]) AS a
+                $19::uuid[], $20::bigint[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -28,7 +29,7 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[]) AS a
+                $19::uuid[], $20::bigint[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:
@@ -86,7 +87,7 @@ INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_bu
 SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb
  WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
-ON CONFLICT (scope, tenant, route, ceiling, shard) DO UPDATE
+ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
        token_burst         = excluded.token_burst,
        requests_per_minute = excluded.requests_per_minute,
@@ -276,7 +277,10 @@ SELECT EXISTS (SELECT 1 FROM tenants WHERE tenant = $1::text)
 -- Store a key's digest for a tenant (NULL: an admin key) with its prefix $3,
 -- label $4, scopes $5 and expiry $6, registering the tenant if it is new (as
 -- ensure_tenant does). The expiry must be in the future by the database's
--- clock: no row otherwise, and no tenant registered either.
+-- clock: no row otherwise, and no tenant registered either. With $14, the
+-- key's own limits in the same statement: its layer (tokens $7, burst $8,
+-- requests $9, burst $10, permits $11, starting full) and its models ($12 as
+-- written, $13 as LIKE patterns).
 WITH valid AS (
     SELECT $6::timestamptz IS NULL OR $6::timestamptz > clock_timestamp() AS ok
 ), new_tenant AS (
@@ -287,12 +291,23 @@ WITH valid AS (
 ), new_layer AS (
     INSERT INTO limit_layers (scope, tenant)
     SELECT 'tenant', tenant FROM new_tenant
+), new_key AS (
+    INSERT INTO api_keys (key_hash, tenant, prefix, label, scopes, expires_at, models)
+    SELECT $1::bytea, $2::text, $3::text, $4::text, $5::text[], $6::timestamptz, $12::text[]
+      FROM valid WHERE ok
+    RETURNING key_id, tenant, prefix, label, scopes, created_at, expires_at, revoked_at, models
+), key_layer AS (
+    INSERT INTO limit_layers (scope, tenant, api_key_id, tokens_per_minute, token_burst,
+                              requests_per_minute, request_burst, max_in_flight,
+                              allowed_models, tokens, requests)
+    SELECT 'key', k.tenant, k.key_id, $7::bigint, $8::bigint, $9::bigint, $10::bigint,
+           $11::integer, $13::text[], $8::bigint, $10::bigint
+      FROM new_key AS k
+     WHERE $14::boolean AND k.tenant IS NOT NULL
+    RETURNING tokens_per_minute, token_burst, requests_per_minute, request_burst, max_in_flight
 )
-INSERT INTO api_keys (key_hash, tenant, prefix, label, scopes, expires_at)
-SELECT $1::bytea, $2::text, $3::text, $4::text, $5::text[], $6::timestamptz
-  FROM valid WHERE ok
-RETURNING key_id, tenant, prefix, label, scopes, created_at, expires_at, revoked_at,
-          NULL::timestamptz AS last_used_at
+SELECT k.*, NULL::timestamptz AS last_used_at, l.*
+  FROM new_key AS k LEFT JOIN key_layer AS l ON true
 
 -- insert_first_admin_key --
 -- Store an admin key's digest unless an admin key exists already.
@@ -305,25 +320,31 @@ RETURNING key_id
 -- The usable key with this digest (its current secret, or its previous one
 -- within the rotation's grace; neither revoked nor expired): its tenant (NULL
 -- for an admin key), scopes, whether the tenant is suspended, and for how many
--- seconds more this secret is valid by the database's clock (NULL: no end).
+-- seconds more this secret is valid by the database's clock (NULL: no end),
+-- the layer of its own limits and the models it may name (NULL: none, any).
 SELECT k.key_id, k.tenant, k.scopes, t.suspended_at IS NOT NULL AS suspended,
        extract(epoch FROM least(k.expires_at,
                                 CASE WHEN k.key_hash = $1::bytea THEN NULL
                                      ELSE k.previous_expires_at END)
-                          - clock_timestamp())::float8 AS valid_seconds
+                          - clock_timestamp())::float8 AS valid_seconds,
+       l.layer_id AS limit_layer, k.models
   FROM api_keys AS k
   LEFT JOIN tenants AS t ON t.tenant = k.tenant
+  LEFT JOIN limit_layers AS l ON l.api_key_id = k.key_id
  WHERE (k.key_hash = $1::bytea
         OR (k.previous_hash = $1::bytea AND k.previous_expires_at > clock_timestamp()))
    AND k.revoked_at IS NULL
    AND (k.expires_at IS NULL OR k.expires_at > clock_timestamp())
 
 -- list_api_keys --
--- Every key of tenant $1 (admin keys when $2), revoked ones too, oldest first.
+-- Every key of tenant $1 (admin keys when $2), revoked ones too, oldest first,
+-- with its own limits.
 SELECT k.key_id, k.tenant, k.prefix, k.label, k.scopes, k.created_at, k.expires_at,
-       k.revoked_at, u.last_used_at
+       k.revoked_at, u.last_used_at, k.models, l.tokens_per_minute, l.token_burst,
+       l.requests_per_minute, l.request_burst, l.max_in_flight
   FROM api_keys AS k
   LEFT JOIN api_key_uses AS u USING (key_id)
+  LEFT JOIN limit_layers AS l ON l.api_key_id = k.key_id
  WHERE CASE WHEN $2::boolean THEN k.tenant IS NULL ELSE k.tenant = $1::text END
  ORDER BY k.key_id
 
@@ -354,13 +375,53 @@ WITH target AS (
       FROM target
      WHERE k.key_id = target.key_id AND target.usable
     RETURNING k.key_id, k.tenant, k.prefix, k.label, k.scopes, k.created_at, k.expires_at,
-              k.revoked_at
+              k.revoked_at, k.models
 )
 SELECT t.usable AS rotated, r.key_id, r.tenant, r.prefix, r.label, r.scopes, r.created_at,
-       r.expires_at, r.revoked_at, u.last_used_at
+       r.expires_at, r.revoked_at, u.last_used_at, r.models, l.tokens_per_minute,
+       l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight
   FROM target AS t
   LEFT JOIN rotated AS r USING (key_id)
   LEFT JOIN api_key_uses AS u ON u.key_id = r.key_id
+  LEFT JOIN limit_layers AS l ON l.api_key_id = r.key_id
+
+-- put_key_limits --
+-- Replace the limits of key $1 of tenant $2 (tokens $3, burst $4, requests $5,
+-- burst $6, permits $7; models $8 as written, $9 as LIKE patterns), creating
+-- its layer on first use. As put_policy: the balance refills under the old
+-- rules up to now, then is clamped to the new capacity; a limit that did not
+-- exist before starts full. Writing the key row announces it (api_keys_announce):
+-- every worker looks the key up again and sees its layer and models. A
+-- revoked key keeps its row; its limits can still be read, not changed: no
+-- row then, as for no such key.
+WITH target AS (
+    UPDATE api_keys AS k
+       SET models = $8::text[]
+     WHERE k.key_id = $1::bigint AND k.tenant = $2::text AND k.revoked_at IS NULL
+    RETURNING k.key_id, k.tenant
+)
+INSERT INTO limit_layers AS l (scope, tenant, api_key_id, tokens_per_minute, token_burst,
+                               requests_per_minute, request_burst, max_in_flight,
+                               allowed_models, tokens, requests)
+SELECT 'key', t.tenant, t.key_id, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
+       $7::integer, $9::text[], $4::bigint, $6::bigint
+  FROM target AS t
+ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
+   SET tokens_per_minute   = excluded.tokens_per_minute,
+       token_burst         = excluded.token_burst,
+       requests_per_minute = excluded.requests_per_minute,
+       request_burst       = excluded.request_burst,
+       max_in_flight       = excluded.max_in_flight,
+       allowed_models      = excluded.allowed_models,
+       policy_version      = nextval('policy_version_seq'),
+       tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                               excluded.tokens_per_minute, excluded.token_burst,
+                               clock_timestamp()),
+       requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
+                                 l.refilled_at, excluded.requests_per_minute,
+                                 excluded.request_burst, clock_timestamp()),
+       refilled_at = greatest(l.refilled_at, clock_timestamp())
+RETURNING l.layer_id
 
 -- note_key_use --
 -- Remember that key $1 was used now (a worker calls this at most once a
@@ -528,12 +589,13 @@ UNION ALL
   LIMIT $1::integer)
 
 -- record_outage_admissions --
--- Record reservations admitted during an outage, once each (see
--- lq_record_outage_admissions).
+-- Record reservations admitted during an outage, once each, $14 the layers
+-- of the keys that asked (see lq_record_outage_admissions).
 SELECT * FROM lq_record_outage_admissions($1::uuid[], $2::text[], $3::text[], $4::text[],
                                           $5::bigint[], $6::bigint[], $7::boolean[],
                                           $8::integer[], $9::text[], $10::text[],
-                                          $11::bigint[], $12::text[], $13::timestamptz[])
+                                          $11::bigint[], $12::text[], $13::timestamptz[],
+                                          $14::bigint[])
 
 -- finish_outage --
 -- Settle or release reservations recorded from an outage journal, their

@@ -20,6 +20,9 @@ from tests.api.conftest import make_tenant
 ADMIT = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 5, "max_tokens": 5}
 FIELDS = {"id", "tenant", "prefix", "label", "created_at", "last_used_at", "expires_at"}
 FIELDS |= {"revoked_at", "scopes"}
+# The key's own limits (tests/api/test_key_limits.py), null when not set.
+FIELDS |= {"tokens_per_minute", "token_burst", "requests_per_minute", "request_burst"}
+FIELDS |= {"max_in_flight", "models"}
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from llmquota.domain.errors import InvalidRequest, NameInUse, UnknownName, UnknownTenant
+from llmquota.domain.key_limits import NO_LIMITS, KeyLimits
 from llmquota.domain.keys import (
     SCOPES,
     IssuedKey,
@@ -51,8 +52,12 @@ class KeyService:
         label: str | None = None,
         expires_at: datetime | None = None,
         scopes: Sequence[str] = SCOPES,
+        limits: KeyLimits = NO_LIMITS,
     ) -> IssuedKey:
-        """Issue a key for `tenant` (registering it if new; None: an admin key)."""
+        """Issue a key for `tenant` (registering it if new; None: an admin key), with
+        its own limits (a tenant key's only: an admin key is never limited)."""
+        if tenant is None and not limits.is_empty:
+            raise InvalidRequest("an admin key has no limits of its own")
         label = check_label(label)
         chosen = check_scopes(scopes)
         if expires_at is not None and expires_at.tzinfo is None:
@@ -67,6 +72,7 @@ class KeyService:
             label=label,
             scopes=chosen,
             expires_at=expires_at,
+            limits=limits,
             deadline_seconds=self._deadline_seconds,
         )
         if record is None:
@@ -93,6 +99,14 @@ class KeyService:
         ):
             raise UnknownTenant(f"unknown tenant {tenant!r}")
         return await self._keys.list_keys(tenant, deadline_seconds=self._deadline_seconds)
+
+    async def set_limits(self, tenant: str, key_id: int, limits: KeyLimits) -> None:
+        """Replace a tenant key's own limits (decided from its next admission on);
+        UnknownName when the tenant has no such key, or it is revoked."""
+        if not await self._keys.put_limits(
+            key_id, tenant, limits, deadline_seconds=self._deadline_seconds
+        ):
+            raise UnknownName(f"unknown key {key_id} (or revoked)")
 
     async def revoke(self, tenant: str | None, key_id: int) -> None:
         """Revoke a key (again: nothing changes); UnknownName when the tenant (None:

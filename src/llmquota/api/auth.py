@@ -31,7 +31,9 @@ from llmquota.api.keycache import KeyCache
 from llmquota.api.keyuses import KeyUse, UseNotes
 from llmquota.config import Settings
 from llmquota.domain.errors import StoreUnavailable, TenantSuspended
+from llmquota.domain.key_limits import ModelAllowList
 from llmquota.domain.keys import SCOPES, KeyOwner, key_digest
+from llmquota.domain.records import AdmitRequest
 from llmquota.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -73,10 +75,29 @@ class Caller:
     scopes: frozenset[str] = frozenset(SCOPES)
     suspended: bool = False
     key_id: int | None = None
+    # The key's own limits (limit layer) and the models it may name (None: any).
+    key_layer: int | None = None
+    models: ModelAllowList | None = None
 
     @property
     def is_admin(self) -> bool:
         return self.tenant is None
+
+    def admitting(self, request: AdmitRequest) -> AdmitRequest:
+        """The request as this key asks it: Forbidden (403) naming a model (the
+        requested one or an explicit fallback) the key may not use; else with the
+        key's limit layer, decided with the others."""
+        if self.models is not None:
+            refused = self.models.first_refused(
+                [request.model, *(model for model, _ in request.fallbacks)]
+            )
+            if refused is not None:
+                raise Forbidden(
+                    f"this key may not use model {refused!r}; it may use {list(self.models.globs)}"
+                )
+        if self.key_layer is None:
+            return request
+        return request._replace(key_layer=self.key_layer)
 
     def require_scope(self, scope: str) -> None:
         if not self.is_admin and scope not in self.scopes:
@@ -115,7 +136,12 @@ class Triage:
 
 def _caller_of(owner: KeyOwner) -> Caller:
     return Caller(
-        tenant=owner.tenant, scopes=owner.scopes, suspended=owner.suspended, key_id=owner.key_id
+        tenant=owner.tenant,
+        scopes=owner.scopes,
+        suspended=owner.suspended,
+        key_id=owner.key_id,
+        key_layer=owner.limit_layer,
+        models=ModelAllowList.of(owner.models),
     )
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_text import DateTime, pattern_check, pattern_field
+from llmquota.domain.key_limits import KeyLimits
 from llmquota.domain.keys import (
     LABEL_PATTERN,
     LABEL_RULE,
@@ -42,10 +43,16 @@ class AdminKeyBody(BaseModel):
     expires_at: DateTime | None = None
 
 
-class KeyBody(AdminKeyBody):
-    """POST /v1/tenants/{tenant}/keys (every field optional)."""
+class KeyBody(AdminKeyBody, KeyLimits):
+    """POST /v1/tenants/{tenant}/keys (every field optional): the key's own limits
+    (KeyLimits: tokens_per_minute, requests_per_minute, max_in_flight, models, ...)
+    sit at the top level, beside its label, expiry and scopes."""
 
     scopes: Annotated[list[ScopeName], Field(min_length=1)] = ["admit", "read"]
+
+    @property
+    def limits(self) -> KeyLimits:
+        return KeyLimits.model_validate(self.model_dump(include=set(KeyLimits.model_fields)))
 
 
 class RotateBody(BaseModel):
@@ -68,10 +75,18 @@ class KeyInfo(BaseModel):
     last_used_at: datetime | None
     expires_at: datetime | None
     revoked_at: datetime | None
+    # The key's own limits (null: not set) and the models it may name (null: any).
+    tokens_per_minute: int | None = None
+    token_burst: int | None = None
+    requests_per_minute: int | None = None
+    request_burst: int | None = None
+    max_in_flight: int | None = None
+    models: list[str] | None = None
 
     @classmethod
     def of(cls, record: KeyRecord) -> KeyInfo:
         return cls(
+            **record.limits.model_dump(),
             id=record.key_id,
             tenant=record.tenant,
             prefix=record.prefix,

@@ -16,6 +16,7 @@ from datetime import datetime
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.json_text import is_unicode, matches, shown_text_pattern
+from llmquota.domain.key_limits import NO_LIMITS, KeyLimits
 
 KEY_PREFIX = "lq_"
 # How much of a secret is kept in the clear to tell keys apart: "lq_" and 8
@@ -80,7 +81,9 @@ class KeyOwner:
 
     `scopes`: what the key may do; `suspended`: its tenant is suspended;
     `valid_seconds`: how long, from the lookup, this secret stays valid
-    (its expiry or the end of a rotation's grace; None: no end).
+    (its expiry or the end of a rotation's grace; None: no end);
+    `limit_layer`: the layer of the key's own limits (None: it has none);
+    `models`: the models it may name (None: any).
     """
 
     key_id: int
@@ -88,6 +91,8 @@ class KeyOwner:
     scopes: frozenset[str] = frozenset(SCOPES)
     suspended: bool = False
     valid_seconds: float | None = None
+    limit_layer: int | None = None
+    models: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,7 @@ class KeyRecord:
     last_used_at: datetime | None
     expires_at: datetime | None
     revoked_at: datetime | None
+    limits: KeyLimits = NO_LIMITS
 
 
 @dataclass(frozen=True, slots=True)

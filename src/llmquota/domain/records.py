@@ -59,6 +59,8 @@ class AdmitRequest(NamedTuple):
     output_strategy: OutputStrategy = "max_tokens"
     # False: the caller gave no max_tokens, which is then the model's maximum output.
     max_tokens_given: bool = True
+    # The limit layer of the API key that asked (limits per key), None: none.
+    key_layer: int | None = None
 
 
 class TenantFigures(NamedTuple):

@@ -12,8 +12,9 @@ from typing import Literal
 # quota: a calendar quota; credits: a prepaid balance.
 LimitKind = Literal["tokens", "requests", "concurrency", "quota", "credits"]
 # Which layer of the stack a limit belongs to.
-Scope = Literal["global", "tenant", "route", "ceiling"]
-SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling")
+# key: the limits of the API key that asked (domain/key_limits.py).
+Scope = Literal["global", "tenant", "route", "ceiling", "key"]
+SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling", "key")
 
 # Why a layer refused: it lacks what the request needs (capacity), or a
 # provider ceiling's shedding ladder keeps what is left for higher priorities.
@@ -37,6 +38,8 @@ REASONS: tuple[str, ...] = (
     "tenant_requests",
     "route_tokens",
     "route_requests",
+    "key_tokens",
+    "key_requests",
     "concurrency",
     "ceiling_capacity",
     "ceiling_shed",

@@ -73,7 +73,8 @@ class AdmitStatement:
                 if deadline_seconds is None
                 else self.clock.deadline(deadline_seconds + MAX_LAG_CREDIT_SECONDS)
             )
-            return (*arguments, deadline, reservation_ids)
+            *arrays, key_layers = arguments
+            return (*arrays, deadline, reservation_ids, key_layers)
 
         try:
             with past_deadline_as_timeout(self.clock):

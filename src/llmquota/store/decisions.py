@@ -25,7 +25,8 @@ from llmquota.store.connection import Row
 
 
 def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int) -> tuple[Any, ...]:
-    """The seventeen arrays (and the retry hint) of lq_admit for a batch, in order."""
+    """The arrays (and the retry hint) of lq_admit for a batch, in order, less its deadline
+    and reservation ids; each request's key layer last (p_key_layers)."""
     alt_ord: list[int] = []
     alt_models: list[str] = []
     alt_inputs: list[int] = []
@@ -53,6 +54,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         output_reserves,
         _,  # output_strategy: the reserve says it all
         _,  # max_tokens_given: decided before the store
+        key_layers,
     ) = columns
     return (
         tenants,
@@ -74,6 +76,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         alt_models,
         alt_inputs,
         _or_null(output_reserves),
+        _or_null(key_layers),
     )
 
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from llmquota.domain.key_limits import NO_LIMITS, KeyLimits
 from llmquota.domain.keys import KeyOwner, KeyRecord
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
@@ -35,9 +36,11 @@ class KeyStore:
         label: str | None,
         scopes: Sequence[str],
         expires_at: datetime | None,
+        limits: KeyLimits = NO_LIMITS,
         deadline_seconds: float | None = None,
     ) -> KeyRecord | None:
-        """Store a key; None when `expires_at` is not in the future by the database's clock."""
+        """Store a key (with its own limits, in the same statement); None when
+        `expires_at` is not in the future by the database's clock."""
         rows = await self._fetch(
             "insert_api_key",
             key_hash,
@@ -46,6 +49,8 @@ class KeyStore:
             label,
             list(scopes),
             expires_at,
+            *_limit_arguments(limits),
+            not limits.is_empty,
             deadline_seconds=deadline_seconds,
         )
         return _record(rows[0]) if rows else None
@@ -68,12 +73,16 @@ class KeyStore:
             return None
         row = rows[0]
         valid = row["valid_seconds"]
+        layer = row["limit_layer"]
+        models = row["models"]
         return KeyOwner(
             key_id=int(row["key_id"]),
             tenant=row["tenant"],
             scopes=frozenset(row["scopes"]),
             suspended=bool(row["suspended"]),
             valid_seconds=None if valid is None else float(valid),
+            limit_layer=None if layer is None else int(layer),
+            models=None if models is None else tuple(models),
         )
 
     async def list_keys(
@@ -126,6 +135,24 @@ class KeyStore:
             return False
         return _record(rows[0])
 
+    async def put_limits(
+        self,
+        key_id: int,
+        tenant: str,
+        limits: KeyLimits,
+        *,
+        deadline_seconds: float | None = None,
+    ) -> bool:
+        """Replace a tenant key's own limits; False: no such usable key of that tenant."""
+        rows = await self._fetch(
+            "put_key_limits",
+            key_id,
+            tenant,
+            *_limit_arguments(limits),
+            deadline_seconds=deadline_seconds,
+        )
+        return bool(rows)
+
     async def note_use(self, key_id: int, *, deadline_seconds: float | None = None) -> None:
         """Remember that a key was used now."""
         await self._fetch("note_key_use", key_id, deadline_seconds=deadline_seconds)
@@ -143,6 +170,33 @@ class KeyStore:
         return moment
 
 
+def _limit_arguments(limits: KeyLimits) -> tuple[Any, ...]:
+    """The limits as the statements take them: rates and bursts, permits, models
+    as written and as LIKE patterns."""
+    return (
+        limits.tokens_per_minute,
+        limits.effective_token_burst,
+        limits.requests_per_minute,
+        limits.effective_request_burst,
+        limits.max_in_flight,
+        limits.models,
+        limits.like_patterns,
+    )
+
+
+def _limits(row: Row) -> KeyLimits:
+    """A key's limits from a row of its layer's columns (all NULL: none)."""
+    models = row["models"]
+    return KeyLimits(
+        tokens_per_minute=row["tokens_per_minute"],
+        token_burst=row["token_burst"],
+        requests_per_minute=row["requests_per_minute"],
+        request_burst=row["request_burst"],
+        max_in_flight=row["max_in_flight"],
+        models=None if models is None else list(models),
+    )
+
+
 def _record(row: Row) -> KeyRecord:
     return KeyRecord(
         key_id=int(row["key_id"]),
@@ -154,4 +208,5 @@ def _record(row: Row) -> KeyRecord:
         last_used_at=row["last_used_at"],
         expires_at=row["expires_at"],
         revoked_at=row["revoked_at"],
+        limits=_limits(row),
     )

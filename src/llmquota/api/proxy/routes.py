@@ -25,6 +25,8 @@ from llmquota.admission.reservation import Reservation
 from llmquota.api.auth import (
     AuthenticationFailed,
     Authenticator,
+    Caller,
+    Forbidden,
     TooManyFailedAuthentications,
 )
 from llmquota.api.fairness import RELEASE_EARLY
@@ -82,8 +84,8 @@ def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
     return router
 
 
-async def _tenant(kind: Kind, request: Request) -> str | Response:
-    """The tenant whose llmquota key the request carries, or the error to answer."""
+async def _caller(kind: Kind, request: Request) -> Caller | Response:
+    """The tenant key the request carries, or the error to answer."""
     authorization = request.headers.get("authorization")
     api_key = request.headers.get("x-api-key")
     if api_key and not (authorization or "").lower().startswith("bearer "):
@@ -113,7 +115,7 @@ async def _tenant(kind: Kind, request: Request) -> str | Response:
         return error_response(
             kind, 403, f"tenant {caller.tenant!r} is suspended", error_type="tenant_suspended"
         )
-    return caller.tenant
+    return caller
 
 
 async def _handle(endpoint: Endpoint, request: Request) -> Response:
@@ -123,9 +125,9 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     if not proxy.configured(kind):
         return error_response(kind, 404, missing_upstream(kind), code="not_configured")
     try:
-        tenant = await _tenant(kind, request)
-        if isinstance(tenant, Response):
-            return tenant
+        caller = await _caller(kind, request)
+        if isinstance(caller, Response):
+            return caller
         parsed = parse(
             endpoint,
             await request.body(),
@@ -135,7 +137,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         upstream = proxy.route(kind, parsed.model)
         if upstream is None:  # parse refused it already; kept for the type checker
             return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
-        exchange = await _admit(kind, request, tenant, parsed)
+        exchange = await _admit(kind, request, caller, parsed)
     except BadProxyRequest as exc:
         return error_response(kind, exc.status, str(exc), param=exc.param)
     except StoreUnavailable as exc:
@@ -159,10 +161,12 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
 
 
 async def _admit(
-    kind: Kind, request: Request, tenant: str, parsed: ProxyRequest
+    kind: Kind, request: Request, caller: Caller, parsed: ProxyRequest
 ) -> Exchange | Response:
-    """Count and decide; the refusal to answer, or the admitted exchange."""
+    """Count and decide (with the key's own limits); the refusal to answer, or the
+    admitted exchange."""
     limiter: Limiter = request.app.state.limiter
+    tenant = str(caller.tenant)
     try:
         prepared = await limiter.prepare_off_loop(
             tenant=tenant,
@@ -176,8 +180,11 @@ async def _admit(
             # a fallback admitted here would be billed as a model never called.
             degrade=False,
         )
+        prepared = caller.admitting(prepared)
     except InvalidRequest as exc:
         raise BadProxyRequest(400, str(exc)) from None
+    except Forbidden as exc:
+        return error_response(kind, 403, str(exc), param="model")
     admission = await limiter.decide(prepared)
     refused = refusal(kind, tenant, admission.decision)
     if refused is not None:

@@ -88,6 +88,7 @@ async def admit_answer(
         fallback_models=body.fallback_models,
         degrade=body.degrade,
     )
+    prepared = caller.admitting(prepared)  # 403 for a model the key may not use
     headers: dict[str, str] = {}
     if body.max_wait_ms:
         try:

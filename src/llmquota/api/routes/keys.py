@@ -26,6 +26,7 @@ from llmquota.api.key_schemas import (
     RotateBody,
     SuspensionResponse,
 )
+from llmquota.domain.key_limits import KeyLimits
 from llmquota.domain.keys import IssuedKey
 
 router = APIRouter(tags=["keys"])
@@ -73,9 +74,33 @@ async def create_key(
     caller.require_admin()
     body = body or KeyBody()
     issued = await admin.keys.create(
-        tenant, label=body.label, expires_at=body.expires_at, scopes=body.scopes
+        tenant,
+        label=body.label,
+        expires_at=body.expires_at,
+        scopes=body.scopes,
+        limits=body.limits,
     )
     return _issued(issued)
+
+
+@router.put("/v1/tenants/{tenant}/keys/{key_id}/policy", response_model=KeyInfo)
+async def put_key_policy(
+    tenant: TenantName,
+    key_id: KeyId,
+    *,
+    body: KeyLimits,
+    caller: CallerDep,
+    admin: AdminDep,
+    request: Request,
+) -> KeyInfo:
+    """Replace the key's own limits and models (a field left out is no longer
+    limited; `{}` lifts them all), decided from its next admission on, on every
+    worker (the key's change is announced)."""
+    caller.require_admin()
+    await admin.keys.set_limits(tenant, key_id, body)
+    _changed(request, key_id=key_id)
+    record = next(r for r in await admin.keys.list(tenant) if r.key_id == key_id)
+    return KeyInfo.of(record)
 
 
 @router.delete(
