@@ -154,3 +154,24 @@ async def test_a_suspension_refuses_the_admin_keys_admissions_too_on_every_worke
         assert (await a.post("/v1/tenants/acme/resume", headers=ADMIN)).status_code == 200
         assert (await admit(a, ADMIN_KEY)).status_code == 201
         assert await seconds_until(b, ADMIN_KEY, 201) < OTHER_WORKER_SECONDS
+
+
+async def test_a_keys_new_limits_bind_on_the_other_worker_within_a_second(
+    database_dsn: str, tmp_path: Path
+) -> None:
+    # The key's layer is created by the PUT after both workers cached the key
+    # without one: the other worker learns of it from the key's announcement.
+    async with two_workers(database_dsn, tmp_path) as (a, b):
+        key_id, key = await tenant_key(a)
+        assert (await admit(b, key)).status_code == 201
+        url = f"/v1/tenants/acme/keys/{key_id}/policy"
+        put = await a.put(url, json={"models": ["claude-*"]}, headers=ADMIN)
+        assert put.status_code == 200, put.text
+        started = time.monotonic()
+        assert (await admit(a, key)).status_code == 403  # at once on this worker
+        there = await seconds_until(b, key, 403)
+        print(f"a key's new model list bound on the other worker after {there * 1000:.1f} ms")
+        assert there < OTHER_WORKER_SECONDS
+        assert time.monotonic() - started < 2 * OTHER_WORKER_SECONDS
+        refused = (await admit(b, key)).json()["error"]["message"]
+        assert "'gpt-4o'" in refused and "claude-*" in refused

@@ -127,3 +127,45 @@ async def test_serve_names_the_stored_admin_keys_that_work_beside_llmquota_admin
     with caplog.at_level(logging.WARNING, logger="llmquota.cli.service"):
         assert await _ensure_admin_key(app_dsn, configured) is None
     assert caplog.records == []
+
+
+async def test_a_key_gets_and_changes_its_own_limits(app_dsn: str, db: asyncpg.Connection) -> None:
+    created = await keys_json(
+        app_dsn, "create", "--tenant", "acme", "--tokens-per-minute", "1000",
+        "--max-in-flight", "2", "--models", "gpt-4o-mini,claude-*",
+    )  # fmt: skip
+    key = created[0]
+    assert (key["tokens_per_minute"], key["max_in_flight"]) == (1000, 2)
+    assert key["models"] == "gpt-4o-mini,claude-*"
+    layer = await db.fetchrow(
+        "SELECT tokens_per_minute, token_burst, tokens, max_in_flight, allowed_models"
+        " FROM limit_layers WHERE api_key_id = $1",
+        key["id"],
+    )
+    assert tuple(layer) == (1000, 1000, 1000, 2, ["gpt-4o-mini", "claude-%"])
+    changed = await keys_json(
+        app_dsn, "policy", "--tenant", "acme", str(key["id"]), "--requests-per-minute", "30"
+    )
+    assert changed[0]["requests_per_minute"] == 30
+    assert changed[0]["tokens_per_minute"] is None and changed[0]["models"] is None
+    layer = await db.fetchrow(
+        "SELECT tokens_per_minute, requests_per_minute, allowed_models FROM limit_layers"
+        " WHERE api_key_id = $1",
+        key["id"],
+    )
+    assert tuple(layer) == (None, 30, None)
+    # Refused, one line, nothing changed: a burst without its rate, an admin key's limits.
+    for args in (
+        ("policy", "--tenant", "acme", str(key["id"]), "--token-burst", "5"),
+        ("create", "--admin", "--tokens-per-minute", "5"),
+        ("policy", "--tenant", "acme", "999999", "--tokens-per-minute", "5"),
+    ):
+        status, out, err = await keys(app_dsn, *args)
+        assert status == 2 and out == "" and len(err.splitlines()) == 1, (args, err)
+    _, _, err = await keys(
+        app_dsn, "policy", "--tenant", "acme", str(key["id"]), "--token-burst", "5"
+    )
+    assert err == "llmquota: error: --token-burst needs --tokens-per-minute (the refill rate)\n"
+    sql = "SELECT requests_per_minute FROM limit_layers WHERE api_key_id = $1"
+    assert await db.fetchval(sql, key["id"]) == 30
+    assert await db.fetchval("SELECT count(*) FROM api_keys WHERE tenant IS NULL") == 0
