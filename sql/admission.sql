@@ -326,12 +326,12 @@ $$;
 -- each request's tenant layer and its route's when that has a policy. Index
 -- probes on (scope, tenant, route, ceiling, shard), never a scan; inlined
 -- into the statements that lock them. Plus the layers of the requests' API
--- keys (p_key_layers: a key layer's id per request, NULL for a key without
--- limits), probed by id.
--- p_key_layers was added (limits per API key): the old signature goes.
+-- keys (p_key_ids: the key that asked, per request; NULL: none, or the admin),
+-- probed by the key (a key without limits has no layer).
+-- p_key_ids was added (limits per API key): the old signature goes.
 DROP FUNCTION IF EXISTS lq_batch_layers(text[], text[], boolean);
 CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
-                                           p_all_shards boolean, p_key_layers bigint[])
+                                           p_all_shards boolean, p_key_ids bigint[])
 RETURNS SETOF bigint
 LANGUAGE sql STABLE
 AS $$
@@ -351,7 +351,7 @@ AS $$
         ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r AND r.ceiling IS NULL
     UNION
     SELECT k.layer_id FROM limit_layers AS k
-     WHERE k.layer_id = ANY (p_key_layers) AND k.scope = 'key'
+     WHERE k.api_key_id = ANY (p_key_ids) AND k.scope = 'key'
 $$;
 
 
@@ -359,8 +359,8 @@ $$;
 -- by one in array order, and debit every layer of each admitted request.
 --
 -- The layers of a request: the global layer, its tenant's, its route's (when
--- it names one that has a policy), its API key's (p_key_layers, when the key
--- has limits) and every provider ceiling whose models match the model. A
+-- it names one that has a policy), its API key's (p_key_ids: the key that
+-- asked, when it has limits) and every provider ceiling whose models match the model. A
 -- key layer's allowed_models also bound the fallbacks a default list offers. A ceiling with a shedding ladder also refuses a request
 -- that would take it below its priority's floor (lq_shed_floor).
 --
@@ -415,7 +415,7 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean);
--- p_key_layers was added (limits per API key).
+-- p_key_ids was added (limits per API key).
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
@@ -440,7 +440,7 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
-    p_key_layers       bigint[] DEFAULT NULL     -- each request's key layer, NULL: none
+    p_key_ids          bigint[] DEFAULT NULL     -- the API key that asked, NULL: none
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -575,6 +575,7 @@ DECLARE
     q_name       text[];
     q_tenant     text[];
     q_route      text[];
+    q_key        bigint[];   -- a key's quota: that key's id (NULL: the tenant's or route's)
     q_patterns   text[];     -- as array text, as l_fallback
     q_tokens     bigint[];
     q_cost       numeric[];
@@ -722,7 +723,7 @@ BEGIN
                    ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
                    ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
                    ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
-                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid
+                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id
               FROM limit_layers AS ll
              -- one bitmap of index scans on the layer key: the global rows (of
              -- a sharded layer, the batch's shards), the batch's tenants, and
@@ -736,7 +737,7 @@ BEGIN
                     OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
                     OR (ll.scope = 'route' AND ll.tenant = ANY (p_tenants)
                         AND ll.route = ANY (p_routes))
-                    OR (ll.layer_id = ANY (p_key_layers) AND ll.scope = 'key'))
+                    OR (ll.api_key_id = ANY (p_key_ids) AND ll.scope = 'key'))
              ORDER BY ll.layer_id
                FOR UPDATE
         ), clock AS (
@@ -769,7 +770,7 @@ BEGIN
             UNION ALL
             SELECT q.k, q.cost, 4, l.layer_id
               FROM req AS q JOIN layer AS l
-                ON l.scope = 'key' AND l.layer_id = p_key_layers[q.k]
+                ON l.scope = 'key' AND l.api_key_id = p_key_ids[q.k]
         ), running AS (
             SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
                    l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
@@ -863,7 +864,7 @@ BEGIN
            array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
                                   WHEN 'tenant' THEN 't/' || x.tenant
                                   WHEN 'ceiling' THEN 'c/' || x.ceiling
-                                  WHEN 'key' THEN 'k/' || x.layer_id
+                                  WHEN 'key' THEN 'k/' || x.api_key_id
                                   ELSE 'r/' || x.tenant || '/' || x.route END),
            array_agg(x.scope),
            array_agg(x.ceiling),
@@ -893,7 +894,7 @@ BEGIN
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
                        SELECT b.layer_id
-                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_layers) AS b(layer_id)
+                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_ids) AS b(layer_id)
                        UNION
                        SELECT unnest(mc_layer))
              ORDER BY ll.layer_id
@@ -967,8 +968,8 @@ BEGIN
            array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
            array_agg(CASE WHEN u.r IS NULL THEN NULL
                           ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o),
-           array_agg(CASE WHEN p_key_layers[u.o] IS NULL THEN NULL
-                          ELSE array_position(l_key, 'k/' || p_key_layers[u.o]) END ORDER BY u.o)
+           array_agg(CASE WHEN p_key_ids[u.o] IS NULL THEN NULL
+                          ELSE array_position(l_key, 'k/' || p_key_ids[u.o]) END ORDER BY u.o)
       INTO x_gi, x_ti, x_ri, x_ki
       FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
 
@@ -1012,6 +1013,7 @@ BEGIN
         END LOOP;
         SELECT array_agg(q.quota_id ORDER BY q.quota_id), array_agg(q.name ORDER BY q.quota_id),
                array_agg(q.tenant ORDER BY q.quota_id), array_agg(q.route ORDER BY q.quota_id),
+               array_agg(q.api_key_id ORDER BY q.quota_id),
                array_agg(q.model_patterns::text ORDER BY q.quota_id),
                array_agg(q.tokens ORDER BY q.quota_id), array_agg(q.cost ORDER BY q.quota_id),
                array_agg(q.enforce = 'block' ORDER BY q.quota_id),
@@ -1019,7 +1021,7 @@ BEGIN
                array_agg(q.timezone ORDER BY q.quota_id),
                array_agg(w.reserved_tokens + w.charged_tokens ORDER BY q.quota_id),
                array_agg(w.reserved_cost + w.charged_cost ORDER BY q.quota_id)
-          INTO q_id, q_name, q_tenant, q_route, q_patterns, q_tokens, q_cost, q_block, q_end,
+          INTO q_id, q_name, q_tenant, q_route, q_key, q_patterns, q_tokens, q_cost, q_block, q_end,
                q_zone, q_used_tok, q_used_cost
           FROM quotas AS q
           JOIN quota_windows AS w
@@ -1236,6 +1238,7 @@ BEGIN
                 FOR x IN 1 .. coalesce(cardinality(q_id), 0) LOOP
                     CONTINUE WHEN q_tenant[x] <> p_tenants[k]
                                OR (q_route[x] IS NOT NULL AND q_route[x] IS DISTINCT FROM p_routes[k])
+                               OR (q_key[x] IS NOT NULL AND q_key[x] IS DISTINCT FROM p_key_ids[k])
                                OR NOT (q_patterns[x] = '{}'
                                        OR c_models[c] LIKE ANY (q_patterns[x]::text[]));
                     qs := qs || x;
@@ -1352,6 +1355,7 @@ BEGIN
                     r_kind[k] := CASE budget WHEN 'quota_exceeded' THEN 'quota'
                                              WHEN 'credits_exhausted' THEN 'credits' END;
                     r_scope[k] := CASE WHEN q_hit IS NULL THEN 'tenant'
+                                       WHEN q_key[q_hit] IS NOT NULL THEN 'key'
                                        WHEN q_route[q_hit] IS NULL THEN 'tenant' ELSE 'route' END;
                     IF q_hit IS NOT NULL THEN
                         r_quota[k] := q_name[q_hit];
@@ -1537,7 +1541,7 @@ $$;
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[]);
--- p_key_layers was added (limits per API key).
+-- p_key_ids was added (limits per API key).
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
@@ -1562,7 +1566,7 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_deadline         timestamptz DEFAULT NULL, -- past it, write nothing (LQ002); NULL: none
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
-    p_key_layers       bigint[] DEFAULT NULL     -- each request's key layer, NULL: none
+    p_key_ids          bigint[] DEFAULT NULL     -- the API key that asked, NULL: none
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1609,7 +1613,7 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_layers);
+            p_output_reserve, true, p_reservation_ids, p_key_ids);
         PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
@@ -1618,13 +1622,13 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false, p_reservation_ids, p_key_layers);
+            p_output_reserve, false, p_reservation_ids, p_key_ids);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_layers);
+            p_output_reserve, true, p_reservation_ids, p_key_ids);
     END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END

@@ -4,24 +4,29 @@
 -- around them and the delivery loop's claim and record.
 
 -- put_quota --
--- Create or replace a quota of a tenant ($2 NULL) or of one of its routes.
+-- Create or replace a quota of a tenant ($2 and $12 NULL), of one of its
+-- routes, or of one of its keys ($12: not revoked; no row otherwise).
 -- created: whether the row is new (xmax = 0 only for a freshly inserted row).
 INSERT INTO quotas AS q (tenant, route, name, period, timezone, tokens, cost, models,
-                         model_patterns, alerts, enforce)
-VALUES ($1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::numeric, $8::text[],
-        $9::text[], $10::numeric[], $11::text)
-ON CONFLICT (tenant, (coalesce(route, '')), name) DO UPDATE
+                         model_patterns, alerts, enforce, api_key_id)
+SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::numeric, $8::text[],
+       $9::text[], $10::numeric[], $11::text, $12::bigint
+ WHERE $12::bigint IS NULL
+    OR EXISTS (SELECT 1 FROM api_keys AS k
+                WHERE k.key_id = $12::bigint AND k.tenant = $1::text AND k.revoked_at IS NULL)
+ON CONFLICT (tenant, (coalesce(route, '')), (coalesce(api_key_id, 0)), name) DO UPDATE
    SET period = EXCLUDED.period, timezone = EXCLUDED.timezone, tokens = EXCLUDED.tokens,
        cost = EXCLUDED.cost, models = EXCLUDED.models, model_patterns = EXCLUDED.model_patterns,
        alerts = EXCLUDED.alerts, enforce = EXCLUDED.enforce, updated_at = clock_timestamp()
 RETURNING q.quota_id, (q.xmax = 0) AS created
 
 -- list_quotas --
--- A tenant's quotas ($2 NULL and $3 false: all, its routes' too; else those of
--- route $2, or of the tenant itself when $3), optionally one ($4), with the
--- current window's usage (zero when the window has no row yet).
-SELECT q.quota_id, q.tenant, q.route, q.name, q.period, q.timezone, q.tokens, q.cost, q.models,
-       q.alerts, q.enforce, q.created_at, q.updated_at,
+-- A tenant's quotas ($2 and $5 NULL and $3 false: all, its routes' and keys'
+-- too; else those of route $2, of key $5, or of the tenant itself when $3),
+-- optionally one ($4), with the current window's usage (zero when the window
+-- has no row yet).
+SELECT q.quota_id, q.tenant, q.route, q.api_key_id, q.name, q.period, q.timezone, q.tokens,
+       q.cost, q.models, q.alerts, q.enforce, q.created_at, q.updated_at,
        cw.window_start, cw.window_end,
        coalesce(w.reserved_tokens + w.charged_tokens, 0) AS usage_tokens,
        coalesce(w.reserved_cost + w.charged_cost, 0) AS usage_cost
@@ -31,14 +36,17 @@ SELECT q.quota_id, q.tenant, q.route, q.name, q.period, q.timezone, q.tokens, q.
               ON w.quota_id = q.quota_id AND w.window_start = cw.window_start
  WHERE q.tenant = $1::text
    AND ($2::text IS NULL OR q.route = $2::text)
-   AND (NOT $3::boolean OR q.route IS NULL)
+   AND ($5::bigint IS NULL OR q.api_key_id = $5::bigint)
+   AND (NOT $3::boolean OR (q.route IS NULL AND q.api_key_id IS NULL))
    AND ($4::text IS NULL OR q.name = $4::text)
- ORDER BY q.route NULLS FIRST, q.name
+ ORDER BY q.route NULLS FIRST, q.api_key_id NULLS FIRST, q.name
 
 -- delete_quota --
--- Delete one quota; its windows stay (quota_id set NULL) for the reports.
+-- Delete one quota (of key $4, when given); its windows stay (quota_id set
+-- NULL) for the reports.
 DELETE FROM quotas
  WHERE tenant = $1::text AND coalesce(route, '') = coalesce($2::text, '') AND name = $3::text
+   AND coalesce(api_key_id, 0) = coalesce($4::bigint, 0)
 RETURNING quota_id
 
 -- credit_topup --

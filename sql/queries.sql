@@ -321,16 +321,15 @@ RETURNING key_id
 -- within the rotation's grace; neither revoked nor expired): its tenant (NULL
 -- for an admin key), scopes, whether the tenant is suspended, and for how many
 -- seconds more this secret is valid by the database's clock (NULL: no end),
--- the layer of its own limits and the models it may name (NULL: none, any).
+-- and the models it may name (NULL: any).
 SELECT k.key_id, k.tenant, k.scopes, t.suspended_at IS NOT NULL AS suspended,
        extract(epoch FROM least(k.expires_at,
                                 CASE WHEN k.key_hash = $1::bytea THEN NULL
                                      ELSE k.previous_expires_at END)
                           - clock_timestamp())::float8 AS valid_seconds,
-       l.layer_id AS limit_layer, k.models
+       k.models
   FROM api_keys AS k
   LEFT JOIN tenants AS t ON t.tenant = k.tenant
-  LEFT JOIN limit_layers AS l ON l.api_key_id = k.key_id
  WHERE (k.key_hash = $1::bytea
         OR (k.previous_hash = $1::bytea AND k.previous_expires_at > clock_timestamp()))
    AND k.revoked_at IS NULL
@@ -504,7 +503,8 @@ SELECT key FROM outage_id_key
 -- policy_snapshot --
 -- Every layer's policy, for the per-worker cache that outlives an outage.
 -- Provider ceilings are not in it: they come with the budgets
--- (outage_budgets), which have no version. The
+-- (outage_budgets), which have no version; nor are API keys' layers (a key's
+-- own limits are not decided locally, only recorded at replay). The
 -- snapshot version is (max policy_version, layer count): a policy change takes
 -- the next policy_version and a deleted tenant lowers the count. When it
 -- equals the caller's ($1, $2) only the version row comes back (the columns of
@@ -513,7 +513,7 @@ WITH version AS (
     SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
            count(*) FILTER (WHERE shard = 0)::bigint AS layer_count
       FROM limit_layers
-     WHERE scope <> 'ceiling'
+     WHERE scope NOT IN ('ceiling', 'key')
 )
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
@@ -545,7 +545,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
 -- refresh because it moves with every admission: one row per item, `kind`
 -- saying which. 'ceiling': a provider ceiling's limits and models (LIKE
 -- patterns); 'quota': a blocking calendar quota, its limits and what its
--- current window used (reserved + charged); 'credits': a prepaid tenant and
+-- current window used (reserved + charged; a key's quotas are not decided
+-- locally, only recorded at replay); 'credits': a prepaid tenant and
 -- its available balance (balance - reserved, 0 without an account),
 -- 'price': a model's price in force. At most $1 rows of each kind.
 (SELECT 'ceiling'::text AS kind, ll.ceiling AS name, NULL::text AS tenant, NULL::text AS route,
@@ -568,7 +569,7 @@ UNION ALL
         CROSS JOIN LATERAL lq_quota_window(q.period, q.timezone, clock_timestamp()) AS cw
         LEFT JOIN quota_windows AS w
           ON w.quota_id = q.quota_id AND w.window_start = cw.window_start
-  WHERE q.enforce = 'block'
+  WHERE q.enforce = 'block' AND q.api_key_id IS NULL
   ORDER BY q.quota_id
   LIMIT $1::integer)
 UNION ALL

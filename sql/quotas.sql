@@ -152,10 +152,25 @@ END
 $$;
 
 
--- The quotas a request of (tenant, route, model) counts against: the
--- tenant's own and its route's, whose models (LIKE patterns) match or are
--- empty (every model). In quota_id order: the order their windows are locked.
-CREATE OR REPLACE FUNCTION lq_matching_quotas(p_tenant text, p_route text, p_model text)
+-- What an alert's subject says a quota belongs to: its route, `key=<id>` for
+-- a key's quota (no route name has a `=`), `*` for the tenant's own. The
+-- subject is what makes an alert once per threshold and window.
+CREATE OR REPLACE FUNCTION lq_quota_subject_scope(q quotas)
+RETURNS text
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT coalesce(q.route, 'key=' || q.api_key_id, '*')
+$$;
+
+
+-- The quotas a request of (tenant, route, model), asked with API key p_key_id,
+-- counts against: the tenant's own, its route's and its key's, whose models
+-- (LIKE patterns) match or are empty (every model). In quota_id order: the
+-- order their windows are locked.
+-- p_key_id was added (quotas per API key): the old signature goes.
+DROP FUNCTION IF EXISTS lq_matching_quotas(text, text, text);
+CREATE OR REPLACE FUNCTION lq_matching_quotas(p_tenant text, p_route text, p_model text,
+                                              p_key_id bigint)
 RETURNS SETOF quotas
 LANGUAGE sql STABLE
 AS $$
@@ -163,6 +178,7 @@ AS $$
       FROM quotas AS q
      WHERE q.tenant = p_tenant
        AND coalesce(q.route, '') IN ('', coalesce(p_route, ''))
+       AND (q.api_key_id IS NULL OR q.api_key_id = p_key_id)
        AND (cardinality(q.model_patterns) = 0 OR p_model LIKE ANY (q.model_patterns))
      ORDER BY q.quota_id
 $$;
@@ -230,11 +246,13 @@ BEGIN
      WHERE w.window_id = before.window_id
     RETURNING w.* INTO after;
     SELECT * INTO q FROM quotas WHERE quota_id = p_quota_id;
-    info := jsonb_build_object('quota', q.name, 'route', q.route, 'enforce', q.enforce);
+    info := jsonb_build_object('quota', q.name, 'route', q.route, 'enforce', q.enforce)
+            || CASE WHEN q.api_key_id IS NULL THEN '{}'::jsonb
+                    ELSE jsonb_build_object('key_id', q.api_key_id) END;
     IF q.tokens IS NOT NULL THEN
         PERFORM lq_fire_crossed('quota.threshold', q.tenant,
                                 format('quota:%s:%s:%s:tokens', q.tenant,
-                                       coalesce(q.route, '*'), q.name),
+                                       lq_quota_subject_scope(q), q.name),
                                 q.alerts, after.window_start, after.window_end,
                                 before.reserved_tokens + before.charged_tokens,
                                 after.reserved_tokens + after.charged_tokens,
@@ -243,7 +261,7 @@ BEGIN
     IF q.cost IS NOT NULL THEN
         PERFORM lq_fire_crossed('quota.threshold', q.tenant,
                                 format('quota:%s:%s:%s:cost', q.tenant,
-                                       coalesce(q.route, '*'), q.name),
+                                       lq_quota_subject_scope(q), q.name),
                                 q.alerts, after.window_start, after.window_end,
                                 before.reserved_cost + before.charged_cost,
                                 after.reserved_cost + after.charged_cost,

@@ -19,8 +19,8 @@
 -- holding on every layer lq_admit would have reserved it on, so that its
 -- settlement (lq_finish, or lq_finish_outage for a settle journaled too)
 -- bills it like any other:
---   - limit layers: global, tenant, route, the API key's (p_key_layers: the
---     layer of the key that asked, NULL: none), and every provider ceiling whose
+--   - limit layers: global, tenant, route, the API key's (p_key_ids: the key
+--     that asked, NULL: none), and every provider ceiling whose
 --     models match (the provider counted this usage too). Each gets its
 --     reserved tokens, one request and one permit, with no limit check: the
 --     work was already admitted, and a balance may go negative, to be repaid
@@ -40,7 +40,7 @@
 -- p_admitted_at is new: the old signature goes first.
 DROP FUNCTION IF EXISTS lq_record_outage_admissions(uuid[], text[], text[], text[], bigint[],
     bigint[], boolean[], integer[], text[], text[], bigint[], text[]);
--- p_key_layers was added (limits per API key).
+-- p_key_ids was added (limits per API key).
 DROP FUNCTION IF EXISTS lq_record_outage_admissions(uuid[], text[], text[], text[], bigint[],
     bigint[], boolean[], integer[], text[], text[], bigint[], text[], timestamptz[]);
 CREATE OR REPLACE FUNCTION lq_record_outage_admissions(
@@ -57,7 +57,7 @@ CREATE OR REPLACE FUNCTION lq_record_outage_admissions(
     p_policy_versions  bigint[],
     p_modes            text[],
     p_admitted_at      timestamptz[],
-    p_key_layers       bigint[] DEFAULT NULL
+    p_key_ids          bigint[] DEFAULT NULL
 ) RETURNS TABLE (ord integer, recorded boolean)
 LANGUAGE plpgsql
 AS $$
@@ -95,9 +95,9 @@ BEGIN
           FROM unnest(p_ids, p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens,
                       p_input_estimated, p_lease_seconds, p_idempotency_keys,
                       p_request_hashes, p_policy_versions, p_modes, p_admitted_at,
-                      p_key_layers)
+                      p_key_ids)
                AS u(id, tenant, route, model, input_tokens, max_tokens, input_estimated,
-                    lease, idem, request_hash, policy_version, mode, admitted_at, key_layer)
+                    lease, idem, request_hash, policy_version, mode, admitted_at, key_id)
     ), placed AS (
         SELECT req.*,
                ARRAY(SELECT l.layer_id
@@ -106,11 +106,11 @@ BEGIN
                              AND l.shard = lq_tenant_shard(req.tenant, l.shards))
                          OR (l.scope = 'tenant' AND l.tenant = req.tenant AND l.route IS NULL)
                          OR (l.scope = 'route' AND l.tenant = req.tenant AND l.route = req.route)
-                         OR (l.scope = 'key' AND l.layer_id = req.key_layer)
+                         OR (l.scope = 'key' AND l.api_key_id = req.key_id)
                          OR (l.scope = 'ceiling' AND req.model LIKE ANY (l.model_patterns))
                       ORDER BY l.layer_id) AS layer_ids,
                ARRAY(SELECT q.quota_id
-                       FROM lq_matching_quotas(req.tenant, req.route, req.model) AS q)
+                       FROM lq_matching_quotas(req.tenant, req.route, req.model, req.key_id) AS q)
                    AS quota_ids,
                lq_cost(req.model, req.input_tokens, req.max_tokens, req.at) AS money,
                coalesce((SELECT l.prepaid FROM limit_layers AS l

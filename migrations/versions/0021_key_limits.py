@@ -15,6 +15,9 @@ from a reservation's `layer_ids`) need nothing new.
   is one the key may use. NULL: any model.
 - `api_keys.models`: the globs as the operator wrote them, listed with the
   key and checked (403 naming the model) before admission.
+- `quotas.api_key_id`: a calendar quota of one key (over all its tenant's
+  routes), counted only by that key's requests; one quota of a name per
+  tenant, route and key.
 
 Revision ID: 0021
 Revises: 0020
@@ -48,6 +51,14 @@ COMMENT ON COLUMN limit_layers.allowed_models IS
 
 ALTER TABLE api_keys ADD COLUMN models text[];
 COMMENT ON COLUMN api_keys.models IS 'the model names and globs the key may use (NULL: any)';
+
+ALTER TABLE quotas
+    ADD COLUMN api_key_id bigint REFERENCES api_keys ON DELETE CASCADE,
+    ADD CONSTRAINT quotas_key_or_route CHECK (api_key_id IS NULL OR route IS NULL);
+COMMENT ON COLUMN quotas.api_key_id IS 'a quota of one API key (NULL: of the tenant or route)';
+DROP INDEX quotas_scope_name;
+CREATE UNIQUE INDEX quotas_scope_name
+    ON quotas (tenant, (coalesce(route, '')), (coalesce(api_key_id, 0)), name);
 """
 
 
@@ -58,6 +69,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     execute_script(
         """
+        DELETE FROM quotas WHERE api_key_id IS NOT NULL;
+        DROP INDEX IF EXISTS quotas_scope_name;
+        ALTER TABLE quotas DROP COLUMN IF EXISTS api_key_id;
+        CREATE UNIQUE INDEX quotas_scope_name ON quotas (tenant, (coalesce(route, '')), name);
         ALTER TABLE api_keys DROP COLUMN IF EXISTS models;
         DELETE FROM limit_layers WHERE scope = 'key';
         DROP INDEX IF EXISTS limit_layers_api_key;

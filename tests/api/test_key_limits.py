@@ -319,7 +319,7 @@ async def test_outage_admissions_of_a_key_are_recorded_on_its_layer(
     version = await db.fetchval("SELECT policy_version FROM limit_layers WHERE tenant = 'acme'")
     ids = [uuid.uuid4(), uuid.uuid4()]
     request = AdmitRequest(
-        "acme", None, "gpt-4o", 100, 500, False, None, None, None, key_layer=layer["layer_id"]
+        "acme", None, "gpt-4o", 100, 500, False, None, None, None, key_id=record.key_id
     )
     records = [OutageAdmissionRecord(i, request, int(version), "open") for i in ids]
     assert await limiter.store.outage.record_admissions(records) == [True, True]

@@ -44,32 +44,43 @@ class AlertService:
             raise UnknownTenant(f"unknown tenant {tenant!r}")
 
     async def put_quota(
-        self, tenant: str, route: str | None, name: str, spec: QuotaSpec
+        self, tenant: str, route: str | None, name: str, spec: QuotaSpec, key_id: int | None = None
     ) -> tuple[Quota, bool]:
-        """Create or replace a quota of a registered tenant: (it, whether it is new)."""
+        """Create or replace a quota of a registered tenant (of one of its routes, or
+        of its key `key_id`): (it, whether it is new)."""
         check_name("tenant", tenant)
         if route is not None:
             check_name("route", route)
         check_name("name", name)
         await self._require_tenant(tenant)
-        _, created = await self._alerts.put_quota(tenant, route, name, spec)
-        return await self.get_quota(tenant, route, name), created
+        stored = await self._alerts.put_quota(tenant, route, name, spec, key_id)
+        if stored is None:
+            raise NotFound(f"unknown key {key_id} (or revoked)")
+        return await self.get_quota(tenant, route, name, key_id), stored[1]
 
-    async def get_quota(self, tenant: str, route: str | None, name: str) -> Quota:
+    async def get_quota(
+        self, tenant: str, route: str | None, name: str, key_id: int | None = None
+    ) -> Quota:
         """One quota with its current window's usage, or NotFound."""
-        found = await self._alerts.list_quotas(tenant, route, tenant_only=route is None, name=name)
+        found = await self._alerts.list_quotas(
+            tenant, route, tenant_only=route is None and key_id is None, name=name, key_id=key_id
+        )
         if not found:
             raise NotFound(f"no quota {name!r}")
         return found[0]
 
-    async def list_quotas(self, tenant: str, route: str | None = None) -> list[Quota]:
-        """A tenant's quotas, its routes' too (or one route's only)."""
+    async def list_quotas(
+        self, tenant: str, route: str | None = None, key_id: int | None = None
+    ) -> list[Quota]:
+        """A tenant's quotas, its routes' and keys' too (or one route's or key's only)."""
         await self._require_tenant(tenant)
-        return await self._alerts.list_quotas(tenant, route)
+        return await self._alerts.list_quotas(tenant, route, key_id=key_id)
 
-    async def delete_quota(self, tenant: str, route: str | None, name: str) -> None:
+    async def delete_quota(
+        self, tenant: str, route: str | None, name: str, key_id: int | None = None
+    ) -> None:
         """Delete a quota (its past windows stay for the reports), or NotFound."""
-        if not await self._alerts.delete_quota(tenant, route, name):
+        if not await self._alerts.delete_quota(tenant, route, name, key_id):
             raise NotFound(f"no quota {name!r}")
 
     async def top_up(self, tenant: str, amount: Decimal, reference: str) -> TopUp:

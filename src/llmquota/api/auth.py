@@ -75,8 +75,7 @@ class Caller:
     scopes: frozenset[str] = frozenset(SCOPES)
     suspended: bool = False
     key_id: int | None = None
-    # The key's own limits (limit layer) and the models it may name (None: any).
-    key_layer: int | None = None
+    # The models the key may name (None: any).
     models: ModelAllowList | None = None
 
     @property
@@ -85,8 +84,8 @@ class Caller:
 
     def admitting(self, request: AdmitRequest) -> AdmitRequest:
         """The request as this key asks it: Forbidden (403) naming a model (the
-        requested one or an explicit fallback) the key may not use; else with the
-        key's limit layer, decided with the others."""
+        requested one or an explicit fallback) the key may not use; else naming the
+        key, whose own limits and quotas (if any) are decided with the others."""
         if self.models is not None:
             refused = self.models.first_refused(
                 [request.model, *(model for model, _ in request.fallbacks)]
@@ -95,9 +94,9 @@ class Caller:
                 raise Forbidden(
                     f"this key may not use model {refused!r}; it may use {list(self.models.globs)}"
                 )
-        if self.key_layer is None:
+        if self.is_admin or self.key_id is None:
             return request
-        return request._replace(key_layer=self.key_layer)
+        return request._replace(key_id=self.key_id)
 
     def require_scope(self, scope: str) -> None:
         if not self.is_admin and scope not in self.scopes:
@@ -140,7 +139,6 @@ def _caller_of(owner: KeyOwner) -> Caller:
         scopes=owner.scopes,
         suspended=owner.suspended,
         key_id=owner.key_id,
-        key_layer=owner.limit_layer,
         models=ModelAllowList.of(owner.models),
     )
 

@@ -83,6 +83,8 @@ class AlertEvent:
             "tenant": self.tenant,
             "quota": self.payload.get("quota"),
             "route": self.payload.get("route"),
+            # a key's quota: the key (absent for the tenant's and routes' quotas)
+            **({"key_id": self.payload["key_id"]} if "key_id" in self.payload else {}),
             "unit": self.payload.get("unit"),
             "threshold": _number(self.threshold),
             "usage": _number(self.usage),

@@ -82,7 +82,6 @@ class KeyOwner:
     `scopes`: what the key may do; `suspended`: its tenant is suspended;
     `valid_seconds`: how long, from the lookup, this secret stays valid
     (its expiry or the end of a rotation's grace; None: no end);
-    `limit_layer`: the layer of the key's own limits (None: it has none);
     `models`: the models it may name (None: any).
     """
 
@@ -91,7 +90,6 @@ class KeyOwner:
     scopes: frozenset[str] = frozenset(SCOPES)
     suspended: bool = False
     valid_seconds: float | None = None
-    limit_layer: int | None = None
     models: tuple[str, ...] | None = None
 
 

@@ -79,6 +79,8 @@ class Quota:
     usage_cost: Decimal
     created_at: datetime
     updated_at: datetime
+    # A key's quota: that key's id (None: the tenant's or a route's).
+    key_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,8 +59,8 @@ class AdmitRequest(NamedTuple):
     output_strategy: OutputStrategy = "max_tokens"
     # False: the caller gave no max_tokens, which is then the model's maximum output.
     max_tokens_given: bool = True
-    # The limit layer of the API key that asked (limits per key), None: none.
-    key_layer: int | None = None
+    # The tenant's API key that asked (its own limits and quotas), None: none.
+    key_id: int | None = None
 
 
 class TenantFigures(NamedTuple):

@@ -36,9 +36,10 @@ class AlertStore:
         )
 
     async def put_quota(
-        self, tenant: str, route: str | None, name: str, spec: QuotaSpec
-    ) -> tuple[int, bool]:
-        """Create or replace a quota: (quota id, whether it is new)."""
+        self, tenant: str, route: str | None, name: str, spec: QuotaSpec, key_id: int | None = None
+    ) -> tuple[int, bool] | None:
+        """Create or replace a quota (of key `key_id`, when given): (quota id, whether
+        it is new); None when the tenant has no such key, or it is revoked."""
         rows = await self._fetch(
             "put_quota",
             tenant,
@@ -52,7 +53,10 @@ class AlertStore:
             list(spec.model_patterns),
             list(spec.alerts),
             spec.enforce,
+            key_id,
         )
+        if not rows:
+            return None
         return int(rows[0]["quota_id"]), bool(rows[0]["created"])
 
     async def list_quotas(
@@ -62,14 +66,18 @@ class AlertStore:
         *,
         tenant_only: bool = False,
         name: str | None = None,
+        key_id: int | None = None,
     ) -> list[Quota]:
-        """A tenant's quotas (all, a route's, or the tenant's own), with current usage."""
-        rows = await self._fetch("list_quotas", tenant, route, tenant_only, name)
+        """A tenant's quotas (all, a route's, a key's or the tenant's own), with
+        current usage."""
+        rows = await self._fetch("list_quotas", tenant, route, tenant_only, name, key_id)
         return [_quota(row) for row in rows]
 
-    async def delete_quota(self, tenant: str, route: str | None, name: str) -> bool:
+    async def delete_quota(
+        self, tenant: str, route: str | None, name: str, key_id: int | None = None
+    ) -> bool:
         """Delete a quota; False when there was none."""
-        return bool(await self._fetch("delete_quota", tenant, route, name))
+        return bool(await self._fetch("delete_quota", tenant, route, name, key_id))
 
     async def credit_topup(self, tenant: str, amount: Decimal, reference: str) -> TopUp:
         """Add credit once per reference; `applied` False for a reference used before."""
@@ -263,6 +271,7 @@ def _quota(row: Row) -> Quota:
         route=row["route"],
         name=row["name"],
         spec=spec,
+        key_id=row["api_key_id"],
         window_start=row["window_start"],
         window_end=row["window_end"],
         usage_tokens=int(row["usage_tokens"]),

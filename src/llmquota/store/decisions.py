@@ -26,7 +26,7 @@ from llmquota.store.connection import Row
 
 def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int) -> tuple[Any, ...]:
     """The arrays (and the retry hint) of lq_admit for a batch, in order, less its deadline
-    and reservation ids; each request's key layer last (p_key_layers)."""
+    and reservation ids; each request's API key last (p_key_ids)."""
     alt_ord: list[int] = []
     alt_models: list[str] = []
     alt_inputs: list[int] = []
@@ -54,7 +54,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         output_reserves,
         _,  # output_strategy: the reserve says it all
         _,  # max_tokens_given: decided before the store
-        key_layers,
+        key_ids,
     ) = columns
     return (
         tenants,
@@ -76,7 +76,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         alt_models,
         alt_inputs,
         _or_null(output_reserves),
-        _or_null(key_layers),
+        _or_null(key_ids),
     )
 
 

@@ -73,7 +73,6 @@ class KeyStore:
             return None
         row = rows[0]
         valid = row["valid_seconds"]
-        layer = row["limit_layer"]
         models = row["models"]
         return KeyOwner(
             key_id=int(row["key_id"]),
@@ -81,7 +80,6 @@ class KeyStore:
             scopes=frozenset(row["scopes"]),
             suspended=bool(row["suspended"]),
             valid_seconds=None if valid is None else float(valid),
-            limit_layer=None if layer is None else int(layer),
             models=None if models is None else tuple(models),
         )
 

@@ -59,7 +59,7 @@ class OutageStore:
             [r.policy_version for r in records],
             [r.mode for r in records],
             [r.admitted_at for r in records],
-            [r.request.key_layer for r in records],
+            [r.request.key_id for r in records],
             deadline_seconds=deadline_seconds,
         )
         return [bool(row["recorded"]) for row in rows]

@@ -14,6 +14,7 @@ from fastapi import APIRouter
 from llmquota.api.dependencies import error_responses
 from llmquota.api.routes import (
     admission,
+    key_quotas,
     keys,
     operations,
     plans,
@@ -39,6 +40,7 @@ for _group in (
     tenant_directory,
     keys,
     quotas,
+    key_quotas,
     webhooks,
 ):
     router.include_router(_group.router)

@@ -106,6 +106,7 @@ def quota_json(quota: Quota) -> dict[str, Any]:
     return {
         "tenant": quota.tenant,
         "route": quota.route,
+        "key_id": quota.key_id,
         "name": quota.name,
         "period": spec.period,
         "timezone": spec.timezone,
