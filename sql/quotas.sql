@@ -155,11 +155,13 @@ $$;
 -- What an alert's subject says a quota belongs to: its route, `key=<id>` for
 -- a key's quota (no route name has a `=`), `*` for the tenant's own. The
 -- subject is what makes an alert once per threshold and window.
-CREATE OR REPLACE FUNCTION lq_quota_subject_scope(q quotas)
+-- (Its arguments are columns, not the quotas row: a function of a table's
+-- row type would keep a downgrade from dropping the table.)
+CREATE OR REPLACE FUNCTION lq_quota_subject_scope(p_route text, p_key_id bigint)
 RETURNS text
 LANGUAGE sql IMMUTABLE
 AS $$
-    SELECT coalesce(q.route, 'key=' || q.api_key_id, '*')
+    SELECT coalesce(p_route, 'key=' || p_key_id, '*')
 $$;
 
 
@@ -252,7 +254,7 @@ BEGIN
     IF q.tokens IS NOT NULL THEN
         PERFORM lq_fire_crossed('quota.threshold', q.tenant,
                                 format('quota:%s:%s:%s:tokens', q.tenant,
-                                       lq_quota_subject_scope(q), q.name),
+                                       lq_quota_subject_scope(q.route, q.api_key_id), q.name),
                                 q.alerts, after.window_start, after.window_end,
                                 before.reserved_tokens + before.charged_tokens,
                                 after.reserved_tokens + after.charged_tokens,
@@ -261,7 +263,7 @@ BEGIN
     IF q.cost IS NOT NULL THEN
         PERFORM lq_fire_crossed('quota.threshold', q.tenant,
                                 format('quota:%s:%s:%s:cost', q.tenant,
-                                       lq_quota_subject_scope(q), q.name),
+                                       lq_quota_subject_scope(q.route, q.api_key_id), q.name),
                                 q.alerts, after.window_start, after.window_end,
                                 before.reserved_cost + before.charged_cost,
                                 after.reserved_cost + after.charged_cost,
