@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from llmquota.admission.limiter import Limiter
+from llmquota.domain.errors import InvalidRequest, RateLimited
 from llmquota.domain.key_limits import KeyLimits
 from llmquota.domain.keys import key_digest, new_key
 from llmquota.domain.policy import Policy
@@ -356,3 +357,31 @@ async def test_the_books_balance_after_key_limited_traffic(
             headers=bearer(capped["key"]),
         )
     assert await audit_findings(owner_dsn) == []
+
+
+async def test_the_library_applies_a_keys_limits_when_told_the_key(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy(
+        "tenant", "acme", None, Policy(tokens_per_minute=SLOW, token_burst=100_000)
+    )
+    record = await limiter.store.keys.insert(
+        key_digest(new_key()),
+        "acme",
+        "lq_test",
+        label=None,
+        scopes=("admit", "read"),
+        expires_at=None,
+        limits=KeyLimits(tokens_per_minute=SLOW, token_burst=1_000),
+    )
+    assert record is not None
+    request = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 100, "max_tokens": 500}
+    held = await limiter.admit(**request, key_id=record.key_id)
+    with pytest.raises(RateLimited) as refused:
+        await limiter.admit(**request, key_id=record.key_id)
+    assert (refused.value.limit, refused.value.scope) == ("tokens", "key")
+    await limiter.admit(**request)  # without the key: the tenant's limits only
+    await held.settle(input_tokens=100, output_tokens=0)
+    assert (await key_layer(db, record.key_id))["tokens"] == pytest.approx(900, abs=0.05)
+    with pytest.raises(InvalidRequest, match="key_id"):
+        await limiter.admit(**request, key_id=0)

@@ -139,7 +139,7 @@ async def test_matching_quotas_by_route_and_model_glob(
         "acme", None, "gpt", quota_spec(period="day", tokens=1, models=["gpt-4o*", "o1_x"])
     )
     await service.put_quota("acme", "chat", "chat", quota_spec(period="month", tokens=1))
-    names = "SELECT array_agg(name ORDER BY quota_id) FROM lq_matching_quotas('acme', $1, $2)"
+    names = "SELECT array_agg(name ORDER BY quota_id) FROM lq_matching_quotas('acme', $1, $2, NULL)"
     assert await db.fetchval(names, None, "gpt-4o-mini") == ["all", "gpt"]
     assert await db.fetchval(names, "chat", "claude") == ["all", "chat"]
     # `_` is no LIKE wildcard in a model name: o1_x matches itself only.

@@ -37,6 +37,7 @@ from llmquota.domain.errors import (
     LimiterError,
     ReservationConflict,
 )
+from llmquota.domain.key_limits import KeyLimits
 from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import MAX_LEASE_SECONDS, Policy
 from llmquota.domain.quotas import QuotaSpec
@@ -47,6 +48,7 @@ from tests.faults.proxy import PgProxy
 from tests.model.model import (
     CEILING,
     GLOBAL,
+    KEY,
     PRICES,
     Books,
     Credit,
@@ -102,6 +104,9 @@ CEILING_BURSTS = (50_000, 80_000)
 IN_FLIGHT = (6, 10, 16)
 DAILY_QUOTA_TOKENS = 1_000_000_000
 SMALL_QUOTA_TOKENS = (50_000, 150_000)  # t2's, to meet its edge now and then
+# t0's limited key: a burst below its tenant's, so that it binds now and then,
+# and fewer permits; half of t0's requests are made with it.
+KEY_BURST, KEY_IN_FLIGHT, KEYED_SHARE = 9_000, 4, 0.5
 FIRST_CREDIT = Decimal("5.00")
 # t3 lives near an empty balance, so admission meets 402 as often as top-ups refill it.
 LEAN_TENANT, LEAN_CREDIT = "t3", Decimal("0.05")
@@ -191,6 +196,11 @@ class World:
             self.books.quotas[tenant] = QuotaUse()
             self.books.credits[tenant] = Credit()
             await self._top_up(tenant, LEAN_CREDIT if tenant == LEAN_TENANT else FIRST_CREDIT)
+        limits = KeyLimits(
+            tokens_per_minute=RATE_PER_MINUTE, token_burst=KEY_BURST, max_in_flight=KEY_IN_FLIGHT
+        )
+        self.key_id = (await self.admin.keys.create(KEY[1], limits=limits)).record.key_id
+        self.books.layers[KEY] = Layer(KEY_BURST, float(KEY_BURST))
         await self.outage.refresh_policies()
         await self.check()
 
@@ -273,12 +283,14 @@ class World:
         max_tokens = self.rng.randint(1, 1_500)
         if self.rng.random() < 0.03:
             max_tokens = 16_000  # larger than a tenant's burst now and then
+        keyed = tenant == KEY[1] and self.rng.random() < KEYED_SHARE
         return {
             "tenant": tenant,
             "model": model,
             "input_tokens": self.rng.randint(0, 300),
             "max_tokens": max_tokens,
             "lease_seconds": MAX_LEASE_SECONDS,
+            "key_id": self.key_id if keyed else None,
         }
 
     def _held(self, reservation_id: uuid.UUID, request: dict[str, Any], outage: bool) -> Held:
@@ -289,7 +301,7 @@ class World:
             model=model,
             input_tokens=request["input_tokens"],
             max_tokens=request["max_tokens"],
-            layers=self.books.layers_for(tenant, model),
+            layers=self.books.layers_for(tenant, model, keyed=request["key_id"] is not None),
             credit_hold=cost(model, request["input_tokens"], request["max_tokens"]),
             outage=outage,
         )
@@ -316,7 +328,7 @@ class World:
             self.tally[f"admit refused {type(refusal).__name__} {limit} {scope}".rstrip()] += 1
             return
         held = self._held(r.reservation_id, request, outage=False)
-        if not self.books.fits(held.tenant, held.model, held.reserved, self._tolerance()):
+        if not self.books.fits(held.layers, held.reserved, self._tolerance()):
             raise self.fail(
                 "admitted beyond a layer's balance",
                 f"{held.reserved} tokens, balances "
@@ -693,7 +705,10 @@ class World:
             key: LayerKey = (
                 GLOBAL
                 if row["scope"] == "global"
-                else (row["scope"], row["tenant"] if row["scope"] == "tenant" else row["ceiling"])
+                else (
+                    row["scope"],
+                    row["tenant"] if row["scope"] in ("tenant", "key") else row["ceiling"],
+                )
             )
             self.layer_keys[row["layer_id"]] = key
             figures = actual.setdefault(key, [0.0, 0, 0, 0])

@@ -12,7 +12,9 @@ system promises, so the harness can compare the books after every step:
 - release and expiry give the whole reservation back, a late settlement
   debits what was used; credits charge the actual cost, quotas the tokens;
 - usage admitted by a failure mode during an outage is billed like any other
-  when the journal is replayed (credits, quota, ceiling included).
+  when the journal is replayed (credits, quota, ceiling included);
+- a request made with t0's limited API key passes that key's layer too
+  (KEY), and is held, refunded and given back there like anywhere else.
 
 Refill is the one thing the model cannot know to the token while the clock
 runs, so layers refill at 1 token a minute and the harness compares with a
@@ -34,9 +36,10 @@ PRICES: dict[str, tuple[Decimal, Decimal]] = {
 }
 CEILING_MODELS = ("gpt-4o",)
 
-LayerKey = tuple[str, str]  # ("global", ""), ("tenant", name), ("ceiling", name)
+LayerKey = tuple[str, str]  # ("global", ""), ("tenant", name), ("ceiling", name), ("key", tenant)
 GLOBAL: LayerKey = ("global", "")
 CEILING: LayerKey = ("ceiling", "provider")
+KEY: LayerKey = ("key", "t0")  # the one API key with limits of its own: t0's
 SHARED_SCOPES = ("global", "ceiling")
 
 
@@ -114,15 +117,14 @@ class Books:
             balance = max(-float(layer.burst), balance)
         layer.balance = balance
 
-    def layers_for(self, tenant: str, model: str) -> tuple[LayerKey, ...]:
+    def layers_for(self, tenant: str, model: str, keyed: bool = False) -> tuple[LayerKey, ...]:
         ceiling = (CEILING,) if model in CEILING_MODELS and CEILING in self.layers else ()
-        return (GLOBAL, ("tenant", tenant), *ceiling)
+        key = (KEY,) if keyed else ()
+        return (GLOBAL, ("tenant", tenant), *ceiling, *key)
 
-    def fits(self, tenant: str, model: str, tokens: int, tolerance: float) -> bool:
+    def fits(self, layers: tuple[LayerKey, ...], tokens: int, tolerance: float) -> bool:
         """Whether every layer had room for `tokens` (give or take the refill)."""
-        return all(
-            self.layers[k].balance + tolerance >= tokens for k in self.layers_for(tenant, model)
-        )
+        return all(self.layers[k].balance + tolerance >= tokens for k in layers)
 
     # -- transitions -------------------------------------------------------------
     def admit(self, held: Held) -> None:

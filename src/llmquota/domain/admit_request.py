@@ -52,6 +52,8 @@ class AdmitArguments(TypedDict, total=False):
     priority_any: bool
     fallback_models: Sequence[str] | None
     degrade: bool | None
+    # The tenant's API key the request is made with: its own limits and quotas apply.
+    key_id: int | None
 
 
 def prepare_admit_request(
@@ -72,6 +74,7 @@ def prepare_admit_request(
     degrade: bool | None = None,
     count_cpu_seconds: float = UNLIMITED_SECONDS,
     request_hash_key: bytes | None = None,
+    key_id: int | None = None,
 ) -> AdmitRequest:
     """Validate and count a request; raises InvalidRequest.
 
@@ -110,7 +113,17 @@ def prepare_admit_request(
         degrade=degrade,
         fallbacks=fallbacks,
         max_tokens_given=max_tokens_given,
+        key_id=_key_id(key_id),
     )
+
+
+def _key_id(key_id: object) -> int | None:
+    """An API key's id: a positive integer (bigint), or None."""
+    if key_id is None:
+        return None
+    if isinstance(key_id, bool) or not isinstance(key_id, int) or not 0 < key_id < 2**63:
+        raise InvalidRequest("key_id must be a positive integer (an API key's id)")
+    return key_id
 
 
 def _check_names(tenant: str, route: str | None, model: str) -> None:

@@ -69,9 +69,7 @@ async def admit_answer(
 
     `receive`: the request's channel once its body is read (a waiter watches it
     for the client hanging up)."""
-    caller.require_tenant(body.tenant)
-    caller.require_admission()
-    limiter.refuse_suspended(body.tenant)  # also when the admin key asks
+    _require_admission(body.tenant, caller, limiter)
     if body.max_wait_ms is not None:
         limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
     prepared = await limiter.prepare_off_loop(
@@ -123,6 +121,14 @@ async def admit_answer(
         headers=headers,
         media_type=JSON_MEDIA_TYPE,
     )
+
+
+def _require_admission(tenant: str, caller: Caller, limiter: Limiter) -> None:
+    """The caller may ask for new work for `tenant`: its own, with the `admit`
+    scope, and the tenant is not suspended (also when the admin key asks)."""
+    caller.require_tenant(tenant)
+    caller.require_admission()
+    limiter.refuse_suspended(tenant)
 
 
 async def _client_left(receive: Receive) -> None:
