@@ -11,6 +11,9 @@ from typing import Literal
 # What a refusal names as the limit that bound.
 # quota: a calendar quota; credits: a prepaid balance.
 LimitKind = Literal["tokens", "requests", "concurrency", "quota", "credits"]
+# The two buckets of a layer: a provider ceiling's alert says which one crossed.
+Dimension = Literal["tokens", "requests"]
+DIMENSIONS: tuple[Dimension, ...] = ("tokens", "requests")
 # Which layer of the stack a limit belongs to.
 Scope = Literal["global", "tenant", "route", "ceiling"]
 SCOPES: tuple[Scope, ...] = ("global", "tenant", "route", "ceiling")
