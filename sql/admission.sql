@@ -592,7 +592,7 @@ DECLARE
     pr_out       numeric[];
     -- Prepaid balances of the batch's tenants (locked), running.
     l_prepaid    boolean[];
-    l_start      double precision[];  -- balances before this batch (ceiling alerts)
+    l_start      double precision[];  -- balances before this batch (unchanged rows are not written)
     l_requests_start double precision[];  -- and request balances and permits before it:
     l_in_flight_start integer[];          -- (6) writes only the layers the batch changed
     -- Nothing written by this transaction before this statement: a batch that
@@ -1446,21 +1446,6 @@ BEGIN
     FOR x IN 1 .. coalesce(cardinality(cr_tenant), 0) LOOP
         IF cr_add[x] <> 0 THEN
             PERFORM lq_credit_apply(cr_tenant[x], NULL, cr_add[x], NULL);
-        END IF;
-    END LOOP;
-
-    -- (6c) A provider ceiling whose utilization this batch took past a step
-    -- of its ladder alerts, once per step and clock hour (lq_fire_crossed:
-    -- after the quota windows and balances, the outbox comes last).
-    FOR j IN 1 .. coalesce(cardinality(l_id), 0) LOOP
-        IF l_ladder[j] AND l_tokens[j] < l_start[j] THEN
-            PERFORM lq_fire_crossed(
-                'ceiling.utilization', NULL, 'ceiling:' || l_name[j],
-                (SELECT array_agg(s.above::numeric ORDER BY s.above)
-                   FROM unnest(s_pos, s_above) AS s(pos, above) WHERE s.pos = j),
-                date_trunc('hour', now_ts), date_trunc('hour', now_ts) + interval '1 hour',
-                round((l_tburst[j] - l_start[j])::numeric), round((l_tburst[j] - l_tokens[j])::numeric),
-                l_tburst[j]::numeric, now_ts, jsonb_build_object('ceiling', l_name[j]));
         END IF;
     END LOOP;
 

@@ -205,3 +205,85 @@ WITH updated AS (
     RETURNING 1
 )
 SELECT EXISTS (SELECT 1 FROM updated) AS updated
+
+-- record_ceiling_samples --
+-- Apply the ceiling alert detector's samples (domain/ceiling_alerts.py) to
+-- their episodes, and put the alert of each episode this statement opens
+-- into the outbox, all in this one statement's transaction: a worker killed
+-- during it leaves neither, and one that committed left both.
+-- $1..$9 are parallel: ceiling, dimension, threshold, utilization, usage and
+-- capacity of the bucket, hysteresis, quiet seconds, and the database clock
+-- of the read the sample is of.
+-- Concurrency: every worker's detector runs this. The state rows are locked
+-- in the samples' order, (ceiling, dimension, threshold) in every worker, so
+-- two never deadlock. A sample no newer than the row's last one changes
+-- nothing (the WHERE): a worker that read before another and writes after it
+-- cannot undo the other's step. Two workers inserting a new row meet on its
+-- key: the second waits, then updates the first's row under the same guard.
+-- So an episode opens once, and its alert (lq_fire_alert: the outbox key is
+-- type, subject, threshold and window_start, the episode's start) is
+-- written once; what a receiver may see twice is a delivery, by event id.
+WITH sample AS (
+    SELECT s.*
+      FROM unnest($1::text[], $2::text[], $3::numeric[], $4::float8[], $5::numeric[],
+                  $6::numeric[], $7::float8[], $8::float8[], $9::timestamptz[])
+           WITH ORDINALITY AS s(ceiling, dimension, threshold, utilization, usage, capacity,
+                                hysteresis, quiet_seconds, sampled_at, ord)
+), moved AS (
+    INSERT INTO ceiling_alert_episodes AS e
+           (ceiling, dimension, threshold, hysteresis, quiet_seconds, episode_start,
+            below_since, last_ended_at, sampled_at, utilization)
+    SELECT s.ceiling, s.dimension, s.threshold, s.hysteresis, s.quiet_seconds,
+           st.episode_start, st.below_since, st.last_ended_at, s.sampled_at, s.utilization
+      FROM sample AS s
+           CROSS JOIN LATERAL lq_ceiling_episode_step(NULL, NULL, NULL, s.utilization,
+                                                      s.threshold, s.hysteresis,
+                                                      s.quiet_seconds, s.sampled_at) AS st
+     ORDER BY s.ord
+    ON CONFLICT (ceiling, dimension, threshold) DO UPDATE
+       SET (episode_start, below_since, last_ended_at) = (
+               SELECT st.episode_start, st.below_since, st.last_ended_at
+                 FROM lq_ceiling_episode_step(e.episode_start, e.below_since, e.last_ended_at,
+                                              EXCLUDED.utilization, EXCLUDED.threshold,
+                                              EXCLUDED.hysteresis, EXCLUDED.quiet_seconds,
+                                              EXCLUDED.sampled_at) AS st),
+           hysteresis = EXCLUDED.hysteresis,
+           quiet_seconds = EXCLUDED.quiet_seconds,
+           sampled_at = EXCLUDED.sampled_at,
+           utilization = EXCLUDED.utilization
+     WHERE EXCLUDED.sampled_at > e.sampled_at
+    RETURNING e.ceiling, e.dimension, e.threshold, e.episode_start, e.sampled_at
+), fired AS (
+    -- An episode this statement opened starts at its sample's time (one open
+    -- before has an older start: every later sample is newer than it).
+    SELECT m.ceiling, m.dimension, m.threshold, m.episode_start,
+           lq_fire_alert('ceiling.utilization', NULL,
+                         'ceiling:' || m.ceiling || ':' || m.dimension, m.threshold,
+                         m.episode_start, NULL, s.usage, s.capacity, NULL,
+                         jsonb_build_object('ceiling', m.ceiling, 'dimension', m.dimension,
+                                            'utilization', round(s.utilization::numeric, 6)))
+               AS event_id
+      FROM moved AS m
+           JOIN sample AS s
+             ON s.ceiling = m.ceiling AND s.dimension = m.dimension
+            AND s.threshold = m.threshold
+     WHERE m.episode_start = m.sampled_at
+)
+SELECT f.ceiling, f.dimension, f.threshold, f.episode_start, f.event_id
+  FROM fired AS f
+ ORDER BY f.ceiling, f.dimension, f.threshold
+
+-- prune_ceiling_alert_states --
+-- Forget the episode state of what the detector no longer watches (a
+-- ceiling deleted, a threshold or a bucket removed): the rows none of the
+-- samples $1/$2/$3 names, of a read at $4 (NULL: the read found no ceiling;
+-- now), and that no read since has touched (a worker whose read is older than
+-- another's removes nothing the newer one recorded).
+DELETE FROM ceiling_alert_episodes AS e
+ WHERE e.sampled_at < coalesce($4::timestamptz, clock_timestamp())
+   AND NOT EXISTS (
+           SELECT 1
+             FROM unnest($1::text[], $2::text[], $3::numeric[]) AS s(ceiling, dimension, threshold)
+            WHERE s.ceiling = e.ceiling AND s.dimension = e.dimension
+              AND s.threshold = e.threshold)
+RETURNING e.ceiling

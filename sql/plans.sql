@@ -176,27 +176,37 @@ $$;
 -- Create or replace a provider ceiling: a shared layer passed by every
 -- request whose model matches one of `p_models` (names and * globs). The
 -- balance rule is put_policy's. The ladder arrays are parallel (see
--- migration 0008); the admin service validated them.
+-- migration 0008); the admin service validated them, and the alert
+-- settings (migration 0023: NULL alert_at is the ladder's steps, NULL
+-- hysteresis and quiet time the workers' settings).
+-- p_alert_at, p_alert_hysteresis and p_alert_quiet_seconds were added (ceiling alerts).
+DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
+                                       double precision[], smallint[], bigint[]);
 CREATE OR REPLACE FUNCTION lq_put_ceiling(
-    p_ceiling        text,
-    p_models         text[],
-    p_tpm            bigint,
-    p_tburst         bigint,
-    p_rpm            bigint,
-    p_rburst         bigint,
-    p_max_in_flight  integer,
-    p_shed_above     double precision[],
-    p_shed_admit     smallint[],
-    p_shed_small     bigint[]
+    p_ceiling             text,
+    p_models              text[],
+    p_tpm                 bigint,
+    p_tburst              bigint,
+    p_rpm                 bigint,
+    p_rburst              bigint,
+    p_max_in_flight       integer,
+    p_shed_above          double precision[],
+    p_shed_admit          smallint[],
+    p_shed_small          bigint[],
+    p_alert_at            numeric[] DEFAULT NULL,
+    p_alert_hysteresis    double precision DEFAULT NULL,
+    p_alert_quiet_seconds double precision DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE sql
 AS $$
     INSERT INTO limit_layers AS l (scope, ceiling, models, model_patterns, tokens_per_minute,
                                    token_burst, requests_per_minute, request_burst,
                                    max_in_flight, shed_above, shed_admit, shed_small,
+                                   alert_at, alert_hysteresis, alert_quiet_seconds,
                                    tokens, requests)
     VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
             p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
+            p_alert_at, p_alert_hysteresis, p_alert_quiet_seconds,
             p_tburst, p_rburst)
     ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET models = excluded.models,
@@ -209,6 +219,9 @@ AS $$
            shed_above = excluded.shed_above,
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,
+           alert_at = excluded.alert_at,
+           alert_hysteresis = excluded.alert_hysteresis,
+           alert_quiet_seconds = excluded.alert_quiet_seconds,
            policy_version = nextval('policy_version_seq'),
            -- never below minus the new burst, as lq_credit_layers keeps a
            -- ceiling (a smaller burst forgives the debt beyond it)

@@ -169,27 +169,34 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
 
 -- put_ceiling --
 -- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
--- $11 is the If-Match list, as put_plan's.
+-- $11 is the If-Match list, as put_plan's; $12 to $14 the alert settings.
 SELECT CASE WHEN g.ok THEN
             lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint,
                            $6::bigint, $7::integer, $8::float8[], $9::smallint[],
-                           $10::bigint[]) END AS policy_version,
+                           $10::bigint[], $12::numeric[], $13::float8,
+                           $14::float8) END AS policy_version,
        g.ok AS precondition_met
   FROM (SELECT lq_named_precondition('ceiling', $1::text, $11::text[]) AS ok OFFSET 0) AS g
 
 -- get_ceilings --
 -- One ceiling ($1), or every one ($1 NULL), refilled to now (read only), with
 -- its utilization: the share of its token burst in use (1 - balance / burst).
-SELECT ceiling, models, tokens_per_minute, token_burst, requests_per_minute, request_burst,
-       max_in_flight, shed_above, shed_admit, shed_small, policy_version, in_flight,
-       lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())
-           AS tokens,
-       lq_refilled(requests, requests_per_minute, request_burst, refilled_at, clock_timestamp())
-           AS requests
-  FROM limit_layers
- WHERE scope = 'ceiling'
-   AND ($1::text IS NULL OR ceiling = $1::text)
- ORDER BY ceiling
+-- Every row's balances are of one moment of the database clock, read_at (the
+-- ceiling alert detector orders its samples by it).
+WITH clock AS (
+    SELECT clock_timestamp() AS ts
+)
+SELECT l.ceiling, l.models, l.tokens_per_minute, l.token_burst, l.requests_per_minute,
+       l.request_burst, l.max_in_flight, l.shed_above, l.shed_admit, l.shed_small,
+       l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.policy_version, l.in_flight,
+       lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, c.ts) AS tokens,
+       lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at, c.ts)
+           AS requests,
+       c.ts AS read_at
+  FROM limit_layers AS l, clock AS c
+ WHERE l.scope = 'ceiling'
+   AND ($1::text IS NULL OR l.ceiling = $1::text)
+ ORDER BY l.ceiling
 
 -- tenant_utilization --
 -- The share of each tenant's token burst in use now, 1 - balance / burst

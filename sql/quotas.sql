@@ -115,6 +115,9 @@ $$;
 -- into the outbox (a threshold that fired before in the window counts 0).
 -- A change downwards (a refund) fires nothing, and a threshold stays fired
 -- for the window: usage that dips and rises again does not repeat it.
+-- (A provider ceiling's crossings are not fired here: each worker's detector
+-- alerts on them once per episode, lq_ceiling_episode_step below, off the
+-- admission path.)
 CREATE OR REPLACE FUNCTION lq_fire_crossed(
     p_type         text,
     p_tenant       text,
@@ -148,6 +151,57 @@ BEGIN
         END IF;
     END LOOP;
     RETURN fired;
+END
+$$;
+
+
+-- One sample's step of a provider ceiling's alert episode (the state rows
+-- of ceiling_alert_episodes, migration 0023): the state after a sample of
+-- utilization p_utilization at p_sampled_at, given the state before it.
+--   * No episode open (p_episode_start NULL): utilization at or above the
+--     threshold opens one at the sample's time (the caller fires its alert).
+--   * An episode open, utilization below threshold - hysteresis (or the
+--     bucket idle, utilization 0, whatever the hysteresis): the first such
+--     sample starts a run (below_since); a sample of that run at least
+--     p_quiet_seconds after its start ends the episode.
+--   * An episode open and utilization not that low (above the threshold, or
+--     a dip of less than the hysteresis): it stays open, and a run ends.
+-- Pure: the caller's upsert applies it under the state row's lock, and only
+-- for a sample newer than the last one applied.
+CREATE OR REPLACE FUNCTION lq_ceiling_episode_step(
+    p_episode_start  timestamptz,
+    p_below_since    timestamptz,
+    p_last_ended_at  timestamptz,
+    p_utilization    double precision,
+    p_threshold      numeric,
+    p_hysteresis     double precision,
+    p_quiet_seconds  double precision,
+    p_sampled_at     timestamptz,
+    OUT episode_start timestamptz,
+    OUT below_since   timestamptz,
+    OUT last_ended_at timestamptz
+)
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    last_ended_at := p_last_ended_at;
+    below_since := NULL;
+    IF p_episode_start IS NULL THEN
+        episode_start := CASE WHEN p_utilization >= p_threshold::double precision
+                              THEN p_sampled_at END;
+    ELSIF p_utilization < p_threshold::double precision - p_hysteresis
+          OR p_utilization <= 0 THEN
+        below_since := coalesce(p_below_since, p_sampled_at);
+        IF p_sampled_at - below_since >= make_interval(secs => p_quiet_seconds) THEN
+            episode_start := NULL;
+            below_since := NULL;
+            last_ended_at := p_sampled_at;
+        ELSE
+            episode_start := p_episode_start;
+        END IF;
+    ELSE
+        episode_start := p_episode_start;
+    END IF;
 END
 $$;
 

@@ -27,6 +27,7 @@ from fastapi import FastAPI
 from starlette.types import Scope
 
 from llmquota.admin.alerts import AlertService
+from llmquota.admin.ceiling_alerts import ceiling_alerts_running
 from llmquota.admin.console import ConsoleService
 from llmquota.admin.decision_flush import decision_counts_flushing
 from llmquota.admin.gauges import UtilizationGauges
@@ -81,8 +82,8 @@ async def _background_tasks(
     app: FastAPI, limiter: Limiter, admin: AdminService, settings: Settings, dsn: str
 ) -> AsyncIterator[None]:
     """The server's own loops: utilization gauges read from the database, alert
-    delivery, and the maintenance (the sweeper, on the one leader), for as long
-    as the app runs."""
+    delivery, the provider ceilings' alert detector, and the maintenance (the
+    sweeper, on the one leader), for as long as the app runs."""
     app.state.gauges = UtilizationGauges(
         admin, limiter.metrics, tenants=settings.tenant_utilization_metrics
     )
@@ -100,6 +101,9 @@ async def _background_tasks(
                 settings.decision_counts_flush_seconds,
             ),
             delivery_running(delivery_store, settings, limiter.metrics),
+            # Every worker watches the ceilings too: the record statement's
+            # guarded upsert writes each crossing's alert once.
+            ceiling_alerts_running(limiter.store.catalog, delivery_store, settings),
             maintenance_running(limiter.store, settings, limiter.metrics, dsn),
         ):
             yield

@@ -56,6 +56,20 @@ class CeilingResponse(BaseModel):
     utilization: float | None = Field(
         description="the share of the token burst in use now: 1 - balance / token_burst"
     )
+    alert_at: list[float] | None = Field(
+        default=None, description="the alert thresholds set (null: each step of `shed`)"
+    )
+    alert_thresholds: list[float] = Field(
+        default_factory=list,
+        description="the utilizations that alert, once per episode, on each of tokens and "
+        "requests: alert_at, else each step of `shed`",
+    )
+    alert_hysteresis: float | None = Field(
+        default=None, description="null: LLMQUOTA_CEILING_ALERT_HYSTERESIS"
+    )
+    alert_quiet_seconds: float | None = Field(
+        default=None, description="null: LLMQUOTA_CEILING_ALERT_QUIET_SECONDS"
+    )
 
 
 class CeilingList(BaseModel):

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     """Expire reservations whose lease ran out; once, or every --loop seconds."""
+    from llmquota.admin.ceiling_alerts import ceiling_alerts_running
     from llmquota.admin.sweeper import Sweeper
     from llmquota.api.webhooks import delivery_running
     from llmquota.store.alerts import AlertStore
@@ -27,11 +28,12 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
 
     async def run(dsn: str) -> None:
         # One statement at a time: a pool of one is all the sweeper needs (a
-        # second connection for the alert delivery loop that runs beside it).
+        # second and a third connection for the alert delivery loop and the
+        # ceiling alert detector that run beside it).
         store = await Store.connect(
             dsn,
             min_size=1,
-            max_size=2 if args.loop else 1,
+            max_size=3 if args.loop else 1,
             statement_timeout_ms=settings.statement_timeout_ms,
             lock_timeout_ms=settings.lock_timeout_ms,
             transaction_pooler=settings.transaction_pooler,
@@ -40,9 +42,13 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
         deadline_seconds = settings.statement_timeout_ms / 1000.0 + 1.0
         try:
             if args.loop:
-                # `sweep --loop` delivers alerts too, as `serve` does.
+                # `sweep --loop` delivers alerts and watches the ceilings too,
+                # as `serve` does.
                 alerts = AlertStore(store.pool, deadline_seconds=deadline_seconds)
-                async with delivery_running(alerts, settings, sweeper.metrics):
+                async with (
+                    delivery_running(alerts, settings, sweeper.metrics),
+                    ceiling_alerts_running(store.catalog, alerts, settings),
+                ):
                     await _sweep_loop(sweeper, args)
             else:
                 await _sweep_loop(sweeper, args)

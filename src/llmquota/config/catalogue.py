@@ -178,6 +178,15 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Ceiling alerts",
+        (
+            "ceiling_alerts",
+            "ceiling_alert_interval_seconds",
+            "ceiling_alert_hysteresis",
+            "ceiling_alert_quiet_seconds",
+        ),
+    ),
+    (
         "Proxy mode",
         (
             "openai_base_url",

@@ -59,6 +59,34 @@ class OutboundSettings(BaseSettings):
         description="how long a claimed delivery is this loop's alone; after a crash it is "
         "due again then (keep it above the timeout)",
     )
+    # Ceiling alerts (llmquota.admin.ceiling_alerts), in `serve` and `sweep --loop`.
+    ceiling_alerts: bool = Field(
+        default=True,
+        description="run the provider ceilings' alert detector in this process (serve, sweep "
+        "--loop): it reads their utilization and records threshold crossings in the outbox",
+    )
+    ceiling_alert_interval_seconds: float = Field(
+        default=1.0,
+        ge=0.05,
+        le=60.0,
+        description="how often the detector reads the ceilings' utilization (one statement) "
+        "and records what crossed (one more)",
+    )
+    ceiling_alert_hysteresis: float = Field(
+        default=0.05,
+        ge=0.0,
+        le=0.5,
+        description="a ceiling's alert episode ends once utilization stays below the threshold "
+        "minus this fraction (a ceiling's alert_hysteresis wins)",
+    )
+    ceiling_alert_quiet_seconds: float = Field(
+        default=60.0,
+        ge=0.0,
+        le=86_400.0,
+        description="how long a ceiling's utilization must stay below the threshold minus the "
+        "hysteresis to end its alert episode; the next crossing then alerts again (a ceiling's "
+        "alert_quiet_seconds wins)",
+    )
     # Proxy mode (llmquota.api.proxy): each upstream needs its base URL and its key.
     openai_base_url: str | None = Field(
         default=None,

@@ -42,6 +42,8 @@ MAX_DNS_NAME_CHARS = 253
 FIRST_RETRY_SECONDS = 5.0
 MAX_RETRY_SECONDS = 3_600.0
 MAX_DELIVERY_AGE_SECONDS = 86_400.0
+# A provider ceiling's alert (domain.ceiling_alerts.CEILING_ALERT_TYPE).
+CEILING_EVENT_TYPE = "ceiling.utilization"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,8 +78,15 @@ class AlertEvent:
     gave_up: int = 0
 
     def body(self) -> dict[str, Any]:
-        """The JSON a webhook receives; numbers as decimal strings, times in ISO 8601."""
-        return {
+        """The JSON a webhook receives; numbers as decimal strings, times in ISO 8601.
+
+        A provider ceiling's alert (ceiling.utilization) has the same envelope,
+        its `unit` the bucket that crossed, its window the episode (open: no
+        end), and says so in its own words too: `ceiling`, `dimension`,
+        `utilization` (the share of the bucket in use when it crossed) and
+        `episode_start`.
+        """
+        body: dict[str, Any] = {
             "id": str(self.event_id),
             "type": self.event_type,
             "tenant": self.tenant,
@@ -85,7 +94,7 @@ class AlertEvent:
             "route": self.payload.get("route"),
             # a key's quota: the key (absent for the tenant's and routes' quotas)
             **({"key_id": self.payload["key_id"]} if "key_id" in self.payload else {}),
-            "unit": self.payload.get("unit"),
+            "unit": self.payload.get("unit", self.payload.get("dimension")),
             "threshold": _number(self.threshold),
             "usage": _number(self.usage),
             "limit": _number(self.limit),
@@ -95,6 +104,15 @@ class AlertEvent:
                 self.projected_exhaustion_at.isoformat() if self.projected_exhaustion_at else None
             ),
         }
+        if self.event_type == CEILING_EVENT_TYPE:
+            utilization = self.payload.get("utilization")
+            body.update(
+                ceiling=self.payload.get("ceiling"),
+                dimension=self.payload.get("dimension"),
+                utilization=None if utilization is None else _number(Decimal(str(utilization))),
+                episode_start=self.window_start.isoformat(),
+            )
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Annotated, Self
 
 from pydantic import (
@@ -39,6 +40,12 @@ from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, p
 MAX_FALLBACK_MODELS = 8
 MAX_CEILING_MODELS = 64
 MAX_SHED_STEPS = 8
+# A ceiling's alert thresholds: at most as many as a quota's (MAX_ALERTS).
+MAX_CEILING_ALERTS = 20
+# An episode ends when utilization stays below threshold - hysteresis: at
+# most half the bucket, and at most a day of quiet.
+MAX_ALERT_HYSTERESIS = 0.5
+MAX_ALERT_QUIET_SECONDS = 86_400.0
 
 
 def check_model_list(field: str, models: list[str], *, requested: str | None = None) -> None:
@@ -114,6 +121,45 @@ class Ceiling(BaseModel):
     request_burst: RequestRate | None = None
     max_in_flight: Annotated[int, WholeNumber(ge=1, le=MAX_IN_FLIGHT)] | None = None
     shed: Annotated[list[ShedStep], Field(max_length=MAX_SHED_STEPS, default_factory=list)]
+    # Ceiling alerts (llmquota.admin.ceiling_alerts): utilization fractions, as
+    # a quota's `alerts` are spelled; None: each step of the ladder.
+    alert_at: (
+        Annotated[
+            list[Annotated[StrictFloat, Field(gt=0, le=1)]],
+            Field(
+                max_length=MAX_CEILING_ALERTS,
+                json_schema_extra=DISTINCT,
+                description="utilization fractions in (0, 1], increasing, each alerting once "
+                "per episode (default: each step of `shed`; []: none)",
+            ),
+        ]
+        | None
+    ) = None
+    alert_hysteresis: (
+        Annotated[
+            StrictFloat,
+            Field(
+                ge=0,
+                le=MAX_ALERT_HYSTERESIS,
+                description="an episode ends once utilization stays below its threshold minus "
+                "this for alert_quiet_seconds (default: LLMQUOTA_CEILING_ALERT_HYSTERESIS)",
+            ),
+        ]
+        | None
+    ) = None
+    alert_quiet_seconds: (
+        Annotated[
+            StrictFloat,
+            Field(
+                ge=0,
+                le=MAX_ALERT_QUIET_SECONDS,
+                description="how long utilization must stay below threshold minus "
+                "alert_hysteresis to end an episode (default: "
+                "LLMQUOTA_CEILING_ALERT_QUIET_SECONDS)",
+            ),
+        ]
+        | None
+    ) = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -130,7 +176,16 @@ class Ceiling(BaseModel):
         aboves = [float(step.above) for step in self.shed]
         if any(b <= a for a, b in itertools.pairwise(aboves)):
             raise ValueError("shed: steps must be in increasing order of 'above'")
+        if self.alert_at is not None and any(b <= a for a, b in itertools.pairwise(self.alert_at)):
+            raise ValueError("alert_at: thresholds must be in increasing order, each once")
         return self
+
+    @property
+    def alert_thresholds(self) -> tuple[float, ...]:
+        """The utilizations that alert: `alert_at`, else each step of the ladder."""
+        if self.alert_at is not None:
+            return tuple(float(t) for t in self.alert_at)
+        return tuple(float(step.above) for step in self.shed)
 
     @property
     def effective_token_burst(self) -> int | None:
@@ -178,11 +233,22 @@ class StoredCeiling:
     tokens: float | None
     requests: float | None
     in_flight: int
+    # The database clock the balances are of (get_ceilings' read_at).
+    read_at: datetime | None = None
 
     @property
     def utilization(self) -> float | None:
         """The share of the token burst in use now (1 - balance / burst)."""
-        burst = self.ceiling.effective_token_burst
-        if burst is None or self.tokens is None:
-            return None
-        return max(0.0, 1.0 - self.tokens / burst)
+        return _utilization(self.tokens, self.ceiling.effective_token_burst)
+
+    @property
+    def request_utilization(self) -> float | None:
+        """The share of the request burst in use now (1 - balance / burst)."""
+        return _utilization(self.requests, self.ceiling.effective_request_burst)
+
+
+def _utilization(balance: float | None, capacity: int | None) -> float | None:
+    """1 - balance / capacity, never below 0 (above 1 while a debt is owed)."""
+    if capacity is None or balance is None:
+        return None
+    return max(0.0, 1.0 - balance / capacity)

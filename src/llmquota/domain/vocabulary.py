@@ -11,6 +11,9 @@ from typing import Literal
 # What a refusal names as the limit that bound.
 # quota: a calendar quota; credits: a prepaid balance.
 LimitKind = Literal["tokens", "requests", "concurrency", "quota", "credits"]
+# The two buckets of a layer: a provider ceiling's alert says which one crossed.
+Dimension = Literal["tokens", "requests"]
+DIMENSIONS: tuple[Dimension, ...] = ("tokens", "requests")
 # Which layer of the stack a limit belongs to.
 # key: the limits of the API key that asked (domain/key_limits.py).
 Scope = Literal["global", "tenant", "route", "ceiling", "key"]

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 from llmquota.domain.alerts import AlertEvent, Delivery, Webhook
+from llmquota.domain.ceiling_alerts import CeilingSample
 from llmquota.domain.quotas import Quota, QuotaSpec, TopUp
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
@@ -160,6 +161,45 @@ class AlertStore:
         )
         event_id: uuid.UUID | None = rows[0]["event_id"]
         return event_id
+
+    async def record_ceiling_samples(
+        self, samples: Sequence[CeilingSample]
+    ) -> list[tuple[CeilingSample, uuid.UUID | None]]:
+        """Apply samples to their ceilings' alert episodes in one statement; each episode
+        it opened, with its alert's event id (None: that alert had fired already)."""
+        if not samples:
+            return []
+        rows = await self._fetch(
+            "record_ceiling_samples",
+            [s.ceiling for s in samples],
+            [s.dimension for s in samples],
+            [s.threshold for s in samples],
+            [s.utilization for s in samples],
+            [Decimal(s.usage) for s in samples],
+            [Decimal(s.capacity) for s in samples],
+            [s.hysteresis for s in samples],
+            [s.quiet_seconds for s in samples],
+            [s.sampled_at for s in samples],
+        )
+        by_key = {(s.ceiling, s.dimension, s.threshold): s for s in samples}
+        return [
+            (by_key[(row["ceiling"], row["dimension"], row["threshold"])], row["event_id"])
+            for row in rows
+        ]
+
+    async def prune_ceiling_alert_states(
+        self, samples: Sequence[CeilingSample], read_at: datetime | None
+    ) -> int:
+        """Forget the episodes of what `samples` (of a read at `read_at`; None: a read
+        that found no ceiling) no longer name; how many state rows went."""
+        rows = await self._fetch(
+            "prune_ceiling_alert_states",
+            [s.ceiling for s in samples],
+            [s.dimension for s in samples],
+            [s.threshold for s in samples],
+            read_at,
+        )
+        return len(rows)
 
     async def list_alerts(self, tenant: str, limit: int) -> list[AlertEvent]:
         """A tenant's last `limit` alerts, newest first, with delivery counts."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from decimal import Decimal
 from typing import Any
 
 from llmquota.domain.errors import PreconditionFailed
@@ -179,6 +180,9 @@ class Catalog:
             [step.admit_mask for step in ceiling.shed],
             [step.small_request_tokens for step in ceiling.shed],
             _etags(if_match),
+            None if ceiling.alert_at is None else [Decimal(str(t)) for t in ceiling.alert_at],
+            ceiling.alert_hysteresis,
+            ceiling.alert_quiet_seconds,
             deadline_seconds=deadline_seconds,
         )
         if not rows[0]["precondition_met"]:
@@ -240,9 +244,13 @@ def _stored_ceiling(row: Row) -> StoredCeiling:
             request_burst=row["request_burst"],
             max_in_flight=row["max_in_flight"],
             shed=steps,
+            alert_at=None if row["alert_at"] is None else [float(t) for t in row["alert_at"]],
+            alert_hysteresis=row["alert_hysteresis"],
+            alert_quiet_seconds=row["alert_quiet_seconds"],
         ),
         policy_version=int(row["policy_version"]),
         tokens=row["tokens"],
         requests=row["requests"],
         in_flight=int(row["in_flight"]),
+        read_at=row["read_at"],
     )

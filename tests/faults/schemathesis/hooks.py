@@ -34,6 +34,7 @@ UNSTATEABLE: dict[str, str] = {
     "url is not a valid URL": "urlsplit's idea of a host, port and scheme is no pattern",
     "secret must be": "the server counts a secret's UTF-8 bytes, the schema its characters",
     "increasing order of 'above'": "a ceiling's steps are compared with each other",
+    "alert_at: thresholds must be in increasing order": "a ceiling's thresholds are compared",
     "a sharded global layer has no max_in_flight": "the layer may be sharded by its stored count",
     "was used for a top-up of": "an earlier top-up stored the reference",
     "it can never fit": "the tenant's stored capacity is smaller than the request",

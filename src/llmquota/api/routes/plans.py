@@ -61,6 +61,10 @@ def _ceiling_response(stored: StoredCeiling) -> CeilingResponse:
         remaining_requests=None if stored.requests is None else math.floor(stored.requests),
         in_flight=stored.in_flight,
         utilization=None if stored.utilization is None else round(stored.utilization, 6),
+        alert_at=None if c.alert_at is None else list(c.alert_at),
+        alert_thresholds=list(c.alert_thresholds),
+        alert_hysteresis=c.alert_hysteresis,
+        alert_quiet_seconds=c.alert_quiet_seconds,
     )
 
 
