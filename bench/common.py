@@ -61,7 +61,7 @@ async def seed_tenants(
             await connection.execute(
                 """INSERT INTO limit_layers (scope, tokens_per_minute, token_burst, tokens)
                    VALUES ('global', $1::bigint, $1::bigint, $1::bigint)
-                   ON CONFLICT (scope, tenant, route, ceiling, shard) DO NOTHING""",
+                   ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO NOTHING""",
                 global_tokens_per_minute,
             )
         await connection.execute(
@@ -75,7 +75,7 @@ async def seed_tenants(
             """INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)
                SELECT 'tenant', $1::text || g, $3::bigint, $3::bigint, $3::bigint
                  FROM generate_series(0, $2::integer - 1) AS g
-               ON CONFLICT (scope, tenant, route, ceiling, shard) DO NOTHING""",
+               ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO NOTHING""",
             prefix,
             count,
             tokens_per_minute,
