@@ -1,4 +1,4 @@
-"""Comparison 14: what a key's own limits cost an admission (issue 22).
+"""Comparison 11: what a key's own limits cost an admission (issue 22).
 
 A key with limits is one more row the admission statement locks, refills,
 decides and debits. Side by side on one database, the same closed loop of
