@@ -392,6 +392,12 @@ $$;
 -- Nothing is debited unless every layer passes, and a refusal writes
 -- nothing (6): a layer's refill is a function of the clock.
 --
+-- binding_* (the X-TokenLimit-* headers): the binding token layer's rate,
+-- burst and balance after the decision: on a refusal the token layer that
+-- refused the requested model (its burst too small, else the longest wait
+-- for tokens), otherwise the token layer with the least left; a replay's is
+-- its tenant layer (nothing was decided).
+--
 -- A sharded global layer (migration 0012): each request's global layer is its
 -- tenant's shard, and only the batch's shards are locked. Without p_pool,
 -- when some shard lacks room for the most its requests of this batch could
@@ -415,7 +421,8 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean);
--- p_key_ids was added (limits per API key).
+-- p_key_ids was added (limits per API key), and the result gained the binding
+-- token layer's figures (binding_*).
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
@@ -474,7 +481,10 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     quota                      text,
     resets_at                  timestamptz,
     quota_timezone             text,       -- the zone resets_at is shown in
-    credit_balance             numeric
+    credit_balance             numeric,
+    binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
+    binding_token_burst        bigint,
+    binding_tokens             double precision
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -554,6 +564,11 @@ DECLARE
     r_t_rpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_t_rburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_t_requests double precision[] := array_fill(NULL::double precision, ARRAY[n]);
+    -- The binding token layer (X-TokenLimit-* headers): the token layer that
+    -- refused, else the one with the least left, after the decision.
+    r_b_tpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_b_tburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_b_tokens   double precision[] := array_fill(NULL::double precision, ARRAY[n]);
     r_model      text[] := array_fill(NULL::text, ARRAY[n]);
     r_input      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_degraded   boolean[] := array_fill(false, ARRAY[n]);
@@ -642,6 +657,11 @@ DECLARE
     too_cap      bigint;
     too_scope    text;
     too_name     text;
+    too_j        integer;    -- the layer of too_cap
+    tok_wait     bigint;     -- the longest wait for tokens, and its layer
+    tok_j        integer;
+    refused_j    integer;    -- the token layer that refused the requested model
+    bind_j       integer;
     best_wait    bigint;
     best_kind    text;
     best_scope   text;
@@ -807,7 +827,14 @@ BEGIN
                    min(r.rburst) FILTER (WHERE r.pos = 2) AS t_rburst,
                    min(r.requests_now - r.req_used) FILTER (WHERE r.pos = 2) AS t_requests,
                    min(r.priority) FILTER (WHERE r.pos = 2) AS t_priority,
-                   min(r.plan) FILTER (WHERE r.pos = 2) AS t_plan
+                   min(r.plan) FILTER (WHERE r.pos = 2) AS t_plan,
+                   -- the binding token layer: the least left, the first in
+                   -- layer order on a tie, as (5) finds it
+                   (array_agg(r.tpm ORDER BY r.tokens_now - r.tok_used, r.pos)
+                        FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tpm,
+                   (array_agg(r.tburst ORDER BY r.tokens_now - r.tok_used, r.pos)
+                        FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tburst,
+                   min(r.tokens_now - r.tok_used) FILTER (WHERE r.tpm IS NOT NULL) AS b_tokens
               FROM running AS r, fits
              WHERE fits.ok
              GROUP BY r.k
@@ -848,7 +875,7 @@ BEGIN
                     WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
                     ELSE least(p_priorities[d.k], d.t_priority) END,
                d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
-               NULL::text, NULL::numeric
+               NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens
           FROM decided AS d
          ORDER BY d.k;
         IF FOUND THEN
@@ -1070,6 +1097,9 @@ BEGIN
         END IF;
         r_t_tpm[k] := l_tpm[ti];
         r_t_tburst[k] := l_tburst[ti];
+        -- (a replay or a conflict decides nothing: its binding layer is the tenant's)
+        r_b_tpm[k] := l_tpm[ti];
+        r_b_tburst[k] := l_tburst[ti];
         r_t_rpm[k] := l_rpm[ti];
         r_t_rburst[k] := l_rburst[ti];
         r_plan[k] := l_plan[ti];
@@ -1100,6 +1130,7 @@ BEGIN
                 END IF;
                 r_t_tokens[k] := l_tokens[ti];
                 r_t_requests[k] := l_requests[ti];
+                r_b_tokens[k] := l_tokens[ti];
                 CONTINUE;
             END IF;
             SELECT rs.reservation_id, rs.reserved_tokens, rs.lease_expires_at,
@@ -1123,6 +1154,7 @@ BEGIN
                 END IF;
                 r_t_tokens[k] := l_tokens[ti];
                 r_t_requests[k] := l_requests[ti];
+                r_b_tokens[k] := l_tokens[ti];
                 CONTINUE;
             END IF;
         END IF;
@@ -1147,6 +1179,7 @@ BEGIN
             c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
         END IF;
         fits := '{}';
+        refused_j := NULL;
 
         FOR c IN 1 .. cardinality(c_models) LOOP
             -- A fallback the request's key may not use is never tried (the
@@ -1166,6 +1199,9 @@ BEGIN
             cost := c_inputs[c] + coalesce(p_output_reserve[k], p_max_tokens[k]);
 
             too_cap := NULL;
+            too_j := NULL;
+            tok_wait := -1;
+            tok_j := NULL;
             best_wait := -1;
             best_room := NULL;
             blocked := false;
@@ -1186,11 +1222,15 @@ BEGIN
                         -- Can never fit: name the smallest capacity that refuses it.
                         IF too_cap IS NULL OR l_tburst[j] < too_cap THEN
                             too_cap := l_tburst[j];
+                            too_j := j;
                             too_scope := l_scope[j];
                             too_name := l_name[j];
                         END IF;
                     ELSIF l_tokens[j] + epsilon < cost THEN
                         wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                        IF wait_ms > tok_wait THEN
+                            tok_wait := wait_ms; tok_j := j;
+                        END IF;
                         IF wait_ms > best_wait THEN
                             best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
                             best_reason := 'capacity'; best_name := l_name[j];
@@ -1200,6 +1240,9 @@ BEGIN
                     ELSIF l_tokens[j] - cost + epsilon < floor_tokens THEN
                         -- It would fit, but past the floor this priority may not cross.
                         wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
+                        IF wait_ms > tok_wait THEN
+                            tok_wait := wait_ms; tok_j := j;
+                        END IF;
                         IF wait_ms > best_wait THEN
                             best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
                             best_reason := 'shed'; best_name := l_name[j];
@@ -1332,6 +1375,7 @@ BEGIN
             ELSIF c = 1 THEN
                 -- The requested model's refusal: what a 429 (or a degraded 201) says.
                 refused_layers := layers;
+                refused_j := coalesce(too_j, tok_j);
                 r_reserved[k] := cost;
                 IF too_cap IS NOT NULL THEN
                     r_status[k] := 'too_large';
@@ -1382,9 +1426,14 @@ BEGIN
 
         -- What is left after this decision: the tightest layer of each kind,
         -- over the layers of the model admitted (or of the requested model, refused).
-        rem_tok := NULL; rem_req := NULL; rem_if := NULL;
+        -- The binding token layer is the tightest one, or on a refusal the
+        -- token layer that refused (too small, or the longest wait for tokens).
+        rem_tok := NULL; rem_req := NULL; rem_if := NULL; bind_j := NULL;
         FOREACH j IN ARRAY layers LOOP
             IF l_tpm[j] IS NOT NULL THEN
+                IF rem_tok IS NULL OR l_tokens[j] < rem_tok THEN
+                    bind_j := j;
+                END IF;
                 rem_tok := least(coalesce(rem_tok, l_tokens[j]), l_tokens[j]);
             END IF;
             IF l_rpm[j] IS NOT NULL THEN
@@ -1400,6 +1449,12 @@ BEGIN
         r_rem_if[k] := rem_if;
         r_t_tokens[k] := l_tokens[ti];
         r_t_requests[k] := l_requests[ti];
+        IF r_status[k] <> 'admitted' AND refused_j IS NOT NULL THEN
+            bind_j := refused_j;
+        END IF;
+        r_b_tpm[k] := l_tpm[bind_j];
+        r_b_tburst[k] := l_tburst[bind_j];
+        r_b_tokens[k] := l_tokens[bind_j];
     END LOOP;
 
     -- Pooled: the balance goes back to the shards in proportion to their own
@@ -1472,7 +1527,8 @@ BEGIN
            r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i],
            r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
            r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
-           r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i]
+           r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i],
+           r_b_tpm[o.i], r_b_tburst[o.i], r_b_tokens[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;
@@ -1526,7 +1582,8 @@ $$;
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[]);
--- p_key_ids was added (limits per API key).
+-- p_key_ids was added (limits per API key), and the result gained the binding
+-- token layer's figures (binding_*).
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
@@ -1585,7 +1642,10 @@ CREATE OR REPLACE FUNCTION lq_admit(
     quota                      text,
     resets_at                  timestamptz,
     quota_timezone             text,       -- the zone resets_at is shown in
-    credit_balance             numeric
+    credit_balance             numeric,
+    binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
+    binding_token_burst        bigint,
+    binding_tokens             double precision
 )
 LANGUAGE plpgsql
 AS $$

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from llmquota.api.app import create_app
 from llmquota.config import Settings
@@ -37,6 +38,19 @@ async def client(app_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
+async def served(app_dsn: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
+    """A client, and the app (to refresh its worker caches now rather than in a few seconds)."""
+    settings = Settings(  # type: ignore[call-arg]
+        admin_key=ADMIN_KEY, pool_max_size=10, decision_deadline_ms=60_000, _env_file=None
+    )
+    app = create_app(settings, dsn=app_dsn)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
+            yield c, app
+
+
+@pytest.fixture
 def admin() -> dict[str, str]:
     """Headers of the admin."""
     return {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -54,3 +68,21 @@ async def make_tenant(
     response = await client.post(f"/v1/tenants/{tenant}/keys", headers=admin)
     assert response.status_code == 201, response.text
     return {"Authorization": f"Bearer {response.json()['key']}"}
+
+
+async def settle_samples(client: httpx.AsyncClient, key: dict[str, str], samples: int) -> None:
+    """`samples` completions for acme of 20 input and 250 output tokens (max_tokens
+    1,000), each admitted and settled ok: what learned estimates learn from."""
+    for _ in range(samples):
+        held = await client.post(
+            "/v1/admit",
+            json={"tenant": "acme", "model": "gpt-4o", "input_tokens": 20, "max_tokens": 1000},
+            headers=key,
+        )
+        assert held.status_code == 201, held.text
+        settled = await client.post(
+            f"/v1/reservations/{held.json()['reservation_id']}/settle",
+            json={"input_tokens": 20, "output_tokens": 250},
+            headers=key,
+        )
+        assert settled.status_code == 200, settled.text

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import pytest
 from fastapi import FastAPI
 
-from llmquota.api.app import create_app
-from llmquota.config import Settings
 from llmquota.domain.output_estimates import bucket_of, bucket_top
-from tests.api.conftest import ADMIN_KEY
+from tests.api.conftest import ADMIN_KEY, settle_samples
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 LEARNED = {"strategy": "learned", "quantile": 0.9, "min_samples": 10}
-
-
-@pytest.fixture
-async def served(app_dsn: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
-    """A client, and the app (to refresh its worker caches now rather than in a few seconds)."""
-    settings = Settings(  # type: ignore[call-arg]
-        admin_key=ADMIN_KEY, pool_max_size=10, decision_deadline_ms=60_000, _env_file=None
-    )
-    app = create_app(settings, dsn=app_dsn)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
-            yield c, app
 
 
 async def _put(client: httpx.AsyncClient, path: str, body: Any) -> Any:
@@ -45,18 +28,6 @@ async def _admit(client: httpx.AsyncClient, key: dict[str, str], **body: Any) ->
     response = await client.post("/v1/admit", json=payload, headers=key)
     assert response.status_code == 201, response.text
     return response.json()
-
-
-async def _settle_samples(client: httpx.AsyncClient, key: dict[str, str], samples: int) -> None:
-    """`samples` completions of 250 output tokens each, admitted and settled ok."""
-    for _ in range(samples):
-        held = await _admit(client, key, max_tokens=1000)
-        settled = await client.post(
-            f"/v1/reservations/{held['reservation_id']}/settle",
-            json={"input_tokens": 20, "output_tokens": 250},
-            headers=key,
-        )
-        assert settled.status_code == 200, settled.text
 
 
 async def test_the_201_says_what_was_reserved_for_output_and_how(
@@ -83,7 +54,7 @@ async def test_the_201_says_what_was_reserved_for_output_and_how(
     cold = await _admit(client, key, max_tokens=1000)
     assert cold["output_estimate"] == {"strategy": "max_tokens", "tokens": 1000}
     assert cold["reserved_tokens"] == 1020
-    await _settle_samples(client, key, 10)
+    await settle_samples(client, key, 10)
     await app.state.limiter.estimates.refresh()
 
     warm = await _admit(client, key, max_tokens=1000)
@@ -128,7 +99,7 @@ async def test_a_learned_estimate_is_used_within_the_refresh_period_of_its_last_
     )
     created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
     key = {"Authorization": f"Bearer {created.json()['key']}"}
-    await _settle_samples(client, key, 3)
+    await settle_samples(client, key, 3)
     last_sample = time.monotonic()
     refresh = app.state.limiter.estimates.refresh_seconds
     assert refresh == 5.0  # the default README states

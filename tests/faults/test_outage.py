@@ -269,6 +269,49 @@ async def test_open_mode_hang_admits_within_deadline(
     assert await count(db, "usage_ledger", "output_tokens = 7") == 1
 
 
+async def test_token_headers_and_counts_while_the_store_hangs(
+    app_client: tuple[httpx.AsyncClient, Limiter], proxy: PgProxy, db: asyncpg.Connection
+) -> None:
+    """The store decides: X-TokenLimit-* of the binding layer. It hangs: an open
+    admission knows no balance and sends none, and a count of a tenant the policy
+    cache holds is still answered (from the cache), one the cache does not is a 503."""
+    client, limiter = app_client
+    policy = {"tokens_per_minute": 60_000, "token_burst": 10_000, "failure_mode": "open"}
+    assert (await client.put("/v1/tenants/acme/policy", json=policy, headers=ADMIN)).is_success
+    await limiter.refresh_policies()
+    decided = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+    assert decided.status_code == 201, decided.text
+    assert decided.headers["x-tokenlimit-limit"] == "10000"
+    assert decided.headers["x-tokenlimit-remaining"] == "9900"
+    released = await client.post(
+        f"/v1/reservations/{decided.json()['reservation_id']}/release", headers=ADMIN
+    )
+    assert released.status_code == 200, released.text
+
+    proxy.pause()
+    counted = await client.post("/v1/tokens/count", json=BODY, headers=ADMIN)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["reserved_tokens"] == 100
+    unknown = await client.post("/v1/tokens/count", json={**BODY, "tenant": "ghost"}, headers=ADMIN)
+    assert unknown.status_code == 503, unknown.text
+    r = await client.post("/v1/admit", json=BODY, headers=ADMIN)
+    assert r.status_code == 201, r.text
+    assert r.headers["llmquota-fallback"] == "open"
+    assert not {"x-tokenlimit-limit", "x-tokenlimit-remaining", "x-tokenlimit-reset"} & set(
+        r.headers
+    )
+    reservation_id = r.json()["reservation_id"]
+    settle = await client.post(
+        f"/v1/reservations/{reservation_id}/settle",
+        json={"input_tokens": 50, "output_tokens": 7},
+        headers=ADMIN,
+    )
+    assert settle.status_code == 200, settle.text
+    proxy.resume()
+    await wait_until_recorded(limiter)
+    assert await count(db, "usage_ledger", "output_tokens = 7") == 1
+
+
 async def test_local_mode_admits_a_fraction_of_the_limits(
     proxy: PgProxy, db: asyncpg.Connection
 ) -> None:

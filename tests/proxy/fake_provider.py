@@ -4,7 +4,8 @@ OpenAI: POST /v1/chat/completions, JSON or SSE (`data: ...` events, the
 usage-only chunk when `stream_options.include_usage` is true, `data: [DONE]`).
 Anthropic: POST /v1/messages, JSON or SSE (`event:`/`data:` pairs:
 message_start, content_block_start, ping, content_block_delta...,
-content_block_stop, message_delta with usage, message_stop). Error bodies and
+content_block_stop, message_delta with usage, message_stop), and POST
+/v1/messages/count_tokens (`{"input_tokens": PROMPT_TOKENS}`). Error bodies and
 rate-limit headers are each provider's own. Its usage figures are its own
 too, deliberately unlike tiktoken's, so a test can tell whose numbers were
 settled. Tests steer it through attributes (scenario, words, delay, and
@@ -79,6 +80,7 @@ class FakeProvider:
                 Route("/v1/completions", self.legacy, methods=["POST"]),
                 Route("/v1/embeddings", self.embeddings, methods=["POST"]),
                 Route("/v1/messages", self.anthropic, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             ]
         )
 
@@ -266,6 +268,15 @@ class FakeProvider:
             return JSONResponse(answer, headers={"request-id": "req_fake_anthropic"})
         return StreamingResponse(
             self._anthropic_events(message, words, usage), media_type="text/event-stream"
+        )
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's token count: its own figure (PROMPT_TOKENS), not tiktoken's."""
+        await self._record(request)
+        if (error := self._error("anthropic")) is not None:
+            return error
+        return JSONResponse(
+            {"input_tokens": PROMPT_TOKENS}, headers={"request-id": "req_fake_count"}
         )
 
     async def _anthropic_events(

@@ -8,7 +8,7 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from llmquota.domain.records import AdmitDecision, TenantFigures
+from llmquota.domain.records import AdmitDecision, TenantFigures, TokenLayerFigures
 from llmquota.store.decisions import ADMIT_COLUMNS, admit_decision, admit_decisions
 
 RESETS_AT = datetime(2026, 3, 1, 5, tzinfo=UTC)
@@ -42,8 +42,11 @@ def test_each_column_lands_in_the_field_of_its_name() -> None:
     decision = admit_decision(tuple(row.values()))
     tenant_fields = {f"tenant_{name}": name for name in TenantFigures._fields}
     expected_tenant = TenantFigures(**{f: row[c] for c, f in tenant_fields.items()})
+    binding_fields = {f"binding_{name}": name for name in TokenLayerFigures._fields}
+    expected_binding = TokenLayerFigures(**{f: row[c] for c, f in binding_fields.items()})
     converted = {
         "tenant": expected_tenant,
+        "binding": expected_binding,
         "priority": "high",
         "alt_models": ("gpt-4o-mini", "gpt-3.5-turbo"),
         "resets_at": RESETS_AT.astimezone(ZoneInfo(ZONE)),
@@ -63,6 +66,7 @@ def test_an_admitted_row_without_refusal_figures_keeps_the_defaults() -> None:
     assert decision.priority is None
     assert decision.resets_at is None
     assert decision.degraded is False
+    assert decision.binding is None  # no token layer: no X-TokenLimit-* headers
 
 
 def test_a_batch_whose_columns_moved_is_refused() -> None:

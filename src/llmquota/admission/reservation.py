@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # Settlement is re-exported: it lives in the domain so that the REST client
 # (llmquota.client) returns the same type.
-__all__ = ["Admission", "Reservation", "Settlement", "heartbeat_refusal"]
+__all__ = ["Admission", "Reservation", "Settlement", "heartbeat_refusal", "unknown_tenant"]
 
 
 class Admission(NamedTuple):
@@ -70,7 +70,7 @@ class Admission(NamedTuple):
         if error is not None:
             raise error
         if d.status == "unknown_tenant":
-            raise UnknownTenant(f"unknown tenant {tenant!r}")
+            raise unknown_tenant(tenant)
         if d.status == "idempotency_conflict":
             raise IdempotencyConflict(
                 "idempotency_key was already used for a different request by this tenant"
@@ -78,6 +78,11 @@ class Admission(NamedTuple):
         # lq_admit names the limit and scope of every refusal; a row without
         # them is a broken contract, not a caller's mistake.
         raise RuntimeError(f"refusal {d.status!r} without the limit that bound it")
+
+
+def unknown_tenant(tenant: str) -> UnknownTenant:
+    """The error for a tenant the store has no tenant layer of (admission's unknown_tenant)."""
+    return UnknownTenant(f"unknown tenant {tenant!r}")
 
 
 def heartbeat_refusal(result: HeartbeatResult, lease_generation: int | None) -> ReservationConflict:

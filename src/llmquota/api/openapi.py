@@ -14,8 +14,9 @@ than its models in three places, and a document clients are generated from
   fields do not apply to the patch itself, only to its result, which the
   server checks against the stored resource (422 when it does not hold).
 - Links (OpenAPI 3.1 "links") say which answer feeds which operation, so a
-  client (and schemathesis's stateful phase) can settle, release and
-  heartbeat the reservation POST /v1/admit created.
+  client (and schemathesis's stateful phase) can admit (or count) a request
+  of the tenant a policy was written for, and settle, release and heartbeat
+  the reservation POST /v1/admit created.
 """
 
 from __future__ import annotations
@@ -169,20 +170,22 @@ def _operation_id(document: JsonObject, path: str, method: str) -> str:
 
 
 def _link_reservations(document: JsonObject) -> None:
-    """A tenant's policy written links to an admission of that tenant, and POST
-    /v1/admit's 201 to settle, release and heartbeat its reservation."""
+    """A tenant's policy written links to an admission of that tenant (and to a
+    count of one), and POST /v1/admit's 201 to settle, release and heartbeat its
+    reservation."""
     written = document["paths"]["/v1/tenants/{tenant}/policy"]["put"]["responses"]["200"]
+    request = {"tenant": "$request.path.tenant", "model": "gpt-4o", "input_tokens": 1}
     written["links"] = {
         "Admit": {
             "operationId": _operation_id(document, "/v1/admit", "post"),
-            "requestBody": {
-                "tenant": "$request.path.tenant",
-                "model": "gpt-4o",
-                "input_tokens": 1,
-                "max_tokens": 1,
-            },
+            "requestBody": {**request, "max_tokens": 1},
             "description": "admit a request of the tenant whose policy this is",
-        }
+        },
+        "CountTokens": {
+            "operationId": _operation_id(document, "/v1/tokens/count", "post"),
+            "requestBody": {**request, "max_tokens": 1},
+            "description": "count what admitting a request of this tenant would reserve",
+        },
     }
     created = document["paths"]["/v1/admit"]["post"]["responses"]["201"]
     created["links"] = {

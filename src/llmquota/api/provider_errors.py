@@ -28,6 +28,7 @@ PROXY_PATHS: dict[str, Kind] = {
     "/v1/completions": "openai",
     "/v1/embeddings": "openai",
     "/v1/messages": "anthropic",
+    "/v1/messages/count_tokens": "anthropic",
 }
 
 _ANTHROPIC_TYPES = {

@@ -161,6 +161,21 @@ class AdmitResponse(BaseModel):
     )
 
 
+class CountResponse(BaseModel):
+    """200 from POST /v1/tokens/count: what POST /v1/admit would count and reserve now."""
+
+    input_tokens: int
+    input_estimated: bool
+    reserved_tokens: int = Field(
+        description="what an admission of the requested model would reserve on each layer "
+        "now: input_tokens plus output_estimate.tokens"
+    )
+    output_estimate: OutputEstimateUsed = Field(
+        description="what would be reserved for output and how: strategy max_tokens, "
+        "learned or fixed, under the tenant's policies and learned estimates now"
+    )
+
+
 class SettleBody(BaseModel):
     """POST /v1/reservations/{id}/settle: the provider's reported usage."""
 

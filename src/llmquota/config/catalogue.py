@@ -195,6 +195,7 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "anthropic_api_key",
             "upstreams_file",
             "proxy_default_max_tokens",
+            "proxy_count_tokens",
             "proxy_disconnect",
             "proxy_drain_seconds",
             "proxy_client_stall_seconds",

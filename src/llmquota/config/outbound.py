@@ -116,6 +116,12 @@ class OutboundSettings(BaseSettings):
         description="output tokens reserved when a proxied request gives no max_tokens; "
         "unset: the model's maximum output from the shipped table",
     )
+    proxy_count_tokens: Literal["local", "upstream"] = Field(
+        default="local",
+        description="POST /v1/messages/count_tokens: local (counted here as admission "
+        "counts, answered in Anthropic's format) or upstream (passed to the Anthropic "
+        "upstream with the provider key)",
+    )
     proxy_disconnect: Literal["drain", "cancel"] = Field(
         default="drain",
         description="a client hanging up mid-stream: drain (read the provider to its final "

@@ -62,6 +62,13 @@ class AdmitRequest(NamedTuple):
     # The tenant's API key that asked (its own limits and quotas), None: none.
     key_id: int | None = None
 
+    @property
+    def reserved_tokens(self) -> int:
+        """What admitting the requested model reserves on each layer: its input and
+        the output to reserve (lq_admit's cost, sql/admission.sql)."""
+        output = self.max_tokens if self.output_reserve is None else self.output_reserve
+        return self.input_tokens + output
+
 
 class TenantFigures(NamedTuple):
     """The tenant layer after a decision, for rate-limit headers."""
@@ -72,6 +79,15 @@ class TenantFigures(NamedTuple):
     requests_per_minute: int | None
     request_burst: int | None
     requests: float | None
+
+
+class TokenLayerFigures(NamedTuple):
+    """The binding token layer after a decision, for the X-TokenLimit-* headers: the
+    token layer that refused, else the one with the least left (sql/admission.sql)."""
+
+    tokens_per_minute: int | None
+    token_burst: int | None
+    tokens: float | None
 
 
 class AdmitDecision(NamedTuple):
@@ -110,6 +126,9 @@ class AdmitDecision(NamedTuple):
     quota: str | None = None
     resets_at: datetime | None = None
     credit_balance: Decimal | None = None
+    # The binding token layer; None where it is not known (no token layer,
+    # or a failure mode's decision: balances are unknown offline).
+    binding: TokenLayerFigures | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from llmquota.domain.records import (
     FinishRequest,
     FinishResult,
     TenantFigures,
+    TokenLayerFigures,
 )
 from llmquota.domain.vocabulary import priority_of, priority_rank
 from llmquota.store.connection import Row
@@ -104,7 +105,7 @@ def _or_null(column: Sequence[Any]) -> Sequence[Any] | None:
 
 
 # lq_admit's columns, in its RETURNS TABLE order. Rows are read by position
-# (one unpacking instead of 33 lookups by name); admit_decisions checks each
+# (one unpacking instead of 36 lookups by name); admit_decisions checks each
 # batch's column names against this first, so a reordered function fails
 # loudly instead of mixing figures up.
 ADMIT_COLUMNS = (
@@ -141,6 +142,9 @@ ADMIT_COLUMNS = (
     "resets_at",
     "quota_timezone",
     "credit_balance",
+    "binding_tokens_per_minute",
+    "binding_token_burst",
+    "binding_tokens",
 )
 
 
@@ -182,6 +186,7 @@ def admit_decision(row: Sequence[Any]) -> AdmitDecision:
             row[29],  # quota
             resets_at if resets_at is None else _local(resets_at, row[31]),
             row[32],  # credit_balance
+            None if row[34] is None else TokenLayerFigures._make(row[33:36]),
         )
     )
 

@@ -88,12 +88,12 @@ def parse(
     if (why := unserved(model)) is not None:
         raise BadProxyRequest(404, why, "model")
     stream = body.get("stream", False)
-    if not isinstance(stream, bool) or (stream and endpoint == "embeddings"):
-        message = "'stream' must be a boolean (and false for embeddings)"
+    if not isinstance(stream, bool) or (stream and endpoint in ("embeddings", "count_tokens")):
+        message = "'stream' must be a boolean (and false for embeddings and token counts)"
         raise BadProxyRequest(400, message, "stream")
     given = True
-    if endpoint == "embeddings":
-        output = 0
+    if endpoint in ("embeddings", "count_tokens"):
+        output = 0  # a count generates nothing
     elif endpoint == "completions":
         output = _positive(body, "max_tokens") or default_max_tokens or LEGACY_DEFAULT_MAX_TOKENS
         output *= max(_choices(kind, body), _positive(body, "best_of") or 1)
@@ -119,7 +119,7 @@ def _input(
     endpoint: Endpoint, body: Mapping[str, Any]
 ) -> tuple[list[dict[str, Any]] | None, int | None]:
     """(messages to count, or a count of token ids) of a request."""
-    if endpoint in ("chat", "messages"):
+    if endpoint in ("chat", "messages", "count_tokens"):
         return _countable(kind_of(endpoint), body), None
     field = "input" if endpoint == "embeddings" else "prompt"
     value = body.get(field)

@@ -5,7 +5,9 @@ Bearer` as the openai SDK sends it, `x-api-key` as the anthropic SDK does),
 read and counted (requests.py), decided on every layer, and refused in the
 provider's own format, or forwarded with llmquota's provider key. What the
 provider answers settles the reservation (exchange.py); a stream is relayed
-as it arrives (stream.py).
+as it arrives (stream.py). POST /v1/messages/count_tokens is read and
+counted the same way and answered in Anthropic's format, reserving nothing
+(or passed upstream, as PROXY_COUNT_TOKENS says).
 """
 
 from __future__ import annotations
@@ -18,18 +20,14 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.admission.reservation import Reservation
-from llmquota.api.auth import (
-    AuthenticationFailed,
-    Authenticator,
-    Caller,
-    Forbidden,
-    TooManyFailedAuthentications,
-)
+from llmquota.api.auth import Caller, Forbidden
 from llmquota.api.fairness import RELEASE_EARLY
+from llmquota.api.proxy.callers import proxy_caller
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics
 from llmquota.api.proxy.pool import PoolRefusal, Slot
@@ -81,62 +79,48 @@ def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
         """Anthropic's messages, admitted, forwarded and settled."""
         return await _handle("messages", request)
 
+    @router.post("/v1/messages/count_tokens", include_in_schema=proxy_enabled["anthropic"])
+    async def count_tokens(request: Request) -> Response:
+        """Anthropic's token count, reserving nothing: counted here as /v1/messages is,
+        or the upstream's own (LLMQUOTA_PROXY_COUNT_TOKENS=upstream)."""
+        return await _count_tokens(request)
+
     return router
 
 
-async def _caller(kind: Kind, request: Request) -> Caller | Response:
-    """The tenant key the request carries, or the error to answer."""
-    authorization = request.headers.get("authorization")
-    api_key = request.headers.get("x-api-key")
-    if api_key and not (authorization or "").lower().startswith("bearer "):
-        authorization = f"Bearer {api_key}"
-    authenticator: Authenticator = request.app.state.authenticator
-    client = request.client.host if request.client else ""
-    try:
-        caller = await authenticator.caller(authorization, client)
-    except AuthenticationFailed:
-        return error_response(kind, 401, "missing or invalid llmquota API key")
-    except TooManyFailedAuthentications as exc:
-        retry_ms = str(exc.retry_after_ms)
-        return error_response(
-            kind,
-            429,
-            str(exc),
-            headers={
-                "retry-after": str(-(-exc.retry_after_ms // 1000)),
-                "retry-after-ms": retry_ms,
-            },
-        )
-    if caller.tenant is None:
-        return error_response(kind, 403, "the admin key cannot call providers: use a tenant's key")
-    if "admit" not in caller.scopes:
-        return error_response(kind, 403, "this key lacks the 'admit' scope")
-    if caller.suspended:
-        return error_response(
-            kind, 403, f"tenant {caller.tenant!r} is suspended", error_type="tenant_suspended"
-        )
-    return caller
+async def _read(
+    endpoint: Endpoint, request: Request
+) -> tuple[Caller, ProxyRequest, Upstream] | Response:
+    """The caller's key, its request read and the upstream serving it; or the error to
+    answer. Raises BadProxyRequest."""
+    kind = kind_of(endpoint)
+    proxy: Proxy = request.app.state.proxy
+    if not proxy.configured(kind):
+        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
+    caller = await proxy_caller(kind, request)
+    if isinstance(caller, Response):
+        return caller
+    parsed = parse(
+        endpoint,
+        await request.body(),
+        proxy.settings.proxy_default_max_tokens,
+        lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
+    )
+    upstream = proxy.route(kind, parsed.model)
+    if upstream is None:  # parse refused it already; kept for the type checker
+        return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
+    return caller, parsed, upstream
 
 
 async def _handle(endpoint: Endpoint, request: Request) -> Response:
     """Authenticate, read, route, admit, then forward (or answer why not)."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
-    if not proxy.configured(kind):
-        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
     try:
-        caller = await _caller(kind, request)
-        if isinstance(caller, Response):
-            return caller
-        parsed = parse(
-            endpoint,
-            await request.body(),
-            proxy.settings.proxy_default_max_tokens,
-            lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
-        )
-        upstream = proxy.route(kind, parsed.model)
-        if upstream is None:  # parse refused it already; kept for the type checker
-            return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
+        read = await _read(endpoint, request)
+        if isinstance(read, Response):
+            return read
+        caller, parsed, upstream = read
         exchange = await _admit(kind, request, caller, parsed)
     except BadProxyRequest as exc:
         return error_response(kind, exc.status, str(exc), param=exc.param)
@@ -148,7 +132,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     release_fair_share = request.scope.get(RELEASE_EARLY)
     if release_fair_share is not None:
         release_fair_share()
-    headers = limit_headers(kind, exchange.decision.tenant)
+    headers = limit_headers(kind, exchange.decision)
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
     try:
@@ -194,6 +178,81 @@ async def _admit(
     # Fenced: the stream's heartbeats come from a task of their own.
     reservation = Reservation(limiter, tenant, admission, fence=True)
     return Exchange(reservation, parsed.model, limiter.settings.estimate_factors)
+
+
+async def _count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens: `{"input_tokens": N}` as Anthropic answers it,
+    N counted exactly as /v1/messages counts the same body for its admission
+    (system prompt and tools included); or, with PROXY_COUNT_TOKENS=upstream,
+    the upstream's own answer. Either way nothing is reserved or settled."""
+    kind: Kind = "anthropic"
+    proxy: Proxy = request.app.state.proxy
+    try:
+        read = await _read("count_tokens", request)
+        if isinstance(read, Response):
+            return read
+        caller, parsed, upstream = read
+        tenant = str(caller.tenant)
+        if proxy.settings.proxy_count_tokens == "upstream":
+            return await _count_upstream(proxy, upstream, request, tenant)
+        limiter: Limiter = request.app.state.limiter
+        try:
+            counted = await limiter.prepare_off_loop(
+                tenant=tenant,
+                model=parsed.model,
+                max_tokens=parsed.max_tokens,  # 0: a count generates nothing
+                messages=parsed.messages,
+                input_tokens=parsed.input_tokens,
+            )
+        except InvalidRequest as exc:
+            raise BadProxyRequest(400, str(exc)) from None
+    except BadProxyRequest as exc:
+        return error_response(kind, exc.status, str(exc), param=exc.param)
+    return JSONResponse({"input_tokens": counted.input_tokens})
+
+
+async def _count_upstream(
+    proxy: Proxy, upstream: Upstream, request: Request, tenant: str
+) -> Response:
+    """The upstream's count of the body as the client wrote it, passed back scrubbed;
+    its errors as any upstream call's (pool, timeout, the provider's error)."""
+    kind = upstream.kind
+    outgoing = _outgoing(proxy, upstream, "count_tokens", request, await request.body())
+    calls = proxy.metrics.call(kind, "count_tokens")
+    try:
+        slot = await proxy.shares[upstream.name].acquire(tenant)
+    except PoolRefusal as exc:
+        return _pool_refused(kind, exc, {})
+    try:
+        response = await proxy.client(upstream).send(outgoing)
+        calls.answered(response.status_code)
+    except httpx.HTTPError as exc:
+        calls.failed(exc)
+        return _upstream_failed(kind, exc, {})
+    finally:
+        slot.release()
+    if response.status_code >= 400:
+        return _upstream_error(kind, upstream, response, {})
+    return Response(
+        upstream.scrub(response.content),
+        status_code=response.status_code,
+        headers=upstream.scrub_headers(_passed_back(response)),
+        media_type=response.headers.get("content-type"),
+    )
+
+
+def _outgoing(
+    proxy: Proxy, upstream: Upstream, endpoint: Endpoint, request: Request, content: bytes
+) -> httpx.Request:
+    """The upstream request: the body, our key, the provider's own headers."""
+    client = proxy.client(upstream)
+    return client.build_request(
+        "POST",
+        upstream.url(endpoint),
+        content=content,
+        headers=upstream.headers(request.headers),
+        timeout=upstream.timeout or client.timeout,
+    )
 
 
 def _passed_back(response: httpx.Response) -> dict[str, str]:
@@ -251,14 +310,7 @@ class Call:
 
     def outgoing(self, content: bytes) -> httpx.Request:
         """The upstream request: the body, our key, the provider's own headers."""
-        client = self.proxy.client(self.upstream)
-        return client.build_request(
-            "POST",
-            self.upstream.url(self.endpoint),
-            content=content,
-            headers=self.upstream.headers(self.request.headers),
-            timeout=self.upstream.timeout or client.timeout,
-        )
+        return _outgoing(self.proxy, self.upstream, self.endpoint, self.request, content)
 
     async def connection(self) -> Slot:
         """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""

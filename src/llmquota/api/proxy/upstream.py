@@ -45,6 +45,7 @@ PATHS: dict[Endpoint, str] = {
     "completions": "/completions",
     "embeddings": "/embeddings",
     "messages": "/v1/messages",
+    "count_tokens": "/v1/messages/count_tokens",
 }
 
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 from fastapi.responses import JSONResponse
 
-from llmquota.api.headers import rate_limit_headers
+from llmquota.api.headers import rate_limit_headers, token_limit_headers
 from llmquota.api.provider_errors import Kind, error_body
 from llmquota.domain.records import AdmitDecision, TenantFigures
 from llmquota.domain.refusal_table import REFUSALS
@@ -35,13 +35,14 @@ __all__ = [
     "usage_of",
 ]
 
-# The proxied endpoints; each speaks the format of its kind.
-Endpoint = Literal["chat", "completions", "embeddings", "messages"]
+# The proxied endpoints; each speaks the format of its kind. count_tokens is
+# Anthropic's POST /v1/messages/count_tokens (no admission: nothing is generated).
+Endpoint = Literal["chat", "completions", "embeddings", "messages", "count_tokens"]
 
 
 def kind_of(endpoint: Endpoint) -> Kind:
     """The wire format of an endpoint."""
-    return "anthropic" if endpoint == "messages" else "openai"
+    return "anthropic" if endpoint in ("messages", "count_tokens") else "openai"
 
 
 def error_response(
@@ -80,11 +81,14 @@ def anthropic_rate_limit_headers(figures: TenantFigures, now: datetime) -> dict[
     return headers
 
 
-def limit_headers(kind: Kind, figures: TenantFigures) -> dict[str, str]:
-    """The tenant's rate-limit headers in the dialect of `kind`."""
+def limit_headers(kind: Kind, decision: AdmitDecision) -> dict[str, str]:
+    """The tenant's rate-limit headers in the dialect of `kind`, and the binding
+    token layer's X-TokenLimit-* (llmquota.api.headers) beside them."""
     if kind == "anthropic":
-        return anthropic_rate_limit_headers(figures, datetime.now(UTC))
-    return rate_limit_headers(figures)
+        headers = anthropic_rate_limit_headers(decision.tenant, datetime.now(UTC))
+    else:
+        headers = rate_limit_headers(decision.tenant)
+    return headers | token_limit_headers(decision.binding)
 
 
 def refusal(kind: Kind, tenant: str, decision: AdmitDecision) -> JSONResponse | None:
@@ -96,7 +100,7 @@ def refusal(kind: Kind, tenant: str, decision: AdmitDecision) -> JSONResponse | 
     rule = REFUSALS.get(decision.status)
     if rule is None:
         return None
-    headers = limit_headers(kind, decision.tenant)
+    headers = limit_headers(kind, decision)
     if rule.retry:
         retry_ms = int(decision.retry_after_ms or 1)
         headers["retry-after"] = str(ceil_seconds(retry_ms))

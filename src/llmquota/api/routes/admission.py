@@ -1,4 +1,4 @@
-"""Admission: admit, then settle, release or heartbeat the reservation.
+"""Admission: admit, then settle, release or heartbeat the reservation; count.
 
 These are the hot path a client calls around every provider request. Each
 route authenticates, asks the Limiter, and renders its answer; a refusal
@@ -11,6 +11,10 @@ back (a waiter holds no worker slot and no database connection), and a
 watcher on the ASGI receive channel notices the client hanging up: the
 request then leaves the queue, and an admission made just as it left is
 released.
+
+POST /v1/tokens/count takes an admit body and answers what admitting it
+would count and reserve now (the same preparation, then the limiter's own
+output estimate), with nothing decided or written.
 """
 
 from __future__ import annotations
@@ -23,16 +27,18 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope
 
 from llmquota.admission.limiter import Limiter
+from llmquota.admission.preview import count_admission
 from llmquota.admission.reservation import Admission
 from llmquota.admission.waiting import ClientLeft
 from llmquota.api.auth import Caller
 from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
 from llmquota.api.fairness import RELEASE_EARLY
-from llmquota.api.headers import rate_limit_headers
+from llmquota.api.headers import decision_headers
 from llmquota.api.refusals import refusal_cause, refusal_response
 from llmquota.api.schemas import (
     AdmitBody,
     AdmitResponse,
+    CountResponse,
     HeartbeatBody,
     HeartbeatResponse,
     OutputEstimateUsed,
@@ -41,6 +47,7 @@ from llmquota.api.schemas import (
     SettleBody,
     SettleResponse,
 )
+from llmquota.domain.records import AdmitRequest
 from llmquota.domain.vocabulary import Priority, lowered_from
 
 router = APIRouter(tags=["admission"])
@@ -69,24 +76,7 @@ async def admit_answer(
 
     `receive`: the request's channel once its body is read (a waiter watches it
     for the client hanging up)."""
-    _require_admission(body.tenant, caller, limiter)
-    if body.max_wait_ms is not None:
-        limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
-    prepared = await limiter.prepare_off_loop(
-        tenant=body.tenant,
-        route=body.route,
-        model=body.model,
-        max_tokens=body.max_tokens,
-        messages=body.messages,
-        input_tokens=body.input_tokens,
-        lease_seconds=body.lease_seconds,
-        idempotency_key=body.idempotency_key,
-        priority=body.priority,
-        priority_any=caller.is_admin,
-        fallback_models=body.fallback_models,
-        degrade=body.degrade,
-    )
-    prepared = caller.admitting(prepared)  # 403 for a model the key may not use
+    prepared = await _prepared(body, caller, limiter)
     headers: dict[str, str] = {}
     if body.max_wait_ms:
         try:
@@ -105,7 +95,7 @@ async def admit_answer(
             headers["llmquota-wait-queue"] = "full"
     else:
         admission = await limiter.decide(prepared)
-    headers.update(rate_limit_headers(admission.decision.tenant))
+    headers.update(decision_headers(admission.decision))
     if admission.fallback is not None:
         # Decided by the failure mode while the store was away.
         headers["llmquota-fallback"] = admission.fallback
@@ -123,12 +113,48 @@ async def admit_answer(
     )
 
 
-def _require_admission(tenant: str, caller: Caller, limiter: Limiter) -> None:
-    """The caller may ask for new work for `tenant`: its own, with the `admit`
-    scope, and the tenant is not suspended (also when the admin key asks)."""
-    caller.require_tenant(tenant)
+async def _prepared(body: AdmitBody, caller: Caller, limiter: Limiter) -> AdmitRequest:
+    """The admit body authorized, validated and counted (admit and count alike), as
+    the caller's key asks it."""
+    caller.require_tenant(body.tenant)
     caller.require_admission()
-    limiter.refuse_suspended(tenant)
+    limiter.refuse_suspended(body.tenant)  # also when the admin key asks
+    if body.max_wait_ms is not None:
+        limiter.waiting.check(body.max_wait_ms)  # 422 before any counting
+    prepared = await limiter.prepare_off_loop(
+        tenant=body.tenant,
+        route=body.route,
+        model=body.model,
+        max_tokens=body.max_tokens,
+        messages=body.messages,
+        input_tokens=body.input_tokens,
+        lease_seconds=body.lease_seconds,
+        idempotency_key=body.idempotency_key,
+        priority=body.priority,
+        priority_any=caller.is_admin,
+        fallback_models=body.fallback_models,
+        degrade=body.degrade,
+    )
+    return caller.admitting(prepared)  # the key's own limits; 403 for a model it may not use
+
+
+@router.post("/v1/tokens/count", response_model=CountResponse)
+async def count_tokens(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) -> CountResponse:
+    """What POST /v1/admit would count and reserve for this body now, reserving nothing.
+
+    The same body, key and refusals of the body as admit's; the figures are
+    the requested model's (a fallback an admission degrades to counts its own).
+    """
+    counted = await count_admission(limiter, await _prepared(body, caller, limiter))
+    reserved = counted.reserved_tokens
+    return CountResponse(
+        input_tokens=counted.input_tokens,
+        input_estimated=counted.input_estimated,
+        reserved_tokens=reserved,
+        output_estimate=OutputEstimateUsed(
+            strategy=counted.output_strategy, tokens=reserved - counted.input_tokens
+        ),
+    )
 
 
 async def _client_left(receive: Receive) -> None:
