@@ -198,6 +198,15 @@ SELECT l.ceiling, l.models, l.tokens_per_minute, l.token_burst, l.requests_per_m
    AND ($1::text IS NULL OR l.ceiling = $1::text)
  ORDER BY l.ceiling
 
+-- ceiling_oversubscription --
+-- How oversubscribed one ceiling ($4), or every one ($4 NULL), is over the
+-- last $1 days: the sum of the tenant limits that can reach it against it,
+-- the tenants active per minute and the verdict of the rule (warn above $2,
+-- critical above $3 times the ceiling). reporting.oversubscription in
+-- sql/reports/60_oversubscription.sql defines every figure; it reads the
+-- period's ledger rows and locks nothing. No row: no such ceiling.
+SELECT * FROM reporting.oversubscription($1::integer, $2::numeric, $3::numeric, $4::text)
+
 -- tenant_utilization --
 -- The share of each tenant's token burst in use now, 1 - balance / burst
 -- (above 1 while settlements have overdrawn it), the most utilized first, at

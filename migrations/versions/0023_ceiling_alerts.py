@@ -22,14 +22,14 @@
   same statement that opened it.
 
 Revision ID: 0023
-Revises: 0021
+Revises: 0022
 Create Date: 2026-12-03
 """
 
 from llmquota.store.migration_support import execute_script
 
 revision = "0023"
-down_revision = "0021"
+down_revision = "0022"
 branch_labels = None
 depends_on = None
 

@@ -107,8 +107,8 @@ async def test_table_and_csv_formats_list_and_empty_period(
     listing = await asyncio.to_thread(run_cli, "report", "--list", dsn=database_dsn)
     names = [line.split()[0] for line in listing.stdout.splitlines()[2:-1]]
     assert names == [
-        "expired_reservations", "invoice_monthly", "quota_usage", "reconciliation_daily",
-        "reservation_accuracy", "top_tenants", "usage_daily",
+        "expired_reservations", "invoice_monthly", "oversubscription", "quota_usage",
+        "reconciliation_daily", "reservation_accuracy", "top_tenants", "usage_daily",
     ]  # fmt: skip
 
     empty = _period(fx.EMPTY)

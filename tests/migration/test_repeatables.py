@@ -36,6 +36,7 @@ REPEATABLES = [
     "reports/30_reconciliation.sql",
     "reports/40_expired.sql",
     "reports/50_quotas.sql",
+    "reports/60_oversubscription.sql",
     "roles.sql",
 ]
 

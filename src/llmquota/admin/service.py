@@ -10,8 +10,9 @@ a usage range is bounded), live here once.
 Every store call carries a deadline, so a database that stops answering
 costs an admin or tenant call a 503 within that deadline, never a hung
 request: `deadline_seconds` (the decision deadline in the app) for the
-small statements, `report_deadline_seconds` for usage, which sums ledger
-rows and may fairly take as long as a statement may run.
+small statements, `report_deadline_seconds` for usage and a ceiling's
+oversubscription, which read ledger rows and may fairly take as long as a
+statement may run.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from llmquota.domain.errors import (
     UnknownTenant,
 )
 from llmquota.domain.keys import KeyOwner
+from llmquota.domain.oversubscription import (
+    CeilingOversubscription,
+    OversubscriptionRule,
+    check_days,
+)
 from llmquota.domain.plans import Ceiling, Plan, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import LayerStatus, StoredPolicy, UsageTotals
@@ -55,6 +61,7 @@ class AdminService:
         report_deadline_seconds: float | None = None,
         policies_written: Callable[[], Awaitable[None]] | None = None,
         admin_key_configured: bool = False,
+        oversubscription_rule: OversubscriptionRule | None = None,
     ) -> None:
         self._store = store
         # The key lifecycle and tenant suspension (admin/keys.py).
@@ -71,6 +78,8 @@ class AdminService:
         self._report_deadline_seconds = (
             deadline_seconds if report_deadline_seconds is None else report_deadline_seconds
         )
+        # The verdict's thresholds (LLMQUOTA_OVERSUBSCRIPTION_*_RATIO).
+        self._oversubscription_rule = oversubscription_rule or OversubscriptionRule()
 
     @classmethod
     async def connect(cls, dsn: str, *, transaction_pooler: bool = False) -> AdminService:
@@ -198,6 +207,29 @@ class AdminService:
     async def ceilings(self, name: str | None = None) -> list[StoredCeiling]:
         """Every ceiling, or the one named (UnknownName when there is none), refilled to now."""
         found = await self._catalog.get_ceilings(name, deadline_seconds=self._deadline_seconds)
+        if name is not None and not found:
+            raise UnknownName(f"unknown ceiling {name!r}")
+        return found
+
+    @property
+    def oversubscription_rule(self) -> OversubscriptionRule:
+        """The thresholds ceiling_oversubscription judges by."""
+        return self._oversubscription_rule
+
+    async def ceiling_oversubscription(
+        self, name: str | None, days: int
+    ) -> list[CeilingOversubscription]:
+        """How oversubscribed the ceiling named (UnknownName when there is none), or
+        every ceiling (None), is over the last `days` days (1 .. MAX_DAYS)."""
+        check_days(days)
+        if name is not None:
+            _check_names(ceiling=name)
+        found = await self._catalog.ceiling_oversubscription(
+            days,
+            self._oversubscription_rule,
+            name,
+            deadline_seconds=self._report_deadline_seconds,
+        )
         if name is not None and not found:
             raise UnknownName(f"unknown ceiling {name!r}")
         return found

@@ -129,6 +129,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
             report_deadline_seconds=settings.statement_timeout_ms / 1000.0,
             policies_written=limiter.outage.policies_written,
             admin_key_configured=bool(settings.admin_key),
+            oversubscription_rule=settings.oversubscription_rule,
         )
         authenticator = Authenticator(
             admin.find_key, settings.admin_key, settings, limiter.metrics, admin.keys.note_use

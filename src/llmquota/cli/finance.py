@@ -11,12 +11,18 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from llmquota.cli.options import add_flag, ascii_integer
 from llmquota.config import Settings
-from llmquota.domain.errors import InvalidRequest, LimiterError, UnknownReport, UnknownTenant
+from llmquota.domain.errors import (
+    InvalidRequest,
+    LimiterError,
+    UnknownName,
+    UnknownReport,
+    UnknownTenant,
+)
 from llmquota.store.connection import Connection, DatabaseError
 from llmquota.store.database import open_database
 
@@ -35,15 +41,10 @@ def _run_on_connection(
     """
     from llmquota.store.connection import open_connection
 
-    url = (settings.reporting_database_url if reporting else None) or settings.database_url
-    timeout_ms = (
-        settings.report_statement_timeout_ms if reporting else settings.statement_timeout_ms
-    )
-
     async def run(dsn: str) -> int:
         connection = await open_connection(
             dsn,
-            statement_timeout_ms=timeout_ms,
+            statement_timeout_ms=statement_timeout_ms(settings, reporting),
             lock_timeout_ms=settings.lock_timeout_ms,
             transaction_pooler=settings.transaction_pooler and not reporting,
         )
@@ -52,10 +53,24 @@ def _run_on_connection(
         finally:
             await connection.close()
 
+    return run_on_database(settings, run, reporting=reporting)
+
+
+def statement_timeout_ms(settings: Settings, reporting: bool) -> int:
+    """A report's statement timeout, or any other command's."""
+    return settings.report_statement_timeout_ms if reporting else settings.statement_timeout_ms
+
+
+def run_on_database(
+    settings: Settings, run: Callable[[str], Coroutine[Any, Any, int]], *, reporting: bool
+) -> int:
+    """Open the database (the reporting one for a report), run `run` on its DSN,
+    and turn refusals into a message and an exit status (2: bad input, 1: else)."""
+    url = (settings.reporting_database_url if reporting else None) or settings.database_url
     with open_database(url, settings.data_dir) as db:
         try:
             return asyncio.run(run(db.dsn))
-        except (InvalidRequest, UnknownTenant, UnknownReport) as exc:
+        except (InvalidRequest, UnknownTenant, UnknownReport, UnknownName) as exc:
             print(f"llmquota: error: {exc}", file=sys.stderr)
             return 2
         except LimiterError as exc:
@@ -219,11 +234,25 @@ def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
     """Run a finance report (a function of the reporting schema), or list them."""
+    from llmquota.cli.oversubscription import (
+        OVERSUBSCRIPTION,
+        OVERSUBSCRIPTION_DESCRIPTION,
+        report_oversubscription,
+    )
     from llmquota.cli.tabular import render
-    from llmquota.finance.reports import ReportStore, parse_period
+    from llmquota.finance.reports import ReportStore, normalize_name, parse_period
 
     if not args.list and not args.name:
         print("llmquota: error: name a report, or use --list", file=sys.stderr)
+        return 2
+    if not args.list and normalize_name(args.name) == OVERSUBSCRIPTION:
+        return report_oversubscription(args, settings)
+    if not args.list and (args.days is not None or args.ceiling is not None):
+        print(
+            f"llmquota: error: --days and --ceiling are the {OVERSUBSCRIPTION} report's; "
+            "the others cover --from to --to",
+            file=sys.stderr,
+        )
         return 2
     if not args.list:
         try:
@@ -236,6 +265,8 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
         store = ReportStore(connection)
         if args.list:
             listing = [(r.name, r.description) for r in await store.list_reports()]
+            listing.append((OVERSUBSCRIPTION, OVERSUBSCRIPTION_DESCRIPTION))
+            listing.sort()
             sys.stdout.write(render(("report", "description"), listing, args.format))
             return 0
         result = await store.run(args.name, start, end, args.tenant)
@@ -322,14 +353,20 @@ def _add_report_command(commands: Any) -> None:
         "report",
         help="run a finance report (the SQL of the reporting schema)",
         description="Run a report function of the reporting schema over [--from, --to) in "
-        "UTC days. The database is LLMQUOTA_REPORTING_DATABASE_URL when set (e.g. as the "
-        "read-only llmquota_reporting role), else LLMQUOTA_DATABASE_URL.",
+        "UTC days, or `oversubscription`: every provider ceiling (or --ceiling's) over the "
+        "last --days days (default 7) up to now, judged by LLMQUOTA_OVERSUBSCRIPTION_WARN_RATIO "
+        "and _CRITICAL_RATIO. The database is LLMQUOTA_REPORTING_DATABASE_URL when set (e.g. "
+        "as the read-only llmquota_reporting role), else LLMQUOTA_DATABASE_URL.",
     )
-    report.add_argument("name", nargs="?", help="report name, e.g. usage_daily (see --list)")
+    report.add_argument(
+        "name", nargs="?", help="report name, e.g. usage_daily or oversubscription (see --list)"
+    )
     report.add_argument("--list", action="store_true", help="list the reports that exist")
     add_flag(report, "report", "--from", dest="date_from", metavar="DATE")
     add_flag(report, "report", "--to", dest="date_to", metavar="DATE")
     add_flag(report, "report", "--tenant")
+    add_flag(report, "report", "--days", type=ascii_integer, metavar="N")
+    add_flag(report, "report", "--ceiling")
     add_flag(report, "report", "--format", choices=FORMATS)
     report.set_defaults(func=cmd_report)
 

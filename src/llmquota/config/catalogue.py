@@ -160,6 +160,8 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "reporting_database_url",
             "report_statement_timeout_ms",
+            "oversubscription_warn_ratio",
+            "oversubscription_critical_ratio",
             "export_page_rows",
             "export_number_limit",
         ),

@@ -163,6 +163,13 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
     CommandDefault("report", "--from", "REPORT_FROM", "first day, YYYY-MM-DD (UTC)"),
     CommandDefault("report", "--to", "REPORT_TO", "day after the last, YYYY-MM-DD (exclusive)"),
     CommandDefault("report", "--tenant", "REPORT_TENANT", "only this tenant"),
+    CommandDefault(
+        "report",
+        "--days",
+        "REPORT_DAYS",
+        "oversubscription: the last N days up to now, 1 to 366 (default 7)",
+    ),
+    CommandDefault("report", "--ceiling", "REPORT_CEILING", "oversubscription: only this ceiling"),
     CommandDefault("report", "--format", "REPORT_FORMAT", "output format", "table"),
     CommandDefault("estimates", "--tenant", "ESTIMATES_TENANT", "only this tenant"),
     CommandDefault("estimates", "--model", "ESTIMATES_MODEL", "only this model"),

@@ -22,6 +22,7 @@ from pydantic_settings import SettingsConfigDict
 
 from llmquota.config.outbound import OutboundSettings
 from llmquota.config.renames import ENV_PREFIX, renamed, warn_of_renamed_variables
+from llmquota.config.reports import ReportSettings
 from llmquota.config.upstreams import (
     EVERY_MODEL,
     UpstreamConfig,
@@ -44,7 +45,7 @@ DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
-class Settings(OutboundSettings):
+class Settings(OutboundSettings, ReportSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
     # Errors never echo the values: a provider key must not reach a traceback.
@@ -347,22 +348,6 @@ class Settings(OutboundSettings):
         ge=1,
         le=24,
         description="monthly ledger partitions each sweeper run keeps ready beyond this month",
-    )
-    reporting_database_url: str | None = Field(
-        default=None,
-        description="DSN for `llmquota report` (e.g. as llmquota_reporting); unset: DATABASE_URL",
-    )
-    report_statement_timeout_ms: int = Field(
-        default=120_000, ge=1_000, le=3_600_000, description="server-side cap on one report"
-    )
-    export_page_rows: int = Field(
-        default=1_000, ge=1, le=10_000, description="ledger rows per export round trip"
-    )
-    export_number_limit: int = Field(
-        default=10_000,
-        ge=1,
-        le=1_000_000,
-        description="ledger rows the export numbers (gives export ids) per round trip",
     )
     body_read_timeout_seconds: float = Field(
         default=10.0,

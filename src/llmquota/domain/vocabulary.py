@@ -54,6 +54,12 @@ REASONS: tuple[str, ...] = (
     "unpriced_model",
 )
 
+# How oversubscribed a provider ceiling is: the sum of the tenant limits that
+# can reach it against the rule (LLMQUOTA_OVERSUBSCRIPTION_WARN_RATIO and
+# _CRITICAL_RATIO; sql/reports/60_oversubscription.sql decides).
+OversubscriptionVerdict = Literal["ok", "warn", "critical"]
+OVERSUBSCRIPTION_VERDICTS: tuple[OversubscriptionVerdict, ...] = ("ok", "warn", "critical")
+
 # A request's priority, from its tenant's plan: who keeps working when a
 # provider ceiling gets tight. Stored as its rank (0 .. 3).
 Priority = Literal["low", "normal", "high", "critical"]

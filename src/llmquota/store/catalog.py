@@ -15,6 +15,12 @@ from typing import Any
 
 from llmquota.domain.errors import PreconditionFailed
 from llmquota.domain.output_estimates import parse_output_estimate
+from llmquota.domain.oversubscription import (
+    ActiveTenants,
+    CeilingOversubscription,
+    OversubscriptionRule,
+    verdict_of,
+)
 from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import PRIORITIES, priority_of, priority_rank
@@ -196,6 +202,27 @@ class Catalog:
         rows = await self._fetch("get_ceilings", name, deadline_seconds=deadline_seconds)
         return [_stored_ceiling(row) for row in rows]
 
+    async def ceiling_oversubscription(
+        self,
+        days: int,
+        rule: OversubscriptionRule,
+        name: str | None = None,
+        *,
+        deadline_seconds: float | None = None,
+    ) -> list[CeilingOversubscription]:
+        """Every ceiling's oversubscription over the last `days` days (or the one named;
+        none: no such ceiling), judged by `rule`."""
+        rows = await self._fetch(
+            "ceiling_oversubscription",
+            days,
+            # numeric in the statement: the rule's ratios as written, not as binary floats
+            Decimal(repr(rule.warn_above)),
+            Decimal(repr(rule.critical_above)),
+            name,
+            deadline_seconds=deadline_seconds,
+        )
+        return [_oversubscription(row) for row in rows]
+
     async def tenant_utilization(
         self, limit: int, *, deadline_seconds: float | None = None
     ) -> list[tuple[str, float]]:
@@ -253,4 +280,32 @@ def _stored_ceiling(row: Row) -> StoredCeiling:
         requests=row["requests"],
         in_flight=int(row["in_flight"]),
         read_at=row["read_at"],
+    )
+
+
+def _oversubscription(row: Row) -> CeilingOversubscription:
+    return CeilingOversubscription(
+        ceiling=row["ceiling"],
+        period_start=row["period_start"],
+        period_end=row["period_end"],
+        tenants=int(row["tenants"]),
+        tenants_without_token_limit=row["tenants_without_token_limit"],
+        tenants_without_request_limit=row["tenants_without_request_limit"],
+        tokens_per_minute=row["tokens_per_minute"],
+        sum_tenant_tokens_per_minute=row["sum_tenant_tokens_per_minute"],
+        ratio=row["ratio"],
+        requests_per_minute=row["requests_per_minute"],
+        sum_tenant_requests_per_minute=row["sum_tenant_requests_per_minute"],
+        requests_ratio=row["requests_ratio"],
+        active_minutes=int(row["active_minutes"]),
+        active_tenants=ActiveTenants(
+            p50=int(row["active_tenants_p50"]),
+            p95=int(row["active_tenants_p95"]),
+            max=int(row["active_tenants_max"]),
+        ),
+        effective_tokens_per_minute=row["effective_tokens_per_minute"],
+        effective_ratio=row["effective_ratio"],
+        effective_requests_per_minute=row["effective_requests_per_minute"],
+        effective_requests_ratio=row["effective_requests_ratio"],
+        verdict=verdict_of(row["verdict"]),
     )

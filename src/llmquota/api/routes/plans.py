@@ -8,15 +8,30 @@ models passes, decided in the admission statement itself.
 from __future__ import annotations
 
 import math
-from typing import Any
+from decimal import Decimal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 
 from llmquota.admin.service import AdminService
 from llmquota.api.dependencies import AdminDep, CallerDep, RouteName, error_responses
 from llmquota.api.etags import if_match, set_etag
-from llmquota.api.plan_schemas import CeilingList, CeilingResponse, PlanList, PlanResponse
+from llmquota.api.plan_schemas import (
+    ActiveTenantsResponse,
+    CeilingList,
+    CeilingResponse,
+    OversubscriptionResponse,
+    OversubscriptionRuleResponse,
+    PlanList,
+    PlanResponse,
+)
 from llmquota.api.routes.policy_patch import merged_write, patch_body, validated
+from llmquota.domain.oversubscription import (
+    DEFAULT_DAYS,
+    MAX_DAYS,
+    CeilingOversubscription,
+    OversubscriptionRule,
+)
 from llmquota.domain.plans import Ceiling, Plan, StoredCeiling, StoredPlan
 
 router = APIRouter(tags=["plans and ceilings"])
@@ -200,6 +215,63 @@ async def get_ceiling(
     """One provider ceiling, with its utilization now and its ETag."""
     caller.require_admin()
     return await _stored_ceiling(admin, ceiling, response)
+
+
+@router.get(
+    "/v1/ceilings/{ceiling}/oversubscription",
+    response_model=OversubscriptionResponse,
+    responses=error_responses(404),
+)
+async def get_ceiling_oversubscription(
+    ceiling: CeilingName,
+    caller: CallerDep,
+    admin: AdminDep,
+    days: Annotated[
+        int, Query(ge=1, le=MAX_DAYS, description="the period: the last `days` days up to now")
+    ] = DEFAULT_DAYS,
+) -> OversubscriptionResponse:
+    """How oversubscribed the ceiling is: the tenant limits that can reach it against it,
+    the tenants active per minute over the period (p50, p95, max) and a verdict."""
+    caller.require_admin()
+    (found,) = await admin.ceiling_oversubscription(ceiling, days)
+    return _oversubscription_response(found, days, admin.oversubscription_rule)
+
+
+def _oversubscription_response(
+    o: CeilingOversubscription, days: int, rule: OversubscriptionRule
+) -> OversubscriptionResponse:
+    return OversubscriptionResponse(
+        ceiling=o.ceiling,
+        days=days,
+        period_start=o.period_start,
+        period_end=o.period_end,
+        tenants=o.tenants,
+        tenants_without_token_limit=o.tenants_without_token_limit,
+        tenants_without_request_limit=o.tenants_without_request_limit,
+        tokens_per_minute=o.tokens_per_minute,
+        sum_tenant_tokens_per_minute=o.sum_tenant_tokens_per_minute,
+        ratio=_number(o.ratio),
+        requests_per_minute=o.requests_per_minute,
+        sum_tenant_requests_per_minute=o.sum_tenant_requests_per_minute,
+        requests_ratio=_number(o.requests_ratio),
+        active_minutes=o.active_minutes,
+        active_tenants=ActiveTenantsResponse(
+            p50=o.active_tenants.p50, p95=o.active_tenants.p95, max=o.active_tenants.max
+        ),
+        effective_tokens_per_minute=o.effective_tokens_per_minute,
+        effective_ratio=_number(o.effective_ratio),
+        effective_requests_per_minute=o.effective_requests_per_minute,
+        effective_requests_ratio=_number(o.effective_requests_ratio),
+        verdict=o.verdict,
+        rule=OversubscriptionRuleResponse(
+            warn_above=rule.warn_above, critical_above=rule.critical_above
+        ),
+    )
+
+
+def _number(ratio: Decimal | None) -> float | None:
+    """A ratio of two decimals as a JSON number (2.78 is written 2.78)."""
+    return None if ratio is None else float(ratio)
 
 
 @router.delete("/v1/ceilings/{ceiling}", status_code=204, response_class=Response)
