@@ -20,6 +20,7 @@ from typing import Annotated, Self
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_schemas import BURSTS_NEED_RATES
 from llmquota.domain.names import ModelGlob
 from llmquota.domain.policy import MAX_IN_FLIGHT, RequestRate, TokenRate
 from llmquota.domain.quotas import MAX_MODELS, glob_to_like
@@ -32,7 +33,9 @@ class KeyLimits(BaseModel):
     Bursts default to one minute of refill, as a tenant's do.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # The schema says what the validator does (a burst needs its rate), so that
+    # a client generating bodies from it never sends one it refuses.
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=BURSTS_NEED_RATES)
 
     tokens_per_minute: TokenRate | None = None
     token_burst: TokenRate | None = None
