@@ -12,7 +12,7 @@ quiet tenant waits until the noisy tenant is unstuck.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 import httpx
@@ -57,7 +57,7 @@ async def _lock_waiters(database_dsn: str, expected: int) -> None:
     quiet tenant then finds a connection the flood had not taken yet."""
     watcher = await asyncpg.connect(database_dsn)
     try:
-        for _ in range(200):
+        for _ in range(400):
             waiting = await watcher.fetchval(
                 "SELECT count(*) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND wait_event_type = 'Lock'"
@@ -65,13 +65,30 @@ async def _lock_waiters(database_dsn: str, expected: int) -> None:
             if waiting >= expected:
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{waiting} admissions wait on the lock, not {expected}")
+        rows = await watcher.fetch(
+            "SELECT state, wait_event_type, wait_event, left(query, 80) AS q FROM pg_stat_activity"
+            " WHERE datname = current_database()"
+        )
+        sessions = [tuple(r) for r in rows]
+        raise AssertionError(f"{waiting} admissions wait on the lock, not {expected}: {sessions}")
     finally:
         await watcher.close()
 
 
+async def _turned_away(flood: Sequence[asyncio.Future[httpx.Response]], expected: int) -> None:
+    """Until `expected` of the flood have their answer while the lock is held:
+    on a busy machine the last of the flood can reach the fair share's gate
+    after a fixed sleep, and then after the lock is gone, when its queue has
+    room again."""
+    for _ in range(200):
+        if sum(f.done() for f in flood) >= expected:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{sum(f.done() for f in flood)} of the flood answered, not {expected}")
+
+
 async def _flood_while_stuck(
-    client: httpx.AsyncClient, database_dsn: str, stuck: int
+    client: httpx.AsyncClient, database_dsn: str, stuck: int, turned_away: int
 ) -> tuple[bool, list[int]]:
     keys = {}
     for tenant in ("noisy", "quiet"):
@@ -96,7 +113,8 @@ async def _flood_while_stuck(
             for _ in range(FLOOD)
         ]
         await _lock_waiters(database_dsn, stuck)  # the flood holds its connections
-        await asyncio.sleep(0.3)  # the rest of it is in: queued (or turned away)
+        await _turned_away(flood, turned_away)  # the rest of it is in: queued, or turned away
+        await asyncio.sleep(0.3)
         quiet = asyncio.ensure_future(
             client.post("/v1/admit", headers=keys["quiet"], json={"tenant": "quiet", **body})
         )
@@ -127,7 +145,9 @@ async def unfair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
 async def test_stuck_tenant_cannot_starve_another(
     fair: httpx.AsyncClient, database_dsn: str, db: asyncpg.Connection
 ) -> None:
-    served_while_stuck, statuses = await _flood_while_stuck(fair, database_dsn, stuck=2)
+    served_while_stuck, statuses = await _flood_while_stuck(
+        fair, database_dsn, stuck=2, turned_away=FLOOD - 10
+    )
     assert served_while_stuck
     # 2 in progress and 8 queued were served once the lock went; the rest of
     # the flood was turned away at once, its tenant's queue being full.
@@ -138,6 +158,8 @@ async def test_stuck_tenant_cannot_starve_another(
 async def test_without_the_fair_share_the_flood_takes_every_connection(
     unfair: httpx.AsyncClient, database_dsn: str
 ) -> None:
-    served_while_stuck, statuses = await _flood_while_stuck(unfair, database_dsn, stuck=POOL)
+    served_while_stuck, statuses = await _flood_while_stuck(
+        unfair, database_dsn, stuck=POOL, turned_away=0
+    )
     assert not served_while_stuck  # it waited for a connection the flood held
     assert statuses == [201] * FLOOD
