@@ -408,7 +408,8 @@ async def test_a_client_out_of_its_failure_budget_gets_429_before_any_lookup(
         # Refused before any database work.
         assert await lookups(client, "first", "absent") == burst
         # A known key from the same address is not affected, nor is another address.
-        assert (await admit(client, key)).status_code == 201
+        known = await admit(client, key)
+        assert known.status_code == 201, known.text
         other_address = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
         async with httpx.AsyncClient(base_url=base, transport=other_address) as elsewhere:
             assert (await admit(elsewhere, random_key())).status_code == 401
