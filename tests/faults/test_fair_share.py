@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import asyncpg
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from llmquota.api.app import create_app
 from tests.faults.conftest import fault_settings
@@ -30,7 +31,10 @@ FLOOD = 12
 QUIET_WAIT_SECONDS = 5.0
 
 
-async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[httpx.AsyncClient]:
+Served = tuple[httpx.AsyncClient, FastAPI]
+
+
+async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[Served]:
     settings = fault_settings(
         admin_key=ADMIN_KEY,
         pool_max_size=POOL,
@@ -38,6 +42,8 @@ async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[http
         tenant_max_queued=8,
         decision_deadline_ms=30_000,
         lock_timeout_ms=30_000,
+        # the stuck admissions wait out the whole test, longer than the 5 s default
+        statement_timeout_ms=30_000,
         # Group admission shares statements between tenants: a batch that holds
         # a stuck tenant's request waits for it, and so do the others in it
         # (bounded in production by lock_timeout and the decision deadline;
@@ -48,7 +54,7 @@ async def _client(database_dsn: str, max_in_progress: int) -> AsyncIterator[http
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:
-            yield c
+            yield c, app
 
 
 async def _lock_waiters(database_dsn: str, expected: int) -> None:
@@ -87,9 +93,27 @@ async def _turned_away(flood: Sequence[asyncio.Future[httpx.Response]], expected
     raise AssertionError(f"{sum(f.done() for f in flood)} of the flood answered, not {expected}")
 
 
+async def _known(served: Served, tenant: str, key: dict[str, str]) -> None:
+    """Until the worker knows whose key it is (the fair share's lane is the tenant's).
+
+    One request teaches it, but the announcement of the key's creation may
+    arrive after that request and make the worker forget it again (it looks
+    the key up at its next use): the flood would then be in the lane of keys
+    not seen yet, with that lane's limits.
+    """
+    client, app = served
+    for _ in range(200):
+        assert (await client.get(f"/v1/tenants/{tenant}/status", headers=key)).is_success
+        await asyncio.sleep(0.05)
+        if app.state.authenticator.triage(key["Authorization"], "127.0.0.1").lane == tenant:
+            return
+    raise AssertionError(f"the worker does not know {tenant}'s key")
+
+
 async def _flood_while_stuck(
-    client: httpx.AsyncClient, database_dsn: str, stuck: int, turned_away: int
+    served: Served, database_dsn: str, stuck: int, turned_away: int
 ) -> tuple[bool, list[int]]:
+    client = served[0]
     keys = {}
     for tenant in ("noisy", "quiet"):
         policy = {"tokens_per_minute": 60_000}
@@ -98,8 +122,7 @@ async def _flood_while_stuck(
         ).is_success
         key = (await client.post(f"/v1/tenants/{tenant}/keys", headers=ADMIN)).json()["key"]
         keys[tenant] = {"Authorization": f"Bearer {key}"}
-        # One request each, so the worker knows whose key it is.
-        assert (await client.get(f"/v1/tenants/{tenant}/status", headers=keys[tenant])).is_success
+        await _known(served, tenant, keys[tenant])
     body = {"model": "m", "input_tokens": 1, "max_tokens": 1}
     locker = await asyncpg.connect(database_dsn)
     try:
@@ -131,19 +154,19 @@ async def _flood_while_stuck(
 
 
 @pytest.fixture
-async def fair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+async def fair(database_dsn: str) -> AsyncIterator[Served]:
     async for c in _client(database_dsn, max_in_progress=2):
         yield c
 
 
 @pytest.fixture
-async def unfair(database_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+async def unfair(database_dsn: str) -> AsyncIterator[Served]:
     async for c in _client(database_dsn, max_in_progress=10_000):
         yield c
 
 
 async def test_stuck_tenant_cannot_starve_another(
-    fair: httpx.AsyncClient, database_dsn: str, db: asyncpg.Connection
+    fair: Served, database_dsn: str, db: asyncpg.Connection
 ) -> None:
     served_while_stuck, statuses = await _flood_while_stuck(
         fair, database_dsn, stuck=2, turned_away=FLOOD - 10
@@ -156,7 +179,7 @@ async def test_stuck_tenant_cannot_starve_another(
 
 
 async def test_without_the_fair_share_the_flood_takes_every_connection(
-    unfair: httpx.AsyncClient, database_dsn: str
+    unfair: Served, database_dsn: str
 ) -> None:
     served_while_stuck, statuses = await _flood_while_stuck(
         unfair, database_dsn, stuck=POOL, turned_away=0
