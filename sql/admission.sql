@@ -522,6 +522,8 @@ DECLARE
     l_fallback   text[];     -- each layer's default list, as array text '{a,b}'
     l_allowed    text[];     -- a key layer's allowed models (LIKE patterns), as array text
     l_ladder     boolean[];  -- a ceiling with a shedding ladder
+    l_rcost      integer[];  -- a tenant's or route's request_cost (NULL: not set)
+    l_uconc      boolean[];  -- and uses_concurrency
     -- Ladder steps of every locked ceiling, flattened: step x belongs to layer s_pos[x].
     s_pos        integer[];
     s_above      double precision[];
@@ -532,6 +534,10 @@ DECLARE
     x_ti         integer[];
     x_ri         integer[];
     x_ki         integer[];  -- and its API key's layer (NULL: none)
+    -- What each request counts as: requests on the request rates, and
+    -- permits (1 or 0): its route's, else its tenant's, else one of each.
+    x_rc         integer[];
+    x_pm         integer[];
     -- The global layer's shard count, and when pooled (p_pool and more than
     -- one shard): the positions of its rows, their own bursts, and the
     -- permits held on the rows other than the first (which stands for all).
@@ -658,6 +664,7 @@ DECLARE
     too_scope    text;
     too_name     text;
     too_j        integer;    -- the layer of too_cap
+    rq_too_j     integer;    -- a layer whose request_burst is below the request's cost
     tok_wait     bigint;     -- the longest wait for tokens, and its layer
     tok_j        integer;
     refused_j    integer;    -- the token layer that refused the requested model
@@ -743,7 +750,8 @@ BEGIN
                    ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
                    ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
                    ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
-                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id
+                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id,
+                   ll.request_cost AS rcost, ll.uses_concurrency AS uconc
               FROM limit_layers AS ll
              -- one bitmap of index scans on the layer key: the global rows (of
              -- a sharded layer, the batch's shards), the batch's tenants, and
@@ -771,30 +779,39 @@ BEGIN
                    lq_refilled(l.requests, l.rpm, l.rburst, l.refilled_at, c.ts) AS requests_now
               FROM locked AS l, clock AS c
         ), req AS (
-            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
+            -- what one call counts as (weighted request cost): requests on the
+            -- request rates (rc) and permits (pm, 1 or 0), its route's, else
+            -- its tenant's, else one of each
+            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost,
+                   coalesce(rl.rcost, tl.rcost, 1) AS rc,
+                   CASE WHEN coalesce(rl.uconc, tl.uconc, true) THEN 1 ELSE 0 END AS pm
               FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
                    WITH ORDINALITY AS u(t, r, inp, mx, res, o)
+                   LEFT JOIN locked AS tl ON tl.scope = 'tenant' AND tl.tenant = u.t
+                   LEFT JOIN locked AS rl
+                     ON rl.scope = 'route' AND rl.tenant = u.t AND rl.route = u.r
         ), pairs AS (
             -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
             -- 4 its key's
-            SELECT q.k, q.cost, 1 AS pos, l.layer_id
+            SELECT q.k, q.cost, q.rc, q.pm, 1 AS pos, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
             UNION ALL
-            SELECT q.k, q.cost, 2, l.layer_id
+            SELECT q.k, q.cost, q.rc, q.pm, 2, l.layer_id
               FROM req AS q JOIN layer AS l ON l.scope = 'tenant' AND l.tenant = q.t
             UNION ALL
-            SELECT q.k, q.cost, 3, l.layer_id
+            SELECT q.k, q.cost, q.rc, q.pm, 3, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
             UNION ALL
-            SELECT q.k, q.cost, 4, l.layer_id
+            SELECT q.k, q.cost, q.rc, q.pm, 4, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'key' AND l.api_key_id = p_key_ids[q.k]
         ), running AS (
-            SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
-                   l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
-                   l.requests_now, sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
+            SELECT p.k, p.pos, p.cost, p.rc, p.pm, l.layer_id, l.tpm, l.tburst, l.rpm,
+                   l.rburst, l.max_if, l.lease, l.version, l.in_flight, l.priority, l.plan,
+                   l.ts, l.tokens_now, l.requests_now, sum(p.cost) OVER w AS tok_used,
+                   sum(p.rc) OVER w AS req_used, sum(p.pm) OVER w AS if_used
               FROM pairs AS p JOIN layer AS l USING (layer_id)
             WINDOW w AS (PARTITION BY p.layer_id ORDER BY p.k)
         ), fits AS (
@@ -802,7 +819,7 @@ BEGIN
                        (r.tpm IS NULL
                         OR (r.cost <= r.tburst AND r.tokens_now - r.tok_used + epsilon >= 0))
                        AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
-                       AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
+                       AND (r.max_if IS NULL OR r.in_flight + r.if_used <= r.max_if)), false)
                    AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
                    -- every request has its global shard, unless there is no global
                    -- layer (a shard count changed meanwhile leaves one unlocked)
@@ -811,7 +828,7 @@ BEGIN
                    AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
               FROM running AS r
         ), decided AS (
-            SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
+            SELECT r.k, min(r.cost) AS cost, min(r.rc) AS rc, min(r.pm) AS pm, min(r.ts) AS ts,
                    coalesce(p_reservation_ids[r.k], gen_random_uuid()) AS id,
                    coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
                             min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
@@ -819,7 +836,7 @@ BEGIN
                    max(r.version) AS version,
                    min(r.tokens_now - r.tok_used) AS rem_tok,
                    min(r.requests_now - r.req_used) AS rem_req,
-                   min(r.max_if - r.in_flight - r.req_used) AS rem_if,
+                   min(r.max_if - r.in_flight - r.if_used) AS rem_if,
                    min(r.tpm) FILTER (WHERE r.pos = 2) AS t_tpm,
                    min(r.tburst) FILTER (WHERE r.pos = 2) AS t_tburst,
                    min(r.tokens_now - r.tok_used) FILTER (WHERE r.pos = 2) AS t_tokens,
@@ -845,10 +862,11 @@ BEGIN
                                                 ELSE coalesce(d.tokens, 0) END,
                    requests = l.requests_now - CASE WHEN l.rpm IS NULL THEN 0
                                                     ELSE coalesce(d.requests, 0) END,
-                   in_flight = l.in_flight + coalesce(d.requests, 0)::integer,
+                   in_flight = l.in_flight + coalesce(d.permits, 0)::integer,
                    refilled_at = l.ts
               FROM fits, layer AS l
-                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, count(*) AS requests
+                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, sum(p.rc) AS requests,
+                                     sum(p.pm) AS permits
                                 FROM pairs AS p GROUP BY p.layer_id) AS d USING (layer_id)
              -- by key, not by the locked version's ctid: that version may be
              -- newer than this statement's snapshot (committed while we waited
@@ -858,11 +876,11 @@ BEGIN
             INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                       input_tokens, input_estimated, max_tokens, reserved_tokens,
                                       policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash)
+                                      idempotency_key, request_hash, request_cost, permits)
             SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
                    p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
                    d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k]
+                   NULL, p_request_hashes[d.k], d.rc, d.pm
               FROM decided AS d
         )
         SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
@@ -912,11 +930,13 @@ BEGIN
            array_agg(x.allowed_models::text),
            array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
            array_agg(x.prepaid),
+           array_agg(x.request_cost),
+           array_agg(x.uses_concurrency),
            max(x.refilled_at),
            max(x.shards) FILTER (WHERE x.scope = 'global')
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
            l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_allowed, l_ladder, l_prepaid, now_ts, g_shards
+           l_fallback, l_allowed, l_ladder, l_prepaid, l_rcost, l_uconc, now_ts, g_shards
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
@@ -999,6 +1019,11 @@ BEGIN
                           ELSE array_position(l_key, 'k/' || p_key_ids[u.o]) END ORDER BY u.o)
       INTO x_gi, x_ti, x_ri, x_ki
       FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
+    SELECT array_agg(coalesce(l_rcost[u.ri], l_rcost[u.ti], 1) ORDER BY u.o),
+           array_agg(CASE WHEN coalesce(l_uconc[u.ri], l_uconc[u.ti], true) THEN 1 ELSE 0 END
+                     ORDER BY u.o)
+      INTO x_rc, x_pm
+      FROM unnest(x_ti, x_ri) WITH ORDINALITY AS u(ti, ri, o);
 
     -- Sharded, not pooled: every shard must have room for the most its
     -- requests could take (each at its largest candidate), else nothing is
@@ -1006,10 +1031,13 @@ BEGIN
     -- (the shard count changed under this statement) counts as lacking.
     IF g_shards > 1 AND NOT pooled AND EXISTS (
         SELECT 1
-          FROM (SELECT u.gi, sum(u.cost) AS tokens, count(*) AS requests, max(u.cost) AS largest
-                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost
-                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve)
-                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, o)
+          FROM (SELECT u.gi, sum(u.cost) AS tokens, sum(u.rc) AS requests, sum(u.pm) AS permits,
+                       max(u.cost) AS largest
+                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost,
+                               v.rc, v.pm
+                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve,
+                                      x_rc, x_pm)
+                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, rc, pm, o)
                           LEFT JOIN (SELECT w.o, max(w.inp) AS inp
                                        FROM unnest(p_alt_ord, p_alt_inputs) AS w(o, inp)
                                       GROUP BY w.o) AS a ON a.o = v.o
@@ -1019,7 +1047,7 @@ BEGIN
             OR (l_tpm[d.gi] IS NOT NULL
                 AND (d.largest > l_tburst[d.gi] OR l_tokens[d.gi] + epsilon < d.tokens))
             OR (l_rpm[d.gi] IS NOT NULL AND l_requests[d.gi] + epsilon < d.requests)
-            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.requests > l_max_if[d.gi]))
+            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.permits > l_max_if[d.gi]))
     THEN
         RAISE EXCEPTION USING ERRCODE = 'LQ001',
               MESSAGE = 'a global shard lacks room for this batch: decide it pooled';
@@ -1200,6 +1228,7 @@ BEGIN
 
             too_cap := NULL;
             too_j := NULL;
+            rq_too_j := NULL;
             tok_wait := -1;
             tok_j := NULL;
             best_wait := -1;
@@ -1250,15 +1279,21 @@ BEGIN
                         END IF;
                     END IF;
                 END IF;
-                IF l_rpm[j] IS NOT NULL AND l_requests[j] + epsilon < 1 THEN
+                IF l_rpm[j] IS NOT NULL AND x_rc[k] > l_rburst[j] THEN
+                    -- Counts as more requests than this layer ever holds.
                     blocked := true;
-                    wait_ms := greatest(1, ceil((1 - l_requests[j]) * 60000.0 / l_rpm[j]));
+                    IF rq_too_j IS NULL THEN
+                        rq_too_j := j;
+                    END IF;
+                ELSIF l_rpm[j] IS NOT NULL AND x_rc[k] > 0 AND l_requests[j] + epsilon < x_rc[k] THEN
+                    blocked := true;
+                    wait_ms := greatest(1, ceil((x_rc[k] - l_requests[j]) * 60000.0 / l_rpm[j]));
                     IF wait_ms > best_wait THEN
                         best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
                         best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
                     END IF;
                 END IF;
-                IF l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
+                IF x_pm[k] = 1 AND l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
                     blocked := true;
                     wait_ms := p_concurrency_retry_ms;
                     IF wait_ms > best_wait THEN
@@ -1273,7 +1308,8 @@ BEGIN
             -- Money is the request's maximum: input and max_tokens, each at
             -- its price in force.
             budget := NULL; q_hit := NULL; qs := '{}'; money := NULL; avail := NULL;
-            IF too_cap IS NULL AND best_wait < 0 AND (has_quotas OR l_prepaid[ti]) THEN
+            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0
+               AND (has_quotas OR l_prepaid[ti]) THEN
                 x := array_position(pr_model, c_models[c]);
                 IF x IS NOT NULL AND pr_in[x] IS NOT NULL THEN
                     money := (c_inputs[c] * pr_in[x] + p_max_tokens[k] * pr_out[x]) / 1000000;
@@ -1310,7 +1346,7 @@ BEGIN
                 END IF;
             END IF;
 
-            IF too_cap IS NULL AND best_wait < 0 AND budget IS NULL THEN
+            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0 AND budget IS NULL THEN
                 IF c > 1 AND p_degrade[k] IS NOT DISTINCT FROM false THEN
                     -- Not degrading: only say that this fallback would fit now.
                     fits := fits || c_models[c];
@@ -1323,9 +1359,9 @@ BEGIN
                         l_tokens[j] := l_tokens[j] - cost;
                     END IF;
                     IF l_rpm[j] IS NOT NULL THEN
-                        l_requests[j] := l_requests[j] - 1;
+                        l_requests[j] := l_requests[j] - x_rc[k];
                     END IF;
-                    l_in_flight[j] := l_in_flight[j] + 1;
+                    l_in_flight[j] := l_in_flight[j] + x_pm[k];
                     version := greatest(version, l_version[j]);
                 END LOOP;
                 FOREACH x IN ARRAY qs LOOP
@@ -1384,6 +1420,14 @@ BEGIN
                     r_capacity[k] := too_cap;
                     r_reason[k] := 'capacity';
                     r_ceiling[k] := too_name;
+                ELSIF rq_too_j IS NOT NULL THEN
+                    -- Its request_cost exceeds a layer's request_burst: never fits.
+                    r_status[k] := 'too_large';
+                    r_kind[k] := 'requests';
+                    r_scope[k] := l_scope[rq_too_j];
+                    r_capacity[k] := l_rburst[rq_too_j];
+                    r_reason[k] := 'capacity';
+                    r_ceiling[k] := l_name[rq_too_j];
                 ELSIF best_wait >= 0 THEN
                     r_status[k] := 'rate_limited';
                     r_kind[k] := best_kind;
@@ -1511,11 +1555,12 @@ BEGIN
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
                               idempotency_key, request_hash, quota_ids, reserved_cost,
-                              credit_reserved)
+                              credit_reserved, request_cost, permits)
     SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
            r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
-           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit
+           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit,
+           x_rc[a.k], x_pm[a.k]
       FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
            AS a(k, layers, version, lease, quotas, cost, credit);
 
@@ -1886,7 +1931,7 @@ BEGIN
         IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
             c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
             c_shared := c_shared || rec.reserved_tokens::double precision;
-            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || rec.permits::integer;
             g_res := g_res || i; g_kind := g_kind || 'usage'::text;
             g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
             g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
@@ -1916,7 +1961,8 @@ BEGIN
                 -- clamps at capacity.
                 c_res := c_res || i; c_tokens := c_tokens || (rec.reserved_tokens - charged)::double precision;
                 c_shared := c_shared || (rec.reserved_tokens - least(charged, cap))::double precision;
-                c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+                c_reqs := c_reqs || 0::double precision;
+                c_permits := c_permits || rec.permits::integer;
                 g_res := g_res || i; g_kind := g_kind || 'usage'::text;
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
@@ -1971,7 +2017,9 @@ BEGIN
             IF rec.state = 'active' THEN
                 c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
                 c_shared := c_shared || rec.reserved_tokens::double precision;
-                c_reqs := c_reqs || 1::double precision; c_permits := c_permits || 1;
+                -- the provider was never called: its requests go back too
+                c_reqs := c_reqs || rec.request_cost::double precision;
+                c_permits := c_permits || rec.permits::integer;
                 u_res := u_res || i; u_mode := u_mode || 'release'::text;
                 u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
                 rec.state := 'released';
