@@ -364,6 +364,14 @@ $$;
 -- key layer's allowed_models also bound the fallbacks a default list offers. A ceiling with a shedding ladder also refuses a request
 -- that would take it below its priority's floor (lq_shed_floor).
 --
+-- Weighted request cost: a call takes request_cost requests from every
+-- request-rate limit it meets (0: none) and one permit from every
+-- max_in_flight, or none when uses_concurrency is false: its route layer's,
+-- else its tenant layer's, else 1 and true. A call that counts as more
+-- requests than a layer's request_burst is too_large (limit_kind
+-- 'requests'). The reservation journals both (request_cost, permits), and
+-- lq_finish gives back exactly those.
+--
 -- Degradation: a request may come with fallback models (p_alt_*: explicit,
 -- each with its own input count), else its route's or its tenant's (plan's)
 -- default list applies, with the requested model's input count. When
@@ -386,8 +394,9 @@ $$;
 --                        reason ('capacity' or 'shed') and retry_after_ms name
 --                        the longest wait; alt_max_tokens the largest
 --                        max_tokens that would fit now
---   too_large            reserved tokens exceed some layer's token_burst: it can
---                        never fit, and capacity names that burst
+--   too_large            reserved tokens exceed some layer's token_burst (or its
+--                        request_cost the request_burst, limit_kind 'requests'):
+--                        it can never fit, and capacity names that burst
 --   unknown_tenant       no such tenant
 -- Nothing is debited unless every layer passes, and a refusal writes
 -- nothing (6): a layer's refill is a function of the clock.

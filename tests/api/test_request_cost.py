@@ -303,3 +303,79 @@ async def test_outage_admissions_are_recorded_at_their_weight(
     row = await tenant_row(db)
     assert (float(row["requests"]), row["in_flight"]) == (pytest.approx(45, abs=0.05), 0)
     assert await audit_findings(owner_dsn) == []
+
+
+async def test_a_weight_counts_on_the_provider_ceiling_and_the_keys_layer(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    # Every request-rate limit a call meets takes its weight: a provider
+    # ceiling (decided in the exact path) and the key's own layer alike.
+    await make_tenant(client, admin, "acme", requests_per_minute=SLOW, request_burst=1_000)
+    ceiling = await client.put(
+        "/v1/ceilings/provider",
+        json={"models": ["m"], "requests_per_minute": SLOW, "request_burst": 12, "shed": []},
+        headers=admin,
+    )
+    assert ceiling.status_code == 200, ceiling.text
+    created = await client.post(
+        "/v1/tenants/acme/keys",
+        json={"requests_per_minute": SLOW, "request_burst": 100},
+        headers=admin,
+    )
+    assert created.status_code == 201, created.text
+    key = {"Authorization": f"Bearer {created.json()['key']}"}
+    assert (await put_route(client, admin, "export", request_cost=5)).is_success
+    statuses = [(await admit(client, key, "export")).status_code for _ in range(3)]
+    assert statuses == [201, 201, 429]  # 2 x 5 of the ceiling's 12
+    refused = (await admit(client, key, "export")).json()["error"]
+    assert (refused["limit"], refused["scope"]) == ("requests", "ceiling")
+    rows = {
+        r["scope"]: float(r["requests"])
+        for r in await db.fetch("SELECT scope, requests FROM limit_layers WHERE scope <> 'route'")
+    }
+    assert rows["ceiling"] == pytest.approx(2, abs=0.05)
+    assert rows["key"] == pytest.approx(90, abs=0.05)
+    assert rows["tenant"] == pytest.approx(990, abs=0.05)
+    # another model, past the ceiling: the key's layer is what is left to meet
+    other = await admit(client, key, "export", model="other")
+    assert other.status_code == 201
+    assert float(
+        await db.fetchval("SELECT requests FROM limit_layers WHERE scope = 'key'")
+    ) == pytest.approx(85, abs=0.05)
+
+
+async def test_a_sharded_global_layer_takes_each_calls_weight(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    # Two shards of 30 requests each: a shard that lacks room for what its
+    # requests would take is decided pooled, and the pool counts the weight.
+    response = await client.put(
+        "/v1/policies/global",
+        json={"requests_per_minute": 2, "request_burst": 60, "shards": 2},
+        headers=admin,
+    )
+    assert response.status_code == 200, response.text
+    key = await make_tenant(client, admin, "acme", requests_per_minute=SLOW, request_burst=1_000)
+    assert (await put_route(client, admin, "export", request_cost=7)).is_success
+    statuses = [(await admit(client, key, "export")).status_code for _ in range(9)]
+    assert statuses == [201] * 8 + [429]  # 8 x 7 = 56 of 60, pooled past one shard's 30
+    total = await db.fetchval("SELECT sum(requests) FROM limit_layers WHERE scope = 'global'")
+    assert float(total) == pytest.approx(4, abs=0.1)
+
+
+async def test_a_patch_changes_the_weight_alone(
+    client: httpx.AsyncClient, admin: dict[str, str]
+) -> None:
+    await make_tenant(client, admin, "acme", requests_per_minute=10)
+    assert (await put_route(client, admin, "export", max_in_flight=3)).is_success
+    merge = {**admin, "content-type": "application/merge-patch+json"}
+    patched = await client.patch(
+        "/v1/tenants/acme/routes/export/policy", json={"request_cost": 4}, headers=merge
+    )
+    assert patched.status_code == 200, patched.text
+    body = patched.json()
+    assert (body["request_cost"], body["uses_concurrency"], body["max_in_flight"]) == (4, None, 3)
+    back = await client.patch(
+        "/v1/tenants/acme/routes/export/policy", json={"request_cost": None}, headers=merge
+    )
+    assert back.json()["request_cost"] is None and back.json()["max_in_flight"] == 3
