@@ -114,35 +114,18 @@ BEGIN
                        FROM lq_matching_quotas(req.tenant, req.route, req.model, req.key_id) AS q)
                    AS quota_ids,
                lq_cost(req.model, req.input_tokens, req.max_tokens, req.at) AS money,
-               coalesce((SELECT l.prepaid FROM limit_layers AS l
-                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                            AND l.route IS NULL), false) AS prepaid,
-               coalesce(req.lease,
-                        (SELECT l.lease_seconds FROM limit_layers AS l
-                          WHERE l.scope = 'route' AND l.tenant = req.tenant
-                            AND l.route = req.route),
-                        (SELECT l.lease_seconds FROM limit_layers AS l
-                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                            AND l.route IS NULL),
-                        120) AS lease_seconds,
+               coalesce(tl.prepaid, false) AS prepaid,
+               coalesce(req.lease, rl.lease_seconds, tl.lease_seconds, 120) AS lease_seconds,
                -- what one call counts as, as lq_admit decides it: the route's,
                -- else the tenant's, else one request and one permit
-               coalesce((SELECT l.request_cost FROM limit_layers AS l
-                          WHERE l.scope = 'route' AND l.tenant = req.tenant
-                            AND l.route = req.route),
-                        (SELECT l.request_cost FROM limit_layers AS l
-                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                            AND l.route IS NULL),
-                        1) AS request_cost,
-               CASE WHEN coalesce((SELECT l.uses_concurrency FROM limit_layers AS l
-                                    WHERE l.scope = 'route' AND l.tenant = req.tenant
-                                      AND l.route = req.route),
-                                  (SELECT l.uses_concurrency FROM limit_layers AS l
-                                    WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                                      AND l.route IS NULL),
-                                  true)
+               coalesce(rl.request_cost, tl.request_cost, 1) AS request_cost,
+               CASE WHEN coalesce(rl.uses_concurrency, tl.uses_concurrency, true)
                     THEN 1 ELSE 0 END AS permits
           FROM req
+               LEFT JOIN limit_layers AS tl
+                 ON tl.scope = 'tenant' AND tl.tenant = req.tenant AND tl.route IS NULL
+               LEFT JOIN limit_layers AS rl
+                 ON rl.scope = 'route' AND rl.tenant = req.tenant AND rl.route = req.route
     ), ins AS (
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                   input_tokens, input_estimated, max_tokens, reserved_tokens,
