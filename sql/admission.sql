@@ -739,7 +739,9 @@ BEGIN
     -- or explicit fallbacks, this statement locks the batch's layers (every
     -- global shard with p_pool; in layer_id order), refills them
     -- to one clock read once all are locked, and, when every tenant is known,
-    -- none is prepaid and every layer has room for everything the batch asks
+    -- none is prepaid, no locked layer weighs its calls (request_cost,
+    -- uses_concurrency: every call here is one request and one permit, the
+    -- journal's defaults) and every layer has room for everything the batch asks
     -- of it, admits every request in order, as the one-by-one decision of
     -- (5) would. Each request's figures are then running sums per layer (a
     -- window over the requests in array order), so debiting the layers,
@@ -760,7 +762,7 @@ BEGIN
                    ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
                    ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
                    ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id,
-                   ll.request_cost AS rcost, ll.uses_concurrency AS uconc
+                   ll.request_cost, ll.uses_concurrency
               FROM limit_layers AS ll
              -- one bitmap of index scans on the layer key: the global rows (of
              -- a sharded layer, the batch's shards), the batch's tenants, and
@@ -780,7 +782,10 @@ BEGIN
         ), clock AS (
             -- read once every row is locked (the aggregate consumes them all)
             SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS ts,
-                   coalesce(bool_or(l.prepaid), false) AS prepaid
+                   coalesce(bool_or(l.prepaid), false) AS prepaid,
+                   -- a weighted call (request_cost, uses_concurrency) is left to (5)
+                   coalesce(bool_or(l.request_cost IS NOT NULL OR l.uses_concurrency IS NOT NULL),
+                            false) AS weighted
               FROM locked AS l
         ), layer AS (
             SELECT l.*, c.ts,
@@ -788,39 +793,30 @@ BEGIN
                    lq_refilled(l.requests, l.rpm, l.rburst, l.refilled_at, c.ts) AS requests_now
               FROM locked AS l, clock AS c
         ), req AS (
-            -- what one call counts as (weighted request cost): requests on the
-            -- request rates (rc) and permits (pm, 1 or 0), its route's, else
-            -- its tenant's, else one of each
-            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost,
-                   coalesce(rl.rcost, tl.rcost, 1) AS rc,
-                   CASE WHEN coalesce(rl.uconc, tl.uconc, true) THEN 1 ELSE 0 END AS pm
+            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
               FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
                    WITH ORDINALITY AS u(t, r, inp, mx, res, o)
-                   LEFT JOIN locked AS tl ON tl.scope = 'tenant' AND tl.tenant = u.t
-                   LEFT JOIN locked AS rl
-                     ON rl.scope = 'route' AND rl.tenant = u.t AND rl.route = u.r
         ), pairs AS (
             -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
             -- 4 its key's
-            SELECT q.k, q.cost, q.rc, q.pm, 1 AS pos, l.layer_id
+            SELECT q.k, q.cost, 1 AS pos, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
             UNION ALL
-            SELECT q.k, q.cost, q.rc, q.pm, 2, l.layer_id
+            SELECT q.k, q.cost, 2, l.layer_id
               FROM req AS q JOIN layer AS l ON l.scope = 'tenant' AND l.tenant = q.t
             UNION ALL
-            SELECT q.k, q.cost, q.rc, q.pm, 3, l.layer_id
+            SELECT q.k, q.cost, 3, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
             UNION ALL
-            SELECT q.k, q.cost, q.rc, q.pm, 4, l.layer_id
+            SELECT q.k, q.cost, 4, l.layer_id
               FROM req AS q JOIN layer AS l
                 ON l.scope = 'key' AND l.api_key_id = p_key_ids[q.k]
         ), running AS (
-            SELECT p.k, p.pos, p.cost, p.rc, p.pm, l.layer_id, l.tpm, l.tburst, l.rpm,
-                   l.rburst, l.max_if, l.lease, l.version, l.in_flight, l.priority, l.plan,
-                   l.ts, l.tokens_now, l.requests_now, sum(p.cost) OVER w AS tok_used,
-                   sum(p.rc) OVER w AS req_used, sum(p.pm) OVER w AS if_used
+            SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
+                   l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
+                   l.requests_now, sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
               FROM pairs AS p JOIN layer AS l USING (layer_id)
             WINDOW w AS (PARTITION BY p.layer_id ORDER BY p.k)
         ), fits AS (
@@ -828,16 +824,16 @@ BEGIN
                        (r.tpm IS NULL
                         OR (r.cost <= r.tburst AND r.tokens_now - r.tok_used + epsilon >= 0))
                        AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
-                       AND (r.max_if IS NULL OR r.in_flight + r.if_used <= r.max_if)), false)
+                       AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
                    AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
                    -- every request has its global shard, unless there is no global
                    -- layer (a shard count changed meanwhile leaves one unlocked)
                    AND (count(*) FILTER (WHERE r.pos = 1) = n
                         OR NOT EXISTS (SELECT 1 FROM limit_layers AS g WHERE g.scope = 'global'))
-                   AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
+                   AND NOT (SELECT c.prepaid OR c.weighted FROM clock AS c) AS ok
               FROM running AS r
         ), decided AS (
-            SELECT r.k, min(r.cost) AS cost, min(r.rc) AS rc, min(r.pm) AS pm, min(r.ts) AS ts,
+            SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
                    coalesce(p_reservation_ids[r.k], gen_random_uuid()) AS id,
                    coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
                             min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
@@ -845,7 +841,7 @@ BEGIN
                    max(r.version) AS version,
                    min(r.tokens_now - r.tok_used) AS rem_tok,
                    min(r.requests_now - r.req_used) AS rem_req,
-                   min(r.max_if - r.in_flight - r.if_used) AS rem_if,
+                   min(r.max_if - r.in_flight - r.req_used) AS rem_if,
                    min(r.tpm) FILTER (WHERE r.pos = 2) AS t_tpm,
                    min(r.tburst) FILTER (WHERE r.pos = 2) AS t_tburst,
                    min(r.tokens_now - r.tok_used) FILTER (WHERE r.pos = 2) AS t_tokens,
@@ -871,11 +867,10 @@ BEGIN
                                                 ELSE coalesce(d.tokens, 0) END,
                    requests = l.requests_now - CASE WHEN l.rpm IS NULL THEN 0
                                                     ELSE coalesce(d.requests, 0) END,
-                   in_flight = l.in_flight + coalesce(d.permits, 0)::integer,
+                   in_flight = l.in_flight + coalesce(d.requests, 0)::integer,
                    refilled_at = l.ts
               FROM fits, layer AS l
-                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, sum(p.rc) AS requests,
-                                     sum(p.pm) AS permits
+                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, count(*) AS requests
                                 FROM pairs AS p GROUP BY p.layer_id) AS d USING (layer_id)
              -- by key, not by the locked version's ctid: that version may be
              -- newer than this statement's snapshot (committed while we waited
@@ -885,11 +880,11 @@ BEGIN
             INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                       input_tokens, input_estimated, max_tokens, reserved_tokens,
                                       policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash, request_cost, permits)
+                                      idempotency_key, request_hash)
             SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
                    p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
                    d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k], d.rc, d.pm
+                   NULL, p_request_hashes[d.k]
               FROM decided AS d
         )
         SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
