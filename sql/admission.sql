@@ -364,6 +364,14 @@ $$;
 -- key layer's allowed_models also bound the fallbacks a default list offers. A ceiling with a shedding ladder also refuses a request
 -- that would take it below its priority's floor (lq_shed_floor).
 --
+-- Weighted request cost: a call takes request_cost requests from every
+-- request-rate limit it meets (0: none) and one permit from every
+-- max_in_flight, or none when uses_concurrency is false: its route layer's,
+-- else its tenant layer's, else 1 and true. A call that counts as more
+-- requests than a layer's request_burst is too_large (limit_kind
+-- 'requests'). The reservation journals both (request_cost, permits), and
+-- lq_finish gives back exactly those.
+--
 -- Degradation: a request may come with fallback models (p_alt_*: explicit,
 -- each with its own input count), else its route's or its tenant's (plan's)
 -- default list applies, with the requested model's input count. When
@@ -386,8 +394,9 @@ $$;
 --                        reason ('capacity' or 'shed') and retry_after_ms name
 --                        the longest wait; alt_max_tokens the largest
 --                        max_tokens that would fit now
---   too_large            reserved tokens exceed some layer's token_burst: it can
---                        never fit, and capacity names that burst
+--   too_large            reserved tokens exceed some layer's token_burst (or its
+--                        request_cost the request_burst, limit_kind 'requests'):
+--                        it can never fit, and capacity names that burst
 --   unknown_tenant       no such tenant
 -- Nothing is debited unless every layer passes, and a refusal writes
 -- nothing (6): a layer's refill is a function of the clock.
@@ -522,6 +531,8 @@ DECLARE
     l_fallback   text[];     -- each layer's default list, as array text '{a,b}'
     l_allowed    text[];     -- a key layer's allowed models (LIKE patterns), as array text
     l_ladder     boolean[];  -- a ceiling with a shedding ladder
+    l_rcost      integer[];  -- a tenant's or route's request_cost (NULL: not set)
+    l_uconc      boolean[];  -- and uses_concurrency
     -- Ladder steps of every locked ceiling, flattened: step x belongs to layer s_pos[x].
     s_pos        integer[];
     s_above      double precision[];
@@ -532,6 +543,10 @@ DECLARE
     x_ti         integer[];
     x_ri         integer[];
     x_ki         integer[];  -- and its API key's layer (NULL: none)
+    -- What each request counts as: requests on the request rates, and
+    -- permits (1 or 0): its route's, else its tenant's, else one of each.
+    x_rc         integer[];
+    x_pm         integer[];
     -- The global layer's shard count, and when pooled (p_pool and more than
     -- one shard): the positions of its rows, their own bursts, and the
     -- permits held on the rows other than the first (which stands for all).
@@ -658,6 +673,7 @@ DECLARE
     too_scope    text;
     too_name     text;
     too_j        integer;    -- the layer of too_cap
+    rq_too_j     integer;    -- a layer whose request_burst is below the request's cost
     tok_wait     bigint;     -- the longest wait for tokens, and its layer
     tok_j        integer;
     refused_j    integer;    -- the token layer that refused the requested model
@@ -723,7 +739,9 @@ BEGIN
     -- or explicit fallbacks, this statement locks the batch's layers (every
     -- global shard with p_pool; in layer_id order), refills them
     -- to one clock read once all are locked, and, when every tenant is known,
-    -- none is prepaid and every layer has room for everything the batch asks
+    -- none is prepaid, no locked layer weighs its calls (request_cost,
+    -- uses_concurrency: every call here is one request and one permit, the
+    -- journal's defaults) and every layer has room for everything the batch asks
     -- of it, admits every request in order, as the one-by-one decision of
     -- (5) would. Each request's figures are then running sums per layer (a
     -- window over the requests in array order), so debiting the layers,
@@ -743,7 +761,8 @@ BEGIN
                    ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
                    ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
                    ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
-                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id
+                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id,
+                   ll.request_cost, ll.uses_concurrency
               FROM limit_layers AS ll
              -- one bitmap of index scans on the layer key: the global rows (of
              -- a sharded layer, the batch's shards), the batch's tenants, and
@@ -763,7 +782,10 @@ BEGIN
         ), clock AS (
             -- read once every row is locked (the aggregate consumes them all)
             SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS ts,
-                   coalesce(bool_or(l.prepaid), false) AS prepaid
+                   coalesce(bool_or(l.prepaid), false) AS prepaid,
+                   -- a weighted call (request_cost, uses_concurrency) is left to (5)
+                   coalesce(bool_or(l.request_cost IS NOT NULL OR l.uses_concurrency IS NOT NULL),
+                            false) AS weighted
               FROM locked AS l
         ), layer AS (
             SELECT l.*, c.ts,
@@ -808,7 +830,7 @@ BEGIN
                    -- layer (a shard count changed meanwhile leaves one unlocked)
                    AND (count(*) FILTER (WHERE r.pos = 1) = n
                         OR NOT EXISTS (SELECT 1 FROM limit_layers AS g WHERE g.scope = 'global'))
-                   AND NOT (SELECT c.prepaid FROM clock AS c) AS ok
+                   AND NOT (SELECT c.prepaid OR c.weighted FROM clock AS c) AS ok
               FROM running AS r
         ), decided AS (
             SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
@@ -912,11 +934,13 @@ BEGIN
            array_agg(x.allowed_models::text),
            array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
            array_agg(x.prepaid),
+           array_agg(x.request_cost),
+           array_agg(x.uses_concurrency),
            max(x.refilled_at),
            max(x.shards) FILTER (WHERE x.scope = 'global')
       INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
            l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_allowed, l_ladder, l_prepaid, now_ts, g_shards
+           l_fallback, l_allowed, l_ladder, l_prepaid, l_rcost, l_uconc, now_ts, g_shards
       FROM (SELECT ll.*
               FROM limit_layers AS ll
              WHERE ll.layer_id IN (
@@ -999,6 +1023,11 @@ BEGIN
                           ELSE array_position(l_key, 'k/' || p_key_ids[u.o]) END ORDER BY u.o)
       INTO x_gi, x_ti, x_ri, x_ki
       FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
+    SELECT array_agg(coalesce(l_rcost[u.ri], l_rcost[u.ti], 1) ORDER BY u.o),
+           array_agg(CASE WHEN coalesce(l_uconc[u.ri], l_uconc[u.ti], true) THEN 1 ELSE 0 END
+                     ORDER BY u.o)
+      INTO x_rc, x_pm
+      FROM unnest(x_ti, x_ri) WITH ORDINALITY AS u(ti, ri, o);
 
     -- Sharded, not pooled: every shard must have room for the most its
     -- requests could take (each at its largest candidate), else nothing is
@@ -1006,10 +1035,13 @@ BEGIN
     -- (the shard count changed under this statement) counts as lacking.
     IF g_shards > 1 AND NOT pooled AND EXISTS (
         SELECT 1
-          FROM (SELECT u.gi, sum(u.cost) AS tokens, count(*) AS requests, max(u.cost) AS largest
-                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost
-                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve)
-                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, o)
+          FROM (SELECT u.gi, sum(u.cost) AS tokens, sum(u.rc) AS requests, sum(u.pm) AS permits,
+                       max(u.cost) AS largest
+                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost,
+                               v.rc, v.pm
+                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve,
+                                      x_rc, x_pm)
+                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, rc, pm, o)
                           LEFT JOIN (SELECT w.o, max(w.inp) AS inp
                                        FROM unnest(p_alt_ord, p_alt_inputs) AS w(o, inp)
                                       GROUP BY w.o) AS a ON a.o = v.o
@@ -1019,7 +1051,7 @@ BEGIN
             OR (l_tpm[d.gi] IS NOT NULL
                 AND (d.largest > l_tburst[d.gi] OR l_tokens[d.gi] + epsilon < d.tokens))
             OR (l_rpm[d.gi] IS NOT NULL AND l_requests[d.gi] + epsilon < d.requests)
-            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.requests > l_max_if[d.gi]))
+            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.permits > l_max_if[d.gi]))
     THEN
         RAISE EXCEPTION USING ERRCODE = 'LQ001',
               MESSAGE = 'a global shard lacks room for this batch: decide it pooled';
@@ -1200,6 +1232,7 @@ BEGIN
 
             too_cap := NULL;
             too_j := NULL;
+            rq_too_j := NULL;
             tok_wait := -1;
             tok_j := NULL;
             best_wait := -1;
@@ -1250,15 +1283,21 @@ BEGIN
                         END IF;
                     END IF;
                 END IF;
-                IF l_rpm[j] IS NOT NULL AND l_requests[j] + epsilon < 1 THEN
+                IF l_rpm[j] IS NOT NULL AND x_rc[k] > l_rburst[j] THEN
+                    -- Counts as more requests than this layer ever holds.
                     blocked := true;
-                    wait_ms := greatest(1, ceil((1 - l_requests[j]) * 60000.0 / l_rpm[j]));
+                    IF rq_too_j IS NULL THEN
+                        rq_too_j := j;
+                    END IF;
+                ELSIF l_rpm[j] IS NOT NULL AND x_rc[k] > 0 AND l_requests[j] + epsilon < x_rc[k] THEN
+                    blocked := true;
+                    wait_ms := greatest(1, ceil((x_rc[k] - l_requests[j]) * 60000.0 / l_rpm[j]));
                     IF wait_ms > best_wait THEN
                         best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
                         best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
                     END IF;
                 END IF;
-                IF l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
+                IF x_pm[k] = 1 AND l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
                     blocked := true;
                     wait_ms := p_concurrency_retry_ms;
                     IF wait_ms > best_wait THEN
@@ -1273,7 +1312,8 @@ BEGIN
             -- Money is the request's maximum: input and max_tokens, each at
             -- its price in force.
             budget := NULL; q_hit := NULL; qs := '{}'; money := NULL; avail := NULL;
-            IF too_cap IS NULL AND best_wait < 0 AND (has_quotas OR l_prepaid[ti]) THEN
+            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0
+               AND (has_quotas OR l_prepaid[ti]) THEN
                 x := array_position(pr_model, c_models[c]);
                 IF x IS NOT NULL AND pr_in[x] IS NOT NULL THEN
                     money := (c_inputs[c] * pr_in[x] + p_max_tokens[k] * pr_out[x]) / 1000000;
@@ -1310,7 +1350,7 @@ BEGIN
                 END IF;
             END IF;
 
-            IF too_cap IS NULL AND best_wait < 0 AND budget IS NULL THEN
+            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0 AND budget IS NULL THEN
                 IF c > 1 AND p_degrade[k] IS NOT DISTINCT FROM false THEN
                     -- Not degrading: only say that this fallback would fit now.
                     fits := fits || c_models[c];
@@ -1323,9 +1363,9 @@ BEGIN
                         l_tokens[j] := l_tokens[j] - cost;
                     END IF;
                     IF l_rpm[j] IS NOT NULL THEN
-                        l_requests[j] := l_requests[j] - 1;
+                        l_requests[j] := l_requests[j] - x_rc[k];
                     END IF;
-                    l_in_flight[j] := l_in_flight[j] + 1;
+                    l_in_flight[j] := l_in_flight[j] + x_pm[k];
                     version := greatest(version, l_version[j]);
                 END LOOP;
                 FOREACH x IN ARRAY qs LOOP
@@ -1384,6 +1424,14 @@ BEGIN
                     r_capacity[k] := too_cap;
                     r_reason[k] := 'capacity';
                     r_ceiling[k] := too_name;
+                ELSIF rq_too_j IS NOT NULL THEN
+                    -- Its request_cost exceeds a layer's request_burst: never fits.
+                    r_status[k] := 'too_large';
+                    r_kind[k] := 'requests';
+                    r_scope[k] := l_scope[rq_too_j];
+                    r_capacity[k] := l_rburst[rq_too_j];
+                    r_reason[k] := 'capacity';
+                    r_ceiling[k] := l_name[rq_too_j];
                 ELSIF best_wait >= 0 THEN
                     r_status[k] := 'rate_limited';
                     r_kind[k] := best_kind;
@@ -1511,11 +1559,12 @@ BEGIN
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
                               idempotency_key, request_hash, quota_ids, reserved_cost,
-                              credit_reserved)
+                              credit_reserved, request_cost, permits)
     SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
            r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
-           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit
+           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit,
+           x_rc[a.k], x_pm[a.k]
       FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
            AS a(k, layers, version, lease, quotas, cost, credit);
 
@@ -1886,7 +1935,7 @@ BEGIN
         IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
             c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
             c_shared := c_shared || rec.reserved_tokens::double precision;
-            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || rec.permits::integer;
             g_res := g_res || i; g_kind := g_kind || 'usage'::text;
             g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
             g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
@@ -1916,7 +1965,8 @@ BEGIN
                 -- clamps at capacity.
                 c_res := c_res || i; c_tokens := c_tokens || (rec.reserved_tokens - charged)::double precision;
                 c_shared := c_shared || (rec.reserved_tokens - least(charged, cap))::double precision;
-                c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 1;
+                c_reqs := c_reqs || 0::double precision;
+                c_permits := c_permits || rec.permits::integer;
                 g_res := g_res || i; g_kind := g_kind || 'usage'::text;
                 g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
                 g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
@@ -1971,7 +2021,9 @@ BEGIN
             IF rec.state = 'active' THEN
                 c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
                 c_shared := c_shared || rec.reserved_tokens::double precision;
-                c_reqs := c_reqs || 1::double precision; c_permits := c_permits || 1;
+                -- the provider was never called: its requests go back too
+                c_reqs := c_reqs || rec.request_cost::double precision;
+                c_permits := c_permits || rec.permits::integer;
                 u_res := u_res || i; u_mode := u_mode || 'release'::text;
                 u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
                 rec.state := 'released';

@@ -46,6 +46,8 @@ BEGIN
            fallback_models     = e.fallback_models,
            prepaid             = e.prepaid,
            output_estimate     = e.output_estimate,
+           request_cost        = e.request_cost,
+           uses_concurrency    = e.uses_concurrency,
            policy_version      = nextval('policy_version_seq'),
            tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                    e.tpm, e.tburst, now_ts),
@@ -74,7 +76,10 @@ BEGIN
                         ELSE coalesce(p.fallback_models, '{}') END AS fallback_models,
                    coalesce((own ->> 'prepaid')::boolean, p.prepaid, false) AS prepaid,
                    -- the output reservation strategy (learned estimates): own else plan's
-                   coalesce(own -> 'output_estimate', p.output_estimate) AS output_estimate
+                   coalesce(own -> 'output_estimate', p.output_estimate) AS output_estimate,
+                   -- what one call counts as (weighted request cost): the tenant's own only
+                   (own ->> 'request_cost')::integer AS request_cost,
+                   (own ->> 'uses_concurrency')::boolean AS uses_concurrency
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan

@@ -79,13 +79,15 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
 -- put_global_policy). The balance refills under the old rules up to now,
 -- then is clamped to the new capacity; a limit that did not exist before
 -- starts full. $13 is the If-Match list (NULL: none; see lq_policy_precondition):
--- no row when it does not match.
+-- no row when it does not match. $14 and $15: what one call counts as
+-- (request_cost, uses_concurrency; NULL: the tenant's).
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
                                lease_seconds, failure_mode, fallback_models, tokens, requests,
-                               output_estimate)
+                               output_estimate, request_cost, uses_concurrency)
 SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-       $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb
+       $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb,
+       $14::integer, $15::boolean
  WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
 ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
@@ -97,6 +99,8 @@ ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        failure_mode        = excluded.failure_mode,
        fallback_models     = excluded.fallback_models,
        output_estimate     = excluded.output_estimate,
+       request_cost        = excluded.request_cost,
+       uses_concurrency    = excluded.uses_concurrency,
        policy_version      = nextval('policy_version_seq'),
        tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                excluded.tokens_per_minute, excluded.token_burst,
@@ -263,7 +267,7 @@ SELECT layer_id FROM gone
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
        prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate,
-       shards
+       shards, request_cost, uses_concurrency
   FROM limit_layers
  WHERE scope = $1::text AND scope <> 'global'
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -271,7 +275,7 @@ SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
 UNION ALL
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, NULL, '{}'::text[],
-       false, NULL, NULL, shards
+       false, NULL, NULL, shards, NULL::integer, NULL::boolean
   FROM global_layer
  WHERE $1::text = 'global'
 
@@ -466,7 +470,8 @@ RETURNING tenant, suspended_at
 -- own, else its plan's), as admission uses them.
 SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
-       tokens, requests, '{}'::text[] AS fallback_models, false AS prepaid, shards
+       tokens, requests, '{}'::text[] AS fallback_models, false AS prepaid, shards,
+       NULL::integer AS request_cost, NULL::boolean AS uses_concurrency
   FROM global_layer
 UNION ALL
 (SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
@@ -474,7 +479,7 @@ UNION ALL
         lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp()),
         lq_refilled(requests, requests_per_minute, request_burst, refilled_at,
                     clock_timestamp()),
-        fallback_models, prepaid, shards
+        fallback_models, prepaid, shards, request_cost, uses_concurrency
    FROM limit_layers
   WHERE scope IN ('tenant', 'route') AND tenant = $1::text
   ORDER BY layer_id)
@@ -533,13 +538,15 @@ WITH version AS (
 )
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
-       l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate
+       l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate, l.request_cost,
+       l.uses_concurrency
   FROM version AS v
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others
            SELECT g.layer_id, g.scope, g.tenant, g.route, g.tokens_per_minute, g.token_burst,
                   g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
-                  g.failure_mode, g.policy_version, NULL::text AS output_estimate
+                  g.failure_mode, g.policy_version, NULL::text AS output_estimate,
+                  NULL::integer AS request_cost, NULL::boolean AS uses_concurrency
              FROM global_layer AS g
             WHERE (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
@@ -547,7 +554,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
            (SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.tokens_per_minute,
                    ll.token_burst, ll.requests_per_minute, ll.request_burst, ll.max_in_flight,
                    ll.lease_seconds, ll.failure_mode, ll.policy_version,
-                   ll.output_estimate::text
+                   ll.output_estimate::text, ll.request_cost, ll.uses_concurrency
               FROM limit_layers AS ll
              WHERE ll.scope IN ('tenant', 'route')
                AND (v.snapshot_version, v.layer_count)

@@ -22,7 +22,8 @@
 --   - limit layers: global, tenant, route, the API key's (p_key_ids: the key
 --     that asked, NULL: none), and every provider ceiling whose
 --     models match (the provider counted this usage too). Each gets its
---     reserved tokens, one request and one permit, with no limit check: the
+--     reserved tokens, the requests it counts as and its permit (the route's
+--     or tenant's request_cost and uses_concurrency), with no limit check: the
 --     work was already admitted, and a balance may go negative, to be repaid
 --     by refill, exactly like a settlement that used more than it reserved;
 --     a shared layer (global or ceiling) never below minus its burst, which
@@ -113,24 +114,24 @@ BEGIN
                        FROM lq_matching_quotas(req.tenant, req.route, req.model, req.key_id) AS q)
                    AS quota_ids,
                lq_cost(req.model, req.input_tokens, req.max_tokens, req.at) AS money,
-               coalesce((SELECT l.prepaid FROM limit_layers AS l
-                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                            AND l.route IS NULL), false) AS prepaid,
-               coalesce(req.lease,
-                        (SELECT l.lease_seconds FROM limit_layers AS l
-                          WHERE l.scope = 'route' AND l.tenant = req.tenant
-                            AND l.route = req.route),
-                        (SELECT l.lease_seconds FROM limit_layers AS l
-                          WHERE l.scope = 'tenant' AND l.tenant = req.tenant
-                            AND l.route IS NULL),
-                        120) AS lease_seconds
+               coalesce(tl.prepaid, false) AS prepaid,
+               coalesce(req.lease, rl.lease_seconds, tl.lease_seconds, 120) AS lease_seconds,
+               -- what one call counts as, as lq_admit decides it: the route's,
+               -- else the tenant's, else one request and one permit
+               coalesce(rl.request_cost, tl.request_cost, 1) AS request_cost,
+               CASE WHEN coalesce(rl.uses_concurrency, tl.uses_concurrency, true)
+                    THEN 1 ELSE 0 END AS permits
           FROM req
+               LEFT JOIN limit_layers AS tl
+                 ON tl.scope = 'tenant' AND tl.tenant = req.tenant AND tl.route IS NULL
+               LEFT JOIN limit_layers AS rl
+                 ON rl.scope = 'route' AND rl.tenant = req.tenant AND rl.route = req.route
     ), ins AS (
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                   input_tokens, input_estimated, max_tokens, reserved_tokens,
                                   policy_version, created_at, lease_seconds, lease_expires_at,
                                   idempotency_key, request_hash, outage_mode, quota_ids,
-                                  reserved_cost, credit_reserved)
+                                  reserved_cost, credit_reserved, request_cost, permits)
         SELECT p.id, p.tenant, p.route, p.model, p.layer_ids,
                p.input_tokens, p.input_estimated, p.max_tokens, p.input_tokens + p.max_tokens,
                p.policy_version, p.at, p.lease_seconds,
@@ -142,7 +143,8 @@ BEGIN
                     THEN p.idem END,
                p.request_hash, p.mode, p.quota_ids, p.money,
                -- an unpriced model holds nothing; lq_finish then charges 0
-               CASE WHEN p.prepaid THEN coalesce(p.money, 0) END
+               CASE WHEN p.prepaid THEN coalesce(p.money, 0) END,
+               p.request_cost, p.permits
           FROM placed AS p
          ORDER BY p.id
         ON CONFLICT (reservation_id) DO NOTHING
@@ -157,12 +159,13 @@ BEGIN
     END IF;
 
     -- (3) Debit the layers of the rows written now (and only those): tokens,
-    -- one request and one permit each. lq_credit_layers locks the layers in
-    -- layer_id order, after the reservation rows above.
+    -- the requests each counts as and its permit (request_cost, permits).
+    -- lq_credit_layers locks the layers in layer_id order, after the
+    -- reservation rows above.
     PERFORM lq_credit_layers(array_agg(l.layer_id),
                              array_agg(-rs.reserved_tokens::double precision),
-                             array_agg(-1::double precision),
-                             array_agg(-1))
+                             array_agg(-rs.request_cost::double precision),
+                             array_agg(-rs.permits::integer))
        FROM reservations AS rs
             CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
       WHERE rs.reservation_id = ANY (inserted);
@@ -327,13 +330,14 @@ $$;
 --                          quotas.sql)
 
 
--- A layer's permits in flight against the active reservations holding them.
+-- A layer's permits in flight against the active reservations holding them
+-- (a reservation of a call that takes no permit, uses_concurrency false, holds 0).
 CREATE OR REPLACE FUNCTION lq_audit_in_flight()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE sql STABLE
 AS $$
     WITH held AS (
-        SELECT l.layer_id, count(*) AS permits
+        SELECT l.layer_id, sum(rs.permits) AS permits
           FROM reservations AS rs
                CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
          WHERE rs.state = 'active'

@@ -107,6 +107,8 @@ SMALL_QUOTA_TOKENS = (50_000, 150_000)  # t2's, to meet its edge now and then
 # t0's limited key: a burst below its tenant's, so that it binds now and then,
 # and fewer permits; half of t0's requests are made with it.
 KEY_BURST, KEY_IN_FLIGHT, KEYED_SHARE = 9_000, 4, 0.5
+# Tenants whose calls take no in-flight permit at first (uses_concurrency false).
+NO_PERMIT_TENANTS = ("t2",)
 FIRST_CREDIT = Decimal("5.00")
 # t3 lives near an empty balance, so admission meets 402 as often as top-ups refill it.
 LEAN_TENANT, LEAN_CREDIT = "t3", Decimal("0.05")
@@ -151,6 +153,8 @@ class World:
         self.references: list[tuple[str, str, Decimal]] = []
         self.shards = 1
         self.global_burst = GLOBAL_BURSTS[0]
+        # The permits a call of each tenant takes now (its uses_concurrency).
+        self.permits = {tenant: 0 if tenant in NO_PERMIT_TENANTS else 1 for tenant in TENANTS}
         self.last_now: Any = None
         self.spool = Path(tempfile.mkdtemp(prefix="llmquota-model-spool-"))
 
@@ -189,6 +193,8 @@ class World:
                 "max_in_flight": IN_FLIGHT[1],
                 "failure_mode": FIRST_MODES[tenant],
             }
+            if tenant in NO_PERMIT_TENANTS:
+                policy["uses_concurrency"] = False
             await self._put_tenant(tenant, policy)
             self.books.layers[("tenant", tenant)] = Layer(TENANT_BURSTS[1], float(TENANT_BURSTS[1]))
             quota = SMALL_QUOTA_TOKENS[0] if tenant == "t2" else DAILY_QUOTA_TOKENS
@@ -304,6 +310,7 @@ class World:
             layers=self.books.layers_for(tenant, model, keyed=request["key_id"] is not None),
             credit_hold=cost(model, request["input_tokens"], request["max_tokens"]),
             outage=outage,
+            permits=self.permits[tenant],
         )
 
     def _usage(self, held: Held, absurd: bool) -> tuple[int, int]:
@@ -440,12 +447,17 @@ class World:
         if what == "tenant":
             tenant = self.rng.choice(TENANTS)
             burst = self.rng.choice(TENANT_BURSTS)
-            policy = {
+            policy: dict[str, Any] = {
                 "token_burst": burst,
                 "max_in_flight": self.rng.choice(IN_FLIGHT),
                 "failure_mode": self.rng.choice(("open", "local", "closed")),
             }
+            # what its calls take may change under reservations that hold permits
+            permits = 1 if self.rng.random() < 0.7 else 0
+            if not permits:
+                policy["uses_concurrency"] = False
             await self._put_tenant(tenant, policy)
+            self.permits[tenant] = permits
             self.books.set_burst(("tenant", tenant), burst)
         elif what == "global":
             self.global_burst = self.rng.choice(GLOBAL_BURSTS)
@@ -740,7 +752,7 @@ class World:
     async def _check_reservations(self) -> None:
         rows = await self.db.fetch(
             """SELECT reservation_id, tenant, layer_ids, reserved_tokens, credit_reserved,
-                      cardinality(quota_ids) AS quotas
+                      cardinality(quota_ids) AS quotas, permits
                  FROM reservations WHERE state = 'active'"""
         )
         active = {h.reservation_id: h for h in self.books.active()}
@@ -756,12 +768,19 @@ class World:
         for row in rows:
             held = active[row["reservation_id"]]
             keys = sorted(self.layer_keys.get(i, ("deleted", str(i))) for i in row["layer_ids"])
-            expected = (held.reserved, held.credit_hold, sorted(held.layers), 1)
-            got = (row["reserved_tokens"], row["credit_reserved"], keys, row["quotas"] or 0)
+            expected = (held.reserved, held.credit_hold, sorted(held.layers), 1, held.permits)
+            got = (
+                row["reserved_tokens"],
+                row["credit_reserved"],
+                keys,
+                row["quotas"] or 0,
+                row["permits"],
+            )
             if got != expected:
                 raise self.fail(
                     f"holds of {held.reservation_id} ({'outage' if held.outage else 'store'})",
-                    f"(reserved, credit held, layers, quotas) database {got}, model {expected}",
+                    f"(reserved, credit held, layers, quotas, permits) database {got}, "
+                    f"model {expected}",
                 )
 
     async def _check_ledger(self) -> None:

@@ -14,7 +14,10 @@ system promises, so the harness can compare the books after every step:
 - usage admitted by a failure mode during an outage is billed like any other
   when the journal is replayed (credits, quota, ceiling included);
 - a request made with t0's limited API key passes that key's layer too
-  (KEY), and is held, refunded and given back there like anywhere else.
+  (KEY), and is held, refunded and given back there like anywhere else;
+- a call of a tenant whose policy says `uses_concurrency: false` takes no
+  permit on any layer, and its finish frees none, whatever the policy says
+  by then (the reservation keeps what it took: `permits`).
 
 Refill is the one thing the model cannot know to the token while the clock
 runs, so layers refill at 1 token a minute and the harness compares with a
@@ -73,6 +76,7 @@ class Held:
     layers: tuple[LayerKey, ...]
     credit_hold: Decimal | None
     outage: bool = False
+    permits: int = 1  # 0: its tenant's policy said uses_concurrency false when admitted
     state: str = "active"  # active | settled | released | expired
     usage: tuple[int, int] | None = None
     late: bool = False
@@ -132,7 +136,7 @@ class Books:
         self.held[held.reservation_id] = held
         for key in held.layers:
             self.layers[key].balance -= held.reserved
-            self.layers[key].in_flight += 1
+            self.layers[key].in_flight += held.permits
         self._hold_budgets(held)
 
     def record_outage(self, held: Held) -> None:
@@ -141,7 +145,7 @@ class Books:
         self.held[held.reservation_id] = held
         for key in held.layers:
             self._credit(key, -held.reserved)
-            self.layers[key].in_flight += 1
+            self.layers[key].in_flight += held.permits
         self._hold_budgets(held)
 
     def _hold_budgets(self, held: Held) -> None:
@@ -173,7 +177,7 @@ class Books:
             for key in held.layers:
                 used = min(charged, cap) if key == GLOBAL else charged
                 self._credit(key, held.reserved - used)
-                self.layers[key].in_flight -= 1
+                self.layers[key].in_flight -= held.permits
             self._give_back_budgets(held)
             self._charge_budgets(held, input_tokens, output_tokens)
             held.state = "settled"
@@ -193,7 +197,7 @@ class Books:
         assert held.state == "active", held
         for key in held.layers:
             self._credit(key, held.reserved)
-            self.layers[key].in_flight -= 1
+            self.layers[key].in_flight -= held.permits
         self._give_back_budgets(held)
         held.state = "expired" if expired else "released"
         if expired:

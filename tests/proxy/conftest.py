@@ -51,6 +51,14 @@ async def fake() -> AsyncIterator[tuple[FakeProvider, str]]:
         yield provider, url
 
 
+@pytest.fixture
+async def second_fake() -> AsyncIterator[tuple[FakeProvider, str]]:
+    """Another fake provider, for a second upstream (UPSTREAMS_FILE)."""
+    provider = FakeProvider(words=3)
+    async with serving(provider.app()) as url:
+        yield provider, url
+
+
 def proxy_settings(fake_url: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = {
         "admin_key": ADMIN_KEY,

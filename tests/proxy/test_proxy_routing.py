@@ -4,7 +4,6 @@ through the official SDKs, each test ending on the ledger."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anthropic
@@ -12,19 +11,12 @@ import asyncpg
 import openai
 import pytest
 
-from tests.proxy.conftest import GENEROUS, ledger, serving, settled, stack_for
+from tests.proxy.conftest import GENEROUS, ledger, settled, stack_for
 from tests.proxy.fake_provider import PROMPT_TOKENS, FakeProvider, completion_tokens
 
 MESSAGES = [{"role": "user", "content": "Say something short."}]
 LOCAL_KEY = "sk-local-upstream-secret-42"
 MAIN_KEY = "sk-main-upstream-secret-42"
-
-
-@pytest.fixture
-async def second_fake() -> AsyncIterator[tuple[FakeProvider, str]]:
-    provider = FakeProvider(words=3)
-    async with serving(provider.app()) as url:
-        yield provider, url
 
 
 def upstreams_file(tmp_path: Path, main_url: str, local_url: str) -> str:

@@ -14,7 +14,9 @@ from llmquota.domain.policy import (
     MAX_LEASE_SECONDS,
     MAX_REQUESTS_PER_MINUTE,
     MAX_TOKENS_PER_MINUTE,
+    CallWeight,
     Policy,
+    call_weight,
 )
 
 FIELDS = [
@@ -125,6 +127,8 @@ def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
         "lease_seconds": 120,
         "failure_mode": "closed",
         "output_estimate": None,
+        "request_cost": None,
+        "uses_concurrency": None,
     }
     assert DEFAULT_LEASE_SECONDS == 120
     assert policy.resolved() == policy
@@ -174,3 +178,15 @@ def test_json_with_fractions_or_strings_is_rejected() -> None:
     with pytest.raises(ValidationError):
         Policy.model_validate_json('{"tokens_per_minute": NaN}')
     assert Policy.model_validate_json('{"tokens_per_minute": 100}').tokens_per_minute == 100
+
+
+def test_a_calls_weight_is_its_routes_else_its_tenants_else_one_request_and_a_permit() -> None:
+    tenant = Policy(request_cost=3, uses_concurrency=False)
+    assert call_weight({}) == CallWeight(1, 1)
+    assert call_weight({"tenant": tenant}) == CallWeight(3, 0)
+    assert call_weight({"tenant": tenant, "route": Policy()}) == CallWeight(3, 0)
+    assert call_weight({"tenant": tenant, "route": Policy(request_cost=0)}) == CallWeight(0, 0)
+    assert call_weight({"route": Policy(uses_concurrency=True), "tenant": tenant}) == (3, 1)
+    for bad in ({"request_cost": -1}, {"request_cost": 10_001}, {"uses_concurrency": 1}):
+        with pytest.raises(ValueError, match=r"request_cost|uses_concurrency"):
+            Policy(**bad)  # type: ignore[arg-type]

@@ -40,6 +40,7 @@ from llmquota.domain.local_budget import (
     LocalBudgets,
 )
 from llmquota.domain.outage_ids import is_signed_outage_id, new_outage_id
+from llmquota.domain.policy import CallWeight, call_weight
 from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
@@ -79,8 +80,8 @@ class Fallback:
         self._local: dict[LayerKey, tuple[int, LocalLayer]] = {}
         # Worker-local buckets of provider ceilings, by name, with their version.
         self._ceilings: dict[str, tuple[int, LocalLayer]] = {}
-        # The local layers each locally admitted reservation holds a permit on.
-        self._holds: dict[uuid.UUID, list[LocalLayer]] = {}
+        # The local layers each locally admitted reservation holds, and what it took.
+        self._holds: dict[uuid.UUID, tuple[list[LocalLayer], CallWeight]] = {}
         # What local admissions took of the last-known quotas and balances.
         self.budgets = LocalBudgets(local_fraction)
         # The key this worker signs its outage ids with, loaded from the store
@@ -121,11 +122,14 @@ class Fallback:
                     capacity=too_large.policy.effective_token_burst,
                 ),
             )
-        taken = self._take_local(request, mode, local, figures, now)
+        weight = call_weight({layer.scope: layer.policy for layer in layers})
+        taken = self._take_local(request, mode, local, figures, now, weight=weight)
         if isinstance(taken, FallbackDecision):
             return taken
         local_layers, hold = taken
-        return self._journal_admission(request, mode, layers, local_layers, now, hold=hold)
+        return self._journal_admission(
+            request, mode, layers, (local_layers, weight), now, hold=hold
+        )
 
     def _take_local(
         self,
@@ -134,6 +138,8 @@ class Fallback:
         local: Sequence[CachedLayer],
         figures: TenantFigures,
         now: float,
+        *,
+        weight: CallWeight,
     ) -> FallbackDecision | tuple[list[LocalLayer], BudgetHold | None]:
         """Take the request's share of each `local` layer and, for a `local`
         decision, of each ceiling, quota and prepaid balance: all or nothing.
@@ -144,7 +150,7 @@ class Fallback:
             self._ceiling_layer(ceiling, now)
             for ceiling in (budgets.ceilings_for(request.model) if local else ())
         ]
-        refusal = admit_locally(local_layers, cost, now, self.concurrency_retry_ms)
+        refusal = admit_locally(local_layers, cost, now, self.concurrency_retry_ms, weight)
         if refusal is not None:
             return FallbackDecision(
                 mode,
@@ -170,7 +176,7 @@ class Fallback:
             now=datetime.now(UTC),
         )
         if isinstance(hold, BudgetRefusal):
-            give_back_locally(local_layers, cost, 1.0, now)
+            give_back_locally(local_layers, cost, weight.requests, now, weight.permits)
             return FallbackDecision(mode, _budget_refusal(hold, request, figures))
         return local_layers, hold
 
@@ -179,15 +185,16 @@ class Fallback:
         request: AdmitRequest,
         mode: FailureMode,
         layers: Sequence[CachedLayer],
-        local_layers: list[LocalLayer],
+        held: tuple[list[LocalLayer], CallWeight],
         now: float,
         *,
         hold: BudgetHold | None,
     ) -> FallbackDecision:
         """Admit a request that passed every layer: journal it before saying yes."""
         cost = request.input_tokens + request.max_tokens
+        local_layers, weight = held
         if self.id_key is None:
-            give_back_locally(local_layers, cost, 1.0, now)
+            give_back_locally(local_layers, cost, weight.requests, now, weight.permits)
             return FallbackDecision("closed", None, "no outage id key loaded yet")
         entry = OutageEntry(
             reservation_id=new_outage_id(self.id_key),
@@ -200,10 +207,10 @@ class Fallback:
             self.journal.add(entry)
         except JournalFull as exc:
             # It could not be counted, so it is not admitted.
-            give_back_locally(local_layers, cost, 1.0, now)
+            give_back_locally(local_layers, cost, weight.requests, now, weight.permits)
             return FallbackDecision("closed", None, str(exc))
         if local_layers:
-            self._holds[entry.reservation_id] = local_layers
+            self._holds[entry.reservation_id] = held
         if hold is not None:
             self.budgets.hold(entry.reservation_id, hold)
         lease = request.lease_seconds or layers[-1].policy.lease_seconds
@@ -239,12 +246,13 @@ class Fallback:
             self._budgets_finish(entry, request)
             held = self._holds.pop(entry.reservation_id, None)
             if held:
+                local_layers, weight = held
                 if request.action == "release":
-                    credit, requests = float(entry.reserved_tokens), 1.0
+                    credit, requests = float(entry.reserved_tokens), float(weight.requests)
                 else:
                     credit = float(entry.reserved_tokens - (result.charged_tokens or 0))
                     requests = 0.0
-                give_back_locally(held, credit, requests, now)
+                give_back_locally(local_layers, credit, requests, now, weight.permits)
         return result
 
     def heartbeat(
@@ -275,7 +283,7 @@ class Fallback:
         for entry in entries:
             held = self._holds.pop(entry.reservation_id, None)
             if held:
-                give_back_locally(held, 0.0, 0.0, now)
+                give_back_locally(held[0], 0.0, 0.0, now, held[1].permits)
             self.budgets.recorded(entry.reservation_id)
 
     def _budgets_finish(self, entry: OutageEntry, request: FinishRequest) -> None:

@@ -39,7 +39,15 @@ _NOT_HERE = {"type": "null", "description": "not on this scope (null is ignored)
 _POLICY_SCOPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "/v1/policies/global": (
         "GlobalPolicyBody",
-        ("plan", "prepaid", "fallback_models", "output_estimate", "unlimited"),
+        (
+            "plan",
+            "prepaid",
+            "fallback_models",
+            "output_estimate",
+            "unlimited",
+            "request_cost",
+            "uses_concurrency",
+        ),
     ),
     "/v1/tenants/{tenant}/policy": ("TenantPolicyBody", ("shards",)),
     "/v1/tenants/{tenant}/routes/{route}/policy": (
@@ -47,13 +55,15 @@ _POLICY_SCOPES: dict[str, tuple[str, tuple[str, ...]]] = {
         ("plan", "prepaid", "shards"),
     ),
 }
-# A tenant or route policy limits something (check_limited): a limit, a plan,
-# or "unlimited": true.
+# A tenant or route policy limits something (check_limited): a limit, a weight,
+# a plan, or "unlimited": true.
 _LIMITED = {
     "anyOf": [
         present("tokens_per_minute", "integer"),
         present("requests_per_minute", "integer"),
         present("max_in_flight", "integer"),
+        present("request_cost", "integer"),
+        present("uses_concurrency", "boolean"),
         present("plan", "string"),
         {"required": ["unlimited"], "properties": {"unlimited": {"const": True}}},
     ]

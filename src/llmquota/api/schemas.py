@@ -30,6 +30,7 @@ from llmquota.domain.policy import (
     MAX_GLOBAL_SHARDS,
     MAX_IN_FLIGHT,
     MAX_LEASE_SECONDS,
+    MAX_REQUEST_COST,
     RequestRate,
     TokenRate,
 )
@@ -261,6 +262,17 @@ class PolicyBody(BaseModel):
         '{"strategy": "max_tokens"} (the default), {"strategy": "learned", "quantile": 0.95, '
         '"min_samples": 50} or {"strategy": "fixed", "tokens": N}',
     )
+    request_cost: Annotated[int, WholeNumber(ge=0, le=MAX_REQUEST_COST)] | None = Field(
+        default=None,
+        description="tenant and route policies: how many requests one call counts as on "
+        "every request-rate limit it meets (global, tenant, route, key, ceilings); 0: none "
+        "(default: the tenant's for a route, else 1)",
+    )
+    uses_concurrency: StrictBool | None = Field(
+        default=None,
+        description="tenant and route policies: whether a call takes an in-flight permit "
+        "(max_in_flight) on its layers (default: the tenant's for a route, else true)",
+    )
     unlimited: StrictBool | None = Field(
         default=None,
         description="tenant and route policies: true to store a policy with no limit and "
@@ -290,6 +302,8 @@ class PolicyResponse(BaseModel):
     prepaid: bool = False
     output_estimate: OutputEstimate | None = None
     shards: int = 1
+    request_cost: int | None = None
+    uses_concurrency: bool | None = None
 
 
 class LayerStatusResponse(BaseModel):

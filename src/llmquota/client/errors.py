@@ -78,6 +78,7 @@ def error_of(answer: Answer, not_found: type[LimiterError]) -> LimiterError:
             requested=int(error.get("requested") or 0),
             capacity=int(error.get("capacity") or 0),
             message=message,
+            limit="requests" if error.get("limit") == "requests" else "tokens",
         )
     if answer.status == 402:
         return CreditsExhausted(balance=_decimal(error.get("balance")), message=message)

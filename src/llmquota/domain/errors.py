@@ -53,11 +53,19 @@ class CreditsExhausted(LimiterError):
 
 
 class RequestTooLarge(LimiterError):
-    """The reservation exceeds a layer's token capacity: it can never fit."""
+    """The reservation exceeds a layer's token capacity (or the request's weighted
+    cost its request capacity, `limit` "requests"): it can never fit."""
 
-    def __init__(self, scope: Scope, requested: int, capacity: int, message: str) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        requested: int,
+        capacity: int,
+        message: str,
+        limit: LimitKind = "tokens",
+    ) -> None:
         super().__init__(message)
-        self.limit: LimitKind = "tokens"
+        self.limit = limit
         self.scope = scope
         self.requested = requested
         self.capacity = capacity

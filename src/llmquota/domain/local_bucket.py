@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from llmquota.domain.policy import Policy
+from llmquota.domain.policy import ONE_CALL, CallWeight, Policy
 from llmquota.domain.vocabulary import LimitKind, Scope
 
 # The wait reported for a bucket that cannot refill (about 24 days).
@@ -98,9 +98,14 @@ class LocalRefusal:
 
 
 def admit_locally(
-    layers: Sequence[LocalLayer], cost: int, now: float, concurrency_retry_ms: int
+    layers: Sequence[LocalLayer],
+    cost: int,
+    now: float,
+    concurrency_retry_ms: int,
+    weight: CallWeight = ONE_CALL,
 ) -> LocalRefusal | None:
-    """Debit `cost` tokens, one request and one permit on every layer, or refuse.
+    """Debit `cost` tokens, the call's requests and its permit (`weight`) on every
+    layer, or refuse.
 
     All or nothing: when any layer refuses, no layer is debited (but every
     bucket is refilled to `now`, which changes nothing observable).
@@ -111,10 +116,14 @@ def admit_locally(
         if layer.tokens is not None:
             layer.tokens.refill(now)
             waits.append((layer.tokens.wait_ms(cost), "tokens"))
-        if layer.requests is not None:
+        if layer.requests is not None and weight.requests:
             layer.requests.refill(now)
-            waits.append((layer.requests.wait_ms(1), "requests"))
-        if layer.max_in_flight is not None and layer.in_flight >= layer.max_in_flight:
+            waits.append((layer.requests.wait_ms(weight.requests), "requests"))
+        if (
+            weight.permits
+            and layer.max_in_flight is not None
+            and layer.in_flight >= layer.max_in_flight
+        ):
             waits.append((concurrency_retry_ms, "concurrency"))
         for wait, kind in waits:
             if wait > 0 and (best is None or wait > best.retry_after_ms):
@@ -125,13 +134,13 @@ def admit_locally(
         if layer.tokens is not None:
             layer.tokens.balance -= cost
         if layer.requests is not None:
-            layer.requests.balance -= 1
-        layer.in_flight += 1
+            layer.requests.balance -= weight.requests
+        layer.in_flight += weight.permits
     return None
 
 
 def give_back_locally(
-    layers: Sequence[LocalLayer], tokens: float, requests: float, now: float
+    layers: Sequence[LocalLayer], tokens: float, requests: float, now: float, permits: int = 1
 ) -> None:
     """Return a local reservation: credit tokens and requests, free its permit.
 
@@ -145,4 +154,4 @@ def give_back_locally(
         if layer.requests is not None:
             layer.requests.refill(now)
             layer.requests.credit(requests)
-        layer.in_flight = max(0, layer.in_flight - 1)
+        layer.in_flight = max(0, layer.in_flight - permits)

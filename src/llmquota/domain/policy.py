@@ -5,9 +5,10 @@ Pure code. A policy field left out means no limit of that kind at that layer.
 
 from __future__ import annotations
 
-from typing import Annotated, Self
+from collections.abc import Mapping
+from typing import Annotated, NamedTuple, Self
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_schemas import BURSTS_NEED_RATES
@@ -20,6 +21,8 @@ MAX_TOKENS_PER_MINUTE = 10_000_000_000
 MAX_REQUESTS_PER_MINUTE = 100_000_000
 MAX_IN_FLIGHT = 1_000_000
 MAX_LEASE_SECONDS = 86_400
+# The most requests one call may count as (request_cost).
+MAX_REQUEST_COST = 10_000
 # The most rows the global layer's budget may be split over (limit_layers_shard_check).
 MAX_GLOBAL_SHARDS = 64
 DEFAULT_LEASE_SECONDS = 120
@@ -43,6 +46,12 @@ class Policy(BaseModel):
     # What admission reserves for output (tenant, route and plan policies);
     # None: the whole max_tokens.
     output_estimate: OutputEstimate | None = None
+    # What one call counts as (tenant and route policies; seed 002's weighted
+    # cost): requests on every request-rate limit it meets (0: none), and
+    # whether it takes an in-flight permit. None: the tenant's (for a route),
+    # else 1 and true.
+    request_cost: Annotated[int, WholeNumber(ge=0, le=MAX_REQUEST_COST)] | None = None
+    uses_concurrency: StrictBool | None = None
 
     @property
     def has_limits(self) -> bool:
@@ -81,3 +90,22 @@ class Policy(BaseModel):
                 "request_burst": self.effective_request_burst,
             }
         )
+
+
+class CallWeight(NamedTuple):
+    """What one call counts as: requests on every request-rate limit, permits (1 or 0)."""
+
+    requests: int
+    permits: int
+
+
+ONE_CALL = CallWeight(1, 1)
+
+
+def call_weight(by_scope: Mapping[str, Policy]) -> CallWeight:
+    """A call's weight as lq_admit decides it, from its layers' policies by scope:
+    the route policy's, else the tenant's, else one request and one permit."""
+    chain = [by_scope[scope] for scope in ("route", "tenant") if scope in by_scope]
+    cost = next((p.request_cost for p in chain if p.request_cost is not None), 1)
+    uses = next((p.uses_concurrency for p in chain if p.uses_concurrency is not None), True)
+    return CallWeight(cost, 1 if uses else 0)

@@ -93,11 +93,13 @@ def _quota_exceeded(tenant: str, d: AdmitDecision) -> LimiterError | None:
 def _too_large(tenant: str, d: AdmitDecision) -> LimiterError | None:
     if not d.limit_scope:
         return None
+    requests = d.limit_kind == "requests"  # its request_cost, not its tokens
     return RequestTooLarge(
         scope=d.limit_scope,
-        requested=int(d.reserved_tokens or 0),
+        requested=0 if requests else int(d.reserved_tokens or 0),
         capacity=int(d.capacity or 0),
         message=refusal_message(tenant, d),
+        limit="requests" if requests else "tokens",
     )
 
 
@@ -142,9 +144,10 @@ REFUSALS: dict[str, RefusalRule] = {
         "request_too_large",
         _too_large,
         lambda d: {
-            "limit": "tokens",
+            "limit": d.limit_kind or "tokens",
             "scope": d.limit_scope,
-            "requested": d.reserved_tokens,
+            # a weighted request's cost is its policy's request_cost: not in the answer
+            "requested": None if d.limit_kind == "requests" else d.reserved_tokens,
             "capacity": d.capacity,
             **refusal_details(d),
         },

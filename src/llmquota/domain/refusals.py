@@ -39,6 +39,12 @@ def refusal_message(tenant: str, d: AdmitDecision) -> str:
             f"Model {d.model!r} has no price, and a cost quota or a prepaid balance of tenant "
             f"{tenant} applies to it; set its price (llmquota prices set) first."
         )
+    if d.status == "too_large" and d.limit_kind == "requests":
+        return (
+            f"Each request of tenant {tenant} here counts as more requests (its policy's "
+            f"request_cost) than the {d.limit_scope} request capacity, {d.capacity}; it can "
+            f"never fit. Lower request_cost or raise request_burst."
+        )
     if d.status == "too_large":
         return (
             f"Request reserves {d.reserved_tokens} tokens but the {d.limit_scope} token "

@@ -287,6 +287,8 @@ class Store:
             list(fallback_models),
             _estimate_json(p),
             None if if_match is None else list(if_match),
+            p.request_cost,
+            p.uses_concurrency,
             deadline_seconds=deadline_seconds,
         )
         if not rows:
@@ -397,6 +399,8 @@ def _policy_from_row(row: asyncpg.Record) -> Policy:
         lease_seconds=row["lease_seconds"],
         failure_mode=row["failure_mode"],
         output_estimate=parse_output_estimate(row.get("output_estimate")),
+        request_cost=row.get("request_cost"),
+        uses_concurrency=row.get("uses_concurrency"),
     )
 
 

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse
 
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
-from llmquota.admission.reservation import Reservation
-from llmquota.api.auth import Caller, Forbidden
+from llmquota.api.auth import Caller
 from llmquota.api.fairness import RELEASE_EARLY
+from llmquota.api.proxy.admission import admit_proxied
 from llmquota.api.proxy.callers import proxy_caller
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics
@@ -47,7 +47,6 @@ from llmquota.api.proxy.wire import (
     error_response,
     kind_of,
     limit_headers,
-    refusal,
 )
 from llmquota.domain.errors import InvalidRequest, LimiterError, StoreUnavailable
 from llmquota.domain.json_limits import loads_bounded
@@ -120,64 +119,31 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         read = await _read(endpoint, request)
         if isinstance(read, Response):
             return read
-        caller, parsed, upstream = read
-        exchange = await _admit(kind, request, caller, parsed)
+        caller, parsed, _upstream = read
+        admitted = await admit_proxied(kind, request, caller, parsed, await request.body())
     except BadProxyRequest as exc:
         return error_response(kind, exc.status, str(exc), param=exc.param)
     except StoreUnavailable as exc:
         return error_response(kind, 503, str(exc), headers={"retry-after": "1"})
-    if isinstance(exchange, Response):
-        return exchange
+    if isinstance(admitted, Response):
+        return admitted
     # Admitted: from here the tenant's max_in_flight bounds it, not the worker's fair share.
     release_fair_share = request.scope.get(RELEASE_EARLY)
     if release_fair_share is not None:
         release_fair_share()
-    headers = limit_headers(kind, exchange.decision)
+    exchange, parsed = admitted.exchange, admitted.parsed
+    headers = limit_headers(kind, exchange.decision) | admitted.headers
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
     try:
-        call = Call(proxy, upstream, endpoint, request, exchange, headers)
+        call = Call(
+            proxy, admitted.upstream, endpoint, request, exchange, headers, admitted.content
+        )
         return await (_stream(call, parsed) if parsed.stream else _complete(call))
     finally:
         if not exchange.handed_over:
             # A no-op once settled; after any failure, nothing was produced for the client.
             await asyncio.shield(exchange.release())
-
-
-async def _admit(
-    kind: Kind, request: Request, caller: Caller, parsed: ProxyRequest
-) -> Exchange | Response:
-    """Count and decide (with the key's own limits); the refusal to answer, or the
-    admitted exchange."""
-    limiter: Limiter = request.app.state.limiter
-    tenant = str(caller.tenant)
-    try:
-        prepared = await limiter.prepare_off_loop(
-            tenant=tenant,
-            route=request.headers.get("llmquota-route"),
-            model=parsed.model,
-            max_tokens=parsed.max_tokens,
-            max_tokens_given=parsed.max_tokens_given,
-            messages=parsed.messages,
-            input_tokens=parsed.input_tokens,
-            # The body goes upstream as the client wrote it, model included:
-            # a fallback admitted here would be billed as a model never called.
-            degrade=False,
-        )
-        prepared = caller.admitting(prepared)
-    except InvalidRequest as exc:
-        raise BadProxyRequest(400, str(exc)) from None
-    except Forbidden as exc:
-        return error_response(kind, 403, str(exc), param="model")
-    admission = await limiter.decide(prepared)
-    refused = refusal(kind, tenant, admission.decision)
-    if refused is not None:
-        return refused
-    if admission.decision.status != "admitted":
-        return error_response(kind, 403, f"tenant {tenant!r} has no policy in llmquota")
-    # Fenced: the stream's heartbeats come from a task of their own.
-    reservation = Reservation(limiter, tenant, admission, fence=True)
-    return Exchange(reservation, parsed.model, limiter.settings.estimate_factors)
 
 
 async def _count_tokens(request: Request) -> Response:
@@ -303,6 +269,7 @@ class Call:
     request: Request
     exchange: Exchange
     headers: dict[str, str]
+    content: bytes  # the body as it goes upstream (the admitted model's)
 
     def metrics(self) -> CallMetrics:
         """The observations of the upstream call about to be sent, timed from now."""
@@ -352,7 +319,7 @@ def _retry_after_seconds(headers: httpx.Headers) -> float | None:
 async def _complete(call: Call) -> Response:
     """Forward a whole request; pass the provider's body through unchanged."""
     kind, upstream, headers = call.upstream.kind, call.upstream, call.headers
-    outgoing, calls = call.outgoing(await call.request.body()), call.metrics()
+    outgoing, calls = call.outgoing(call.content), call.metrics()
     try:
         slot = await call.connection()
     except PoolRefusal as exc:
@@ -394,7 +361,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         # Ask for the usage chunk to settle by, and keep it from a client that did not.
         body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
         hold_back = True
-    content = json.dumps(body).encode() if hold_back else await call.request.body()
+    content = json.dumps(body).encode() if hold_back else call.content
     outgoing, calls = call.outgoing(content), call.metrics()
     try:
         slot = await call.connection()

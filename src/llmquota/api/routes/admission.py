@@ -32,6 +32,7 @@ from llmquota.admission.reservation import Admission
 from llmquota.admission.waiting import ClientLeft
 from llmquota.api.auth import Caller
 from llmquota.api.dependencies import CallerDep, LimiterDep, error_responses
+from llmquota.api.disconnect import CLIENT_CLOSED_REQUEST, client_left
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.headers import decision_headers
 from llmquota.api.refusals import refusal_cause, refusal_response
@@ -52,9 +53,6 @@ from llmquota.domain.vocabulary import Priority, lowered_from
 
 router = APIRouter(tags=["admission"])
 
-# The status logged for a waiting admission whose client hung up (nginx's
-# convention); nobody receives it.
-CLIENT_CLOSED_REQUEST = 499
 JSON_MEDIA_TYPE = "application/json"
 
 
@@ -83,7 +81,7 @@ async def admit_answer(
             waited = await limiter.waiting.decide(
                 prepared,
                 body.max_wait_ms,
-                left=_client_left(receive),
+                left=client_left(receive),
                 on_queued=scope.get(RELEASE_EARLY),
             )
         except ClientLeft:
@@ -155,16 +153,6 @@ async def count_tokens(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) 
             strategy=counted.output_strategy, tokens=reserved - counted.input_tokens
         ),
     )
-
-
-async def _client_left(receive: Receive) -> None:
-    """Return when the client disconnects.
-
-    The body is read by now, so the next message of the receive channel is
-    the disconnect (uvicorn also answers it once the response is sent).
-    """
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _admitted(

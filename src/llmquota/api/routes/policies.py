@@ -46,9 +46,17 @@ def policy_response(stored: StoredPolicy) -> PolicyResponse:
     )
 
 
-# The fields that limit something: a tenant or route policy sets one, names a plan,
-# or says "unlimited": true (a body of none is a mistake more often than a wish).
-LIMIT_FIELDS = ("tokens_per_minute", "requests_per_minute", "max_in_flight")
+# The fields that limit something: a tenant or route policy sets one (or says
+# what its calls count as on the layers above: request_cost, uses_concurrency),
+# names a plan, or says "unlimited": true (a body of none is a mistake more
+# often than a wish).
+LIMIT_FIELDS = (
+    "tokens_per_minute",
+    "requests_per_minute",
+    "max_in_flight",
+    "request_cost",
+    "uses_concurrency",
+)
 
 
 def check_limited(scope: Scope, body: PolicyBody) -> None:
@@ -57,8 +65,9 @@ def check_limited(scope: Scope, body: PolicyBody) -> None:
         return
     if all(getattr(body, name) is None for name in LIMIT_FIELDS):
         raise InvalidRequest(
-            "body: sets no limit (tokens_per_minute, requests_per_minute or max_in_flight) "
-            'and no plan; say "unlimited": true for a layer without limits'
+            "body: sets no limit (tokens_per_minute, requests_per_minute or max_in_flight), "
+            'no request_cost or uses_concurrency and no plan; say "unlimited": true for a '
+            "layer without limits"
         )
 
 
@@ -90,6 +99,11 @@ async def put_policy(
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
     if body.output_estimate is not None and scope == "global":
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
+    if scope == "global" and (body.request_cost is not None or body.uses_concurrency is not None):
+        raise InvalidRequest(
+            "request_cost, uses_concurrency: set them on a tenant or a route (what its calls "
+            "count as on every layer they meet, the global one included)"
+        )
     if body.shards is not None and scope != "global":
         raise InvalidRequest("shards: only the global policy is sharded")
     check_limited(scope, body)
