@@ -17,8 +17,10 @@ import asyncpg
 import openai
 import pytest
 
+from llmquota.api.proxy.metrics import SERVING_PATHS
 from tests.proxy.conftest import GENEROUS, Stack, ledger, settled, stack_for
 from tests.proxy.fake_provider import FakeProvider
+from tests.proxy.test_proxy_metrics import scrape, value
 from tests.proxy.test_proxy_routing import MAIN_KEY, upstreams_file
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -60,6 +62,10 @@ async def test_the_policys_fallback_serves_a_refused_model(
     assert text
     assert stack.fake.requests[-1]["model"] == "gpt-4o-mini"
     assert [r["model"] for r in await settled(db, 2)] == ["gpt-4o-mini", "gpt-4o-mini"]
+    samples = await scrape(stack)
+    assert value(samples, "llmquota_serving_path_total", path="fallback_model") == 2
+    assert value(samples, "llmquota_serving_path_total", path="primary") == 0
+    assert value(samples, "llmquota_serving_path_seconds_count", path="fallback_model") == 2
 
 
 async def test_the_clients_fallbacks_and_opting_out(stack: Stack, db: asyncpg.Connection) -> None:
@@ -141,6 +147,9 @@ async def test_a_proxy_request_waits_for_a_permit(stack: Stack, db: asyncpg.Conn
     assert int(raw.headers["llmquota-waited-ms"]) > 0
     rows = await settled(db, 2)
     assert len(rows) == 2
+    samples = await scrape(stack)
+    paths = {p: value(samples, "llmquota_serving_path_total", path=p) for p in SERVING_PATHS}
+    assert paths == {"primary": 1, "fallback_model": 0, "queued": 1, "rejected": 1}
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model="gpt-4o",

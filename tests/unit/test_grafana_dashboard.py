@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
@@ -33,13 +34,18 @@ DASHBOARD_FAMILIES = {
     "llmquota_decision_seconds",
     "llmquota_waiting_admissions",
     "llmquota_wait_seconds",
+    # proxy mode's serving paths (issue 23): fallback vs reject, latency by path
+    "llmquota_serving_path",
+    "llmquota_serving_path_seconds",
 }
 
 
 def _exported() -> dict[str, str]:
     """Every sample name the registry can expose -> its family's name."""
     names: dict[str, str] = {}
-    for family in Metrics().registry.collect():
+    metrics = Metrics()
+    ProxyMetrics(metrics.registry)  # on the same registry, as api/app.py builds it
+    for family in metrics.registry.collect():
         for suffix in SUFFIXES[family.type]:
             names[family.name + suffix] = family.name
     return names

@@ -30,10 +30,12 @@ from llmquota.api.auth import Caller, Forbidden
 from llmquota.api.disconnect import CLIENT_CLOSED_REQUEST, client_left
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange
+from llmquota.api.proxy.metrics import ServingPath
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.upstream import Proxy, Upstream, unserved_model
 from llmquota.api.proxy.wire import Kind, error_response, refusal
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.refusal_table import REFUSALS
 
 FALLBACKS_HEADER = "llmquota-fallback-models"
 DEGRADE_HEADER = "llmquota-degrade"
@@ -51,13 +53,21 @@ class Admitted:
     upstream: Upstream
     content: bytes
     headers: dict[str, str]
+    path: ServingPath
 
 
 async def admit_proxied(
-    kind: Kind, request: Request, caller: Caller, parsed: ProxyRequest, raw: bytes
+    kind: Kind,
+    request: Request,
+    caller: Caller,
+    parsed: ProxyRequest,
+    raw: bytes,
+    *,
+    started: float,
 ) -> Admitted | Response:
     """Count and decide (the key's own limits, fallbacks, waiting); the refusal to
-    answer, or the admitted request. Raises BadProxyRequest for a bad header."""
+    answer (counted as serving path `rejected`, timed from `started`), or the
+    admitted request. Raises BadProxyRequest for a bad header."""
     limiter: Limiter = request.app.state.limiter
     tenant = str(caller.tenant)
     fallbacks = _fallbacks(kind, request.app.state.proxy, request)
@@ -82,6 +92,7 @@ async def admit_proxied(
     except Forbidden as exc:
         return error_response(kind, 403, str(exc), param="model")
     headers: dict[str, str] = {}
+    waited_ms = 0
     if max_wait_ms:
         try:
             waited = await limiter.waiting.decide(
@@ -92,14 +103,22 @@ async def admit_proxied(
             )
         except ClientLeft:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        admission = waited.admission
+        admission, waited_ms = waited.admission, waited.waited_ms
         if waited.waited_ms:
             headers["llmquota-waited-ms"] = str(waited.waited_ms)
         if waited.queue_full:
             headers["llmquota-wait-queue"] = "full"
     else:
         admission = await limiter.decide(prepared)
-    return await _admitted(kind, request, tenant, parsed, raw, admission=admission, headers=headers)
+    admitted = await _admitted(
+        kind, request, tenant, parsed, raw, admission=admission, headers=headers
+    )
+    if isinstance(admitted, Admitted) and waited_ms and admitted.path == "primary":
+        admitted = dataclasses.replace(admitted, path="queued")
+    elif admission.decision.status in REFUSALS:
+        proxy: Proxy = request.app.state.proxy
+        proxy.metrics.served("rejected", started)
+    return admitted
 
 
 async def _admitted(
@@ -134,12 +153,14 @@ async def _admitted(
         assert answer is not None
         return answer
     content = raw
+    path: ServingPath = "primary"
     if model != parsed.model:
+        path = "fallback_model"
         headers["llmquota-degraded-from"] = parsed.model
         parsed = dataclasses.replace(parsed, body={**parsed.body, "model": model}, model=model)
         content = json.dumps(parsed.body).encode()
     exchange = Exchange(reservation, model, limiter.settings.estimate_factors)
-    return Admitted(exchange, parsed, upstream, content, headers)
+    return Admitted(exchange, parsed, upstream, content, headers, path)
 
 
 def _fallbacks(kind: Kind, proxy: Proxy, request: Request) -> list[str] | None:

@@ -13,6 +13,7 @@ event inside a stream).
 from __future__ import annotations
 
 import time
+from typing import Literal, get_args
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -21,6 +22,12 @@ from llmquota.api.proxy.wire import Endpoint, Kind
 
 UPSTREAM_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
+
+# How a proxied request was served (seed 001's serving paths): as asked
+# (`primary`), as a fallback model (`fallback_model`), after waiting for room
+# (`queued`), or not at all, refused by a limit (`rejected`).
+ServingPath = Literal["primary", "fallback_model", "queued", "rejected"]
+SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 
 
 class ProxyMetrics:
@@ -63,11 +70,33 @@ class ProxyMetrics:
             ["provider"],
             registry=registry,
         )
+        self.serving_paths = Counter(
+            "llmquota_serving_path",
+            "Proxied requests by how they were served: primary, fallback_model (degraded), "
+            "queued (admitted after waiting for room), rejected (refused by a limit)",
+            ["path"],
+            registry=registry,
+        )
+        self.serving_seconds = Histogram(
+            "llmquota_serving_path_seconds",
+            "Proxied requests: time from arrival to the answer's head, by serving path",
+            ["path"],
+            buckets=UPSTREAM_BUCKETS_SECONDS,
+            registry=registry,
+        )
+        for path in SERVING_PATHS:  # every path reads 0 before its first request
+            self.serving_paths.labels(path)
+            self.serving_seconds.labels(path)
         self.drains_in_progress = Gauge(
             "llmquota_proxy_drains_in_progress",
             "Streams whose client hung up, still read to the provider's final usage",
             registry=registry,
         )
+
+    def served(self, path: ServingPath, started: float) -> None:
+        """One proxied request answered by `path`, `started` at time.perf_counter()."""
+        self.serving_paths.labels(path).inc()
+        self.serving_seconds.labels(path).observe(time.perf_counter() - started)
 
     def call(self, provider: Kind, endpoint: Endpoint) -> CallMetrics:
         """The observations of one upstream call, timed from now."""

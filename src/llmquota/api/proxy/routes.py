@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -115,12 +116,14 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     """Authenticate, read, route, admit, then forward (or answer why not)."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
+    started = time.perf_counter()
     try:
         read = await _read(endpoint, request)
         if isinstance(read, Response):
             return read
         caller, parsed, _upstream = read
-        admitted = await admit_proxied(kind, request, caller, parsed, await request.body())
+        body = await request.body()
+        admitted = await admit_proxied(kind, request, caller, parsed, body, started=started)
     except BadProxyRequest as exc:
         return error_response(kind, exc.status, str(exc), param=exc.param)
     except StoreUnavailable as exc:
@@ -139,7 +142,9 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         call = Call(
             proxy, admitted.upstream, endpoint, request, exchange, headers, admitted.content
         )
-        return await (_stream(call, parsed) if parsed.stream else _complete(call))
+        answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
+        proxy.metrics.served(admitted.path, started)
+        return answer
     finally:
         if not exchange.handed_over:
             # A no-op once settled; after any failure, nothing was produced for the client.
