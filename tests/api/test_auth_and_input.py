@@ -97,6 +97,8 @@ async def test_policy_round_trip_and_defaults(
         "prepaid": False,
         "output_estimate": None,
         "shards": 1,
+        "request_cost": None,
+        "uses_concurrency": None,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",

@@ -35,6 +35,7 @@ from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.upstream import Proxy, Upstream, unserved_model
 from llmquota.api.proxy.wire import Kind, error_response, refusal
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.records import AdmitRequest
 from llmquota.domain.refusal_table import REFUSALS
 
 FALLBACKS_HEADER = "llmquota-fallback-models"
@@ -92,24 +93,10 @@ async def admit_proxied(
     except Forbidden as exc:
         return error_response(kind, 403, str(exc), param="model")
     headers: dict[str, str] = {}
-    waited_ms = 0
-    if max_wait_ms:
-        try:
-            waited = await limiter.waiting.decide(
-                prepared,
-                max_wait_ms,
-                left=client_left(request.receive),
-                on_queued=request.scope.get(RELEASE_EARLY),
-            )
-        except ClientLeft:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        admission, waited_ms = waited.admission, waited.waited_ms
-        if waited.waited_ms:
-            headers["llmquota-waited-ms"] = str(waited.waited_ms)
-        if waited.queue_full:
-            headers["llmquota-wait-queue"] = "full"
-    else:
-        admission = await limiter.decide(prepared)
+    decided = await _decide(limiter, prepared, request, max_wait_ms, headers)
+    if isinstance(decided, Response):
+        return decided
+    admission, waited_ms = decided
     admitted = await _admitted(
         kind, request, tenant, parsed, raw, admission=admission, headers=headers
     )
@@ -119,6 +106,33 @@ async def admit_proxied(
         proxy: Proxy = request.app.state.proxy
         proxy.metrics.served("rejected", started)
     return admitted
+
+
+async def _decide(
+    limiter: Limiter,
+    prepared: AdmitRequest,
+    request: Request,
+    max_wait_ms: int | None,
+    headers: dict[str, str],
+) -> tuple[Admission, int] | Response:
+    """The decision and how long it waited for room (adding the waiting's headers);
+    or, for a client that left while waiting, the answer nobody reads."""
+    if not max_wait_ms:
+        return await limiter.decide(prepared), 0
+    try:
+        waited = await limiter.waiting.decide(
+            prepared,
+            max_wait_ms,
+            left=client_left(request.receive),
+            on_queued=request.scope.get(RELEASE_EARLY),
+        )
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if waited.waited_ms:
+        headers["llmquota-waited-ms"] = str(waited.waited_ms)
+    if waited.queue_full:
+        headers["llmquota-wait-queue"] = "full"
+    return waited.admission, waited.waited_ms
 
 
 async def _admitted(
