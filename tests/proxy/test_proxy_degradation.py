@@ -21,7 +21,7 @@ from llmquota.api.proxy.metrics import SERVING_PATHS
 from tests.proxy.conftest import GENEROUS, Stack, ledger, settled, stack_for
 from tests.proxy.fake_provider import FakeProvider
 from tests.proxy.test_proxy_metrics import scrape, value
-from tests.proxy.test_proxy_routing import MAIN_KEY, upstreams_file
+from tests.proxy.test_proxy_routing import upstreams_file_only
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 
@@ -171,11 +171,8 @@ async def test_a_fallback_served_by_another_upstream_goes_there(
     # gpt-4o is served by "main", llama-* by "local" (UPSTREAMS_FILE): the
     # fallback's body goes to the upstream that serves it. A fallback nobody
     # serves is the client's 400; a policy default nobody serves is not used.
-    monkeypatch.setenv("LQ_PROXY_TEST_MAIN_KEY", MAIN_KEY)
-    path = upstreams_file(tmp_path, fake[1], second_fake[1])
-    unset = {"openai_base_url": None, "openai_api_key": None}
-    unset |= {"anthropic_base_url": None, "anthropic_api_key": None}
-    async with stack_for(fake, database_dsn, GENEROUS, upstreams_file=path, **unset) as stack:
+    settings = upstreams_file_only(tmp_path, fake[1], second_fake[1], monkeypatch)
+    async with stack_for(fake, database_dsn, GENEROUS, **settings) as stack:
         ceiling = await stack.admin.put(
             "/v1/ceilings/gpt4o",
             json={"models": ["gpt-4o"], "tokens_per_minute": 1, "token_burst": 5},

@@ -5,6 +5,7 @@ through the official SDKs, each test ending on the ledger."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import asyncpg
@@ -51,6 +52,17 @@ models = ["claude-sonnet-4*"]
     return str(path)
 
 
+def upstreams_file_only(
+    tmp_path: Path, main_url: str, local_url: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, Any]:
+    """Settings that serve from upstreams_file alone (the simple variables unset),
+    with main's key in the environment variable the file names."""
+    monkeypatch.setenv("LQ_PROXY_TEST_MAIN_KEY", MAIN_KEY)
+    unset = {"openai_base_url": None, "openai_api_key": None}
+    unset |= {"anthropic_base_url": None, "anthropic_api_key": None}
+    return {"upstreams_file": upstreams_file(tmp_path, main_url, local_url), **unset}
+
+
 async def test_models_go_to_the_upstream_that_lists_them_with_its_own_key(
     fake: tuple[FakeProvider, str],
     *,
@@ -60,12 +72,9 @@ async def test_models_go_to_the_upstream_that_lists_them_with_its_own_key(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("LQ_PROXY_TEST_MAIN_KEY", MAIN_KEY)
     main, local = fake[0], second_fake[0]
-    path = upstreams_file(tmp_path, fake[1], second_fake[1])
-    unset = {"openai_base_url": None, "openai_api_key": None}
-    unset |= {"anthropic_base_url": None, "anthropic_api_key": None}
-    async with stack_for(fake, database_dsn, GENEROUS, upstreams_file=path, **unset) as stack:
+    settings = upstreams_file_only(tmp_path, fake[1], second_fake[1], monkeypatch)
+    async with stack_for(fake, database_dsn, GENEROUS, **settings) as stack:
         client = stack.openai()
         to_main = await client.chat.completions.create(
             model="gpt-4o-2024-08-06", messages=MESSAGES, max_tokens=20
