@@ -184,9 +184,13 @@ $$;
 -- migration 0008); the admin service validated them, and the alert
 -- settings (migration 0023: NULL alert_at is the ladder's steps, NULL
 -- hysteresis and quiet time the workers' settings).
--- p_alert_at, p_alert_hysteresis and p_alert_quiet_seconds were added (ceiling alerts).
+-- p_alert_at, p_alert_hysteresis and p_alert_quiet_seconds were added (ceiling alerts),
+-- then p_shed_queue_ms (migration 0025: each step's wait for room, NULL: none).
 DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
                                        double precision[], smallint[], bigint[]);
+DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
+                                       double precision[], smallint[], bigint[], numeric[],
+                                       double precision, double precision);
 CREATE OR REPLACE FUNCTION lq_put_ceiling(
     p_ceiling             text,
     p_models              text[],
@@ -200,18 +204,19 @@ CREATE OR REPLACE FUNCTION lq_put_ceiling(
     p_shed_small          bigint[],
     p_alert_at            numeric[] DEFAULT NULL,
     p_alert_hysteresis    double precision DEFAULT NULL,
-    p_alert_quiet_seconds double precision DEFAULT NULL
+    p_alert_quiet_seconds double precision DEFAULT NULL,
+    p_shed_queue_ms       integer[] DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE sql
 AS $$
     INSERT INTO limit_layers AS l (scope, ceiling, models, model_patterns, tokens_per_minute,
                                    token_burst, requests_per_minute, request_burst,
                                    max_in_flight, shed_above, shed_admit, shed_small,
-                                   alert_at, alert_hysteresis, alert_quiet_seconds,
-                                   tokens, requests)
+                                   shed_queue_ms, alert_at, alert_hysteresis,
+                                   alert_quiet_seconds, tokens, requests)
     VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
             p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
-            p_alert_at, p_alert_hysteresis, p_alert_quiet_seconds,
+            p_shed_queue_ms, p_alert_at, p_alert_hysteresis, p_alert_quiet_seconds,
             p_tburst, p_rburst)
     ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET models = excluded.models,
@@ -224,6 +229,7 @@ AS $$
            shed_above = excluded.shed_above,
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,
+           shed_queue_ms = excluded.shed_queue_ms,
            alert_at = excluded.alert_at,
            alert_hysteresis = excluded.alert_hysteresis,
            alert_quiet_seconds = excluded.alert_quiet_seconds,

@@ -173,12 +173,13 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
 
 -- put_ceiling --
 -- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
--- $11 is the If-Match list, as put_plan's; $12 to $14 the alert settings.
+-- $11 is the If-Match list, as put_plan's; $12 to $14 the alert settings, $15
+-- the ladder's queue steps.
 SELECT CASE WHEN g.ok THEN
             lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint,
                            $6::bigint, $7::integer, $8::float8[], $9::smallint[],
                            $10::bigint[], $12::numeric[], $13::float8,
-                           $14::float8) END AS policy_version,
+                           $14::float8, $15::integer[]) END AS policy_version,
        g.ok AS precondition_met
   FROM (SELECT lq_named_precondition('ceiling', $1::text, $11::text[]) AS ok OFFSET 0) AS g
 
@@ -192,7 +193,7 @@ WITH clock AS (
 )
 SELECT l.ceiling, l.models, l.tokens_per_minute, l.token_burst, l.requests_per_minute,
        l.request_burst, l.max_in_flight, l.shed_above, l.shed_admit, l.shed_small,
-       l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.policy_version, l.in_flight,
+       l.shed_queue_ms, l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.policy_version, l.in_flight,
        lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, c.ts) AS tokens,
        lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at, c.ts)
            AS requests,
@@ -571,14 +572,22 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
 -- current window used (reserved + charged; a key's quotas are not decided
 -- locally, only recorded at replay); 'credits': a prepaid tenant and
 -- its available balance (balance - reserved, 0 without an account),
--- 'price': a model's price in force. At most $1 rows of each kind.
+-- 'price': a model's price in force. At most $1 rows of each kind. A
+-- ceiling's `ladder`, when a step of it queues (migration 0025), is its steps
+-- as [above, admit mask, small_request_tokens, queue_ms] arrays: a worker
+-- reads from it how long a shed request may wait (admission/ladder_queue.py).
 (SELECT 'ceiling'::text AS kind, ll.ceiling AS name, NULL::text AS tenant, NULL::text AS route,
         ll.model_patterns AS patterns, ll.tokens_per_minute, ll.token_burst,
         ll.requests_per_minute, ll.request_burst, ll.max_in_flight, ll.policy_version,
         NULL::bigint AS quota_id, NULL::bigint AS tokens_limit, NULL::numeric AS cost_limit,
         NULL::bigint AS used_tokens, NULL::numeric AS used_cost,
         NULL::timestamptz AS window_end, NULL::numeric AS available,
-        NULL::numeric AS price_in, NULL::numeric AS price_out
+        NULL::numeric AS price_in, NULL::numeric AS price_out,
+        CASE WHEN ll.shed_queue_ms IS NOT NULL THEN
+            (SELECT jsonb_agg(jsonb_build_array(s.above, s.admit, s.small, s.queue_ms)
+                              ORDER BY s.o)
+               FROM unnest(ll.shed_above, ll.shed_admit, ll.shed_small, ll.shed_queue_ms)
+                    WITH ORDINALITY AS s(above, admit, small, queue_ms, o)) END AS ladder
    FROM limit_layers AS ll
   WHERE ll.scope = 'ceiling'
   ORDER BY ll.layer_id
@@ -587,7 +596,7 @@ UNION ALL
 (SELECT 'quota', q.name, q.tenant, q.route, q.model_patterns, NULL, NULL, NULL, NULL, NULL,
         NULL, q.quota_id, q.tokens, q.cost,
         coalesce(w.reserved_tokens + w.charged_tokens, 0),
-        coalesce(w.reserved_cost + w.charged_cost, 0), cw.window_end, NULL, NULL, NULL
+        coalesce(w.reserved_cost + w.charged_cost, 0), cw.window_end, NULL, NULL, NULL, NULL
    FROM quotas AS q
         CROSS JOIN LATERAL lq_quota_window(q.period, q.timezone, clock_timestamp()) AS cw
         LEFT JOIN quota_windows AS w
@@ -597,7 +606,7 @@ UNION ALL
   LIMIT $1::integer)
 UNION ALL
 (SELECT 'credits', NULL, ll.tenant, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-        NULL, NULL, NULL, NULL, coalesce(ca.balance - ca.reserved, 0), NULL, NULL
+        NULL, NULL, NULL, NULL, coalesce(ca.balance - ca.reserved, 0), NULL, NULL, NULL
    FROM limit_layers AS ll
         LEFT JOIN credit_accounts AS ca ON ca.tenant = ll.tenant
   WHERE ll.scope = 'tenant' AND ll.prepaid
@@ -606,7 +615,7 @@ UNION ALL
 UNION ALL
 (SELECT DISTINCT ON (mp.model) 'price', mp.model, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, mp.input_usd_per_million,
-        mp.output_usd_per_million
+        mp.output_usd_per_million, NULL
    FROM model_prices AS mp
   WHERE mp.effective_from <= clock_timestamp()
   ORDER BY mp.model, mp.effective_from DESC

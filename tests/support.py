@@ -1,12 +1,17 @@
-"""Helpers shared by the ledger, report and CLI tests (no fixtures here)."""
+"""Helpers shared by the tests (no fixtures here)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
+
+if TYPE_CHECKING:
+    from llmquota.admission.limiter import Limiter
 
 APP_ROLE = "llmquota_app"
 REPORTING_ROLE = "llmquota_reporting"
@@ -41,3 +46,12 @@ def run_cli(
             f"stdout: {result.stdout}\nstderr: {result.stderr}"
         )
     return result
+
+
+async def queued(limiter: Limiter, tenant: str, waiters: int = 1) -> None:
+    """Wait until `tenant` has `waiters` admissions waiting in this worker's queues."""
+    for _ in range(200):
+        if limiter.waiting.waiting(tenant) == waiters:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"{tenant} never had {waiters} waiting")

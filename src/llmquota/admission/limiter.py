@@ -14,11 +14,10 @@ it answers again; no restart is needed (recovery.py).
 
 Concurrent admissions of one process are coalesced into batch statements
 (batching.py), and so are settlements and releases, which share one batch:
-the SQL decides a batch exactly as it would decide its requests one by one
-in arrival order, so callers see the same answers, only sooner.
-
-A tenant's repeat requests past its limit are refused from memory for a
-moment (refusals.py); a caller that would rather wait passes `max_wait_ms`
+the SQL decides a batch exactly as one by one in arrival order, so callers
+see the same answers, only sooner. A tenant's repeat requests past its limit
+are refused from memory for a moment (refusals.py); a caller that would
+rather wait passes `max_wait_ms`, and a ladder step may queue what it sheds
 (waiting.py).
 """
 
@@ -101,11 +100,13 @@ class Limiter:
         # Releases of admissions whose caller was cancelled or left.
         self.orphans = BackgroundReleases(self.release)
         self.waiting = WaitQueue(
-            functools.partial(self.decide, answer=False),
+            functools.partial(self.decide, answer=False, recall=False),
             self.orphans,
             self.metrics,
             cap_ms=settings.max_wait_ms_cap,
             max_per_tenant=settings.tenant_max_waiting_for_room,
+            decide_first=functools.partial(self.decide, answer=False, recall=True),
+            ladder_of=self.policies.ladder_of,
         )
         self._admissions: Coalescer[AdmitRequest, AdmitDecision] | None = None
         self._finishes: Coalescer[FinishRequest, FinishResult] | None = None
@@ -150,16 +151,14 @@ class Limiter:
         try:
             await limiter.refresh_policies()
         except Exception:
-            # The cache only matters during an outage: without it every layer
-            # counts as closed, so a limiter that cannot load it still decides.
+            # Only an outage needs it (without it every layer counts as closed).
             log.warning("could not load the policy cache at start; will retry", exc_info=True)
         if len(limiter.journal):
             limiter.outage.ensure_recovery()  # entries adopted from a stopped worker's spool
         return limiter
 
     async def close(self) -> None:
-        """Let gathered batches finish, record the outage journal if the store
-        answers, then close the pool."""
+        """Finish gathered batches, record the outage journal if it can, close the pool."""
         if self._admissions is not None:
             await self._admissions.close()
         await self.orphans.close()
@@ -207,23 +206,24 @@ class Limiter:
     async def _finish_statement(self, requests: list[FinishRequest]) -> list[FinishResult]:
         return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
 
-    async def decide(self, request: AdmitRequest, *, answer: bool = True) -> Admission:
+    async def decide(
+        self, request: AdmitRequest, *, answer: bool = True, recall: bool = True
+    ) -> Admission:
         """One admission decision; refusals are returned, not raised.
 
-        Concurrent calls share one statement (see batching.py); the answer is
-        the one deciding the requests one by one in arrival order would give.
-        Raises StoreUnavailable only when the store cannot decide in time and
-        the failure mode of some layer is `closed` (or nothing is cached).
-        A caller that gives up while its batch is in flight loses nothing: an
-        admission nobody heard of is released (see releases.py).
-        `answer=False`: a waiter's decision, which the wait queue counts as an
-        answer only when it is final (waiting.py).
+        Concurrent calls share one statement (batching.py), answered as one by one
+        in arrival order. StoreUnavailable only when the store cannot decide in
+        time and some layer's failure mode is `closed` (or nothing is cached).
+        An admission whose caller gave up meanwhile is released (releases.py).
+        `answer=False`: counted by the wait queue once final (waiting.py);
+        `recall`: a remembered refusal may answer (not a waiter: it waits it out).
         """
         started = time.perf_counter()
         request = self.estimates.apply(request)  # the output to reserve (estimates.py)
-        remembered = self.refusals.recall(request, time.monotonic()) if answer else None
+        remembered = self.refusals.recall(request, time.monotonic()) if recall else None
         if remembered is not None:  # a refusal that still holds (refusals.py)
-            self.metrics.count_answer(remembered, request.tenant)
+            if answer:  # (a first decision's count is the wait queue's)
+                self.metrics.count_answer(remembered, request.tenant)
             self.metrics.refusals_from_memory.inc()
             return Admission(remembered, request.input_tokens, request.input_estimated, None)
         try:
@@ -277,10 +277,11 @@ class Limiter:
             prepared = self.counter.prepare(**request)
         else:
             prepared = await self.counter.prepare_off_loop(**request)
-        if max_wait_ms:
-            admission = (await self.waiting.decide(prepared, max_wait_ms)).admission
-        else:
-            admission = await self.decide(prepared)
+        waits = self.waiting
+        waited = (
+            waits.decide(prepared, max_wait_ms) if max_wait_ms else waits.decide_at_once(prepared)
+        )
+        admission = (await waited).admission
         admission.raise_for_refusal(prepared.tenant)
         return Reservation(self, prepared.tenant, admission)
 
@@ -413,10 +414,9 @@ class Limiter:
     ) -> HeartbeatResult:
         """Extend a live lease, or raise why it cannot be.
 
-        `lease_generation`, when given, is the fencing token the caller holds
-        (from the admission or its last heartbeat): a stale one is refused, so
-        a worker that was paused while another took over cannot extend it.
-        `relayed`: the proxy relayed its output (kept for the audit).
+        `lease_generation`: the caller's fencing token (from the admission or its
+        last heartbeat); a stale one is refused, so a worker paused while another
+        took over cannot extend it. `relayed`: the proxy relayed its output.
         """
         check_lease_seconds(lease_seconds)
         check_lease_generation(lease_generation)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from llmquota.domain.ladder import LadderStep
 from llmquota.domain.local_budget import OutageBudgets
 from llmquota.domain.records import CachedLayer
 from llmquota.domain.vocabulary import Scope
@@ -48,6 +49,10 @@ class PolicyCache:
     def replace_budgets(self, budgets: OutageBudgets) -> None:
         """Take the budgets as the store has them now (usable as long as the policies)."""
         self.budgets = budgets
+
+    def ladder_of(self, ceiling: str) -> tuple[LadderStep, ...]:
+        """A ceiling's ladder when a step of it queues, as of the last refresh."""
+        return self.budgets.ladder_of(ceiling)
 
     def confirm(self, now: float) -> None:
         """The store says nothing changed: the copy is fresh again."""

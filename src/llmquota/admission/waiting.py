@@ -23,6 +23,15 @@ none, with the refusal the queue is waiting out (`queue_full`). A waiter
 not at the head when its time runs out is answered at its deadline with the
 same refusal; it is never decided out of turn.
 
+Ladder queues. A request a provider ceiling's shedding ladder refuses,
+where the step in force says `queue_ms` (domain/ladder.py), waits up to that
+long (at most the cap) in the ceiling's queue instead of taking its 429:
+one queue per ceiling and worker, ordered by priority, then arrival, decided
+head first as a tenant's queue is, and tried again at least every
+SHED_POLL_SECONDS (releases and refunds free room sooner than the refill
+hint says). It is entered with the refusal it waits out; a tenant holds at
+most `max_per_tenant` waiters in it.
+
 Leaving. A caller that goes away (the `left` awaitable completes: an HTTP
 client disconnected) or is cancelled leaves the queue at once. A decision
 already running when it left is not abandoned mid-statement: if it admits,
@@ -37,16 +46,20 @@ import contextlib
 import dataclasses
 import itertools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from llmquota.admission.releases import BackgroundReleases
 from llmquota.admission.reservation import Admission
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.ladder import LadderStep, shed_wait_ms
 from llmquota.domain.records import AdmitRequest
+from llmquota.domain.vocabulary import priority_rank
 from llmquota.metrics import Metrics
 
 Decide = Callable[[AdmitRequest], Awaitable[Admission]]
+# How often the head of a ceiling's queue tries again at most (see _TenantQueue).
+SHED_POLL_SECONDS = 0.05
 
 
 class ClientLeft(Exception):
@@ -69,13 +82,26 @@ def _retryable(admission: Admission) -> bool:
     return d.status == "rate_limited" and d.retry_after_ms is not None
 
 
+# A queue: a tenant's ("tenant", name), or a provider ceiling's ("ceiling", name).
+QueueKey = tuple[str, str]
+
+
 class _Waiter:
     """One queued admission: its place, its deadline, and when it is next decided."""
 
-    __slots__ = ("deadline", "last", "retry_at", "seq", "turn")
+    __slots__ = ("deadline", "last", "place", "retry_at", "tenant", "turn")
 
-    def __init__(self, seq: int, deadline: float, last: Admission | None, retry_at: float):
-        self.seq = seq
+    def __init__(
+        self,
+        place: tuple[int, int],
+        tenant: str,
+        deadline: float,
+        last: Admission | None,
+        retry_at: float,
+    ):
+        # (rank, arrival): a ceiling's queue puts higher priorities first.
+        self.place = place
+        self.tenant = tenant
         self.deadline = deadline
         # Its latest refusal (None until it is first decided in the queue).
         self.last = last
@@ -89,6 +115,14 @@ class _TenantQueue:
     waiters: list[_Waiter] = dataclasses.field(default_factory=list)
     # The latest refusal a waiter of this queue got: what the queue waits out.
     blocked_by: Admission | None = None
+    # A ceiling's queue: the head tries again at least this often, since room
+    # also comes back from releases and refunds, sooner than the refill hint.
+    poll_seconds: float | None = None
+
+    def retry_in(self, admission: Admission) -> float:
+        """Seconds until the next try after the refusal `admission`."""
+        hint = _hint(admission)
+        return hint if self.poll_seconds is None else min(hint, self.poll_seconds)
 
 
 class WaitQueue:
@@ -102,13 +136,19 @@ class WaitQueue:
         *,
         cap_ms: int,
         max_per_tenant: int,
+        decide_first: Decide | None = None,
+        ladder_of: Callable[[str], Sequence[LadderStep]] = lambda _ceiling: (),
     ) -> None:
         self._decide_now = decide
+        # The first decision of a caller that did not ask to wait (it may be
+        # answered from the refusal memory); and a ceiling's queueing ladder.
+        self._decide_first = decide_first or decide
+        self._ladder_of = ladder_of
         self._releases = releases
         self.metrics = metrics
         self.cap_ms = cap_ms
         self.max_per_tenant = max_per_tenant
-        self._queues: dict[str, _TenantQueue] = {}
+        self._queues: dict[QueueKey, _TenantQueue] = {}
         self._arrivals = itertools.count()
 
     def check(self, max_wait_ms: int) -> None:
@@ -122,10 +162,10 @@ class WaitQueue:
 
     def waiting(self, tenant: str | None = None) -> int:
         """Admissions waiting now: of one tenant, or of all."""
-        if tenant is not None:
-            queue = self._queues.get(tenant)
-            return 0 if queue is None else len(queue.waiters)
-        return sum(len(q.waiters) for q in self._queues.values())
+        return sum(
+            sum(1 for w in q.waiters if tenant is None or w.tenant == tenant)
+            for q in self._queues.values()
+        )
 
     async def decide(
         self,
@@ -147,7 +187,13 @@ class WaitQueue:
             if asyncio.iscoroutine(left):
                 left.close()  # never started: no "never awaited" warning
             raise
-        work = asyncio.ensure_future(self._decide_waiting(request, max_wait_ms, on_queued))
+        return await self._watching(self._decide_waiting(request, max_wait_ms, on_queued), left)
+
+    async def _watching(
+        self, deciding: Awaitable[Waited], left: Awaitable[object] | None
+    ) -> Waited:
+        """The answer of `deciding`; ClientLeft if `left` completes first."""
+        work = asyncio.ensure_future(deciding)
         if left is None:
             return await work
         watcher = asyncio.ensure_future(left)
@@ -168,30 +214,88 @@ class WaitQueue:
         """Release an admission whose caller left as it was made."""
         self._releases.release(waited.admission.decision)
 
+    async def decide_at_once(
+        self,
+        request: AdmitRequest,
+        *,
+        left: Callable[[], Awaitable[object]] | None = None,
+        on_queued: Callable[[], None] | None = None,
+    ) -> Waited:
+        """A decision for a caller that did not ask to wait: answered at once, unless
+        a provider ceiling's ladder step sheds it with a `queue_ms` (wait_out_shed).
+        `left` makes the awaitable of the caller going away, if it has to wait."""
+        admission = await self._decide_first(request)
+        wait_ms = self._shed_wait_ms(admission)
+        if not wait_ms:
+            return self._answer(admission, request.tenant)
+        return await self.wait_out_shed(request, admission, wait_ms, left=left, on_queued=on_queued)
+
+    def _shed_wait_ms(self, admission: Admission) -> int | None:
+        """The wait the ladder step that shed `admission` grants (None: not shed, or none)."""
+        d = admission.decision
+        if d.reason != "shed" or d.ceiling is None or not self.cap_ms:
+            return None
+        ladder = self._ladder_of(d.ceiling)
+        return shed_wait_ms(ladder, d.priority, d.reserved_tokens, d.utilization)
+
+    async def wait_out_shed(
+        self,
+        request: AdmitRequest,
+        shed: Admission,
+        queue_ms: int,
+        *,
+        left: Callable[[], Awaitable[object]] | None = None,
+        on_queued: Callable[[], None] | None = None,
+    ) -> Waited:
+        """Wait up to `queue_ms` (at most the cap) in the queue of the ceiling whose
+        ladder shed `request` (its refusal, `shed`), then answer as `decide` does."""
+        decision = shed.decision
+        assert decision.ceiling is not None and decision.priority is not None
+        key = ("ceiling", decision.ceiling)
+        rank = -priority_rank(decision.priority)
+        wait_ms = min(queue_ms, self.cap_ms)
+        work = self._enter(key, rank, request, wait_ms, on_queued, first=shed)
+        return await self._watching(work, None if left is None else left())
+
     async def _decide_waiting(
         self, request: AdmitRequest, max_wait_ms: int, on_queued: Callable[[], None] | None
     ) -> Waited:
+        return await self._enter(("tenant", request.tenant), 0, request, max_wait_ms, on_queued)
+
+    async def _enter(
+        self,
+        key: QueueKey,
+        rank: int,
+        request: AdmitRequest,
+        max_wait_ms: int,
+        on_queued: Callable[[], None] | None,
+        *,
+        first: Admission | None = None,
+    ) -> Waited:
+        """Join queue `key` at (rank, arrival) and wait there; a first decision is
+        made here unless the queue is busy or `first` is given."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + max_wait_ms / 1000.0
         seq = next(self._arrivals)
-        queue = self._queues.get(request.tenant)
-        first: Admission | None = None
-        if queue is None:
-            # Nobody of this tenant waits: decide now, as without waiting.
-            first = await self._decide(request)
-            if not _retryable(first) or loop.time() + _hint(first) > deadline:
+        queue = self._queues.get(key)
+        poll = SHED_POLL_SECONDS if key[0] == "ceiling" else None
+        if queue is None or first is not None:
+            # Nobody waits here: decide now, as without waiting.
+            first = first or await self._decide(request)
+            queue = queue or _TenantQueue(poll_seconds=poll)
+            if not _retryable(first) or loop.time() + queue.retry_in(first) > deadline:
                 return self._answer(first, request.tenant)
-            queue = self._queues.setdefault(request.tenant, _TenantQueue())
-        if len(queue.waiters) >= self.max_per_tenant:
+            queue = self._queues.setdefault(key, queue)
+        if self.waiting_in(queue, request.tenant) >= self.max_per_tenant:
             return self._answer(
                 first or self._behind(queue, request), request.tenant, queue_full=True
             )
         if first is not None:
             queue.blocked_by = first
-        retry_at = loop.time() + (_hint(first) if first is not None else 0.0)
-        waiter = _Waiter(seq, deadline, first, retry_at)
-        bisect.insort(queue.waiters, waiter, key=lambda w: w.seq)
+        retry_at = loop.time() + (queue.retry_in(first) if first is not None else 0.0)
+        waiter = _Waiter((rank, seq), request.tenant, deadline, first, retry_at)
+        bisect.insort(queue.waiters, waiter, key=lambda w: w.place)
         reason_of = first or queue.blocked_by
         assert reason_of is not None  # a non-empty queue has a refusal it waits out
         self.metrics.count_queued(reason_of.decision)
@@ -209,7 +313,7 @@ class WaitQueue:
         finally:
             self.metrics.waiting.dec()
             self.metrics.wait_seconds.labels(outcome).observe(loop.time() - started)
-            self._leave(request.tenant, queue, waiter)
+            self._leave(key, queue, waiter)
         waited_ms = math.ceil((loop.time() - started) * 1000)
         return self._answer(admission, request.tenant, waited_ms=waited_ms)
 
@@ -230,11 +334,13 @@ class WaitQueue:
                 return waiter.last  # the next try would come after the caller's time
             if waiter.retry_at > now:
                 await asyncio.sleep(waiter.retry_at - now)
+                if queue.waiters[0] is not waiter:
+                    continue  # a higher priority came first meanwhile (a ceiling's queue)
             admission = await self._decide(request)
             if not _retryable(admission):
                 return admission
             waiter.last = queue.blocked_by = admission
-            waiter.retry_at = loop.time() + _hint(admission)
+            waiter.retry_at = loop.time() + queue.retry_in(admission)
 
     def _timed_out(
         self, queue: _TenantQueue, waiter: _Waiter, request: AdmitRequest, now: float
@@ -265,13 +371,18 @@ class WaitQueue:
         )
         return Admission(decision, request.input_tokens, request.input_estimated)
 
-    def _leave(self, tenant: str, queue: _TenantQueue, waiter: _Waiter) -> None:
+    @staticmethod
+    def waiting_in(queue: _TenantQueue, tenant: str) -> int:
+        """The waiters of `tenant` in `queue` (all of them, in a tenant's own)."""
+        return sum(1 for w in queue.waiters if w.tenant == tenant)
+
+    def _leave(self, key: QueueKey, queue: _TenantQueue, waiter: _Waiter) -> None:
         """Take a waiter out; the next one, if it becomes the head, is decided at once."""
         was_head = bool(queue.waiters) and queue.waiters[0] is waiter
         queue.waiters.remove(waiter)
         if not queue.waiters:
-            if self._queues.get(tenant) is queue:
-                del self._queues[tenant]
+            if self._queues.get(key) is queue:
+                del self._queues[key]
             return
         if was_head:
             head = queue.waiters[0]

@@ -29,6 +29,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Literal
 
+from llmquota.domain.ladder import LadderStep
 from llmquota.domain.policy import Policy
 
 BudgetRefusalKind = Literal["quota_exceeded", "credits_exhausted", "unpriced_model"]
@@ -66,6 +67,8 @@ class CeilingFigures:
     model_patterns: tuple[str, ...]
     policy: Policy
     policy_version: int
+    # Its shedding ladder, when a step of it queues (domain/ladder.py); else ().
+    ladder: tuple[LadderStep, ...] = ()
     compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +135,13 @@ class OutageBudgets:
 
     def ceilings_for(self, model: str) -> list[CeilingFigures]:
         return [c for c in self.ceilings if c.covers(model)]
+
+    def ladder_of(self, ceiling: str) -> tuple[LadderStep, ...]:
+        """The ladder of a ceiling whose steps queue (() for any other, or unknown)."""
+        for figures in self.ceilings:
+            if figures.ceiling == ceiling:
+                return figures.ladder
+        return ()
 
     def quotas_for(self, tenant: str, route: str | None, model: str) -> list[QuotaFigures]:
         return [q for q in self.quotas if q.applies(tenant, route, model)]

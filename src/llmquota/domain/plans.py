@@ -40,6 +40,9 @@ from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, p
 MAX_FALLBACK_MODELS = 8
 MAX_CEILING_MODELS = 64
 MAX_SHED_STEPS = 8
+# A ladder step's wait for room: at most ten minutes, as a decision deadline
+# allows; a worker waits at most its own cap (LLMQUOTA_MAX_WAIT_MS_CAP).
+MAX_QUEUE_MS = 600_000
 # A ceiling's alert thresholds: at most as many as a quota's (MAX_ALERTS).
 MAX_CEILING_ALERTS = 20
 # An episode ends when utilization stays below threshold - hysteresis: at
@@ -79,13 +82,29 @@ class Plan(Policy):
 
 
 class ShedStep(BaseModel):
-    """One step of a ceiling's ladder: above `above`, only `admit` (or small requests) pass."""
+    """One step of a ceiling's ladder: above `above`, only `admit` (or small requests) pass.
+
+    With `queue_ms`, a request the step sheds waits up to that long for room
+    (in priority order, then arrival) instead of an immediate 429: the seed's
+    80-95% band, where a large request is better late than refused.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     above: Annotated[StrictFloat, Field(gt=0, le=1)]
     admit: Annotated[list[Priority], Field(min_length=1, max_length=len(PRIORITIES))]
     small_request_tokens: Annotated[int, WholeNumber(ge=1)] | None = None
+    queue_ms: (
+        Annotated[
+            int,
+            WholeNumber(ge=1, le=MAX_QUEUE_MS),
+            Field(
+                description="milliseconds a request this step sheds waits for room before "
+                "its 429 (at most LLMQUOTA_MAX_WAIT_MS_CAP is waited; default: no wait)"
+            ),
+        ]
+        | None
+    ) = None
 
     @property
     def admit_mask(self) -> int:

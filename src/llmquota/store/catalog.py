@@ -189,6 +189,7 @@ class Catalog:
             None if ceiling.alert_at is None else [Decimal(str(t)) for t in ceiling.alert_at],
             ceiling.alert_hysteresis,
             ceiling.alert_quiet_seconds,
+            _queue_steps(ceiling),
             deadline_seconds=deadline_seconds,
         )
         if not rows[0]["precondition_met"]:
@@ -250,15 +251,24 @@ def _etags(if_match: Sequence[str] | None) -> list[str] | None:
     return None if if_match is None else list(if_match)
 
 
+def _queue_steps(ceiling: Ceiling) -> list[int | None] | None:
+    """The ladder's queue_ms array (migration 0025); None when no step queues."""
+    waits = [step.queue_ms for step in ceiling.shed]
+    return waits if any(w is not None for w in waits) else None
+
+
 def _stored_ceiling(row: Row) -> StoredCeiling:
+    above = row["shed_above"] or ()
+    waits = row["shed_queue_ms"] or [None] * len(above)
     steps = [
         ShedStep(
             above=above,
             admit=[p for p in PRIORITIES if mask >> priority_rank(p) & 1],
             small_request_tokens=small,
+            queue_ms=queue_ms,
         )
-        for above, mask, small in zip(
-            row["shed_above"] or (), row["shed_admit"] or (), row["shed_small"] or (), strict=True
+        for above, mask, small, queue_ms in zip(
+            above, row["shed_admit"] or (), row["shed_small"] or (), waits, strict=True
         )
     ]
     return StoredCeiling(

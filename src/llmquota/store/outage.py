@@ -10,11 +10,13 @@ query) are read with every policy refresh (admission/recovery.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from llmquota.domain.ladder import LadderStep
 from llmquota.domain.local_budget import (
     CeilingFigures,
     ModelPrice,
@@ -118,7 +120,14 @@ def _ceiling(row: Row) -> CeilingFigures:
             max_in_flight=row["max_in_flight"],
         ),
         policy_version=int(row["policy_version"]),
+        ladder=tuple(_ladder(row["ladder"])),
     )
+
+
+def _ladder(text: str | None) -> Iterator[LadderStep]:
+    """A ceiling's queueing ladder as outage_budgets sends it (jsonb arrays), if any."""
+    for above, admit, small, queue_ms in json.loads(text) if text is not None else ():
+        yield LadderStep(float(above), int(admit), small, queue_ms)
 
 
 def _quota(row: Row) -> QuotaFigures:

@@ -18,6 +18,7 @@ as written. `llmquota-max-wait-ms` waits for room like /v1/admit's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
@@ -117,15 +118,14 @@ async def _decide(
 ) -> tuple[Admission, int] | Response:
     """The decision and how long it waited for room (adding the waiting's headers);
     or, for a client that left while waiting, the answer nobody reads."""
-    if not max_wait_ms:
-        return await limiter.decide(prepared), 0
+    waiting, on_queued = limiter.waiting, request.scope.get(RELEASE_EARLY)
     try:
-        waited = await limiter.waiting.decide(
-            prepared,
-            max_wait_ms,
-            left=client_left(request.receive),
-            on_queued=request.scope.get(RELEASE_EARLY),
-        )
+        if max_wait_ms:
+            left = client_left(request.receive)
+            waited = await waiting.decide(prepared, max_wait_ms, left=left, on_queued=on_queued)
+        else:  # answered at once, unless a ceiling's ladder step queues it
+            left_later = functools.partial(client_left, request.receive)
+            waited = await waiting.decide_at_once(prepared, left=left_later, on_queued=on_queued)
     except ClientLeft:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if waited.waited_ms:

@@ -19,6 +19,7 @@ output estimate), with nothing decided or written.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Annotated
 
@@ -76,23 +77,21 @@ async def admit_answer(
     for the client hanging up)."""
     prepared = await _prepared(body, caller, limiter)
     headers: dict[str, str] = {}
-    if body.max_wait_ms:
-        try:
-            waited = await limiter.waiting.decide(
-                prepared,
-                body.max_wait_ms,
-                left=client_left(receive),
-                on_queued=scope.get(RELEASE_EARLY),
-            )
-        except ClientLeft:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        admission = waited.admission
-        if waited.waited_ms:
-            headers["llmquota-waited-ms"] = str(waited.waited_ms)
-        if waited.queue_full:
-            headers["llmquota-wait-queue"] = "full"
-    else:
-        admission = await limiter.decide(prepared)
+    waiting, on_queued = limiter.waiting, scope.get(RELEASE_EARLY)
+    try:
+        if body.max_wait_ms:
+            wait_ms, left = body.max_wait_ms, client_left(receive)
+            waited = await waiting.decide(prepared, wait_ms, left=left, on_queued=on_queued)
+        else:  # answered at once, unless a ceiling's ladder step queues it
+            left_later = functools.partial(client_left, receive)
+            waited = await waiting.decide_at_once(prepared, left=left_later, on_queued=on_queued)
+    except ClientLeft:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    admission = waited.admission
+    if waited.waited_ms:
+        headers["llmquota-waited-ms"] = str(waited.waited_ms)
+    if waited.queue_full:
+        headers["llmquota-wait-queue"] = "full"
     headers.update(decision_headers(admission.decision))
     if admission.fallback is not None:
         # Decided by the failure mode while the store was away.
