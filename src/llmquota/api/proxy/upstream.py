@@ -129,6 +129,7 @@ class Proxy:
         self.settings = settings
         self.metrics = ProxyMetrics(registry or CollectorRegistry())
         self.configs = settings.upstreams()
+        self.routing = settings.routing()
         self.upstreams = {c.name: _upstream(c, settings) for c in self.configs}
         self.clients = {name: _pooled_client(settings) for name in self.upstreams}
         self.shares = {
@@ -152,8 +153,9 @@ class Proxy:
         return any(c.format == kind for c in self.configs)
 
     def route(self, kind: Kind, model: str) -> Upstream | None:
-        """The upstream serving `model` in format `kind`; None if none does."""
-        config = route(self.configs, kind, model)
+        """The upstream serving `model` in format `kind`, the first its routing rule
+        ranks; None if none does."""
+        config = route(self.configs, kind, model, self.routing)
         return None if config is None else self.upstreams[config.name]
 
     async def close(self) -> None:
