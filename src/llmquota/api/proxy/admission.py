@@ -166,7 +166,6 @@ async def _admitted(
         answer = refusal(kind, tenant, decision._replace(status="rate_limited"))
         assert answer is not None
         return answer
-    headers["llmquota-upstream"] = upstream.name
     content = raw
     path: ServingPath = "primary"
     if model != parsed.model:
