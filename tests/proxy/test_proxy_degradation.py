@@ -149,7 +149,13 @@ async def test_a_proxy_request_waits_for_a_permit(stack: Stack, db: asyncpg.Conn
     assert len(rows) == 2
     samples = await scrape(stack)
     paths = {p: value(samples, "llmquota_serving_path_total", path=p) for p in SERVING_PATHS}
-    assert paths == {"primary": 1, "fallback_model": 0, "queued": 1, "rejected": 1}
+    assert paths == {
+        "primary": 1,
+        "fallback_model": 0,
+        "queued": 1,
+        "second_deployment": 0,
+        "rejected": 1,
+    }
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model="gpt-4o",

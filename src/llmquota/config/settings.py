@@ -25,6 +25,7 @@ from llmquota.config.renames import ENV_PREFIX, renamed, warn_of_renamed_variabl
 from llmquota.config.reports import ReportSettings
 from llmquota.config.upstreams import (
     EVERY_MODEL,
+    RoutingRule,
     UpstreamConfig,
     check_names,
     load_upstreams_file,
@@ -55,6 +56,7 @@ class Settings(OutboundSettings, ReportSettings):
         env_prefix=ENV_PREFIX, extra="ignore", hide_input_in_errors=True, populate_by_name=True
     )
     _upstreams: tuple[UpstreamConfig, ...] = PrivateAttr(default=())
+    _routing: tuple[RoutingRule, ...] = PrivateAttr(default=())
 
     database_url: str | None = Field(
         default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
@@ -400,7 +402,8 @@ class Settings(OutboundSettings, ReportSettings):
         """The file's upstreams first (routing by their models), then the simple ones."""
         found: list[UpstreamConfig] = []
         if self.upstreams_file is not None:
-            found.extend(load_upstreams_file(self.upstreams_file, environment_value))
+            declared, self._routing = load_upstreams_file(self.upstreams_file, environment_value)
+            found.extend(declared)
         for form in ("openai", "anthropic"):
             url, key = getattr(self, f"{form}_base_url"), getattr(self, f"{form}_api_key")
             if url is not None and key is not None:
@@ -411,6 +414,10 @@ class Settings(OutboundSettings, ReportSettings):
     def upstreams(self) -> tuple[UpstreamConfig, ...]:
         """Every configured upstream, checked when the settings were built."""
         return self._upstreams
+
+    def routing(self) -> tuple[RoutingRule, ...]:
+        """The upstreams file's [[routing]] rules, in file order (the first that matches)."""
+        return self._routing
 
 
 def environment_value(variable: str, default: str | None = None) -> str | None:

@@ -13,6 +13,20 @@ format. The upstreams file (TOML) gives several, each serving the models its
     connect_timeout_seconds = 5             # optional, else the PROXY_* settings
     read_timeout_seconds = 300
     models = ["gpt-4o", "gpt-4o-*", "o3*"]
+    price_factor = 1.0                      # optional: its price against the catalogue's
+
+The same model may be listed under several upstreams (deployments, say an
+OpenAI one and an Azure one). Which of them serves is a routing rule, given per
+model glob in `[[routing]]` tables (the first whose `models` matches wins):
+
+    [[routing]]
+    models = ["gpt-4o*"]
+    rule = "cheapest"                       # or "order", the default: file order
+
+`order` tries the deployments that name the model exactly, then those whose
+glob matches it, each in file order; `cheapest` the lowest `price_factor`
+first (ties in that order). The tenant is charged the catalogue's price
+whichever deployment serves: `price_factor` only ranks deployments.
 
 The file is read once, at start-up, and every mistake in it is refused then
 with the file and the field named: a typo found at the first request would
@@ -50,8 +64,12 @@ _FIELDS = frozenset(
         "connect_timeout_seconds",
         "read_timeout_seconds",
         "models",
+        "price_factor",
     }
 )
+RoutingRuleName = Literal["order", "cheapest"]
+ROUTING_RULES: tuple[RoutingRuleName, ...] = ("order", "cheapest")
+MAX_PRICE_FACTOR = 1_000.0
 # Any model of the format: what an upstream from the simple variables serves.
 EVERY_MODEL = ("*",)
 
@@ -71,6 +89,7 @@ class UpstreamConfig:
     models: tuple[str, ...]
     connect_timeout_seconds: float | None = None
     read_timeout_seconds: float | None = None
+    price_factor: float = 1.0
 
     def serves(self, model: str) -> Literal["exact", "glob", None]:
         """How this upstream names `model`: exactly, by a glob, or not at all."""
@@ -87,39 +106,103 @@ def _glob(pattern: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in pattern.split("*")), re.DOTALL)
 
 
+@dataclass(frozen=True, slots=True)
+class RoutingRule:
+    """How the deployments of the models `models` names are ranked ([[routing]])."""
+
+    models: tuple[str, ...]
+    rule: RoutingRuleName
+
+    def applies(self, model: str) -> bool:
+        return any(_glob(p).fullmatch(model) for p in self.models)
+
+
+def deployments(
+    upstreams: tuple[UpstreamConfig, ...],
+    form: WireFormat,
+    model: str,
+    rules: tuple[RoutingRule, ...] = (),
+) -> list[UpstreamConfig]:
+    """Every upstream of `form` serving `model`, ranked by the model's routing rule:
+    exact names before globs, in file order (`order`), or by price (`cheapest`)."""
+    served = [u for u in upstreams if u.format == form]
+    ranked = [u for u in served if u.serves(model) == "exact"]
+    ranked += [u for u in served if u.serves(model) == "glob"]
+    rule = next((r.rule for r in rules if r.applies(model)), "order")
+    if rule == "cheapest":
+        ranked.sort(key=lambda u: u.price_factor)  # stable: ties keep their order
+    return ranked
+
+
 def route(
-    upstreams: tuple[UpstreamConfig, ...], form: WireFormat, model: str
+    upstreams: tuple[UpstreamConfig, ...],
+    form: WireFormat,
+    model: str,
+    rules: tuple[RoutingRule, ...] = (),
 ) -> UpstreamConfig | None:
-    """The upstream of `form` serving `model`: an exact name first, else the first glob."""
-    candidates = [u for u in upstreams if u.format == form]
-    for wanted in ("exact", "glob"):
-        for upstream in candidates:
-            if upstream.serves(model) == wanted:
-                return upstream
-    return None
+    """The first-ranked upstream of `form` serving `model`; None if none does."""
+    ranked = deployments(upstreams, form, model, rules)
+    return ranked[0] if ranked else None
 
 
 def load_upstreams_file(
     path: str, environment: Callable[[str], str | None]
-) -> list[UpstreamConfig]:
-    """Every upstream the file declares, checked; raises UpstreamsFileError."""
+) -> tuple[list[UpstreamConfig], tuple[RoutingRule, ...]]:
+    """Every upstream and routing rule the file declares, checked; raises
+    UpstreamsFileError."""
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise UpstreamsFileError(f"{path}: cannot be read ({exc.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UpstreamsFileError(f"{path}: is not valid TOML ({exc})") from None
-    extra = set(document) - {"upstream"}
+    extra = set(document) - {"upstream", "routing"}
     if extra:
-        raise UpstreamsFileError(f"{path}: unknown table {sorted(extra)[0]!r}; use [[upstream]]")
+        raise UpstreamsFileError(
+            f"{path}: unknown table {sorted(extra)[0]!r}; use [[upstream]] or [[routing]]"
+        )
     entries = document.get("upstream")
     if not isinstance(entries, list) or not entries:
         raise UpstreamsFileError(f"{path}: declares no [[upstream]]")
     if len(entries) > MAX_UPSTREAMS:
         raise UpstreamsFileError(f"{path}: more than {MAX_UPSTREAMS} upstreams")
-    return [
+    upstreams = [
         _upstream(f"{path}: upstream[{i}]", entry, environment) for i, entry in enumerate(entries)
     ]
+    return upstreams, _routing(path, document.get("routing", []))
+
+
+def _routing(path: str, tables: object) -> tuple[RoutingRule, ...]:
+    """The [[routing]] tables: each a `models` list of globs and a `rule`."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise UpstreamsFileError(f"{path}: routing must be [[routing]] tables")
+    if len(tables) > MAX_UPSTREAMS:
+        raise UpstreamsFileError(f"{path}: more than {MAX_UPSTREAMS} routing tables")
+    rules = []
+    for i, table in enumerate(tables):
+        where = f"{path}: routing[{i}]"
+        unknown = set(table) - {"models", "rule"}
+        if unknown:
+            raise UpstreamsFileError(f"{where}.{sorted(unknown)[0]}: unknown field")
+        rule = table.get("rule")
+        if rule not in ROUTING_RULES:
+            raise UpstreamsFileError(f"{where}.rule: must be 'order' or 'cheapest'")
+        rules.append(RoutingRule(_models(where, table), rule))
+    return tuple(rules)
+
+
+def _models(where: str, entry: Mapping[str, Any]) -> tuple[str, ...]:
+    models = entry.get("models")
+    if (
+        not isinstance(models, list)
+        or not models
+        or len(models) > MAX_MODEL_PATTERNS
+        or not all(isinstance(m, str) and m for m in models)
+    ):
+        raise UpstreamsFileError(
+            f"{where}.models: must be a list of 1 to {MAX_MODEL_PATTERNS} model names or globs"
+        )
+    return tuple(models)
 
 
 def _upstream(
@@ -137,25 +220,30 @@ def _upstream(
     base_url = _string(where, entry, "base_url")
     if not base_url.startswith(("http://", "https://")):
         raise UpstreamsFileError(f"{where}.base_url: must start with http:// or https://")
-    models = entry.get("models")
-    if (
-        not isinstance(models, list)
-        or not models
-        or len(models) > MAX_MODEL_PATTERNS
-        or not all(isinstance(m, str) and m for m in models)
-    ):
-        raise UpstreamsFileError(
-            f"{where}.models: must be a list of 1 to {MAX_MODEL_PATTERNS} model names or globs"
-        )
     return UpstreamConfig(
         name=name,
         format=form,
         base_url=base_url,
         api_key=_key(where, entry, environment),
-        models=tuple(models),
+        models=_models(where, entry),
         connect_timeout_seconds=_timeout(where, entry, "connect_timeout_seconds"),
         read_timeout_seconds=_timeout(where, entry, "read_timeout_seconds"),
+        price_factor=_price_factor(where, entry),
     )
+
+
+def _price_factor(where: str, entry: Mapping[str, Any]) -> float:
+    value = entry.get("price_factor", 1.0)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_PRICE_FACTOR
+    ):
+        raise UpstreamsFileError(
+            f"{where}.price_factor: a number above 0, at most {MAX_PRICE_FACTOR:g}"
+        )
+    return float(value)
 
 
 def _string(where: str, entry: Mapping[str, Any], field: str) -> str:

@@ -25,8 +25,9 @@ TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 
 # How a proxied request was served (seed 001's serving paths): as asked
 # (`primary`), as a fallback model (`fallback_model`), after waiting for room
-# (`queued`), or not at all, refused by a limit (`rejected`).
-ServingPath = Literal["primary", "fallback_model", "queued", "rejected"]
+# (`queued`), by a deployment other than its first after that one answered 429
+# or 5xx (`second_deployment`), or not at all, refused by a limit (`rejected`).
+ServingPath = Literal["primary", "fallback_model", "queued", "second_deployment", "rejected"]
 SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 
 
@@ -73,7 +74,8 @@ class ProxyMetrics:
         self.serving_paths = Counter(
             "llmquota_serving_path",
             "Proxied requests by how they were served: primary, fallback_model (degraded), "
-            "queued (admitted after waiting for room), rejected (refused by a limit)",
+            "queued (after waiting for room), second_deployment (the first answered "
+            "429 or 5xx), rejected (refused by a limit)",
             ["path"],
             registry=registry,
         )

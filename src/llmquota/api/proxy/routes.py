@@ -139,12 +139,17 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
     try:
-        call = Call(
-            proxy, admitted.upstream, endpoint, request, exchange, headers, admitted.content
-        )
-        answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
-        proxy.metrics.served(admitted.path, started)
-        return answer
+        ranked = proxy.deployments(kind, exchange.model)
+        for rank, upstream in enumerate(ranked):
+            headers["llmquota-upstream"] = upstream.name
+            call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content)
+            try:
+                answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
+            except _TryNext:
+                continue  # nothing produced: the same reservation goes to the next
+            proxy.metrics.served("second_deployment" if rank else admitted.path, started)
+            return answer
+        raise AssertionError("the last deployment never asks for the next")
     finally:
         if not exchange.handed_over:
             # A no-op once settled; after any failure, nothing was produced for the client.
@@ -264,6 +269,10 @@ def _upstream_error(
     )
 
 
+class _TryNext(Exception):
+    """The deployment answered 429 or 5xx and another serves the model: try it."""
+
+
 @dataclass(frozen=True, slots=True)
 class Call:
     """One admitted request on its way upstream."""
@@ -287,6 +296,19 @@ class Call:
     async def connection(self) -> Slot:
         """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""
         return await self.proxy.shares[self.upstream.name].acquire(self.exchange.reservation.tenant)
+
+    def refused(self, response: httpx.Response) -> None:
+        """Raise _TryNext on a 429 or 5xx when a later deployment serves the model.
+
+        The reservation stays as it is: nothing was produced, and the model's
+        ceilings, which bound every deployment of it, already count it once.
+        Its ceilings are not cooled down either: they bound the deployment
+        about to serve too. The last deployment's 429 cools them (below).
+        """
+        ranked = [u.name for u in self.proxy.deployments(self.upstream.kind, self.exchange.model)]
+        later = ranked.index(self.upstream.name) + 1 < len(ranked)
+        if later and (response.status_code == 429 or response.status_code >= 500):
+            raise _TryNext
 
 
 async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
@@ -343,6 +365,7 @@ async def _complete(call: Call) -> Response:
     finally:
         slot.release()
     if response.status_code >= 400:
+        call.refused(response)
         await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     tracker = UsageTracker(kind)
@@ -388,6 +411,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         finally:
             await response.aclose()
             slot.release()
+        call.refused(response)
         await _cool_down_on_429(call, response)
         return _upstream_error(kind, upstream, response, headers)
     settings = proxy.settings

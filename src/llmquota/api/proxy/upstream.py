@@ -30,6 +30,7 @@ from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.pool import ConnectionShares
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
+from llmquota.config.upstreams import deployments
 from llmquota.domain.scrubbing import SecretScrubber
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -129,6 +130,7 @@ class Proxy:
         self.settings = settings
         self.metrics = ProxyMetrics(registry or CollectorRegistry())
         self.configs = settings.upstreams()
+        self.routing = settings.routing()
         self.upstreams = {c.name: _upstream(c, settings) for c in self.configs}
         self.clients = {name: _pooled_client(settings) for name in self.upstreams}
         self.shares = {
@@ -152,9 +154,16 @@ class Proxy:
         return any(c.format == kind for c in self.configs)
 
     def route(self, kind: Kind, model: str) -> Upstream | None:
-        """The upstream serving `model` in format `kind`; None if none does."""
-        config = route(self.configs, kind, model)
+        """The upstream serving `model` in format `kind`, the first its routing rule
+        ranks; None if none does."""
+        config = route(self.configs, kind, model, self.routing)
         return None if config is None else self.upstreams[config.name]
+
+    def deployments(self, kind: Kind, model: str) -> list[Upstream]:
+        """Every upstream serving `model` in format `kind`, in its routing rule's rank:
+        the first is `route`'s, the others are tried when it answers 429 or 5xx."""
+        ranked = deployments(self.configs, kind, model, self.routing)
+        return [self.upstreams[c.name] for c in ranked]
 
     async def close(self) -> None:
         """Let running streams finish (up to the drain bound), then cancel them and close."""
