@@ -277,7 +277,8 @@ async def test_a_limiter_outage_is_a_503_in_the_providers_format(
     async def down(*_args: object, **_kwargs: object) -> None:
         raise StoreUnavailable("database gave no decision within 250 ms")
 
-    monkeypatch.setattr(stack.app.state.limiter, "decide", down)
+    # What the proxy calls for a request that does not ask to wait.
+    monkeypatch.setattr(stack.app.state.limiter.waiting, "decide_at_once", down)
     body = {"model": "gpt-4o", "messages": MESSAGES, "max_tokens": 5}
     openai_answer = await post(stack, "/v1/chat/completions", body)
     anthropic_answer = await post(stack, "/v1/messages", body)
