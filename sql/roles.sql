@@ -45,6 +45,7 @@ GRANT SELECT ON usage_ledger TO llmquota_app;
 -- When each key was last used (noted at most once a minute per key per worker).
 GRANT SELECT, INSERT, UPDATE, DELETE ON api_key_uses TO llmquota_app;
 GRANT SELECT, INSERT, UPDATE, DELETE ON output_estimates TO llmquota_app;
+GRANT SELECT, INSERT, UPDATE, DELETE ON response_cache TO llmquota_app;
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON usage_ledger FROM llmquota_app;
 GRANT SELECT ON model_prices, ledger_export_positions, ledger_export_state TO llmquota_app;
 -- Read by the audit (lq_audit_credit_charges finds a reservation's rows by it).
