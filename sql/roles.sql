@@ -90,7 +90,7 @@ BEGIN
     FOR f IN SELECT p.oid::regprocedure
                FROM pg_proc AS p
               WHERE p.pronamespace = 'public'::regnamespace
-                AND p.proname IN ('lq_finish', 'lq_credit_topup', 'lq_credit_apply',
+                AND p.proname IN ('lq_finish', 'lq_credit_topup', 'lq_credit_apply', 'lq_cache_serve',
                                   'lq_delete_tenant')
     LOOP
         EXECUTE format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = pg_catalog, public', f);

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import struct
 import sys
@@ -34,6 +35,19 @@ PROMPT_TOKENS = 17
 PROVIDER_KEY = "sk-upstream-secret-0123456789"
 # FakeProvider.usage: report no usage object at all.
 MISSING = "missing"
+
+
+EMBEDDING_DIMENSIONS = 512
+
+
+def bag_of_words(text: str) -> list[float]:
+    """A deterministic embedding: each word (lower case, letters and digits) adds
+    1 to the dimension its hash picks. Texts sharing most words are close."""
+    vector = [0.0] * EMBEDDING_DIMENSIONS
+    for word in "".join(c if c.isalnum() else " " for c in text.lower()).split():
+        digest = hashlib.sha256(word.encode()).digest()
+        vector[int.from_bytes(digest[:4], "big") % EMBEDDING_DIMENSIONS] += 1.0
+    return vector
 
 
 def completion_tokens(words: int) -> int:
@@ -61,6 +75,9 @@ class FakeProvider:
     usage: dict[str, Any] | str | None = None
     # Called once a request arrived, before it is answered.
     before_answer: Callable[[], None] | None = None
+    # Embeddings that mean something (bag_of_words): texts sharing most words
+    # are close by cosine, as a real embedding model's paraphrases are.
+    semantic_embeddings: bool = False
 
     def reported(self, usage: dict[str, Any]) -> dict[str, Any] | None:
         """The usage object to send: the fake's own, patched by `usage`, or None."""
@@ -227,18 +244,18 @@ class FakeProvider:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def embeddings(self, request: Request) -> Response:
-        """Embeddings of three dimensions, as floats or (the SDK's default) base64."""
+        """Embeddings (three fixed dimensions, or bag_of_words), as floats or base64."""
         body = await self._record(request)
         if (error := self._error("openai")) is not None:
             return error
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
-        vector = [0.25, 0.5, 0.75]
-        encoded: Any = vector
-        if body.get("encoding_format") == "base64":
-            encoded = base64.b64encode(struct.pack("<3f", *vector)).decode()
-        data = [
-            {"object": "embedding", "index": i, "embedding": encoded} for i in range(len(inputs))
-        ]
+        data = []
+        for i, text in enumerate(inputs):
+            vector = bag_of_words(str(text)) if self.semantic_embeddings else [0.25, 0.5, 0.75]
+            encoded: Any = vector
+            if body.get("encoding_format") == "base64":
+                encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": encoded})
         usage = {"prompt_tokens": PROMPT_TOKENS, "total_tokens": PROMPT_TOKENS}
         return JSONResponse(
             {"object": "list", "data": data, "model": body["model"], "usage": usage}

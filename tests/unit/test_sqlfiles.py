@@ -138,7 +138,13 @@ def test_headers_must_be_whole_lines() -> None:
 def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
     # A new file in sql/ is either read by the code (named queries) or
     # applied by `llmquota migrate`; it cannot be silently neither.
-    named = {"queries.sql", "finance_queries.sql", "alerts_queries.sql", "console_queries.sql"}
+    named = {
+        "queries.sql",
+        "finance_queries.sql",
+        "alerts_queries.sql",
+        "console_queries.sql",
+        "cache_queries.sql",
+    }
     every = {path.relative_to(sql_dir()).as_posix() for path in sql_dir().rglob("*.sql")}
     assert every - named == {s.name for s in repeatable_scripts()}
 
@@ -154,6 +160,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "reliability.sql",
         "quotas.sql",
         "keys.sql",
+        "cache.sql",
     )
     for name in (*names, "roles.sql"):
         (tmp_path / name).write_text(f"-- {name}\n", encoding="utf-8")
@@ -169,9 +176,10 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "reliability.sql",
         "quotas.sql",
         "keys.sql",
+        "cache.sql",
         "reports/00_a.sql",
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[8].text == "SELECT 1;\n"
-    assert scripts[8].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[9].text == "SELECT 1;\n"
+    assert scripts[9].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

@@ -110,13 +110,20 @@ class MaintenanceLeader:
             log.exception("maintenance: sweep failed")
             return
         self._metrics.sweeps.labels("ok").inc()
-        if report.expired or report.purged or report.partitions_created:
+        if (
+            report.expired
+            or report.purged
+            or report.partitions_created
+            or report.cache_entries_expired
+        ):
             log.info(
-                "maintenance: expired=%d tokens_returned=%d purged=%d partitions_created=%d",
+                "maintenance: expired=%d tokens_returned=%d purged=%d partitions_created=%d "
+                "cache_entries_expired=%d",
                 report.expired,
                 report.tokens_returned,
                 report.purged,
                 report.partitions_created,
+                report.cache_entries_expired,
             )
 
 

@@ -24,6 +24,7 @@ class SweepReport:
     batches: int
     purged: int
     partitions_created: int = 0
+    cache_entries_expired: int = 0
 
 
 class Sweeper:
@@ -41,7 +42,7 @@ class Sweeper:
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
         """Keep ledger partitions ahead, expire lapsed reservations in bounded
-        batches, then purge old finished ones.
+        batches, then purge old finished ones and expired response cache entries.
 
         The partitions come first, so that the month a run crosses into
         already has one (a missing one would only send rows to the ledger's
@@ -53,12 +54,14 @@ class Sweeper:
         expired, tokens, batches = await self._expire(batch_size, max_batches)
         self.metrics.sweeper_reclaims.inc(expired)
         purged = await self._purge(batch_size, max_batches)
+        cache_expired = await self._expire_cache(batch_size, max_batches)
         return SweepReport(
             expired=expired,
             tokens_returned=tokens,
             batches=batches,
             purged=purged,
             partitions_created=sum(status == "created" for status in partitions.values()),
+            cache_entries_expired=cache_expired,
         )
 
     async def _expire(self, batch_size: int, max_batches: int) -> tuple[int, int, int]:
@@ -86,3 +89,16 @@ class Sweeper:
             if deleted < batch_size:
                 break
         return purged
+
+    async def _expire_cache(self, batch_size: int, max_batches: int) -> int:
+        """Delete response cache entries past their expiry (a hit never serves one:
+        this only bounds the table); how many."""
+        removed = 0
+        for _ in range(max_batches):
+            deleted = await self.store.response_cache.sweep(
+                batch_size, deadline_seconds=self._deadline_seconds
+            )
+            removed += deleted
+            if deleted < batch_size:
+                break
+        return removed

@@ -80,7 +80,8 @@ async def _sweep_loop(sweeper: Sweeper, args: argparse.Namespace) -> None:
         print(
             f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
             f"batches={report.batches} purged={report.purged} "
-            f"partitions_created={report.partitions_created}",
+            f"partitions_created={report.partitions_created} "
+            f"cache_entries_expired={report.cache_entries_expired}",
             flush=True,
         )
         if args.heartbeat_file:

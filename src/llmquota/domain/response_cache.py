@@ -49,12 +49,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, mode
 from llmquota.domain.json_numbers import WholeNumber
 
 CacheMode = Literal["exact", "semantic"]
-# The paths a request can be served by (seed 001's serving_path), as the
-# metrics and the ledger name them.
-ServingPath = Literal[
-    "primary", "cache", "fallback_model", "queued", "second_deployment", "rejected"
-]
-
 MAX_TTL_SECONDS = 30 * 86_400
 DEFAULT_TTL_SECONDS = 3_600
 MAX_ENTRIES = 100_000
@@ -95,9 +89,9 @@ class CachePolicy(BaseModel):
     # serve a hit while the tenant's budget is spent (the point of the tier)
     serve_when_exhausted: StrictBool = True
     # what a hit costs the tenant, written to its ledger row (USD)
-    hit_price_usd: Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_USD, decimal_places=6)] | None = (
-        None
-    )
+    hit_price_usd: (
+        Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_USD, decimal_places=6)] | None
+    ) = None
 
     @model_validator(mode="after")
     def _semantic_needs_a_model(self) -> CachePolicy:
@@ -133,10 +127,18 @@ def _canonical(value: object) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def _kept(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The members that are part of a key: the answer-changing ones, and whether
+    the answer streams (a stream and a whole answer are stored apart, each
+    replayed as the provider sent it)."""
+    kept = {k: v for k, v in body.items() if k not in ANSWER_NEUTRAL and k != "model"}
+    kept["stream"] = body.get("stream") is True
+    return kept
+
+
 def exact_key(endpoint: str, model: str, body: Mapping[str, Any]) -> bytes:
     """The exact key of a request: SHA-256 of its answer-changing members, canonical."""
-    kept = {k: v for k, v in body.items() if k not in ANSWER_NEUTRAL and k != "model"}
-    return hashlib.sha256(_canonical([endpoint, model, kept])).digest()
+    return hashlib.sha256(_canonical([endpoint, model, _kept(body)])).digest()
 
 
 def last_user_text(body: Mapping[str, Any]) -> str | None:
@@ -155,7 +157,9 @@ def last_user_text(body: Mapping[str, Any]) -> str | None:
         texts = [
             part["text"]
             for part in content
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            if isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
         ]
         if len(texts) == len(content) and texts:
             return "\n".join(texts)
@@ -166,7 +170,7 @@ def context_key(endpoint: str, model: str, body: Mapping[str, Any]) -> bytes:
     """What a semantic match must share: the exact key with the last user turn's
     text left out."""
     messages = list(body.get("messages") or [])
-    kept = {k: v for k, v in body.items() if k not in ANSWER_NEUTRAL and k not in ("model",)}
+    kept = _kept(body)
     kept["messages"] = [*messages[:-1], {"role": "user", "content": None}]
     return hashlib.sha256(_canonical(["semantic", endpoint, model, kept])).digest()
 

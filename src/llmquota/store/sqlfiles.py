@@ -74,6 +74,7 @@ def report_scripts() -> list[str]:
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the quota, credit and alert helpers (which admission and
 # settlement call in their own transaction), the keys' revocation, the
+# response cache's (which writes ledger rows, so after ledger.sql), the
 # reporting schema (the base views first), and last the grants, which cover
 # every function and view the scripts before them define.
 REPEATABLE_SCRIPTS = (
@@ -85,6 +86,7 @@ REPEATABLE_SCRIPTS = (
     "reliability.sql",
     "quotas.sql",
     "keys.sql",
+    "cache.sql",
     "reports/*.sql",
     "roles.sql",
 )

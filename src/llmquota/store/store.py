@@ -48,6 +48,7 @@ from llmquota.store.estimates import EstimateStore
 from llmquota.store.keys import KeyStore
 from llmquota.store.outage import OutageStore
 from llmquota.store.pool import DeadlinePool
+from llmquota.store.response_cache import ResponseCacheStore
 from llmquota.store.sqlfiles import queries
 from llmquota.store.tenants import TenantDirectory
 
@@ -73,6 +74,8 @@ class Store:
         self.outage = OutageStore(pool, self._sql)
         # API keys and tenant suspension (store/keys.py).
         self.keys = KeyStore(pool, self._sql)
+        # The proxy's response cache (store/response_cache.py).
+        self.response_cache = ResponseCacheStore(pool)
         self._concurrency_retry_ms = concurrency_retry_ms
         self.dsn: str | None = None  # set by connect: what a listener connects to
         self._admit = AdmitStatement(

@@ -27,7 +27,9 @@ TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
 # (`primary`), as a fallback model (`fallback_model`), after waiting for room
 # (`queued`), by a deployment other than its first after that one answered 429
 # or 5xx (`second_deployment`), or not at all, refused by a limit (`rejected`).
-ServingPath = Literal["primary", "fallback_model", "queued", "second_deployment", "rejected"]
+ServingPath = Literal[
+    "primary", "cache", "fallback_model", "queued", "second_deployment", "rejected"
+]
 SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 
 

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -27,10 +28,11 @@ from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.auth import Caller
 from llmquota.api.fairness import RELEASE_EARLY
-from llmquota.api.proxy.admission import admit_proxied
+from llmquota.api.proxy import cache
+from llmquota.api.proxy.admission import Admitted, admit_proxied
 from llmquota.api.proxy.callers import proxy_caller
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
-from llmquota.api.proxy.metrics import CallMetrics
+from llmquota.api.proxy.metrics import CallMetrics, ServingPath
 from llmquota.api.proxy.pool import PoolRefusal, Slot
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
@@ -113,15 +115,24 @@ async def _read(
 
 
 async def _handle(endpoint: Endpoint, request: Request) -> Response:
-    """Authenticate, read, route, admit, then forward (or answer why not)."""
+    """Authenticate, read, route; answer from the cache (cache.py), or admit, then
+    forward (or answer why not)."""
     kind = kind_of(endpoint)
-    proxy: Proxy = request.app.state.proxy
     started = time.perf_counter()
     try:
         read = await _read(endpoint, request)
         if isinstance(read, Response):
             return read
         caller, parsed, _upstream = read
+        lookup = await cache.lookup_for(request, caller, endpoint, parsed)
+        if lookup is not None and lookup.policy.serve_when_exhausted:
+            # Before admission: a hit costs the provider nothing, so a spent budget
+            # does not stop it.
+            served, lookup = await _from_cache(
+                kind, request, caller=caller, lookup=lookup, parsed=parsed, started=started
+            )
+            if served is not None:
+                return served
         body = await request.body()
         admitted = await admit_proxied(kind, request, caller, parsed, body, started=started)
     except BadProxyRequest as exc:
@@ -134,26 +145,68 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     release_fair_share = request.scope.get(RELEASE_EARLY)
     if release_fair_share is not None:
         release_fair_share()
+    try:
+        if admitted.path == "fallback_model":
+            lookup = None  # another model's answer is never stored as the requested one's
+        elif lookup is not None and not lookup.policy.serve_when_exhausted:
+            # The policy serves hits only within the budget: looked up once
+            # admitted; a hit gives back what was reserved (below).
+            served, lookup = await _from_cache(
+                kind, request, caller=caller, lookup=lookup, parsed=parsed, started=started
+            )
+            if served is not None:
+                return served
+        return await _forward(endpoint, request, admitted, lookup, started)
+    finally:
+        if not admitted.exchange.handed_over:
+            # A no-op once settled; after any failure, nothing was produced for the client.
+            await asyncio.shield(admitted.exchange.release())
+
+
+async def _from_cache(
+    kind: Kind,
+    request: Request,
+    *,
+    caller: Caller,
+    lookup: cache.CacheLookup,
+    parsed: ProxyRequest,
+    started: float,
+) -> tuple[Response | None, cache.CacheLookup]:
+    """The cache's answer (counted as serving path `cache`), or None; and the lookup."""
+    served, lookup = await cache.serve(kind, request, caller, lookup, parsed)
+    if served is not None:
+        proxy: Proxy = request.app.state.proxy
+        proxy.metrics.served("cache", started)
+    return served, lookup
+
+
+async def _forward(
+    endpoint: Endpoint,
+    request: Request,
+    admitted: Admitted,
+    lookup: cache.CacheLookup | None,
+    started: float,
+) -> Response:
+    """Send an admitted request to the model's deployments, in rank, until one answers."""
+    kind = kind_of(endpoint)
+    proxy: Proxy = request.app.state.proxy
     exchange, parsed = admitted.exchange, admitted.parsed
     headers = limit_headers(kind, exchange.decision) | admitted.headers
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
-    try:
-        ranked = proxy.deployments(kind, exchange.model)
-        for rank, upstream in enumerate(ranked):
-            headers["llmquota-upstream"] = upstream.name
-            call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content)
-            try:
-                answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
-            except _TryNext:
-                continue  # nothing produced: the same reservation goes to the next
-            proxy.metrics.served("second_deployment" if rank else admitted.path, started)
-            return answer
-        raise AssertionError("the last deployment never asks for the next")
-    finally:
-        if not exchange.handed_over:
-            # A no-op once settled; after any failure, nothing was produced for the client.
-            await asyncio.shield(exchange.release())
+    ranked = proxy.deployments(kind, exchange.model)
+    for rank, upstream in enumerate(ranked):
+        path: ServingPath = "second_deployment" if rank else admitted.path
+        headers["llmquota-upstream"] = upstream.name
+        headers[cache.SERVING_PATH_HEADER] = path
+        call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content, lookup)
+        try:
+            answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
+        except _TryNext:
+            continue  # nothing produced: the same reservation goes to the next
+        proxy.metrics.served(path, started)
+        return answer
+    raise AssertionError("the last deployment never asks for the next")
 
 
 async def _count_tokens(request: Request) -> Response:
@@ -284,6 +337,8 @@ class Call:
     exchange: Exchange
     headers: dict[str, str]
     content: bytes  # the body as it goes upstream (the admitted model's)
+    # where a successful answer is stored, when the response cache keeps it
+    cache: cache.CacheLookup | None = None
 
     def metrics(self) -> CallMetrics:
         """The observations of the upstream call about to be sent, timed from now."""
@@ -372,6 +427,8 @@ async def _complete(call: Call) -> Response:
     with contextlib.suppress(ValueError):
         tracker.read_body(loads_bounded(response.content))
     await call.exchange.finish(tracker, "ok")
+    if call.cache is not None and response.status_code == 200:
+        cache.keep(call.request, call.cache, upstream.scrub(response.content), tracker)
     return Response(
         upstream.scrub(response.content),
         status_code=response.status_code,
@@ -427,6 +484,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         metrics=calls,
         scrub=upstream.scrub,
         slot=slot,
+        on_complete=None if call.cache is None else _keeper(call),
     )
     relay.start(proxy.pumps)
     call.exchange.handed_over = True
@@ -435,3 +493,14 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         headers={**upstream.scrub_headers(_passed_back(response)), **headers},
         media_type=response.headers.get("content-type", "text/event-stream"),
     )
+
+
+def _keeper(call: Call) -> Callable[[bytes, UsageTracker], None]:
+    """What a stream that ran to its end does with its transcript: store it."""
+    lookup = call.cache
+    assert lookup is not None
+
+    def keep(transcript: bytes, tracker: UsageTracker) -> None:
+        cache.keep(call.request, lookup, call.upstream.scrub(transcript), tracker)
+
+    return keep

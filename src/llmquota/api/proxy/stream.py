@@ -30,6 +30,7 @@ from llmquota.api.proxy.metrics import CallMetrics
 from llmquota.api.proxy.pool import Slot
 from llmquota.api.proxy.wire import Kind, error_body
 from llmquota.domain.json_limits import loads_bounded
+from llmquota.domain.response_cache import MAX_CACHED_BODY_BYTES
 from llmquota.domain.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class StreamRelay:
         metrics: CallMetrics | None = None,
         scrub: Callable[[bytes], bytes] = bytes,
         slot: Slot | None = None,
+        on_complete: Callable[[bytes, UsageTracker], None] | None = None,
     ) -> None:
         self.exchange = exchange
         self.upstream = upstream
@@ -122,6 +124,12 @@ class StreamRelay:
         # Whether the provider's output has started coming through.
         self.relayed = False
         self.pump_task: asyncio.Task[None] | None = None
+        # The response cache's copy of the stream as the provider sent it
+        # (api/proxy/cache.py), handed to `on_complete` if it runs to its end
+        # within the cache's size bound.
+        self.on_complete = on_complete
+        self.transcript: list[bytes] | None = [] if on_complete is not None else None
+        self._transcript_bytes = 0
 
     def start(self, tasks: set[asyncio.Task[None]]) -> None:
         """Start the pump; `tasks` holds it until it has settled."""
@@ -137,6 +145,7 @@ class StreamRelay:
         outcome: Outcome = "ok"
         try:
             async for event in sse_events(self.upstream.aiter_bytes()):
+                self._record(event)
                 data = event_data(event)
                 usage_only = self.tracker.observe(data)
                 self._observe_output()
@@ -161,7 +170,19 @@ class StreamRelay:
                 if self.metrics is not None:  # the provider's own error event, in the stream
                     self.metrics.error("stream_error")
             self._observe_end(outcome)
+            if outcome == "ok" and self.on_complete is not None and self.transcript is not None:
+                self.on_complete(b"".join(self.transcript), self.tracker)
             await asyncio.shield(self._close(outcome))
+
+    def _record(self, event: bytes) -> None:
+        """Keep the event for the cache, until the stream outgrows its bound."""
+        if self.transcript is None:
+            return
+        self._transcript_bytes += len(event)
+        if self._transcript_bytes > MAX_CACHED_BODY_BYTES:
+            self.transcript = None
+        else:
+            self.transcript.append(event)
 
     def _observe_output(self) -> None:
         if self.relayed or not self.tracker.produced():

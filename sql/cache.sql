@@ -1,0 +1,208 @@
+-- The response cache of proxy mode (issue 23; src/llmquota/domain/response_cache.py
+-- says what a key, a context and a signature are).
+--
+-- response_cache (migration 0026) holds answers the proxy may serve again,
+-- per tenant and route ('' for none), endpoint and model. Three statements
+-- touch it, each one round trip:
+--
+--   lq_cache_serve   finds an answer (the exact key, else the nearest
+--                    embedding of the same context) and, in the same
+--                    transaction, writes the hit's ledger row: a request
+--                    served from the cache is on the books exactly once,
+--                    with 0 tokens charged and what it saved;
+--   lq_cache_store   keeps a fresh answer, and the tenant's namespace within
+--                    its max_entries (the oldest go first);
+--   lq_cache_sweep   deletes expired entries in bounded batches (the sweeper).
+--
+-- Lock order: a cache entry is never locked together with a limit layer or a
+-- reservation, so these statements take no place in admission.sql's order.
+-- lq_cache_store serialises one tenant's stores behind a transaction-scoped
+-- advisory lock, so that its bound is exact under concurrency; lq_cache_serve
+-- locks only the entry it serves (its hit counter).
+--
+-- Time is the database's clock, as everywhere: an entry is live while
+-- expires_at > clock_timestamp().
+
+
+-- The cosine similarity of two embeddings stored at length 1: their dot
+-- product. NULL when their lengths differ (another embedding model's).
+CREATE OR REPLACE FUNCTION lq_cache_cosine(p_a real[], p_b real[])
+RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN cardinality(p_a) = cardinality(p_b)
+                THEN (SELECT sum(x::double precision * y)
+                        FROM unnest(p_a, p_b) AS t(x, y))
+           END
+$$;
+
+
+-- Serve a request from the cache, or nothing.
+--
+-- (1) The exact key: an entry of this tenant, route, endpoint and model whose
+--     key is the request's, still live.
+-- (2) Else, given an embedding: the live entries of the same context whose
+--     SimHash is within p_max_distance bits of the request's (the prefilter:
+--     at most the namespace's entries, each compared by one XOR and a bit
+--     count), compared exactly by cosine; the most similar at or above
+--     p_similarity wins, the newest on a tie.
+-- (3) On a hit, the entry's counter goes up (its row lock is the only one
+--     taken) and the ledger gets the hit's row: entry_kind 'usage', outcome
+--     'ok', 0 tokens charged, serving_path 'cache', the tokens the provider
+--     would have billed in saved_*, and the operator's price for a hit, if
+--     the policy sets one. hit_id is the row's reservation_id: a hit has no
+--     reservation, and the id keeps each hit its own receipt.
+CREATE OR REPLACE FUNCTION lq_cache_serve(
+    p_tenant         text,
+    p_route          text,               -- '' for none
+    p_endpoint       text,
+    p_model          text,
+    p_exact_key      bytea,
+    p_context_key    bytea,              -- NULL: exact only
+    p_embedding      real[],             -- NULL: exact only
+    p_signature      bigint,
+    p_max_distance   integer,
+    p_similarity     double precision,
+    p_price_usd      numeric             -- NULL: no price for a hit
+) RETURNS TABLE (
+    hit_id           uuid,
+    entry_id         bigint,
+    answer           bytea,
+    input_tokens     bigint,
+    output_tokens    bigint,
+    similarity       double precision
+)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts  timestamptz := clock_timestamp();
+    found_e response_cache;
+    sim     double precision := 1.0;
+    hit     uuid := gen_random_uuid();
+BEGIN
+    -- (1) the exact key
+    SELECT c.* INTO found_e
+      FROM response_cache AS c
+     WHERE c.tenant = p_tenant AND c.route = p_route
+       AND c.endpoint = p_endpoint AND c.model = p_model
+       AND c.exact_key = p_exact_key
+       AND c.expires_at > now_ts;
+
+    -- (2) the nearest of the same context
+    IF found_e.entry_id IS NULL AND p_embedding IS NOT NULL THEN
+        SELECT s.entry_id, s.cos INTO found_e.entry_id, sim
+          FROM (SELECT c.entry_id, c.created_at,
+                       lq_cache_cosine(c.embedding, p_embedding) AS cos
+                  FROM response_cache AS c
+                 WHERE c.tenant = p_tenant AND c.route = p_route
+                   AND c.endpoint = p_endpoint AND c.model = p_model
+                   AND c.context_key = p_context_key
+                   AND c.embedding IS NOT NULL
+                   AND c.expires_at > now_ts
+                   AND bit_count((c.signature # p_signature)::bit(64)) <= p_max_distance) AS s
+         WHERE s.cos >= p_similarity
+         ORDER BY s.cos DESC, s.created_at DESC
+         LIMIT 1;
+        IF found_e.entry_id IS NOT NULL THEN
+            SELECT c.* INTO found_e FROM response_cache AS c WHERE c.entry_id = found_e.entry_id;
+        END IF;
+    END IF;
+    IF found_e.entry_id IS NULL THEN
+        RETURN;
+    END IF;
+
+    -- (3) the counter and the ledger row, in this transaction
+    UPDATE response_cache AS c SET hits = c.hits + 1 WHERE c.entry_id = found_e.entry_id;
+    INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
+                              input_tokens, output_tokens, reserved_tokens, outcome,
+                              serving_path, saved_input_tokens, saved_output_tokens, price_usd)
+    VALUES (hit, 'usage', p_tenant, nullif(p_route, ''), p_model,
+            0, 0, 0, 'ok',
+            'cache', found_e.input_tokens, found_e.output_tokens, p_price_usd);
+    RETURN QUERY SELECT hit, found_e.entry_id, found_e.answer,
+                        found_e.input_tokens, found_e.output_tokens, sim;
+END
+$$;
+
+
+-- Keep an answer: insert it, or refresh the entry of the same key (a newer
+-- answer, a new expiry). Then the tenant keeps at most p_max_entries live
+-- entries: its expired ones go, then its oldest beyond the bound. The
+-- advisory lock (per tenant, for this transaction) makes the bound exact:
+-- two stores of one tenant never both count the namespace before either
+-- inserted. Returns how many entries the bound removed.
+CREATE OR REPLACE FUNCTION lq_cache_store(
+    p_tenant         text,
+    p_route          text,
+    p_endpoint       text,
+    p_model          text,
+    p_exact_key      bytea,
+    p_context_key    bytea,
+    p_embedding      real[],
+    p_signature      bigint,
+    p_answer         bytea,
+    p_input_tokens   bigint,
+    p_output_tokens  bigint,
+    p_ttl_seconds    integer,
+    p_max_entries    integer
+) RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts  timestamptz;
+    removed integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('lq_cache:' || p_tenant, 0));
+    now_ts := clock_timestamp();
+    INSERT INTO response_cache AS c (tenant, route, endpoint, model, exact_key, context_key,
+                                     embedding, signature, answer, input_tokens, output_tokens,
+                                     created_at, expires_at)
+    VALUES (p_tenant, p_route, p_endpoint, p_model, p_exact_key, p_context_key,
+            p_embedding, p_signature, p_answer, p_input_tokens, p_output_tokens,
+            now_ts, now_ts + make_interval(secs => p_ttl_seconds))
+    ON CONFLICT (tenant, route, endpoint, model, exact_key) DO UPDATE
+       SET context_key = excluded.context_key,
+           embedding = coalesce(excluded.embedding, c.embedding),
+           signature = CASE WHEN excluded.embedding IS NULL THEN c.signature
+                            ELSE excluded.signature END,
+           answer = excluded.answer,
+           input_tokens = excluded.input_tokens,
+           output_tokens = excluded.output_tokens,
+           created_at = excluded.created_at,
+           expires_at = excluded.expires_at;
+    WITH doomed AS (
+        SELECT c.entry_id
+          FROM response_cache AS c
+         WHERE c.tenant = p_tenant
+         ORDER BY (c.expires_at > now_ts) DESC, c.created_at DESC, c.entry_id DESC
+        OFFSET p_max_entries
+    )
+    DELETE FROM response_cache AS c USING doomed AS d WHERE c.entry_id = d.entry_id;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    RETURN removed;
+END
+$$;
+
+
+-- Delete up to p_limit expired entries, the longest expired first; rows
+-- another transaction holds (a hit being counted) wait for the next run.
+CREATE OR REPLACE FUNCTION lq_cache_sweep(p_limit integer)
+RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    removed integer;
+BEGIN
+    WITH doomed AS (
+        SELECT c.entry_id
+          FROM response_cache AS c
+         WHERE c.expires_at <= clock_timestamp()
+         ORDER BY c.expires_at
+         LIMIT p_limit
+           FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM response_cache AS c USING doomed AS d WHERE c.entry_id = d.entry_id;
+    GET DIAGNOSTICS removed = ROW_COUNT;
+    RETURN removed;
+END
+$$;

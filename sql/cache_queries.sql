@@ -1,0 +1,19 @@
+-- The response cache's statements (sql/cache.sql has the functions; see
+-- src/llmquota/store/response_cache.py), as named blocks.
+
+-- cache_serve --
+-- Serve a request from the cache (exact key, else nearest of its context) and
+-- write the hit's ledger row; no row: a miss.
+SELECT * FROM lq_cache_serve($1::text, $2::text, $3::text, $4::text, $5::bytea, $6::bytea,
+                             $7::real[], $8::bigint, $9::integer, $10::double precision,
+                             $11::numeric)
+
+-- cache_store --
+-- Keep an answer, within the tenant's max_entries: how many entries the bound removed.
+SELECT lq_cache_store($1::text, $2::text, $3::text, $4::text, $5::bytea, $6::bytea,
+                      $7::real[], $8::bigint, $9::bytea, $10::bigint, $11::bigint,
+                      $12::integer, $13::integer) AS removed
+
+-- cache_sweep --
+-- Delete up to $1 expired cache entries: how many.
+SELECT lq_cache_sweep($1::integer) AS removed

@@ -1,0 +1,134 @@
+"""The response cache's statements (sql/cache.sql): serve, store, sweep.
+
+Each is one round trip. Serving a hit writes its ledger row in the same
+statement, so a request answered from the cache is on the books exactly
+once whatever happens to the connection after.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+
+from llmquota.domain.response_cache import SIGNATURE_MAX_DISTANCE
+from llmquota.store.pool import DeadlinePool
+from llmquota.store.sqlfiles import named_queries
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Where an answer lives: the namespace and the request's keys."""
+
+    tenant: str
+    route: str | None
+    endpoint: str
+    model: str
+    exact_key: bytes
+    # semantic only: the context, the last user turn's embedding (length 1)
+    # and its SimHash
+    context_key: bytes | None = None
+    embedding: Sequence[float] | None = None
+    signature: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHit:
+    """An answer served from the cache, and the ledger row that recorded it."""
+
+    hit_id: uuid.UUID
+    entry_id: int
+    answer: bytes
+    input_tokens: int
+    output_tokens: int
+    similarity: float
+
+
+class ResponseCacheStore:
+    """Typed access to the response cache."""
+
+    def __init__(self, pool: DeadlinePool) -> None:
+        self._pool = pool
+        self._sql = named_queries("cache_queries.sql")
+
+    async def serve(
+        self,
+        key: CacheKey,
+        *,
+        similarity: float,
+        price_usd: Decimal | None,
+        deadline_seconds: float | None = None,
+    ) -> CacheHit | None:
+        """The cached answer for `key` (exact, else the nearest of its context at
+        or above `similarity` when the key has an embedding), recorded in the
+        ledger as a hit; None on a miss."""
+        rows = await self._pool.fetch(
+            self._sql["cache_serve"],
+            (
+                key.tenant,
+                key.route or "",
+                key.endpoint,
+                key.model,
+                key.exact_key,
+                key.context_key,
+                None if key.embedding is None else list(key.embedding),
+                key.signature,
+                SIGNATURE_MAX_DISTANCE,
+                similarity,
+                price_usd,
+            ),
+            deadline_seconds=deadline_seconds,
+        )
+        if not rows:
+            return None
+        row = rows[0]
+        return CacheHit(
+            hit_id=row["hit_id"],
+            entry_id=int(row["entry_id"]),
+            answer=bytes(row["answer"]),
+            input_tokens=int(row["input_tokens"]),
+            output_tokens=int(row["output_tokens"]),
+            similarity=float(row["similarity"]),
+        )
+
+    async def store(
+        self,
+        key: CacheKey,
+        answer: bytes,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        ttl_seconds: int,
+        max_entries: int,
+        deadline_seconds: float | None = None,
+    ) -> int:
+        """Keep `answer` under `key` for `ttl_seconds`; how many older entries of the
+        tenant the `max_entries` bound removed."""
+        rows = await self._pool.fetch(
+            self._sql["cache_store"],
+            (
+                key.tenant,
+                key.route or "",
+                key.endpoint,
+                key.model,
+                key.exact_key,
+                key.context_key,
+                None if key.embedding is None else list(key.embedding),
+                key.signature,
+                answer,
+                input_tokens,
+                output_tokens,
+                ttl_seconds,
+                max_entries,
+            ),
+            deadline_seconds=deadline_seconds,
+        )
+        return int(rows[0]["removed"])
+
+    async def sweep(self, limit: int, *, deadline_seconds: float | None = None) -> int:
+        """Delete up to `limit` expired entries; how many."""
+        rows = await self._pool.fetch(
+            self._sql["cache_sweep"], (limit,), deadline_seconds=deadline_seconds
+        )
+        return int(rows[0]["removed"])

@@ -1,0 +1,223 @@
+"""The response cache's statements against the real PostgreSQL, as the service's role.
+
+A hit writes its ledger row in the statement that finds it; a namespace
+never reads another tenant's or route's entries; the bound per tenant is
+exact under concurrent stores; expired entries are never served and the
+sweeper deletes them; a semantic lookup serves the nearest entry of the same
+context at or above the similarity and nothing below it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import AsyncIterator
+from decimal import Decimal
+
+import asyncpg
+import pytest
+
+from llmquota.domain.response_cache import cosine, signature, unit
+from llmquota.store.response_cache import CacheKey
+from llmquota.store.store import Store
+
+ANSWER = b'{"id":"chatcmpl-1","choices":[{"message":{"content":"hi"}}]}'
+
+
+@pytest.fixture
+async def store(app_dsn: str) -> AsyncIterator[Store]:
+    opened = await Store.connect(app_dsn, min_size=1, max_size=20)
+    yield opened
+    await opened.close()
+
+
+def key(tenant: str = "acme", route: str | None = None, exact: int = 1, **more: object) -> CacheKey:
+    return CacheKey(
+        tenant=tenant,
+        route=route,
+        endpoint="chat",
+        model="gpt-4o",
+        exact_key=exact.to_bytes(32, "big"),
+        **more,  # type: ignore[arg-type]
+    )
+
+
+async def put(store: Store, k: CacheKey, *, ttl: int = 600, max_entries: int = 100) -> int:
+    return await store.response_cache.store(
+        k, ANSWER, input_tokens=40, output_tokens=12, ttl_seconds=ttl, max_entries=max_entries
+    )
+
+
+async def test_an_exact_hit_is_served_once_and_booked_in_the_ledger(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await put(store, key())
+    hit = await store.response_cache.serve(key(), similarity=0.9, price_usd=Decimal("0.0002"))
+    assert hit is not None
+    assert (hit.answer, hit.input_tokens, hit.output_tokens) == (ANSWER, 40, 12)
+    row = await db.fetchrow(
+        "SELECT reservation_id, entry_kind, outcome, tenant, route, model, input_tokens,"
+        " output_tokens, reserved_tokens, serving_path, saved_input_tokens, saved_output_tokens,"
+        " price_usd FROM usage_ledger"
+    )
+    assert row is not None
+    assert dict(row) == {
+        "reservation_id": hit.hit_id,
+        "entry_kind": "usage",
+        "outcome": "ok",
+        "tenant": "acme",
+        "route": None,
+        "model": "gpt-4o",
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "reserved_tokens": 0,
+        "serving_path": "cache",
+        "saved_input_tokens": 40,
+        "saved_output_tokens": 12,
+        "price_usd": Decimal("0.0002"),
+    }
+    assert await db.fetchval("SELECT hits FROM response_cache") == 1
+    # Each hit is its own row with its own id.
+    again = await store.response_cache.serve(key(), similarity=0.9, price_usd=None)
+    assert again is not None and again.hit_id != hit.hit_id
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 2
+    assert await db.fetchval("SELECT hits FROM response_cache") == 2
+
+
+async def test_a_miss_writes_nothing(store: Store, db: asyncpg.Connection) -> None:
+    await put(store, key())
+    assert await store.response_cache.serve(key(exact=2), similarity=0.9, price_usd=None) is None
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 0
+
+
+async def test_another_tenant_or_route_never_reads_an_entry(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await put(store, key("acme", route="support"))
+    for other in (key("globex", route="support"), key("acme"), key("acme", route="sales")):
+        assert await store.response_cache.serve(other, similarity=0.5, price_usd=None) is None
+    assert await store.response_cache.serve(
+        key("acme", route="support"), similarity=0.5, price_usd=None
+    )
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 1
+
+
+async def test_an_expired_entry_is_not_served_and_the_sweeper_deletes_it(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await put(store, key(exact=1))
+    await put(store, key(exact=2))
+    await db.execute(
+        "UPDATE response_cache SET expires_at = clock_timestamp() - interval '1 second'"
+        " WHERE exact_key = $1",
+        (1).to_bytes(32, "big"),
+    )
+    assert await store.response_cache.serve(key(exact=1), similarity=0.9, price_usd=None) is None
+    assert await store.response_cache.sweep(100) == 1
+    assert await db.fetchval("SELECT count(*) FROM response_cache") == 1
+    assert await store.response_cache.serve(key(exact=2), similarity=0.9, price_usd=None)
+
+
+async def test_storing_the_same_key_again_refreshes_the_entry(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await put(store, key(), ttl=10)
+    await store.response_cache.store(
+        key(), b'{"new":1}', input_tokens=3, output_tokens=4, ttl_seconds=600, max_entries=10
+    )
+    assert await db.fetchval("SELECT count(*) FROM response_cache") == 1
+    hit = await store.response_cache.serve(key(), similarity=0.9, price_usd=None)
+    assert hit is not None and (hit.answer, hit.input_tokens, hit.output_tokens) == (
+        b'{"new":1}',
+        3,
+        4,
+    )
+
+
+async def test_a_tenant_keeps_its_newest_entries_within_max_entries(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    removed = [await put(store, key(exact=i), max_entries=3) for i in range(1, 6)]
+    assert removed == [0, 0, 0, 1, 1]
+    kept = await db.fetch("SELECT exact_key FROM response_cache ORDER BY created_at")
+    assert [int.from_bytes(r["exact_key"], "big") for r in kept] == [3, 4, 5]
+    # Another tenant's entries neither count nor go.
+    await put(store, key("globex", exact=9), max_entries=1)
+    assert await db.fetchval("SELECT count(*) FROM response_cache WHERE tenant = 'acme'") == 3
+
+
+async def test_the_bound_is_exact_under_concurrent_stores(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await asyncio.gather(*(put(store, key(exact=i), max_entries=5) for i in range(1, 41)))
+    assert await db.fetchval("SELECT count(*) FROM response_cache") == 5
+
+
+def near(vector: list[float], cos: float, rng: random.Random) -> list[float]:
+    """A unit vector at cosine `cos` from the unit `vector`."""
+    noise = [rng.gauss(0.0, 1.0) for _ in vector]
+    dot = sum(n * v for n, v in zip(noise, vector, strict=True))
+    orthogonal = unit([n - dot * v for n, v in zip(noise, vector, strict=True)])
+    sin = math.sqrt(1.0 - cos * cos)
+    return [cos * v + sin * o for v, o in zip(vector, orthogonal, strict=True)]
+
+
+def semantic(vector: list[float], exact: int, context: int = 7) -> CacheKey:
+    return key(
+        exact=exact,
+        context_key=context.to_bytes(32, "big"),
+        embedding=vector,
+        signature=signature(vector),
+    )
+
+
+async def test_a_semantic_lookup_serves_the_nearest_of_its_context_above_the_similarity(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    rng = random.Random(5)
+    stored = unit([rng.gauss(0.0, 1.0) for _ in range(256)])
+    await store.response_cache.store(
+        semantic(stored, exact=1),
+        ANSWER,
+        input_tokens=40,
+        output_tokens=12,
+        ttl_seconds=600,
+        max_entries=10,
+    )
+    close, far = near(stored, 0.95, rng), near(stored, 0.80, rng)
+    assert cosine(stored, close) == pytest.approx(0.95)
+    hit = await store.response_cache.serve(
+        semantic(close, exact=2), similarity=0.92, price_usd=None
+    )
+    assert hit is not None and hit.similarity == pytest.approx(0.95, abs=1e-5)
+    # Below the similarity, or another context (another system prompt): no hit.
+    assert (
+        await store.response_cache.serve(semantic(far, exact=3), similarity=0.92, price_usd=None)
+        is None
+    )
+    assert (
+        await store.response_cache.serve(
+            semantic(close, exact=4, context=8), similarity=0.92, price_usd=None
+        )
+        is None
+    )
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 1
+
+
+async def test_a_semantic_lookup_picks_the_most_similar(store: Store) -> None:
+    rng = random.Random(9)
+    query = unit([rng.gauss(0.0, 1.0) for _ in range(128)])
+    for exact, cos in ((1, 0.93), (2, 0.99), (3, 0.96)):
+        await store.response_cache.store(
+            semantic(near(query, cos, rng), exact=exact),
+            str(exact).encode(),
+            input_tokens=1,
+            output_tokens=1,
+            ttl_seconds=600,
+            max_entries=10,
+        )
+    hit = await store.response_cache.serve(
+        semantic(query, exact=9), similarity=0.92, price_usd=None
+    )
+    assert hit is not None and hit.answer == b"2"
