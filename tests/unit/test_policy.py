@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from llmquota.domain.policy import (
     Policy,
     call_weight,
 )
+from llmquota.domain.response_cache import HIT_PRICE_PATTERN, CachePolicy
 
 FIELDS = [
     "tokens_per_minute",
@@ -190,3 +193,13 @@ def test_a_calls_weight_is_its_routes_else_its_tenants_else_one_request_and_a_pe
     for bad in ({"request_cost": -1}, {"request_cost": 10_001}, {"uses_concurrency": 1}):
         with pytest.raises(ValueError, match=r"request_cost|uses_concurrency"):
             Policy(**bad)  # type: ignore[arg-type]
+
+
+def test_the_hit_price_pattern_is_the_validators_bound() -> None:
+    """The schema's pattern states the bounds: what it allows is what the model takes."""
+    for text in ("0", "0.000001", "12.5", "999.999999", "1000", "1000.000000"):
+        assert re.fullmatch(HIT_PRICE_PATTERN, text), text
+        taken = CachePolicy.model_validate({"mode": "exact", "hit_price_usd": text})
+        assert taken.hit_price_usd == Decimal(text)
+    for text in ("00", "01", "1000.000001", "1001", ".5", "5.", "1e3", " 1", "0.0000001"):
+        assert not re.fullmatch(HIT_PRICE_PATTERN, text), text
