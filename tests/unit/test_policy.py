@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from decimal import Decimal
@@ -20,7 +21,16 @@ from llmquota.domain.policy import (
     Policy,
     call_weight,
 )
-from llmquota.domain.response_cache import HIT_PRICE_PATTERN, CachePolicy
+from llmquota.domain.response_cache import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL_SECONDS,
+    HIT_PRICE_PATTERN,
+    MAX_ENTRIES,
+    MAX_HIT_PRICE_USD,
+    MAX_TTL_SECONDS,
+    CachePolicy,
+    parse_cache_policy,
+)
 
 FIELDS = [
     "tokens_per_minute",
@@ -132,6 +142,7 @@ def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
         "output_estimate": None,
         "request_cost": None,
         "uses_concurrency": None,
+        "cache": None,
     }
     assert DEFAULT_LEASE_SECONDS == 120
     assert policy.resolved() == policy
@@ -193,6 +204,49 @@ def test_a_calls_weight_is_its_routes_else_its_tenants_else_one_request_and_a_pe
     for bad in ({"request_cost": -1}, {"request_cost": 10_001}, {"uses_concurrency": 1}):
         with pytest.raises(ValueError, match=r"request_cost|uses_concurrency"):
             Policy(**bad)  # type: ignore[arg-type]
+
+
+SEMANTIC = {"mode": "semantic", "embedding_model": "text-embedding-3-small"}
+
+
+def test_a_policys_cache_is_checked_and_stored_as_it_is_answered() -> None:
+    assert Policy().cache is None
+    policy = Policy.model_validate({"cache": {**SEMANTIC, "hit_price_usd": "0.50"}})
+    assert policy.cache is not None and policy.cache.hit_price_usd == Decimal("0.5")
+    # The stored form (jsonb) and the answer: the price a decimal string without
+    # trailing zeros, every default written out; read back, the same policy.
+    dumped = policy.model_dump(mode="json")["cache"]
+    assert dumped == {
+        **SEMANTIC,
+        "ttl_seconds": DEFAULT_TTL_SECONDS,
+        "max_entries": DEFAULT_MAX_ENTRIES,
+        "similarity": 0.92,
+        "sampled": False,
+        "serve_when_exhausted": True,
+        "hit_price_usd": "0.5",
+    }
+    assert parse_cache_policy(json.dumps(dumped)) == policy.cache
+    assert Policy.model_validate({"cache": dumped}) == policy
+    # A Decimal given in Python is taken as it is.
+    assert CachePolicy(mode="exact", hit_price_usd=Decimal("2")).hit_price_usd == 2
+    for bad in (
+        {"mode": "semantic"},
+        {"mode": "exact", "embedding_model": "m"},
+        {**SEMANTIC, "similarity": 0.0},
+        {**SEMANTIC, "similarity": 1.5},
+        {"mode": "exact", "ttl_seconds": 0},
+        {"mode": "exact", "ttl_seconds": MAX_TTL_SECONDS + 1},
+        {"mode": "exact", "max_entries": MAX_ENTRIES + 1},
+        {"mode": "exact", "hit_price_usd": 0.5},  # money is a string
+        {"mode": "exact", "hit_price_usd": "1e-4"},
+        {"mode": "exact", "hit_price_usd": "-1"},
+        {"mode": "exact", "hit_price_usd": f"{MAX_HIT_PRICE_USD}.000001"},
+        {"mode": "exact", "hit_price_usd": "0.0000001"},
+        {"mode": "exact", "max_tokens": 5},
+    ):
+        with pytest.raises(ValidationError):
+            Policy.model_validate({"cache": bad})
+    assert Policy.model_validate({"cache": {"mode": "exact", "hit_price_usd": "1000.0"}})
 
 
 def test_the_hit_price_pattern_is_the_validators_bound() -> None:
