@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import NoReturn, Unpack
+from typing import Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.accounting import TokenAccounting
@@ -337,18 +337,8 @@ class Limiter:
             return self.outage.journal_settlement(request, exc)
         self.outage.store_answered()
         if result.status == "not_found":
-            self._raise_not_found(request.reservation_id)
+            self.outage.raise_not_found(request.reservation_id)
         return result
-
-    def _raise_not_found(self, reservation_id: uuid.UUID) -> NoReturn:
-        """The store has no such reservation: 404, unless a worker made it during
-        an outage and has not recorded it yet (503, retry)."""
-        if is_outage_id(reservation_id) and self.fallback.made_by_a_worker(reservation_id):
-            raise StoreUnavailable(
-                f"reservation {reservation_id} was admitted during an outage and "
-                "is not recorded yet; retry"
-            )
-        raise ReservationNotFound(f"no reservation {reservation_id}")
 
     async def settle(
         self,

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from llmquota.admission.abandoned import RETRY_MISSING_SECONDS, AbandonedAdmissions
 from llmquota.admission.changes import ChangeFeed
@@ -25,7 +26,8 @@ from llmquota.admission.outage import FlushReport, JournalFull, OutageJournal
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.admission.reservation import Admission
 from llmquota.config import Settings
-from llmquota.domain.errors import StoreTimeout, StoreUnavailable
+from llmquota.domain.errors import ReservationNotFound, StoreTimeout, StoreUnavailable
+from llmquota.domain.outage_ids import is_outage_id
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
 from llmquota.metrics import Metrics
 from llmquota.store.store import Store
@@ -133,6 +135,16 @@ class OutageRecovery:
         whatever it made as soon as the store answers (abandoned.py)."""
         self.abandoned.abandon(reservation_ids)
         self.ensure_recovery()
+
+    def raise_not_found(self, reservation_id: uuid.UUID) -> NoReturn:
+        """The store has no such reservation: 404, unless a worker made it during
+        an outage and has not recorded it yet (503, retry)."""
+        if is_outage_id(reservation_id) and self.fallback.made_by_a_worker(reservation_id):
+            raise StoreUnavailable(
+                f"reservation {reservation_id} was admitted during an outage and "
+                "is not recorded yet; retry"
+            )
+        raise ReservationNotFound(f"no reservation {reservation_id}")
 
     def policies_changed(self) -> None:
         """A change was announced (NOTIFY): refresh the cache now, and once more
