@@ -1,7 +1,9 @@
-"""The response cache policy field (`cache`) over the REST API.
+"""The response cache policy field (`cache`) over the REST API, and in the policy cache.
 
 PUT, GET and PATCH of tenant, route and plan policies; a plan's cache reaching
-its tenants; the refusals, each leaving the stored policy as it was.
+its tenants; the refusals, each leaving the stored policy as it was; and what
+the proxy reads: `Limiter.cache_policy`, the route's over the tenant's over
+the plan's, from the worker's policy cache.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from llmquota.admission.limiter import Limiter
 from llmquota.domain.response_cache import CachePolicy
 from tests.api.conftest import ADMIN_KEY
 
@@ -210,6 +214,38 @@ async def test_the_openapi_document_shows_the_cache_and_its_rules(
     assert cache["allOf"]  # semantic needs embedding_model, exact takes none
     patch = schemas["TenantPolicyBodyPatch"]["properties"]["cache"]["anyOf"][0]
     assert set(patch["properties"]) == set(CachePolicy.model_fields)
+
+
+async def test_the_limiter_answers_the_routes_over_the_tenants_over_the_plans(
+    served: tuple[httpx.AsyncClient, FastAPI],
+) -> None:
+    client, app = served
+    limiter: Limiter = app.state.limiter
+    await _put(client, PLAN, {"tokens_per_minute": 50_000, "cache": {**EXACT, "ttl_seconds": 7}})
+    await _put(client, TENANT, {"plan": "pro", "cache": {**EXACT, "ttl_seconds": 8}})
+    await _put(client, ROUTE, {"unlimited": True, "cache": SEMANTIC})
+    await _put(client, "/v1/tenants/acme/routes/plain/policy", {"max_in_flight": 4})
+    await _put(client, "/v1/tenants/beta/policy", {"plan": "pro"})
+    await _put(client, "/v1/tenants/gamma/policy", {"unlimited": True})
+    # The writes reloaded this worker's policy cache before answering: no refresh here.
+
+    def ttl(found: CachePolicy | None) -> int | None:
+        return None if found is None else found.ttl_seconds
+
+    route = await limiter.cache_policy("acme", "chat")
+    assert route is not None and route.mode == "semantic"
+    assert route == CachePolicy.model_validate(SEMANTIC)
+    assert ttl(await limiter.cache_policy("acme", "plain")) == 8  # a route without one
+    assert ttl(await limiter.cache_policy("acme", "unknown")) == 8  # no such route layer
+    assert ttl(await limiter.cache_policy("acme", None)) == 8
+    assert ttl(await limiter.cache_policy("beta", None)) == 7  # the plan's
+    assert ttl(await limiter.cache_policy("beta", "chat")) == 7
+    assert await limiter.cache_policy("gamma", None) is None
+    assert await limiter.cache_policy("nobody", "chat") is None
+    assert limiter.policies.cache_policy("acme", "chat") == route  # the same copy
+    # The tenant's own goes: the plan's is its effective cache.
+    await _put(client, TENANT, {"plan": "pro"})
+    assert ttl(await limiter.cache_policy("acme", None)) == 7
 
 
 async def test_the_status_shows_each_layers_effective_cache(client: httpx.AsyncClient) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from llmquota.admission.policy_cache import PolicyCache
 from llmquota.domain.policy import (
     DEFAULT_LEASE_SECONDS,
     MAX_IN_FLIGHT,
@@ -21,6 +22,7 @@ from llmquota.domain.policy import (
     Policy,
     call_weight,
 )
+from llmquota.domain.records import CachedLayer
 from llmquota.domain.response_cache import (
     DEFAULT_MAX_ENTRIES,
     DEFAULT_TTL_SECONDS,
@@ -257,3 +259,26 @@ def test_the_hit_price_pattern_is_the_validators_bound() -> None:
         assert taken.hit_price_usd == Decimal(text)
     for text in ("00", "01", "1000.000001", "1001", ".5", "5.", "1e3", " 1", "0.0000001"):
         assert not re.fullmatch(HIT_PRICE_PATTERN, text), text
+
+
+def test_the_policy_cache_answers_the_routes_cache_over_the_tenants() -> None:
+    cache = PolicyCache(refresh_seconds=10, max_stale_seconds=60)
+    tenant = CachePolicy(mode="exact", ttl_seconds=8)
+    route = CachePolicy.model_validate(SEMANTIC)
+    cache.replace(
+        (4, 4),
+        [
+            CachedLayer("global", None, None, Policy(tokens_per_minute=10), 1),
+            CachedLayer("tenant", "acme", None, Policy(cache=tenant), 2),
+            CachedLayer("route", "acme", "chat", Policy(cache=route), 3),
+            CachedLayer("route", "acme", "plain", Policy(max_in_flight=2), 4),
+            CachedLayer("tenant", "beta", None, Policy(), 5),
+        ],
+        now=0.0,
+    )
+    assert cache.cache_policy("acme", "chat") == route
+    assert cache.cache_policy("acme", "plain") == tenant  # a route layer without one
+    assert cache.cache_policy("acme", "other") == tenant  # no such route layer
+    assert cache.cache_policy("acme", None) == tenant
+    assert cache.cache_policy("beta", None) is None
+    assert cache.cache_policy("nobody", "chat") is None  # not cached: cache nothing

@@ -62,6 +62,7 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
 )
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.domain.validation import (
     check_lease_generation,
@@ -259,6 +260,14 @@ class Limiter:
     async def refresh_policies(self) -> None:
         """Load every layer's policy into this worker's cache (one row if unchanged)."""
         await self.outage.refresh_policies()
+
+    async def cache_policy(self, tenant: str, route: str | None) -> CachePolicy | None:
+        """The response cache policy of a request (the route's, else the tenant's, else
+        its plan's; None: cache nothing), from this worker's policy cache, without a
+        round trip: a change reaches it when announced, else within
+        POLICY_CACHE_REFRESH_SECONDS, as an older copy is refreshed first (recovery.py)."""
+        await self.outage.refresh_when_due(self.deadline_seconds)
+        return self.policies.cache_policy(tenant, route)
 
     async def flush_outage_journal(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
