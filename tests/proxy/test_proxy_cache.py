@@ -233,23 +233,27 @@ async def test_a_stream_is_replayed_as_the_providers_events(
 async def test_anthropic_answers_whole_and_streamed_come_from_the_cache(
     cached: Stack, db: asyncpg.Connection
 ) -> None:
+    # This SDK sends no temperature (Anthropic's current API has none): its
+    # answers are sampled, so the policy must say so to cache them.
+    policy = {**GENEROUS, "cache": {**EXACT, "sampled": True}}
+    assert (await cached.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
     client = cached.anthropic()
     whole = await client.messages.create(
-        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50, temperature=0
+        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50
     )
     await entries(db, 1)
     again = await client.messages.with_raw_response.create(
-        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50, temperature=0
+        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50
     )
     assert again.headers["llmquota-serving-path"] == "cache"
-    assert again.parse().content == whole.content
+    assert (await again.parse()).content == whole.content
     async with client.messages.stream(
-        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50, temperature=0
+        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50
     ) as stream:
         streamed = await stream.get_final_message()
     await entries(db, 2)
     async with client.messages.stream(
-        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50, temperature=0
+        model="claude-sonnet-4-5", messages=QUESTION, max_tokens=50
     ) as stream:
         replayed = await stream.get_final_message()
     assert replayed.content == streamed.content
