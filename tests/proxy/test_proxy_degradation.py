@@ -151,6 +151,7 @@ async def test_a_proxy_request_waits_for_a_permit(stack: Stack, db: asyncpg.Conn
     paths = {p: value(samples, "llmquota_serving_path_total", path=p) for p in SERVING_PATHS}
     assert paths == {
         "primary": 1,
+        "cache": 0,
         "fallback_model": 0,
         "queued": 1,
         "second_deployment": 0,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,11 +108,17 @@ async def lookup_for(
     return CacheLookup(policy, key, parsed.stream)
 
 
-async def serve(
-    kind: Kind, request: Request, caller: Caller, lookup: CacheLookup, parsed: ProxyRequest
+async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
+    kind: Kind,
+    request: Request,
+    caller: Caller,
+    lookup: CacheLookup,
+    parsed: ProxyRequest,
+    started: float,
 ) -> tuple[Response | None, CacheLookup]:
-    """The answer from the cache, or None; and the lookup as it is now (with the
-    semantic key once embedded, for storing a fresh answer under it)."""
+    """The answer from the cache (counted as serving path `cache`, timed from
+    `started`), or None; and the lookup as it is now (with the semantic key once
+    embedded, for storing a fresh answer under it)."""
     limiter: Limiter = request.app.state.limiter
     policy = lookup.policy
     deadline = limiter.deadline_seconds
@@ -142,6 +148,8 @@ async def serve(
         return None, lookup
     if hit is None:
         return None, lookup
+    proxy: Proxy = request.app.state.proxy
+    proxy.metrics.served("cache", started)
     return replay(kind, hit, parsed, semantic=semantic), lookup
 
 
@@ -283,6 +291,21 @@ async def _call_embeddings(
     ):
         raise ValueError("the embeddings answer is not a list of numbers with a token count")
     return [float(x) for x in vector], tokens
+
+
+def keeper(
+    request: Request, lookup: CacheLookup | None, scrub: Callable[[bytes], bytes]
+) -> Callable[[bytes, UsageTracker], None] | None:
+    """What a stream that ran to its end does with its transcript (the events as
+    the provider sent them): keep it, scrubbed. None when nothing is cached."""
+    if lookup is None:
+        return None
+    cached = lookup
+
+    def keep_transcript(transcript: bytes, tracker: UsageTracker) -> None:
+        keep(request, cached, scrub(transcript), tracker)
+
+    return keep_transcript
 
 
 def keep(request: Request, lookup: CacheLookup, answer: bytes, tracker: UsageTracker) -> None:

@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -30,6 +29,13 @@ from llmquota.api.auth import Caller
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy import cache
 from llmquota.api.proxy.admission import Admitted, admit_proxied
+from llmquota.api.proxy.answers import (
+    passed_back,
+    pool_refused,
+    upstream_error,
+    upstream_failed,
+    upstream_request,
+)
 from llmquota.api.proxy.callers import proxy_caller
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics, ServingPath
@@ -37,8 +43,6 @@ from llmquota.api.proxy.pool import PoolRefusal, Slot
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
 from llmquota.api.proxy.upstream import (
-    PASSED_BACK,
-    UPSTREAM_LIMIT_PREFIXES,
     Proxy,
     Upstream,
     missing_upstream,
@@ -128,9 +132,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         if lookup is not None and lookup.policy.serve_when_exhausted:
             # Before admission: a hit costs the provider nothing, so a spent budget
             # does not stop it.
-            served, lookup = await _from_cache(
-                kind, request, caller=caller, lookup=lookup, parsed=parsed, started=started
-            )
+            served, lookup = await cache.serve(kind, request, caller, lookup, parsed, started)
             if served is not None:
                 return served
         body = await request.body()
@@ -151,9 +153,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         elif lookup is not None and not lookup.policy.serve_when_exhausted:
             # The policy serves hits only within the budget: looked up once
             # admitted; a hit gives back what was reserved (below).
-            served, lookup = await _from_cache(
-                kind, request, caller=caller, lookup=lookup, parsed=parsed, started=started
-            )
+            served, lookup = await cache.serve(kind, request, caller, lookup, parsed, started)
             if served is not None:
                 return served
         return await _forward(endpoint, request, admitted, lookup, started)
@@ -161,23 +161,6 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         if not admitted.exchange.handed_over:
             # A no-op once settled; after any failure, nothing was produced for the client.
             await asyncio.shield(admitted.exchange.release())
-
-
-async def _from_cache(
-    kind: Kind,
-    request: Request,
-    *,
-    caller: Caller,
-    lookup: cache.CacheLookup,
-    parsed: ProxyRequest,
-    started: float,
-) -> tuple[Response | None, cache.CacheLookup]:
-    """The cache's answer (counted as serving path `cache`), or None; and the lookup."""
-    served, lookup = await cache.serve(kind, request, caller, lookup, parsed)
-    if served is not None:
-        proxy: Proxy = request.app.state.proxy
-        proxy.metrics.served("cache", started)
-    return served, lookup
 
 
 async def _forward(
@@ -246,79 +229,27 @@ async def _count_upstream(
     """The upstream's count of the body as the client wrote it, passed back scrubbed;
     its errors as any upstream call's (pool, timeout, the provider's error)."""
     kind = upstream.kind
-    outgoing = _outgoing(proxy, upstream, "count_tokens", request, await request.body())
+    outgoing = upstream_request(proxy, upstream, "count_tokens", request, await request.body())
     calls = proxy.metrics.call(kind, "count_tokens")
     try:
         slot = await proxy.shares[upstream.name].acquire(tenant)
     except PoolRefusal as exc:
-        return _pool_refused(kind, exc, {})
+        return pool_refused(kind, exc, {})
     try:
         response = await proxy.client(upstream).send(outgoing)
         calls.answered(response.status_code)
     except httpx.HTTPError as exc:
         calls.failed(exc)
-        return _upstream_failed(kind, exc, {})
+        return upstream_failed(kind, exc, {})
     finally:
         slot.release()
     if response.status_code >= 400:
-        return _upstream_error(kind, upstream, response, {})
+        return upstream_error(kind, upstream, response, {})
     return Response(
         upstream.scrub(response.content),
         status_code=response.status_code,
-        headers=upstream.scrub_headers(_passed_back(response)),
+        headers=upstream.scrub_headers(passed_back(response)),
         media_type=response.headers.get("content-type"),
-    )
-
-
-def _outgoing(
-    proxy: Proxy, upstream: Upstream, endpoint: Endpoint, request: Request, content: bytes
-) -> httpx.Request:
-    """The upstream request: the body, our key, the provider's own headers."""
-    client = proxy.client(upstream)
-    return client.build_request(
-        "POST",
-        upstream.url(endpoint),
-        content=content,
-        headers=upstream.headers(request.headers),
-        timeout=upstream.timeout or client.timeout,
-    )
-
-
-def _passed_back(response: httpx.Response) -> dict[str, str]:
-    return {k: v for k, v in response.headers.items() if k in PASSED_BACK}
-
-
-def _pool_refused(kind: Kind, exc: PoolRefusal, headers: dict[str, str]) -> Response:
-    """No connection to the upstream for this request: nothing was sent, the
-    reservation is released by the caller; retry in a second."""
-    retry = {"retry-after": "1", "retry-after-ms": "1000"}
-    return error_response(kind, exc.status, str(exc), headers={**headers, **retry})
-
-
-def _upstream_failed(kind: Kind, exc: httpx.HTTPError, headers: dict[str, str]) -> Response:
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    reason = type(exc).__name__
-    return error_response(kind, status, f"the provider did not answer ({reason})", headers=headers)
-
-
-def _upstream_error(
-    kind: Kind, upstream: Upstream, response: httpx.Response, headers: dict[str, str]
-) -> Response:
-    """A provider's error, passed through (key scrubbed); its 429 with its own headers."""
-    if response.status_code in (401, 403):
-        return error_response(
-            kind, 502, "the provider refused llmquota's credentials; tell the operator"
-        )
-    passed = {
-        k: v
-        for k, v in response.headers.items()
-        if k.startswith(UPSTREAM_LIMIT_PREFIXES) or k in PASSED_BACK or k == "x-should-retry"
-    }
-    return Response(
-        upstream.scrub(response.content),
-        status_code=response.status_code,
-        headers={**headers, **upstream.scrub_headers(passed)},
-        media_type=response.headers.get("content-type", "application/json"),
     )
 
 
@@ -346,7 +277,7 @@ class Call:
 
     def outgoing(self, content: bytes) -> httpx.Request:
         """The upstream request: the body, our key, the provider's own headers."""
-        return _outgoing(self.proxy, self.upstream, self.endpoint, self.request, content)
+        return upstream_request(self.proxy, self.upstream, self.endpoint, self.request, content)
 
     async def connection(self) -> Slot:
         """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""
@@ -405,7 +336,7 @@ async def _complete(call: Call) -> Response:
     try:
         slot = await call.connection()
     except PoolRefusal as exc:
-        return _pool_refused(kind, exc, headers)
+        return pool_refused(kind, exc, headers)
     try:
         # Streamed, to time the response head apart from the body.
         response = await call.proxy.client(upstream).send(outgoing, stream=True)
@@ -416,13 +347,13 @@ async def _complete(call: Call) -> Response:
             await response.aclose()
     except httpx.HTTPError as exc:
         calls.failed(exc)
-        return _upstream_failed(kind, exc, headers)
+        return upstream_failed(kind, exc, headers)
     finally:
         slot.release()
     if response.status_code >= 400:
         call.refused(response)
         await _cool_down_on_429(call, response)
-        return _upstream_error(kind, upstream, response, headers)
+        return upstream_error(kind, upstream, response, headers)
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
         tracker.read_body(loads_bounded(response.content))
@@ -432,7 +363,7 @@ async def _complete(call: Call) -> Response:
     return Response(
         upstream.scrub(response.content),
         status_code=response.status_code,
-        headers={**upstream.scrub_headers(_passed_back(response)), **headers},
+        headers={**upstream.scrub_headers(passed_back(response)), **headers},
         media_type=response.headers.get("content-type"),
     )
 
@@ -451,13 +382,13 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
     try:
         slot = await call.connection()
     except PoolRefusal as exc:
-        return _pool_refused(kind, exc, headers)
+        return pool_refused(kind, exc, headers)
     try:
         response = await proxy.client(upstream).send(outgoing, stream=True)
     except httpx.HTTPError as exc:
         slot.release()
         calls.failed(exc)
-        return _upstream_failed(kind, exc, headers)
+        return upstream_failed(kind, exc, headers)
     except BaseException:
         slot.release()
         raise
@@ -470,7 +401,7 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
             slot.release()
         call.refused(response)
         await _cool_down_on_429(call, response)
-        return _upstream_error(kind, upstream, response, headers)
+        return upstream_error(kind, upstream, response, headers)
     settings = proxy.settings
     relay = StreamRelay(
         call.exchange,
@@ -484,23 +415,12 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         metrics=calls,
         scrub=upstream.scrub,
         slot=slot,
-        on_complete=None if call.cache is None else _keeper(call),
+        on_complete=cache.keeper(call.request, call.cache, upstream.scrub),
     )
     relay.start(proxy.pumps)
     call.exchange.handed_over = True
     return RelayResponse(
         relay,
-        headers={**upstream.scrub_headers(_passed_back(response)), **headers},
+        headers={**upstream.scrub_headers(passed_back(response)), **headers},
         media_type=response.headers.get("content-type", "text/event-stream"),
     )
-
-
-def _keeper(call: Call) -> Callable[[bytes, UsageTracker], None]:
-    """What a stream that ran to its end does with its transcript: store it."""
-    lookup = call.cache
-    assert lookup is not None
-
-    def keep(transcript: bytes, tracker: UsageTracker) -> None:
-        cache.keep(call.request, lookup, call.upstream.scrub(transcript), tracker)
-
-    return keep
