@@ -35,6 +35,19 @@ from llmquota.domain.vocabulary import (
 )
 
 
+class FallbackCandidate(NamedTuple):
+    """An explicit fallback model of a request, as admission tries it: its own
+    input count (its tokenizer's) and its own output reserve (its own learned
+    histogram under the request's policy, admission/estimates.py), so that a
+    degraded admission reserves what the model admitted is expected to use."""
+
+    model: str
+    input_tokens: int
+    # What to reserve for its output, and how chosen; None: max_tokens.
+    output_reserve: int | None = None
+    output_strategy: OutputStrategy = "max_tokens"
+
+
 class AdmitRequest(NamedTuple):
     """One admission, already counted and validated."""
 
@@ -52,8 +65,9 @@ class AdmitRequest(NamedTuple):
     priority_any: bool = False
     # False: never degrade; None or True: degrade when fallbacks exist.
     degrade: bool | None = None
-    # Explicit fallback models, in order, each with its own input count.
-    fallbacks: tuple[tuple[str, int], ...] = ()
+    # Explicit fallback models, in order, each with its own input count and
+    # output reserve.
+    fallbacks: tuple[FallbackCandidate, ...] = ()
     # What to reserve for output (admission/estimates.py); None: max_tokens.
     output_reserve: int | None = None
     output_strategy: OutputStrategy = "max_tokens"
