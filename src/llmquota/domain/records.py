@@ -83,6 +83,17 @@ class AdmitRequest(NamedTuple):
         output = self.max_tokens if self.output_reserve is None else self.output_reserve
         return self.input_tokens + output
 
+    def output_strategy_of(self, model: str | None) -> OutputStrategy:
+        """How the output reserved for `model` was chosen: the requested model's
+        strategy, or the explicit fallback's that a degraded admission names.
+        A model of a default list (the route's or the plan's, which only the
+        statement reads) reserves the requested model's output, and says so."""
+        if model != self.model:
+            for candidate in self.fallbacks:
+                if candidate.model == model:
+                    return candidate.output_strategy
+        return self.output_strategy
+
 
 class TenantFigures(NamedTuple):
     """The tenant layer after a decision, for rate-limit headers."""
