@@ -373,8 +373,9 @@ $$;
 -- lq_finish gives back exactly those.
 --
 -- Degradation: a request may come with fallback models (p_alt_*: explicit,
--- each with its own input count), else its route's or its tenant's (plan's)
--- default list applies, with the requested model's input count. When
+-- each with its own input count and output reserve), else its route's or its
+-- tenant's (plan's) default list applies, with the requested model's input
+-- count and output reserve. When
 -- p_degrade is not false and the requested model is refused, each fallback
 -- is tried in order against every layer it would touch, and the first that
 -- fits is admitted: `model` names it, `degraded` is true, and limit_kind,
@@ -436,6 +437,11 @@ DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
                                         uuid[]);
+-- p_alt_outputs was added (each explicit fallback's own output reserve).
+DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
+                                        integer[], text[], text[], integer, smallint[], boolean[],
+                                        boolean[], integer[], text[], bigint[], bigint[], boolean,
+                                        uuid[], bigint[]);
 CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_tenants          text[],
     p_routes           text[],
@@ -456,7 +462,9 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
-    p_key_ids          bigint[] DEFAULT NULL     -- the API key that asked, NULL: none
+    p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
+    p_alt_outputs      bigint[] DEFAULT NULL     -- each explicit fallback's output reserve
+                                                 -- (as p_alt_inputs), NULL: max_tokens
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -646,6 +654,7 @@ DECLARE
     -- The candidates of one request: [1] the requested model, then its fallbacks.
     c_models     text[];
     c_inputs     bigint[];
+    c_outputs    bigint[];   -- output to reserve, NULL: max_tokens
     c            integer;
     fits         text[];
     k            integer;
@@ -1037,13 +1046,15 @@ BEGIN
         SELECT 1
           FROM (SELECT u.gi, sum(u.cost) AS tokens, sum(u.rc) AS requests, sum(u.pm) AS permits,
                        max(u.cost) AS largest
-                  FROM (SELECT v.gi, greatest(v.inp, a.inp) + coalesce(v.res, v.mx) AS cost,
+                  FROM (SELECT v.gi, greatest(v.inp + coalesce(v.res, v.mx), a.cost) AS cost,
                                v.rc, v.pm
                           FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve,
                                       x_rc, x_pm)
                                WITH ORDINALITY AS v(gi, ti, inp, mx, res, rc, pm, o)
-                          LEFT JOIN (SELECT w.o, max(w.inp) AS inp
-                                       FROM unnest(p_alt_ord, p_alt_inputs) AS w(o, inp)
+                          LEFT JOIN (SELECT w.o,
+                                            max(w.inp + coalesce(w.res, p_max_tokens[w.o])) AS cost
+                                       FROM unnest(p_alt_ord, p_alt_inputs, p_alt_outputs)
+                                            AS w(o, inp, res)
                                       GROUP BY w.o) AS a ON a.o = v.o
                          WHERE v.ti IS NOT NULL) AS u
                  GROUP BY u.gi) AS d
@@ -1193,13 +1204,19 @@ BEGIN
 
         ri := x_ri[k];
 
-        -- The candidates: the requested model, then the explicit fallbacks, or
-        -- else the route's or the tenant's default list (models read in (2) only).
+        -- The candidates: the requested model, then the explicit fallbacks
+        -- (each with its own input count and output reserve: a degraded
+        -- admission reserves what the model it admits is expected to use), or
+        -- else the route's or the tenant's default list (models read in (2)
+        -- only), with the requested model's input and output reserve.
         c_models := ARRAY[p_models[k]];
         c_inputs := ARRAY[p_input_tokens[k]];
+        c_outputs := ARRAY[p_output_reserve[k]];
         IF x_count[k] > 0 THEN
             c_models := c_models || p_alt_models[x_first[k] : x_first[k] + x_count[k] - 1];
             c_inputs := c_inputs || p_alt_inputs[x_first[k] : x_first[k] + x_count[k] - 1];
+            -- (a NULL p_alt_outputs adds nothing: every fallback's is then NULL)
+            c_outputs := c_outputs || p_alt_outputs[x_first[k] : x_first[k] + x_count[k] - 1];
         ELSIF l_fallback[ti] <> '{}' OR (ri IS NOT NULL AND l_fallback[ri] <> '{}') THEN
             c_models := c_models || coalesce(
                 (SELECT array_agg(d.m ORDER BY d.o)
@@ -1209,6 +1226,7 @@ BEGIN
                   WHERE (m_all IS NULL OR d.m = ANY (m_all)) AND d.m <> p_models[k]),
                 '{}');
             c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
+            c_outputs := c_outputs || array_fill(p_output_reserve[k], ARRAY[cardinality(c_models) - 1]);
         END IF;
         fits := '{}';
         refused_j := NULL;
@@ -1225,10 +1243,10 @@ BEGIN
                     layers := layers || array_position(l_id, mc_layer[x]);
                 END IF;
             END LOOP;
-            -- The output reserved is the policy's estimate (see
-            -- admission/estimates.py), at most max_tokens; the reservation
+            -- The output reserved is the policy's estimate for this candidate
+            -- (see admission/estimates.py), at most max_tokens; the reservation
             -- keeps max_tokens itself for lq_shared_charge_cap.
-            cost := c_inputs[c] + coalesce(p_output_reserve[k], p_max_tokens[k]);
+            cost := c_inputs[c] + coalesce(c_outputs[c], p_max_tokens[k]);
 
             too_cap := NULL;
             too_j := NULL;
@@ -1637,6 +1655,12 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
                                  uuid[]);
+-- p_alt_outputs was added (each explicit fallback's own output reserve); a
+-- caller that does not send it reserves max_tokens for its fallbacks.
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[], bigint[], timestamptz,
+                                 uuid[], bigint[]);
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],
@@ -1657,7 +1681,9 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
     p_deadline         timestamptz DEFAULT NULL, -- past it, write nothing (LQ002); NULL: none
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
-    p_key_ids          bigint[] DEFAULT NULL     -- the API key that asked, NULL: none
+    p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
+    p_alt_outputs      bigint[] DEFAULT NULL     -- each explicit fallback's output reserve
+                                                 -- (as p_alt_inputs), NULL: max_tokens
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1707,7 +1733,7 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids);
+            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs);
         PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
@@ -1716,13 +1742,13 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false, p_reservation_ids, p_key_ids);
+            p_output_reserve, false, p_reservation_ids, p_key_ids, p_alt_outputs);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids);
+            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs);
     END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END

@@ -5,8 +5,8 @@
 
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit), by
--- the deadline $18, with the reservation ids $19 and the requests' key layers
--- $20. database_now is the
+-- the deadline $18, with the reservation ids $19, the requests' key layers
+-- $20 and their explicit fallbacks' output reserves $21. database_now is the
 -- database's clock once the batch is decided: the worker's deadlines are
 -- stated on it (store/clock.py).
 SELECT a.*, clock_timestamp() AS database_now
@@ -14,7 +14,7 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -29,7 +29,7 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:

@@ -6,7 +6,9 @@ import asyncio
 import time
 from typing import Any
 
+import asyncpg
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from llmquota.domain.output_estimates import bucket_of, bucket_top
@@ -111,3 +113,84 @@ async def test_a_learned_estimate_is_used_within_the_refresh_period_of_its_last_
     waited = time.monotonic() - last_sample
     print(f"learned estimate used {waited:.1f} s after its last sample")
     assert answer["output_estimate"]["tokens"] == bucket_top(bucket_of(250))
+
+
+async def _seed(db: asyncpg.Connection, outputs: dict[str, list[int]]) -> None:
+    """acme's samples of each model, as settlements record them (lq_finish's call)."""
+    rows = [(model, output) for model, samples in outputs.items() for output in samples]
+    await db.execute(
+        "SELECT lq_record_output_samples($1::text[], $2::text[], $3::text[], $4::bigint[])",
+        ["acme"] * len(rows),
+        [None] * len(rows),
+        [model for model, _ in rows],
+        [output for _, output in rows],
+    )
+
+
+async def _tenant_tokens(db: asyncpg.Connection) -> float:
+    return float(await db.fetchval("SELECT tokens FROM limit_layers WHERE scope = 'tenant'"))
+
+
+async def test_a_degraded_201_reserves_and_reports_the_admitted_models_estimate(
+    served: tuple[httpx.AsyncClient, FastAPI], db: asyncpg.Connection
+) -> None:
+    """Issue 23's leftover: the fallback admitted reserves its own learned quantile
+    (here smaller: the requested model's could not be afforded at all)."""
+    client, app = served
+    policy = {"tokens_per_minute": 1, "token_burst": 600, "output_estimate": LEARNED}
+    await _put(client, "/v1/tenants/acme/policy", policy)
+    created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
+    key = {"Authorization": f"Bearer {created.json()['key']}"}
+    await _seed(db, {"gpt-4o": [1000] * 10, "gpt-4o-mini": [100] * 10})
+    await app.state.limiter.refresh_policies()
+    await app.state.limiter.estimates.refresh()
+    big, small = bucket_top(bucket_of(1000)), bucket_top(bucket_of(100))
+    body = {"max_tokens": 4000, "fallback_models": ["gpt-4o-mini"]}
+
+    # What it would reserve now: the requested model's own figures.
+    counted = await client.post(
+        "/v1/tokens/count",
+        json={"tenant": "acme", "model": "gpt-4o", "input_tokens": 20, **body},
+        headers=key,
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["output_estimate"] == {"strategy": "learned", "tokens": big}
+    assert counted.json()["reserved_tokens"] == 20 + big  # more than the tenant's 600
+
+    admitted = await _admit(client, key, **body)
+    assert (admitted["model"], admitted["degraded"], admitted["degraded_from"]) == (
+        "gpt-4o-mini",
+        True,
+        "gpt-4o",
+    )
+    assert admitted["degraded_because"]["limit"] == "tokens"
+    assert admitted["output_estimate"] == {"strategy": "learned", "tokens": small}
+    assert admitted["reserved_tokens"] == 20 + small
+    assert admitted["remaining"]["tokens"] == 600 - 20 - small
+    assert await _tenant_tokens(db) == pytest.approx(600 - 20 - small, abs=0.5)
+
+
+async def test_a_degraded_201_reserves_a_fallbacks_larger_estimate(
+    served: tuple[httpx.AsyncClient, FastAPI], db: asyncpg.Connection
+) -> None:
+    """The reverse: the refused model's output is small, the fallback's large."""
+    client, app = served
+    ceiling = {"models": ["gpt-4o-mini"], "tokens_per_minute": 1, "token_burst": 5, "shed": []}
+    await _put(client, "/v1/ceilings/mini", ceiling)  # gpt-4o-mini never fits
+    policy = {"tokens_per_minute": 1, "token_burst": 20_000, "output_estimate": LEARNED}
+    await _put(client, "/v1/tenants/acme/policy", policy)
+    created = await client.post("/v1/tenants/acme/keys", headers=ADMIN)
+    key = {"Authorization": f"Bearer {created.json()['key']}"}
+    await _seed(db, {"gpt-4o": [1000] * 10, "gpt-4o-mini": [100] * 10})
+    await app.state.limiter.refresh_policies()
+    await app.state.limiter.estimates.refresh()
+    big = bucket_top(bucket_of(1000))
+
+    admitted = await _admit(
+        client, key, model="gpt-4o-mini", max_tokens=4000, fallback_models=["gpt-4o"]
+    )
+    assert (admitted["model"], admitted["degraded"]) == ("gpt-4o", True)
+    assert admitted["degraded_because"]["scope"] == "ceiling"
+    assert admitted["output_estimate"] == {"strategy": "learned", "tokens": big}
+    assert admitted["reserved_tokens"] == 20 + big
+    assert await _tenant_tokens(db) == pytest.approx(20_000 - 20 - big, abs=0.5)

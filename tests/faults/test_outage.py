@@ -22,6 +22,7 @@ from llmquota.admission.outage import OutageEntry, OutageJournal
 from llmquota.api.app import create_app
 from llmquota.domain.errors import RateLimited, ReservationNotFound, StoreUnavailable
 from llmquota.domain.outage_ids import is_outage_id, new_outage_id
+from llmquota.domain.output_estimates import LearnedEstimate
 from llmquota.domain.records import AdmitRequest
 from tests.faults.conftest import Worker, count, fault_settings, layer, put
 from tests.faults.proxy import PgProxy
@@ -371,6 +372,58 @@ async def test_local_mode_admits_a_fraction_of_the_limits(
         for r in acme[1:] + beta:
             await r.settle(input_tokens=0, output_tokens=10)
         assert await count(db, "usage_ledger") == 8
+    finally:
+        await limiter.close()
+
+
+async def test_a_local_decision_reserves_max_tokens_of_the_model_it_admits(
+    proxy: PgProxy, db: asyncpg.Connection
+) -> None:
+    """The outage sibling of a degraded admission's reserve (issue 23): a failure
+    mode decides the requested model only (it never degrades) and reserves its
+    max_tokens, whatever the learned estimates of it or its fallbacks say; the
+    answer says so, and the replay records exactly that."""
+    limiter = await Limiter.connect(proxy.dsn, fault_settings())
+    try:
+        learned = LearnedEstimate(strategy="learned", quantile=0.95, min_samples=10)
+        await put(
+            limiter,
+            "tenant",
+            "acme",
+            tokens_per_minute=600_000,
+            token_burst=100_000,
+            failure_mode="local",
+            output_estimate=learned,
+        )
+        rows = [("gpt-4o", 1000)] * 10 + [("gpt-4o-mini", 100)] * 10
+        await db.execute(
+            "SELECT lq_record_output_samples($1::text[], $2::text[], $3::text[], $4::bigint[])",
+            ["acme"] * len(rows),
+            [None] * len(rows),
+            [model for model, _ in rows],
+            [output for _, output in rows],
+        )
+        await limiter.refresh_policies()
+        await limiter.estimates.refresh()
+        await proxy.cut()
+        held = await limiter.admit(
+            tenant="acme",
+            model="gpt-4o",
+            input_tokens=10,
+            max_tokens=4000,
+            fallback_models=["gpt-4o-mini"],
+        )
+        assert held.fallback == "local"
+        assert not held.degraded
+        assert held.output_estimate == {"strategy": "max_tokens", "tokens": 4000}
+        assert held.reserved_tokens == 4010
+        await proxy.restore()
+        await wait_until_recorded(limiter)
+        row = await db.fetchrow("SELECT model, reserved_tokens FROM reservations")
+        assert row is not None
+        assert tuple(row) == ("gpt-4o", 4010)
+        assert (await layer(db, "acme"))["tokens"] == pytest.approx(100_000 - 4010, abs=1)
+        await held.release()
     finally:
         await limiter.close()
 

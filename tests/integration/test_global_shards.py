@@ -21,8 +21,9 @@ import pytest
 
 from llmquota.admission.limiter import Limiter, Reservation
 from llmquota.domain.errors import RateLimited, RefusedValue
+from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import Policy
-from llmquota.domain.records import AdmitRequest, FinishRequest
+from llmquota.domain.records import AdmitRequest, FallbackCandidate, FinishRequest
 from llmquota.store.store import Store
 from tests.support import APP_ROLE, dsn_as
 
@@ -109,6 +110,33 @@ async def test_a_request_larger_than_any_shard_fits_the_whole_layer(
 
     assert held.reserved_tokens == 900
     assert await global_tokens(db) == pytest.approx(100, abs=0.1)
+
+
+async def test_a_fallback_larger_than_any_shard_fits_the_whole_layer(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    """A fallback reserves its own output (a learned estimate of its own), here
+    more than the refused model's and more than a shard holds: the statement
+    counts each candidate at its own cost when it checks the shards, so the
+    batch is decided pooled and the fallback admitted."""
+    await put_global(limiter, 4, tokens_per_minute=4, token_burst=1_000)
+    await put(limiter, "tenant", "a")
+    await limiter.store.catalog.put_ceiling(
+        "starved", Ceiling(models=["gpt-4o"], tokens_per_minute=1, token_burst=5)
+    )
+    request = limiter.prepare(
+        tenant="a", model="gpt-4o", input_tokens=10, max_tokens=1000, fallback_models=["o3"]
+    )._replace(
+        output_reserve=100,
+        output_strategy="learned",
+        fallbacks=(FallbackCandidate("o3", 10, 900, "learned"),),
+    )
+
+    [decision] = await limiter.store.admit([request])
+
+    assert (decision.status, decision.model, decision.degraded) == ("admitted", "o3", True)
+    assert decision.reserved_tokens == 910
+    assert await global_tokens(db) == pytest.approx(90, abs=0.1)
 
 
 async def test_concurrent_tenants_admit_exactly_the_global_burst(

@@ -5,7 +5,9 @@ The property test of test_group_admission.py, extended: the twins also get
 plans (a priority and a default fallback list), tenants on them, routes with
 fallback lists, and provider ceilings matched by names and globs, with
 shedding ladders; requests carry priorities (lowered, or raised by an admin),
-explicit fallbacks with their own input counts, and degrade on or off. Every
+explicit fallbacks with their own input counts and output reserves (as a
+learned estimate makes them: each model its own, at most max_tokens), and
+degrade on or off. Every
 field of the decision (model admitted, degraded, reason, ceiling,
 utilization, priority, plan, alternatives) must agree, and so must the final
 balances, the journal and the ledger.
@@ -31,7 +33,7 @@ from hypothesis import strategies as st
 
 from llmquota.domain.plans import Ceiling, Plan, ShedStep
 from llmquota.domain.policy import Policy
-from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest
+from llmquota.domain.records import AdmitDecision, AdmitRequest, FallbackCandidate, FinishRequest
 from llmquota.domain.vocabulary import PRIORITIES
 from llmquota.store.store import Store
 from tests.integration.test_group_admission import (
@@ -156,7 +158,8 @@ def admit_request(  # noqa: PLR0917 (hypothesis builds it from positional strate
     priority: Any,
     priority_any: bool,
     degrade: bool | None,
-    fallbacks: list[tuple[str, int]],
+    fallbacks: list[tuple[str, int, int | None]],
+    output_reserve: int | None,
 ) -> AdmitRequest:
     return AdmitRequest(
         tenant=tenant,
@@ -171,7 +174,12 @@ def admit_request(  # noqa: PLR0917 (hypothesis builds it from positional strate
         priority=priority,
         priority_any=priority_any,
         degrade=degrade,
-        fallbacks=tuple((m, n) for m, n in fallbacks if m != model),
+        fallbacks=tuple(
+            FallbackCandidate(m, n, None if out is None else min(out, max_tokens))
+            for m, n, out in fallbacks
+            if m != model
+        ),
+        output_reserve=None if output_reserve is None else min(output_reserve, max_tokens),
     )
 
 
@@ -186,10 +194,11 @@ admit_requests = st.builds(
     st.booleans(),
     st.none() | st.booleans(),
     st.lists(
-        st.tuples(st.sampled_from(MODELS), st.integers(0, 600)),
+        st.tuples(st.sampled_from(MODELS), st.integers(0, 600), st.none() | st.integers(0, 7_000)),
         max_size=2,
         unique_by=lambda t: t[0],
     ),
+    st.none() | st.integers(0, 7_000),
 )
 
 

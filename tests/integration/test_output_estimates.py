@@ -17,7 +17,7 @@ import pytest
 
 from llmquota.admission.limiter import Limiter, Reservation
 from llmquota.config import Settings
-from llmquota.domain.errors import RateLimited
+from llmquota.domain.errors import RateLimited, RequestTooLarge
 from llmquota.domain.output_estimates import (
     OUTPUT_BUCKET_BOUNDS,
     OUTPUT_HALF_LIFE_SECONDS,
@@ -29,7 +29,7 @@ from llmquota.domain.output_estimates import (
     decay_factor,
     merge,
 )
-from llmquota.domain.plans import Plan
+from llmquota.domain.plans import Ceiling, Plan
 from llmquota.domain.policy import Policy
 from llmquota.store.sqlfiles import queries
 from tests.integration.support import put, raw_layer
@@ -288,3 +288,94 @@ async def test_overshoot_under_learned_is_bounded_by_the_requests_in_flight(
     with pytest.raises(RateLimited) as refused:
         await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=10, max_tokens=1000)
     assert refused.value.limit == "tokens"
+
+
+async def _seed(db: asyncpg.Connection, tenant: str, outputs: dict[str, list[int]]) -> None:
+    """Samples of each model's completions, as settlements record them (lq_finish's call)."""
+    rows = [(model, output) for model, samples in outputs.items() for output in samples]
+    await db.execute(
+        "SELECT lq_record_output_samples($1::text[], $2::text[], $3::text[], $4::bigint[])",
+        [tenant] * len(rows),
+        [None] * len(rows),
+        [model for model, _ in rows],
+        [output for _, output in rows],
+    )
+
+
+async def test_a_degraded_admission_reserves_the_admitted_models_estimate(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    """Issue 23's leftover: the fallback admitted reserves its own learned
+    quantile, not the refused model's, on every layer, and says so."""
+    await limiter.store.catalog.put_tenant_policy(
+        "acme",
+        None,
+        # A refill of one token a minute: the balances below move only by what
+        # admission takes. 600 cannot afford gpt-4o's ~1,000 tokens of output.
+        {"tokens_per_minute": 1, "token_burst": 600, "output_estimate": LEARNED},
+    )
+    await _seed(db, "acme", {"gpt-4o": [1000] * 20, "gpt-4o-mini": [100] * 20})
+    await _refresh(limiter)
+    big, small = bucket_top(bucket_of(1000)), bucket_top(bucket_of(100))
+    assert (big, small) == (1023, 103)
+    with pytest.raises(RequestTooLarge):  # the requested model alone: 10 + 1,023 > 600
+        await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=10, max_tokens=4000)
+
+    held = await limiter.admit(
+        tenant="acme",
+        model="gpt-4o",
+        input_tokens=10,
+        max_tokens=4000,
+        fallback_models=["gpt-4o-mini"],
+    )
+    assert (held.model, held.degraded) == ("gpt-4o-mini", True)
+    assert held.output_estimate == {"strategy": "learned", "tokens": small}
+    assert held.reserved_tokens == 10 + small
+    row = await db.fetchrow(
+        "SELECT model, max_tokens, reserved_tokens FROM reservations WHERE reservation_id = $1",
+        held.reservation_id,
+    )
+    assert row is not None
+    assert tuple(row) == ("gpt-4o-mini", 4000, 10 + small)
+    tenant = await raw_layer(db, "tenant", "acme")
+    assert tenant["tokens"] == pytest.approx(600 - 10 - small, abs=0.5)
+    await held.release()  # gives back exactly what it took
+    assert (await raw_layer(db, "tenant", "acme"))["tokens"] == pytest.approx(600, abs=0.5)
+
+
+async def test_a_fallback_with_a_larger_estimate_reserves_the_larger(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    """The reverse: the refused model's output is small, the fallback's large, and
+    the fallback reserves its own, on the tenant and the fallback's ceiling alike."""
+    catalog = limiter.store.catalog
+    # gpt-4o-mini is always refused (413 at its ceiling); gpt-4o's ceiling has room.
+    await catalog.put_ceiling(
+        "mini", Ceiling(models=["gpt-4o-mini"], tokens_per_minute=1, token_burst=5)
+    )
+    await catalog.put_ceiling(
+        "big", Ceiling(models=["gpt-4o"], tokens_per_minute=1, token_burst=50_000)
+    )
+    await catalog.put_tenant_policy(
+        "acme", None, {"tokens_per_minute": 1, "token_burst": 20_000, "output_estimate": LEARNED}
+    )
+    await _seed(db, "acme", {"gpt-4o": [1000] * 20, "gpt-4o-mini": [100] * 20})
+    await _refresh(limiter)
+    big = bucket_top(bucket_of(1000))
+    held = await limiter.admit(
+        tenant="acme",
+        model="gpt-4o-mini",
+        input_tokens=10,
+        max_tokens=4000,
+        fallback_models=["gpt-4o"],
+    )
+    assert (held.model, held.degraded) == ("gpt-4o", True)
+    assert held.output_estimate == {"strategy": "learned", "tokens": big}
+    assert held.reserved_tokens == 10 + big
+    tenant = await raw_layer(db, "tenant", "acme")
+    assert tenant["tokens"] == pytest.approx(20_000 - 10 - big, abs=0.5)
+    ceiling = await db.fetchval("SELECT tokens FROM limit_layers WHERE ceiling = 'big'")
+    assert ceiling == pytest.approx(50_000 - 10 - big, abs=0.5)
+    await held.settle(input_tokens=10, output_tokens=900)  # 123 of the reservation back
+    tenant = await raw_layer(db, "tenant", "acme")
+    assert tenant["tokens"] == pytest.approx(20_000 - 910, abs=0.5)

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from llmquota.api.proxy.metrics import SERVING_PATHS
+from llmquota.domain.output_estimates import bucket_of, bucket_top
 from tests.proxy.conftest import GENEROUS, Stack, ledger, settled, stack_for
 from tests.proxy.fake_provider import FakeProvider
 from tests.proxy.test_proxy_metrics import scrape, value
@@ -95,6 +96,45 @@ async def test_the_clients_fallbacks_and_opting_out(stack: Stack, db: asyncpg.Co
     assert refused.value.status_code == 413 and "ceiling" in refused.value.message
     assert len(stack.fake.requests) == calls  # it never went upstream
     assert await db.fetchval("SELECT count(*) FROM reservations WHERE state = 'active'") == 0
+
+
+async def test_a_degraded_proxy_request_reserves_the_admitted_models_estimate(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    """Issue 23's leftover, in proxy mode: under a learned policy the fallback
+    admitted reserves its own quantile of output, not the refused model's."""
+    await starve_gpt4o(stack)
+    learned = {"strategy": "learned", "quantile": 0.95, "min_samples": 10}
+    policy = {"tokens_per_minute": 600_000, "token_burst": 200_000, "output_estimate": learned}
+    assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    rows = [("gpt-4o", 1000)] * 10 + [("gpt-4o-mini", 100)] * 10
+    await db.execute(
+        "SELECT lq_record_output_samples($1::text[], $2::text[], $3::text[], $4::bigint[])",
+        ["acme"] * len(rows),
+        [None] * len(rows),
+        [model for model, _ in rows],
+        [output for _, output in rows],
+    )
+    limiter = stack.app.state.limiter
+    await limiter.refresh_policies()
+    await limiter.estimates.refresh()
+    raw = await stack.openai().chat.completions.with_raw_response.create(
+        model="gpt-4o",
+        messages=MESSAGES,
+        max_tokens=4000,
+        extra_headers={"llmquota-fallback-models": "gpt-4o-mini"},
+    )
+    assert raw.headers["llmquota-degraded-from"] == "gpt-4o"
+    assert stack.fake.requests[-1]["model"] == "gpt-4o-mini"
+    await settled(db, 1)
+    row = await db.fetchrow(
+        "SELECT model, input_tokens, max_tokens, reserved_tokens FROM reservations"
+    )
+    assert row is not None
+    assert (row["model"], row["max_tokens"]) == ("gpt-4o-mini", 4000)
+    # What every layer was debited at admission: the input and gpt-4o-mini's
+    # quantile (gpt-4o's would have been 1,023).
+    assert row["reserved_tokens"] - row["input_tokens"] == bucket_top(bucket_of(100))
 
 
 async def test_anthropic_degrades_within_its_own_upstream(

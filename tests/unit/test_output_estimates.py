@@ -1,15 +1,22 @@
-"""The histogram, quantile and decay maths of learned output reservations."""
+"""The histogram, quantile and decay maths of learned output reservations, and
+what a worker reserves with them for each model a request may be admitted as."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
+from llmquota.admission.estimates import OutputEstimator
+from llmquota.admission.policy_cache import PolicyCache
+from llmquota.config import Settings
+from llmquota.domain.admit_request import prepare_admit_request
 from llmquota.domain.output_estimates import (
     MAX_HALF_LIVES,
     MIN_WEIGHT,
@@ -20,12 +27,16 @@ from llmquota.domain.output_estimates import (
     MaxTokensEstimate,
     OutputEstimate,
     OutputHistogram,
+    StoredHistogram,
     bucket_of,
     bucket_top,
     decay_factor,
     output_reserve,
     parse_output_estimate,
 )
+from llmquota.domain.policy import Policy
+from llmquota.domain.records import CachedLayer, FallbackCandidate
+from llmquota.store.estimates import HistogramRead
 
 outputs = st.integers(min_value=0, max_value=200_000)
 quantiles = st.floats(min_value=0.01, max_value=1.0)
@@ -160,3 +171,90 @@ def test_a_stored_strategy_this_worker_does_not_know_counts_as_unset() -> None:
     assert parse_output_estimate('{"strategy": "fixed", "tokens": 12}') == FixedEstimate(
         strategy="fixed", tokens=12
     )
+
+
+class _Histograms:
+    """The one statement OutputEstimator.refresh runs, answered from a dict."""
+
+    def __init__(self, outputs: dict[str, list[int]]) -> None:
+        self._read = HistogramRead(
+            read_at=datetime.now(UTC),
+            histograms=[
+                StoredHistogram("acme", None, model, OutputHistogram().record(samples, now=0.0))
+                for model, samples in outputs.items()
+            ],
+        )
+
+    async def histograms(self, **_: Any) -> HistogramRead:
+        return self._read
+
+
+class _Store:
+    def __init__(self, outputs: dict[str, list[int]]) -> None:
+        self.estimates = _Histograms(outputs)
+
+
+async def _estimator(
+    policy: LearnedEstimate | FixedEstimate | None, outputs: dict[str, list[int]]
+) -> tuple[OutputEstimator, PolicyCache]:
+    """An estimator whose cache holds acme's histograms, acme's policy `policy`."""
+    policies = PolicyCache(refresh_seconds=10.0, max_stale_seconds=60.0)
+    layer = CachedLayer("tenant", "acme", None, Policy(output_estimate=policy), 1)
+    policies.replace((1, 1), [layer], now=0.0)
+    estimator = OutputEstimator(_Store(outputs), policies, Settings(_env_file=None))  # type: ignore[arg-type, call-arg]
+    await estimator.refresh()  # loaded now: apply starts no refresh of its own
+    return estimator, policies
+
+
+async def test_each_explicit_fallback_reserves_its_own_models_estimate() -> None:
+    """A degraded admission reserves the output of the model it admits: each
+    fallback gets the quantile of its own histogram, under the request's policy
+    (issue 23's leftover: it used to be the requested model's)."""
+    learned = LearnedEstimate(strategy="learned", quantile=0.95, min_samples=20)
+    estimator, policies = await _estimator(
+        learned, {"gpt-4o": [1000] * 20, "gpt-4o-mini": [100] * 20, "o3": [5000] * 20}
+    )
+    request = prepare_admit_request(
+        tenant="acme",
+        model="gpt-4o",
+        input_tokens=10,
+        max_tokens=4000,
+        fallback_models=["gpt-4o-mini", "gpt-4.1", "o3"],
+        estimate_factors={},
+    )
+    applied = estimator.apply(request)
+    big, small = bucket_top(bucket_of(1000)), bucket_top(bucket_of(100))
+    assert (applied.output_strategy, applied.output_reserve) == ("learned", big)
+    assert applied.fallbacks == (
+        FallbackCandidate("gpt-4o-mini", 10, small, "learned"),
+        FallbackCandidate("gpt-4.1", 10, None, "max_tokens"),  # no samples: max_tokens
+        FallbackCandidate("o3", 10, 4000, "learned"),  # capped at max_tokens, as any
+    )
+    assert [applied.output_strategy_of(m) for m in ("gpt-4o", "gpt-4o-mini", "gpt-4.1")] == [
+        "learned",
+        "learned",
+        "max_tokens",
+    ]
+    # A model of a default list (only the statement reads those) is reserved
+    # as the requested one.
+    assert applied.output_strategy_of("claude-3-5-haiku-latest") == "learned"
+    assert estimator.apply(applied) is applied  # nothing changed: no copy
+
+    # A fixed policy is the same for every candidate; without a policy, max_tokens.
+    fixed = CachedLayer(
+        "tenant",
+        "acme",
+        None,
+        Policy(output_estimate=FixedEstimate(strategy="fixed", tokens=64)),
+        2,
+    )
+    policies.replace((2, 1), [fixed], now=0.0)
+    assert [(c.output_reserve, c.output_strategy) for c in estimator.apply(applied).fallbacks] == [
+        (64, "fixed")
+    ] * 3
+    policies.replace((3, 1), [CachedLayer("tenant", "acme", None, Policy(), 3)], now=0.0)
+    unset = estimator.apply(applied)
+    assert {(c.output_reserve or 4000, c.output_strategy) for c in unset.fallbacks} == {
+        (4000, "max_tokens")
+    }
+    assert estimator.apply(request) is request  # the request as prepared: max_tokens already

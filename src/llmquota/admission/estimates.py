@@ -7,6 +7,9 @@ the histograms that changed since the last read, plus a full reload every
 (policy_cache.py, refreshed the same way). A request is then prepared with
 the output tokens to reserve (domain/output_estimates.py decides), and the
 admission statement reserves input + that instead of input + max_tokens.
+Each explicit fallback gets its own, from its own histogram under the same
+policy, so that a degraded admission reserves what the model it admits is
+expected to use (sql/admission.sql costs each candidate by its own figures).
 
 Whatever this worker does not know reserves max_tokens: a tenant or route
 not in the policy cache yet, a strategy a newer release stored, a key with
@@ -29,14 +32,16 @@ from llmquota.domain.output_estimates import (
     LearnedEstimate,
     MaxTokensEstimate,
     OutputHistogram,
+    OutputReserve,
     output_reserve,
 )
-from llmquota.domain.records import AdmitRequest
+from llmquota.domain.records import AdmitRequest, FallbackCandidate
 from llmquota.store.store import Store
 
 log = logging.getLogger(__name__)
 
 HistogramKey = tuple[str, str | None, str]
+EstimatePolicy = MaxTokensEstimate | LearnedEstimate | FixedEstimate
 
 # A histogram row is stamped with the database clock when its settlement
 # runs, and becomes visible when that transaction commits, a little later:
@@ -65,9 +70,7 @@ class OutputEstimator:
         """The cached histogram of a key, if any."""
         return self._histograms.get((tenant, route, model))
 
-    def policy(
-        self, tenant: str, route: str | None
-    ) -> MaxTokensEstimate | LearnedEstimate | FixedEstimate | None:
+    def policy(self, tenant: str, route: str | None) -> EstimatePolicy | None:
         """The route's output_estimate, else the tenant's (its plan's); None when unknown."""
         for layer in self._policies.own_layers(tenant, route):
             if layer is not None and layer.policy.output_estimate is not None:
@@ -75,23 +78,54 @@ class OutputEstimator:
         return None
 
     def apply(self, request: AdmitRequest) -> AdmitRequest:
-        """The request with the output tokens to reserve; starts a refresh when due."""
+        """The request with the output tokens to reserve; starts a refresh when due.
+
+        Each explicit fallback gets its own reserve, from its own histogram under
+        the same policy: the statement reserves a degraded admission's output by
+        the model it admits, not by the one that was refused.
+        """
         self._refresh_when_due()
         policy = self.policy(request.tenant, request.route)
-        unchanged = request.output_reserve is None and request.output_strategy == "max_tokens"
-        if policy is None and request.max_tokens_given and unchanged:
+        if policy is None and request.max_tokens_given and _reserves_max_tokens(request):
             return request  # output_reserve would answer max_tokens, as the request says
-        reserve = output_reserve(
+        reserve = self._reserve(policy, request, request.model)
+        reserved = request.max_tokens if request.output_reserve is None else request.output_reserve
+        fallbacks = request.fallbacks
+        if fallbacks:
+            fallbacks = tuple(self._fallback(policy, request, c) for c in fallbacks)
+        if (
+            reserve.strategy == request.output_strategy
+            and reserve.tokens == reserved
+            and fallbacks == request.fallbacks
+        ):
+            # Nothing to change (output_reserve None means max_tokens): no copy.
+            return request
+        return request._replace(
+            output_reserve=reserve.tokens, output_strategy=reserve.strategy, fallbacks=fallbacks
+        )
+
+    def _reserve(
+        self, policy: EstimatePolicy | None, request: AdmitRequest, model: str
+    ) -> OutputReserve:
+        """What `request` reserves for output when `model` is admitted for it."""
+        return output_reserve(
             policy,
-            self.histogram(request.tenant, request.route, request.model),
+            self.histogram(request.tenant, request.route, model),
             request.max_tokens,
             max_tokens_given=request.max_tokens_given,
         )
-        reserved = request.max_tokens if request.output_reserve is None else request.output_reserve
-        if reserve.strategy == request.output_strategy and reserve.tokens == reserved:
-            # Nothing to change (output_reserve None means max_tokens): no copy.
-            return request
-        return request._replace(output_reserve=reserve.tokens, output_strategy=reserve.strategy)
+
+    def _fallback(
+        self, policy: EstimatePolicy | None, request: AdmitRequest, candidate: FallbackCandidate
+    ) -> FallbackCandidate:
+        """An explicit fallback with its own output reserve (the same one: no copy)."""
+        reserve = self._reserve(policy, request, candidate.model)
+        reserved = (
+            request.max_tokens if candidate.output_reserve is None else candidate.output_reserve
+        )
+        if reserve.strategy == candidate.output_strategy and reserve.tokens == reserved:
+            return candidate
+        return candidate._replace(output_reserve=reserve.tokens, output_strategy=reserve.strategy)
 
     def _refresh_when_due(self) -> None:
         now = time.monotonic()
@@ -143,3 +177,13 @@ class OutputEstimator:
 
     def __len__(self) -> int:
         return len(self._histograms)
+
+
+def _reserves_max_tokens(request: AdmitRequest) -> bool:
+    """Whether the request, and each of its explicit fallbacks, reserves max_tokens
+    as it stands (as every model does without a policy)."""
+    if request.output_reserve is not None or request.output_strategy != "max_tokens":
+        return False
+    return not request.fallbacks or all(
+        c.output_reserve is None and c.output_strategy == "max_tokens" for c in request.fallbacks
+    )

@@ -250,7 +250,8 @@ class Limiter:
                 request.input_tokens,
                 request.input_estimated,
                 None,
-                request.output_strategy,
+                # the admitted model's (a fallback's own when degraded)
+                request.output_strategy_of(decision.model),
             )
         if answer:
             self.metrics.count_answer(admission.decision, request.tenant)

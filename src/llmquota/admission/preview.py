@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 async def count_admission(limiter: Limiter, request: AdmitRequest) -> AdmitRequest:
     """`request` as `limiter` would decide it now: its `reserved_tokens` and
     `output_strategy` are an admission's of the requested model (a fallback it
-    degrades to counts its own input).
+    degrades to counts its own input and reserves its own output estimate,
+    which `request.fallbacks` carry).
 
     UnknownTenant for a tenant the store does not know, as admission says it.
     While the store does not answer, a tenant in the worker's policy cache is

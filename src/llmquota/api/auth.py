@@ -88,7 +88,7 @@ class Caller:
         key, whose own limits and quotas (if any) are decided with the others."""
         if self.models is not None:
             refused = self.models.first_refused(
-                [request.model, *(model for model, _ in request.fallbacks)]
+                [request.model, *(candidate.model for candidate in request.fallbacks)]
             )
             if refused is not None:
                 raise Forbidden(

@@ -163,8 +163,9 @@ class AdmitResponse(BaseModel):
         "key may raise it: the request was admitted at `priority` instead",
     )
     output_estimate: OutputEstimateUsed = Field(
-        description="what was reserved for output and how: reserved_tokens is input_tokens "
-        "plus tokens; strategy max_tokens, learned or fixed"
+        description="what was reserved for output and how, for the model admitted (a "
+        "fallback's own estimate when degraded): reserved_tokens is input_tokens plus tokens; "
+        "strategy max_tokens, learned or fixed"
     )
 
 

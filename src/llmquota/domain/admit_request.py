@@ -16,7 +16,7 @@ from typing import Any, Required, TypedDict
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.model_limits import max_output_tokens
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
-from llmquota.domain.records import AdmitRequest
+from llmquota.domain.records import AdmitRequest, FallbackCandidate
 from llmquota.domain.tokens import (
     UNLIMITED_SECONDS,
     CpuBudget,
@@ -163,8 +163,8 @@ def _count_each(  # noqa: PLR0917 (one private call site)
     input_tokens: int | None,
     estimate_factors: Mapping[str, float],
     count_cpu_seconds: float,
-) -> tuple[int, bool, tuple[tuple[str, int], ...]]:
-    """(input tokens, whether estimated, (fallback, its input tokens) each).
+) -> tuple[int, bool, tuple[FallbackCandidate, ...]]:
+    """(input tokens, whether estimated, each fallback with its input tokens).
 
     Each fallback is counted with its own tokenizer: encodings differ by model.
     A caller's own input_tokens stands for every model.
@@ -173,13 +173,14 @@ def _count_each(  # noqa: PLR0917 (one private call site)
         counted = check_token_count("input_tokens", input_tokens)
         if not fallback_models:
             return counted, False, ()
-        return counted, False, tuple((m, counted) for m in fallback_models)
+        return counted, False, tuple(FallbackCandidate(m, counted) for m in fallback_models)
     # The budget's clock starts here, and only when there is something to
     # count: reading a thread's CPU clock is a system call.
     budget = CpuBudget(count_cpu_seconds)
     counted, estimated = _count(messages or [], model, estimate_factors, budget)
     fallbacks = tuple(
-        (m, _count(messages or [], m, estimate_factors, budget)[0]) for m in fallback_models
+        FallbackCandidate(m, _count(messages or [], m, estimate_factors, budget)[0])
+        for m in fallback_models
     )
     return counted, estimated, fallbacks
 

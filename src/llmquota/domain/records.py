@@ -36,6 +36,19 @@ from llmquota.domain.vocabulary import (
 )
 
 
+class FallbackCandidate(NamedTuple):
+    """An explicit fallback model of a request, as admission tries it: its own
+    input count (its tokenizer's) and its own output reserve (its own learned
+    histogram under the request's policy, admission/estimates.py), so that a
+    degraded admission reserves what the model admitted is expected to use."""
+
+    model: str
+    input_tokens: int
+    # What to reserve for its output, and how chosen; None: max_tokens.
+    output_reserve: int | None = None
+    output_strategy: OutputStrategy = "max_tokens"
+
+
 class AdmitRequest(NamedTuple):
     """One admission, already counted and validated."""
 
@@ -53,8 +66,9 @@ class AdmitRequest(NamedTuple):
     priority_any: bool = False
     # False: never degrade; None or True: degrade when fallbacks exist.
     degrade: bool | None = None
-    # Explicit fallback models, in order, each with its own input count.
-    fallbacks: tuple[tuple[str, int], ...] = ()
+    # Explicit fallback models, in order, each with its own input count and
+    # output reserve.
+    fallbacks: tuple[FallbackCandidate, ...] = ()
     # What to reserve for output (admission/estimates.py); None: max_tokens.
     output_reserve: int | None = None
     output_strategy: OutputStrategy = "max_tokens"
@@ -69,6 +83,17 @@ class AdmitRequest(NamedTuple):
         the output to reserve (lq_admit's cost, sql/admission.sql)."""
         output = self.max_tokens if self.output_reserve is None else self.output_reserve
         return self.input_tokens + output
+
+    def output_strategy_of(self, model: str | None) -> OutputStrategy:
+        """How the output reserved for `model` was chosen: the requested model's
+        strategy, or the explicit fallback's that a degraded admission names.
+        A model of a default list (the route's or the plan's, which only the
+        statement reads) reserves the requested model's output, and says so."""
+        if model != self.model:
+            for candidate in self.fallbacks:
+                if candidate.model == model:
+                    return candidate.output_strategy
+        return self.output_strategy
 
 
 class TenantFigures(NamedTuple):

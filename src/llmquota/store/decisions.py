@@ -27,15 +27,18 @@ from llmquota.store.connection import Row
 
 def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int) -> tuple[Any, ...]:
     """The arrays (and the retry hint) of lq_admit for a batch, in order, less its deadline
-    and reservation ids; each request's API key last (p_key_ids)."""
+    and reservation ids; each request's API key (p_key_ids) and each explicit
+    fallback's output reserve (p_alt_outputs) last."""
     alt_ord: list[int] = []
     alt_models: list[str] = []
     alt_inputs: list[int] = []
+    alt_outputs: list[int | None] = []
     for position, request in enumerate(requests, start=1):
-        for model, input_tokens in request.fallbacks:
+        for model, input_tokens, output, _ in request.fallbacks:
             alt_ord.append(position)
             alt_models.append(model)
             alt_inputs.append(input_tokens)
+            alt_outputs.append(output)
     # An AdmitRequest is a tuple: zip turns the batch into its columns in one call.
     columns = list(zip(*requests, strict=True)) or [()] * len(AdmitRequest._fields)
     (
@@ -78,6 +81,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         alt_inputs,
         _or_null(output_reserves),
         _or_null(key_ids),
+        _or_null(alt_outputs),
     )
 
 

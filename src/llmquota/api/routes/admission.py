@@ -140,7 +140,8 @@ async def count_tokens(body: AdmitBody, caller: CallerDep, limiter: LimiterDep) 
     """What POST /v1/admit would count and reserve for this body now, reserving nothing.
 
     The same body, key and refusals of the body as admit's; the figures are
-    the requested model's (a fallback an admission degrades to counts its own).
+    the requested model's (a fallback an admission degrades to counts its own
+    input and reserves its own output estimate).
     """
     counted = await count_admission(limiter, await _prepared(body, caller, limiter))
     reserved = counted.reserved_tokens
