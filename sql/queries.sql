@@ -5,16 +5,16 @@
 
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit), by
--- the deadline $18, with the reservation ids $19 and the requests' key layers
--- $20. database_now is the
--- database's clock once the batch is decided: the worker's deadlines are
--- stated on it (store/clock.py).
+-- the deadline $18, with the reservation ids $19, the requests' key layers
+-- $20 and the serving path each journals ($21: queued after waiting).
+-- database_now is the database's clock once the batch is decided: the
+-- worker's deadlines are stated on it (store/clock.py).
 SELECT a.*, clock_timestamp() AS database_now
   FROM lq_admit($1::text[], $2::text[], $3::text[], $4::bigint[], $5::bigint[],
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::text[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -29,13 +29,14 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::text[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:
--- where each settlement's figures came from, for its ledger row.
+-- where each settlement's figures came from, and $10 how it was served
+-- (NULL: as the reservation journaled it), for its ledger row.
 SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[],
-                        $7::text[], $8::numeric[], $9::numeric[])
+                        $7::text[], $8::numeric[], $9::numeric[], $10::text[])
 
 -- sweep --
 -- Expire up to $1 reservations whose lease ran out (see lq_sweep).

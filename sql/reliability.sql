@@ -213,6 +213,13 @@ $$;
 --
 -- The result is lq_finish's, column for column (a change of those columns
 -- drops this one first).
+--
+-- Serving path: the ledger rows get lq_finish's rule, the reservation's
+-- journaled path else primary. A failure mode admits only the requested
+-- model (admission/fallback.py) and lq_record_outage_admissions journals no
+-- path, so these rows say primary: a request that waited for room before a
+-- failure mode admitted it, or that the proxy handed to a second deployment
+-- during the outage, is not told apart (docs/operations.md).
 DROP FUNCTION IF EXISTS lq_finish_outage(uuid[], text[], text[], bigint[], bigint[], text[],
     timestamptz[]);
 CREATE OR REPLACE FUNCTION lq_finish_outage(
@@ -233,7 +240,9 @@ CREATE OR REPLACE FUNCTION lq_finish_outage(
     late             boolean,
     excess_tokens    bigint,
     forgiven_global_tokens  bigint,
-    forgiven_ceiling_tokens bigint
+    forgiven_ceiling_tokens bigint,
+    model            text,
+    plan             text
 )
 LANGUAGE plpgsql
 AS $$

@@ -97,6 +97,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         *([None] * 9),  # priorities, degradation, output reserve, deadline, ids: none
         # each request's API key (none of them has limits): probed by index too
         list(range(1, n + 1)),
+        None,  # serving paths: none (primary)
     )
 
     # The fast path finds and locks them in one statement (a bitmap of probes).
@@ -135,7 +136,8 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         [None] * n,
         1000,
-        *([None] * 10),  # priorities, degradation, output reserve, deadline, ids, keys: none
+        # priorities, degradation, output reserve, deadline, ids, keys, serving paths: none
+        *([None] * 11),
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(
@@ -161,6 +163,7 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         ["reported"] * n,
         [None] * n,
         [None] * n,
+        [None] * n,  # serving paths: the journaled ones
     )
 
     lock = plan_of(plans, "FROM reservations AS rs\n      WHERE rs.reservation_id = ANY")

@@ -24,6 +24,7 @@ from llmquota.domain.output_estimates import OutputStrategy
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
+    AdmittedPath,
     FailureMode,
     FinishAction,
     FinishStatus,
@@ -31,6 +32,7 @@ from llmquota.domain.vocabulary import (
     Priority,
     RefusalReason,
     Scope,
+    SettledPath,
     UsageSource,
 )
 
@@ -61,6 +63,11 @@ class AdmitRequest(NamedTuple):
     max_tokens_given: bool = True
     # The tenant's API key that asked (its own limits and quotas), None: none.
     key_id: int | None = None
+    # How it came to be decided, journaled with the reservation for its
+    # settlement's ledger row: `queued` when it waited for room first
+    # (admission/waiting.py). None: as asked (lq_admit writes fallback_model
+    # itself when it admits a fallback).
+    serving_path: AdmittedPath | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -141,6 +148,10 @@ class FinishRequest:
     input_tokens: int | None = None
     output_tokens: int | None = None
     outcome: str | None = None
+    # Settle only: how the request was served, when the settler knows better
+    # than the admission did (the proxy's second deployment). None: the
+    # reservation's journaled path, else primary.
+    serving_path: SettledPath | None = None
     # Settle only, for the ledger row: where the figures came from (None:
     # reported), and an upstream's own figures where they differ from them
     # (domain/upstream_usage.py).
@@ -166,6 +177,12 @@ class FinishResult:
     # debited because they stood at minus their burst (lq_shared_forgiven).
     forgiven_global_tokens: int | None = None
     forgiven_ceiling_tokens: int | None = None
+    # The reservation's model (the one admitted) and its tenant's plan, as
+    # the store holds them: the settling worker labels its metrics with
+    # them whichever worker admitted it. None: not known (an answer of the
+    # worker's own, during an outage).
+    model: str | None = None
+    plan: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -142,6 +142,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         ranked = proxy.deployments(kind, exchange.model)
         for rank, upstream in enumerate(ranked):
             headers["llmquota-upstream"] = upstream.name
+            exchange.serving_path = "second_deployment" if rank else None  # its ledger row
             call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content)
             try:
                 answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
