@@ -488,14 +488,24 @@ UNION ALL
 
 -- tenant_usage --
 -- Ledger totals for one tenant over [from, to): requests are reservations
--- with any ledger row; tokens are what was really used.
-SELECT count(DISTINCT reservation_id) AS requests,
-       coalesce(sum(input_tokens), 0)::bigint AS input_tokens,
-       coalesce(sum(output_tokens), 0)::bigint AS output_tokens
-  FROM usage_ledger
- WHERE tenant = $1::text
-   AND recorded_at >= $2::timestamptz
-   AND recorded_at < $3::timestamptz
+-- (and response cache hits) with any ledger row; tokens are what was really
+-- used. One pass gives the totals (the row whose serving_path is NULL, always
+-- there, first) and one row per serving path with rows, a row without one
+-- (an adjustment, a row older than revision 0026) counting as primary.
+SELECT CASE WHEN grouping(g.path) = 0 THEN g.path END AS serving_path,
+       count(DISTINCT g.reservation_id) AS requests,
+       coalesce(sum(g.input_tokens), 0)::bigint AS input_tokens,
+       coalesce(sum(g.output_tokens), 0)::bigint AS output_tokens,
+       coalesce(sum(g.saved_input_tokens), 0)::bigint AS saved_input_tokens,
+       coalesce(sum(g.saved_output_tokens), 0)::bigint AS saved_output_tokens
+  FROM (SELECT coalesce(l.serving_path, 'primary') AS path, l.reservation_id,
+               l.input_tokens, l.output_tokens, l.saved_input_tokens, l.saved_output_tokens
+          FROM usage_ledger AS l
+         WHERE l.tenant = $1::text
+           AND l.recorded_at >= $2::timestamptz
+           AND l.recorded_at < $3::timestamptz) AS g
+ GROUP BY GROUPING SETS ((), (g.path))
+ ORDER BY grouping(g.path) DESC, g.path
 
 -- purge_finished --
 -- Delete up to $2 reservations finished longer ago than $1 seconds (their

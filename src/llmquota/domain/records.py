@@ -15,7 +15,8 @@ admission). Change one with `_replace`, not dataclasses.replace.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from typing import NamedTuple
@@ -28,6 +29,7 @@ from llmquota.domain.vocabulary import (
     FailureMode,
     FinishAction,
     FinishStatus,
+    LedgerServingPath,
     LimitKind,
     Priority,
     RefusalReason,
@@ -280,9 +282,25 @@ class LayerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PathUsage:
+    """Ledger totals of one serving path: what was charged, and what a cache hit
+    saved (the tokens the provider would have billed; 0 on other paths)."""
+
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    saved_input_tokens: int = 0
+    saved_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class UsageTotals:
     """Ledger totals for a tenant over a period."""
 
     requests: int
     input_tokens: int
     output_tokens: int
+    # The same by how the requests were served, for the paths with rows only
+    # (a row without a path, an adjustment or one older than revision 0026,
+    # counts as primary).
+    by_serving_path: Mapping[LedgerServingPath, PathUsage] = field(default_factory=dict)
