@@ -382,6 +382,13 @@ $$;
 -- limit_scope, reason and ceiling describe the refusal the requested model
 -- got. With p_degrade false, alt_models lists the fallbacks that would fit.
 --
+-- Serving path: each reservation journals how it came to be admitted
+-- (reservations.serving_path), for the ledger row its settlement or expiry
+-- writes (lq_finish): 'fallback_model' when a fallback was admitted, else
+-- the caller's p_serving_paths ('queued': the request waited for room
+-- first), else NULL (primary). Written in the journaling INSERT itself, so
+-- it costs no statement of its own.
+--
 -- Priority: the tenant layer's (its plan's; normal without one). A request
 -- may lower it (p_priorities); only with p_priority_any (an admin) may it
 -- raise it.
@@ -437,7 +444,9 @@ DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
                                         uuid[]);
--- p_alt_outputs was added (each explicit fallback's own output reserve).
+-- p_alt_outputs (each explicit fallback's own output reserve; a caller
+-- that does not send it reserves max_tokens for its fallbacks) and
+-- p_serving_paths (the path each reservation journals) were added.
 DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
@@ -463,8 +472,9 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
     p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
-    p_alt_outputs      bigint[] DEFAULT NULL     -- each explicit fallback's output reserve
+    p_alt_outputs      bigint[] DEFAULT NULL,    -- each explicit fallback's output reserve
                                                  -- (as p_alt_inputs), NULL: max_tokens
+    p_serving_paths    text[] DEFAULT NULL       -- 'queued': it waited for room; NULL: as asked
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -886,14 +896,16 @@ BEGIN
              -- for its lock), and the UPDATE finds it from the visible one
              WHERE fits.ok AND ll.layer_id = l.layer_id
         ), journal AS (
+            -- the requested model only (this path never degrades): its
+            -- serving path is the caller's (queued), NULL for primary
             INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                       input_tokens, input_estimated, max_tokens, reserved_tokens,
                                       policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash)
+                                      idempotency_key, request_hash, serving_path)
             SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
                    p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
                    d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k]
+                   NULL, p_request_hashes[d.k], p_serving_paths[d.k]
               FROM decided AS d
         )
         SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
@@ -1572,17 +1584,21 @@ BEGIN
 
     -- (7) Journal the admitted reservations, so a dead worker's can be swept.
     -- The model and input are the admitted candidate's: a fallback's usage is
-    -- settled and billed as that model.
+    -- settled and billed as that model, and its ledger row says it was
+    -- served as a fallback (serving_path, which lq_finish writes unless the
+    -- settler names another); a fallback taken after waiting is still a
+    -- fallback, as the proxy's serving-path metric counts it.
     INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
                               idempotency_key, request_hash, quota_ids, reserved_cost,
-                              credit_reserved, request_cost, permits)
+                              credit_reserved, request_cost, permits, serving_path)
     SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
            r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
            p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit,
-           x_rc[a.k], x_pm[a.k]
+           x_rc[a.k], x_pm[a.k],
+           CASE WHEN r_degraded[a.k] THEN 'fallback_model' ELSE p_serving_paths[a.k] END
       FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
            AS a(k, layers, version, lease, quotas, cost, credit);
 
@@ -1655,8 +1671,9 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
                                  uuid[]);
--- p_alt_outputs was added (each explicit fallback's own output reserve); a
--- caller that does not send it reserves max_tokens for its fallbacks.
+-- p_alt_outputs (each explicit fallback's own output reserve; a caller
+-- that does not send it reserves max_tokens for its fallbacks) and
+-- p_serving_paths (the path each reservation journals) were added.
 DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
@@ -1682,8 +1699,9 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_deadline         timestamptz DEFAULT NULL, -- past it, write nothing (LQ002); NULL: none
     p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
     p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
-    p_alt_outputs      bigint[] DEFAULT NULL     -- each explicit fallback's output reserve
+    p_alt_outputs      bigint[] DEFAULT NULL,    -- each explicit fallback's output reserve
                                                  -- (as p_alt_inputs), NULL: max_tokens
+    p_serving_paths    text[] DEFAULT NULL       -- 'queued': it waited for room; NULL: as asked
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1733,7 +1751,8 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs);
+            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
+            p_serving_paths);
         PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
@@ -1742,13 +1761,15 @@ BEGIN
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false, p_reservation_ids, p_key_ids, p_alt_outputs);
+            p_output_reserve, false, p_reservation_ids, p_key_ids, p_alt_outputs,
+            p_serving_paths);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs);
+            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
+            p_serving_paths);
     END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END
@@ -1771,6 +1792,11 @@ $$;
 -- the action, so the result never depends on whether the sweeper ran yet:
 -- a worker paused past its lease cannot act as if it still held the permit.
 -- Repeating a settle with the same figures returns the first result.
+--
+-- Every ledger row appended here names how its request was served
+-- (serving_path): the settler's p_serving_paths, else the path the
+-- admission journaled (reservations.serving_path: fallback_model, queued),
+-- else primary. An expiry's row takes the journaled one.
 --
 -- status per request: settled | released | expired | replayed | conflict |
 -- not_found | not_due (expire only: the lease is still live).
@@ -1830,6 +1856,8 @@ $$;
 -- from, have defaults: without the DROP, the old six-argument function would
 -- stay beside it and every six-argument call be ambiguous.)
 DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[]);
+-- Then p_serving_paths was added (the ledger row's serving_path) and the
+-- result gained model and plan: the nine-argument function goes.
 DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[],
     numeric[], numeric[]);
 CREATE OR REPLACE FUNCTION lq_finish(
@@ -1844,7 +1872,11 @@ CREATE OR REPLACE FUNCTION lq_finish(
     -- settled ones (see domain/upstream_usage.py)
     p_usage_sources  text[] DEFAULT NULL,
     p_reported_input  numeric[] DEFAULT NULL,
-    p_reported_output numeric[] DEFAULT NULL
+    p_reported_output numeric[] DEFAULT NULL,
+    -- settle only: how the request was served, when the settler knows it
+    -- (the proxy's second_deployment); NULL: the reservation's journaled
+    -- serving_path (fallback_model, queued), else primary
+    p_serving_paths  text[] DEFAULT NULL
 ) RETURNS TABLE (
     ord              integer,
     status           text,
@@ -1857,7 +1889,12 @@ CREATE OR REPLACE FUNCTION lq_finish(
     -- not debited from the global layer / from provider ceilings because
     -- they stood at their floor (lq_shared_forgiven); 0 otherwise
     forgiven_global_tokens  bigint,
-    forgiven_ceiling_tokens bigint
+    forgiven_ceiling_tokens bigint,
+    -- the reservation's model (the one admitted) and its tenant's plan now:
+    -- the settling worker labels its metrics with them, whichever worker
+    -- admitted the reservation
+    model            text,
+    plan             text
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -1895,6 +1932,7 @@ DECLARE
     g_source  text[] := '{}';
     g_rep_in  numeric[] := '{}';
     g_rep_out numeric[] := '{}';
+    g_path    text[] := '{}';
     -- quotas and credits to give back or charge, for reservation res[u_res[x]]:
     -- u_mode settle | late | release | expire
     u_res     integer[] := '{}';
@@ -1910,6 +1948,8 @@ DECLARE
     e_reqs    double precision[];
     e_permits integer[];
     e_forgive double precision[];
+    e_plan    text[];
+    t_plan    text[];     -- per reservation: its tenant layer's plan
     f_global  double precision[];
     f_ceiling double precision[];
     f_most    double precision[];
@@ -1925,6 +1965,8 @@ DECLARE
     r_excess  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_fglobal bigint[] := array_fill(NULL::bigint, ARRAY[n]);
     r_fceil   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
+    r_model   text[] := array_fill(NULL::text, ARRAY[n]);
+    r_plan    text[] := array_fill(NULL::text, ARRAY[n]);
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -1956,6 +1998,7 @@ BEGIN
             CONTINUE;
         END IF;
         r_tenant[k] := rec.tenant;
+        r_model[k] := rec.model;
 
         -- (2) A lease that ran out is expired before anything else happens.
         IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
@@ -1968,6 +2011,7 @@ BEGIN
             g_excess := g_excess || 0::bigint;
             g_source := g_source || NULL::text;
             g_rep_in := g_rep_in || NULL::numeric; g_rep_out := g_rep_out || NULL::numeric;
+            g_path := g_path || coalesce(rec.serving_path, 'primary');
             u_res := u_res || i; u_mode := u_mode || 'expire'::text;
             u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
             rec.state := 'expired';
@@ -2000,6 +2044,7 @@ BEGIN
                 g_source := g_source || coalesce(p_usage_sources[k], 'reported');
                 g_rep_in := g_rep_in || p_reported_input[k];
                 g_rep_out := g_rep_out || p_reported_output[k];
+                g_path := g_path || coalesce(p_serving_paths[k], rec.serving_path, 'primary');
                 u_res := u_res || i; u_mode := u_mode || 'settle'::text;
                 u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.state := 'settled';
@@ -2020,6 +2065,7 @@ BEGIN
                 g_source := g_source || coalesce(p_usage_sources[k], 'reported');
                 g_rep_in := g_rep_in || p_reported_input[k];
                 g_rep_out := g_rep_out || p_reported_output[k];
+                g_path := g_path || coalesce(p_serving_paths[k], rec.serving_path, 'primary');
                 u_res := u_res || i; u_mode := u_mode || 'late'::text;
                 u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
                 rec.refunded_tokens := 0;
@@ -2083,8 +2129,10 @@ BEGIN
            array_agg(ll.scope ORDER BY c.o, l.o),
            array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END
                      ORDER BY c.o, l.o),
-           array_agg(c.reqs ORDER BY c.o, l.o), array_agg(c.permits ORDER BY c.o, l.o)
-      INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits
+           array_agg(c.reqs ORDER BY c.o, l.o), array_agg(c.permits ORDER BY c.o, l.o),
+           -- the tenant layer's plan, read from the row this join reads anyway
+           array_agg(ll.plan ORDER BY c.o, l.o)
+      INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits, e_plan
       FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits)
            WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) WITH ORDINALITY AS l(layer_id, o)
@@ -2093,7 +2141,11 @@ BEGIN
     f_global := array_fill(0::double precision, ARRAY[coalesce(cardinality(ids), 0)]);
     f_ceiling := f_global;
     f_most := f_global;
+    t_plan := array_fill(NULL::text, ARRAY[coalesce(cardinality(ids), 0)]);
     FOR k IN 1 .. coalesce(cardinality(e_res), 0) LOOP
+        IF e_scope[k] = 'tenant' THEN
+            t_plan[e_res[k]] := e_plan[k];
+        END IF;
         IF e_forgive[k] > 0 THEN
             i := e_res[k];
             e_tokens[k] := e_tokens[k] + e_forgive[k];
@@ -2111,6 +2163,7 @@ BEGIN
             i := array_position(ids, p_ids[k]);
             r_fglobal[k] := round(f_global[i])::bigint;
             r_fceil[k] := round(f_ceiling[i])::bigint;
+            r_plan[k] := t_plan[i];
         END IF;
     END LOOP;
 
@@ -2176,7 +2229,8 @@ BEGIN
        AND changed[u.ordinality::integer];
 
     -- (6) Append the ledger rows, stamped with now_ts (the month partition is
-    -- picked from it; the DEFAULT partition takes a month with none). The
+    -- picked from it; the DEFAULT partition takes a month with none), each
+    -- with how its request was served (g_path, from (2) and (3)). The
     -- ledger's receipt trigger writes (reservation_id, entry_kind) into
     -- ledger_receipts in this same statement, and its primary key makes a
     -- second row for the same event impossible, not merely unlikely: the
@@ -2184,18 +2238,19 @@ BEGIN
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
                               policy_version, excess_tokens, forgiven_tokens, recorded_at,
-                              usage_source, reported_input_tokens, reported_output_tokens)
+                              usage_source, reported_input_tokens, reported_output_tokens,
+                              serving_path)
     SELECT (res[g.i]).reservation_id, g.kind, (res[g.i]).tenant, (res[g.i]).route,
            (res[g.i]).model, g.input_tokens, g.output_tokens, g.held, g.outcome,
            (res[g.i]).policy_version, g.excess,
            -- what a shared layer forgave belongs to the settlement's row, not
            -- to the expiry's (which credits, never debits)
            CASE WHEN g.outcome = 'expired' THEN 0 ELSE round(f_most[g.i])::bigint END,
-           now_ts, g.source, g.rep_in, g.rep_out
+           now_ts, g.source, g.rep_in, g.rep_out, g.path
       FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess,
-                  g_source, g_rep_in, g_rep_out)
+                  g_source, g_rep_in, g_rep_out, g_path)
            AS g(i, kind, input_tokens, output_tokens, held, outcome, excess,
-                source, rep_in, rep_out);
+                source, rep_in, rep_out, path);
 
     -- (7) Completions settled on time and 'ok' feed the learned output
     -- estimates (estimates.sql), whose rows are locked last, in key order.
@@ -2207,7 +2262,7 @@ BEGIN
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
            r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i],
-           r_fglobal[o.i], r_fceil[o.i]
+           r_fglobal[o.i], r_fceil[o.i], r_model[o.i], r_plan[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;

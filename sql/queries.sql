@@ -6,7 +6,8 @@
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit), by
 -- the deadline $18, with the reservation ids $19, the requests' key layers
--- $20 and their explicit fallbacks' output reserves $21. database_now is the
+-- $20, their explicit fallbacks' output reserves $21 and the serving path
+-- each journals ($22: queued after waiting). database_now is the
 -- database's clock once the batch is decided: the worker's deadlines are
 -- stated on it (store/clock.py).
 SELECT a.*, clock_timestamp() AS database_now
@@ -14,7 +15,7 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[], $21::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -29,13 +30,14 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[], $21::bigint[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:
--- where each settlement's figures came from, for its ledger row.
+-- where each settlement's figures came from, and $10 how it was served
+-- (NULL: as the reservation journaled it), for its ledger row.
 SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::text[],
-                        $7::text[], $8::numeric[], $9::numeric[])
+                        $7::text[], $8::numeric[], $9::numeric[], $10::text[])
 
 -- sweep --
 -- Expire up to $1 reservations whose lease ran out (see lq_sweep).
@@ -494,14 +496,24 @@ UNION ALL
 
 -- tenant_usage --
 -- Ledger totals for one tenant over [from, to): requests are reservations
--- with any ledger row; tokens are what was really used.
-SELECT count(DISTINCT reservation_id) AS requests,
-       coalesce(sum(input_tokens), 0)::bigint AS input_tokens,
-       coalesce(sum(output_tokens), 0)::bigint AS output_tokens
-  FROM usage_ledger
- WHERE tenant = $1::text
-   AND recorded_at >= $2::timestamptz
-   AND recorded_at < $3::timestamptz
+-- (and response cache hits) with any ledger row; tokens are what was really
+-- used. One pass gives the totals (the row whose serving_path is NULL, always
+-- there, first) and one row per serving path with rows, a row without one
+-- (an adjustment, a row older than revision 0026) counting as primary.
+SELECT CASE WHEN grouping(g.path) = 0 THEN g.path END AS serving_path,
+       count(DISTINCT g.reservation_id) AS requests,
+       coalesce(sum(g.input_tokens), 0)::bigint AS input_tokens,
+       coalesce(sum(g.output_tokens), 0)::bigint AS output_tokens,
+       coalesce(sum(g.saved_input_tokens), 0)::bigint AS saved_input_tokens,
+       coalesce(sum(g.saved_output_tokens), 0)::bigint AS saved_output_tokens
+  FROM (SELECT coalesce(l.serving_path, 'primary') AS path, l.reservation_id,
+               l.input_tokens, l.output_tokens, l.saved_input_tokens, l.saved_output_tokens
+          FROM usage_ledger AS l
+         WHERE l.tenant = $1::text
+           AND l.recorded_at >= $2::timestamptz
+           AND l.recorded_at < $3::timestamptz) AS g
+ GROUP BY GROUPING SETS ((), (g.path))
+ ORDER BY grouping(g.path) DESC, g.path
 
 -- purge_finished --
 -- Delete up to $2 reservations finished longer ago than $1 seconds (their

@@ -464,7 +464,8 @@ $$;
 
 -- `llmquota audit`'s check of prepaid credits against the invoice: for
 -- every credit charge, what the reservation's ledger rows cost at the price
--- the invoice applies to them (lq_cost at each row's recorded_at: the rule
+-- the invoice applies to them (lq_cost at each row's recorded_at, plus a
+-- price the row carries itself, a response cache hit's price_usd: the rule
 -- of reporting.ledger_entries) against the amount charged, in millionths of
 -- the currency, compared exactly. They differ when a price was backdated
 -- over usage already charged (lq_set_price), or when a model had no price
@@ -483,7 +484,11 @@ AS $$
            CROSS JOIN LATERAL (
                -- The reservation's rows are found through their receipts
                -- (primary key on reservation_id), then by the ledger's key.
-               SELECT sum(lq_cost(l.model, l.input_tokens, l.output_tokens, l.recorded_at))
+               SELECT sum(CASE WHEN l.price_usd IS NULL
+                               THEN lq_cost(l.model, l.input_tokens, l.output_tokens,
+                                            l.recorded_at)
+                               ELSE coalesce(lq_cost(l.model, l.input_tokens, l.output_tokens,
+                                                     l.recorded_at), 0) + l.price_usd END)
                           AS cost_usd
                  FROM ledger_receipts AS rc
                       JOIN usage_ledger AS l

@@ -213,6 +213,13 @@ $$;
 --
 -- The result is lq_finish's, column for column (a change of those columns
 -- drops this one first).
+--
+-- Serving path: the ledger rows get lq_finish's rule, the reservation's
+-- journaled path else primary. A failure mode admits only the requested
+-- model (admission/fallback.py) and lq_record_outage_admissions journals no
+-- path, so these rows say primary: a request that waited for room before a
+-- failure mode admitted it, or that the proxy handed to a second deployment
+-- during the outage, is not told apart (docs/operations.md).
 DROP FUNCTION IF EXISTS lq_finish_outage(uuid[], text[], text[], bigint[], bigint[], text[],
     timestamptz[]);
 CREATE OR REPLACE FUNCTION lq_finish_outage(
@@ -233,7 +240,9 @@ CREATE OR REPLACE FUNCTION lq_finish_outage(
     late             boolean,
     excess_tokens    bigint,
     forgiven_global_tokens  bigint,
-    forgiven_ceiling_tokens bigint
+    forgiven_ceiling_tokens bigint,
+    model            text,
+    plan             text
 )
 LANGUAGE plpgsql
 AS $$
@@ -429,7 +438,9 @@ $$;
 
 -- The ledger rows each reservation must have, and a settlement's figures.
 -- The ledger is read in one pass, pruned to the partitions no older than
--- the oldest reservation on record.
+-- the oldest reservation on record. A response cache hit's row (serving_path
+-- 'cache', written by sql/cache.sql) carries an id of its own that no
+-- reservation has: it is no reservation's book, and is left out.
 CREATE OR REPLACE FUNCTION lq_audit_reservation_books()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE sql STABLE
@@ -442,6 +453,7 @@ AS $$
                max(g.output_tokens) FILTER (WHERE g.entry_kind = 'usage') AS usage_output
           FROM usage_ledger AS g
          WHERE g.reservation_id IS NOT NULL
+           AND g.serving_path IS DISTINCT FROM 'cache'
            AND g.recorded_at >= (SELECT min(r.created_at) FROM reservations AS r)
          GROUP BY g.reservation_id
     ), books AS (
@@ -533,6 +545,9 @@ $$;
 -- the oldest reservation on record, or holding a ledger row whose
 -- reservation was purged since (`purge_finished`), has lost what it was made
 -- of. The ledger is read by its (tenant, recorded_at) index, window by window.
+-- A response cache hit's row (serving_path 'cache') never had a reservation
+-- and charges no quota: it is left out, or it would read as a purged
+-- reservation and switch the window's charged check off.
 CREATE OR REPLACE FUNCTION lq_audit_quota_windows()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE sql STABLE
@@ -563,6 +578,7 @@ AS $$
           FROM win AS w
                JOIN usage_ledger AS g
                  ON g.tenant = w.tenant AND g.entry_kind IN ('usage', 'late')
+                AND g.serving_path IS DISTINCT FROM 'cache'
                LEFT JOIN reservations AS rs ON rs.reservation_id = g.reservation_id
          -- the moment the usage happened: the settle's, or the journal's for
          -- usage replayed after an outage (usage_at, which lq_finish charges)

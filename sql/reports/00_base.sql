@@ -15,7 +15,10 @@
 -- (input_tokens * input price + output_tokens * output price) * 0.000001,
 -- exact numeric arithmetic, priced at the model_prices row in force when the
 -- usage was recorded. Usage of a model with no price then is "unpriced": it
--- adds nothing to cost_usd and is counted in unpriced_tokens.
+-- adds nothing to cost_usd and is counted in unpriced_tokens. A row may also
+-- carry a price of its own (price_usd: a response cache hit's, set by the
+-- operator's cache policy), added to cost_usd; a hit's tokens are 0, so it
+-- costs that price alone (a priced hit of an unpriced model is not unpriced).
 
 CREATE SCHEMA IF NOT EXISTS reporting;
 COMMENT ON SCHEMA reporting IS 'llmquota finance reports: views and set-returning functions over the usage ledger';
@@ -54,14 +57,26 @@ SELECT l.entry_id,
        p.effective_from AS price_effective_from,
        p.input_usd_per_million,
        p.output_usd_per_million,
-       (l.input_tokens * p.input_usd_per_million
-        + l.output_tokens * p.output_usd_per_million) * 0.000001 AS cost_usd,
+       CASE WHEN l.price_usd IS NULL
+            THEN (l.input_tokens * p.input_usd_per_million
+                  + l.output_tokens * p.output_usd_per_million) * 0.000001
+            ELSE coalesce((l.input_tokens * p.input_usd_per_million
+                           + l.output_tokens * p.output_usd_per_million) * 0.000001, 0)
+                 + l.price_usd END AS cost_usd,
        -- where the figures came from (reported | clamped | counted), and an
        -- upstream's own where they differ (revision 0016; appended last, as
        -- CREATE OR REPLACE VIEW requires)
        l.usage_source,
        l.reported_input_tokens,
-       l.reported_output_tokens
+       l.reported_output_tokens,
+       -- how the request was served (primary, cache, fallback_model, queued,
+       -- second_deployment; NULL on adjustments and rows before revision
+       -- 0026), and a cache hit's tokens the provider would have billed and
+       -- its own price (appended last, as CREATE OR REPLACE VIEW requires)
+       l.serving_path,
+       l.saved_input_tokens,
+       l.saved_output_tokens,
+       l.price_usd
   FROM public.usage_ledger AS l
   LEFT JOIN LATERAL (
         -- lq_price_at's rule (admission.sql), written out: the view runs
@@ -80,12 +95,13 @@ SELECT l.entry_id,
                   mp.set_at DESC
          LIMIT 1) AS p ON true;
 COMMENT ON VIEW reporting.ledger_entries IS
-    'every ledger row (usage, late, adjustment) with the price in force when recorded and its cost in USD';
+    'every ledger row (usage, late, adjustment) with the price in force when recorded, its cost in USD and how it was served';
 
 -- One row per resolved reservation (its 'usage' ledger row), with what it
 -- really used: the settled tokens, or for an expired reservation the tokens a
 -- late settle reported (NULL while none did). The late row is found through
--- its receipt, so no extra index is needed on the settle path.
+-- its receipt, so no extra index is needed on the settle path. A response
+-- cache hit's row is no reservation (nothing was reserved or sent): left out.
 CREATE OR REPLACE VIEW reporting.reservation_outcomes AS
 SELECT u.reservation_id,
        u.recorded_at,
@@ -109,6 +125,7 @@ SELECT u.reservation_id,
          ON rc.reservation_id = u.reservation_id AND rc.entry_kind = 'late'
   LEFT JOIN reporting.ledger_entries AS lt
          ON lt.entry_id = rc.entry_id AND lt.recorded_at = rc.recorded_at
- WHERE u.entry_kind = 'usage';
+ WHERE u.entry_kind = 'usage'
+   AND u.serving_path IS DISTINCT FROM 'cache';
 COMMENT ON VIEW reporting.reservation_outcomes IS
     'one row per resolved reservation: reserved vs charged tokens, and its late settle if any';

@@ -3,7 +3,9 @@
 -- requests counts resolved reservations ('usage' rows, expired ones too);
 -- tokens add every row: usage, late usage of an expired reservation (whose
 -- 'usage' row carries zero tokens, so nothing is counted twice) and signed
--- adjustments.
+-- adjustments. A response cache hit is a request too (its 'usage' row, zero
+-- tokens), and its price, if its policy sets one, is in cost_usd: on an
+-- invoice line, beside its model's tokens at the line's unit price.
 
 CREATE OR REPLACE FUNCTION reporting.usage_daily(
     p_from date, p_to date, p_tenant text DEFAULT NULL

@@ -22,7 +22,9 @@ AS $$
     -- adjustments included). Expired reservations carry no known usage: the
     -- provider may still have served them, up to expired_reserved_tokens,
     -- which is the margin to expect between this and the invoice until their
-    -- late settles (late_tokens, on the day they arrive) come in.
+    -- late settles (late_tokens, on the day they arrive) come in. A response
+    -- cache hit (serving_path 'cache') never reached the provider: its row,
+    -- and its price, are not part of what the invoice is held against.
     SELECT e.day_utc, e.model,
            count(*) FILTER (WHERE e.entry_kind = 'usage'),
            sum(e.input_tokens)::bigint,
@@ -38,6 +40,7 @@ AS $$
      WHERE e.recorded_at >= reporting.utc_start(p_from)
        AND e.recorded_at < reporting.utc_start(p_to)
        AND (p_tenant IS NULL OR e.tenant = p_tenant)
+       AND e.serving_path IS DISTINCT FROM 'cache'
      GROUP BY e.day_utc, e.model
      ORDER BY e.day_utc, e.model NULLS FIRST
 $$;

@@ -294,7 +294,7 @@ class Metrics:
         )
         self.charged_tokens = counter(
             "llmquota_charged_tokens",
-            "Tokens charged at settlement, by model and plan (unknown: admitted by another worker)",
+            "Tokens charged at settlement, by model and plan (unknown: settled during an outage)",
             ["model", "plan"],
         )
         self.model_labels = BoundedLabels()

@@ -108,7 +108,8 @@ async def test_table_and_csv_formats_list_and_empty_period(
     names = [line.split()[0] for line in listing.stdout.splitlines()[2:-1]]
     assert names == [
         "expired_reservations", "invoice_monthly", "oversubscription", "quota_usage",
-        "reconciliation_daily", "reservation_accuracy", "top_tenants", "usage_daily",
+        "reconciliation_daily", "reservation_accuracy", "top_tenants", "usage_by_serving_path",
+        "usage_daily",
     ]  # fmt: skip
 
     empty = _period(fx.EMPTY)

@@ -343,3 +343,30 @@ async def test_each_drift_is_named_by_the_audit_and_exits_1(
     found = {line.split()[1] for line in out.splitlines() if line.startswith("DRIFT ")}
     assert found == names, out
     assert out.strip().splitlines()[-1].startswith("drift: "), out
+
+
+# A response cache hit as sql/cache.sql writes it (as the owner): a 'usage' row
+# of 0 tokens under an id of its own that no reservation has, saying what the
+# provider would have billed and the hit's price.
+CACHE_HIT = (
+    "INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model, input_tokens, "
+    "output_tokens, reserved_tokens, outcome, serving_path, saved_input_tokens, "
+    "saved_output_tokens, price_usd) "
+    "VALUES ($1, 'usage', 'acme', NULL, 'gpt-4o', 0, 0, 0, 'ok', 'cache', 100, 150, 0.001)"
+)
+
+
+async def test_a_cache_hit_in_the_ledger_is_no_drift_and_hides_none(
+    database_dsn: str, db: asyncpg.Connection
+) -> None:
+    """No reservation behind a cache hit's row: no check reads it as a missing or
+    purged reservation, so none reports it, and none is switched off by it (the
+    quota windows' charged check still sees drift in the hit's window)."""
+    await traffic(database_dsn, db)
+    await db.execute(CACHE_HIT, uuid.uuid4())
+    assert await db.fetch("SELECT * FROM lq_audit()") == []
+
+    await db.execute("UPDATE quota_windows SET charged_tokens = charged_tokens + 1")
+    found = {r["check_name"] for r in await db.fetch("SELECT * FROM lq_audit()")}
+    assert found == {"quota_charged_tokens"}
+    await db.execute("UPDATE quota_windows SET charged_tokens = charged_tokens - 1")

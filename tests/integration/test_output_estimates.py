@@ -140,6 +140,7 @@ async def test_batches_of_mixed_keys_in_any_order_neither_deadlock_nor_lose(
                     None,  # usage sources, as reported figures: none (a REST settle)
                     None,
                     None,
+                    None,  # serving paths: the journaled ones
                 )
                 for n, (c, chunk) in enumerate(zip(connections, chunks, strict=True))
             )

@@ -98,6 +98,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         # each request's API key (none of them has limits): probed by index too
         list(range(1, n + 1)),
         None,  # fallbacks' output reserves: none
+        None,  # serving paths: none (primary)
     )
 
     # The fast path finds and locks them in one statement (a bitmap of probes).
@@ -136,8 +137,9 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         [None] * n,
         1000,
-        # priorities, degradation, output reserve, deadline, ids, keys, fallbacks' output: none
-        *([None] * 11),
+        # priorities, degradation, output reserve, deadline, ids, keys, fallbacks' output,
+        # serving paths: none
+        *([None] * 12),
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(
@@ -163,6 +165,7 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         ["reported"] * n,
         [None] * n,
         [None] * n,
+        [None] * n,  # serving paths: the journaled ones
     )
 
     lock = plan_of(plans, "FROM reservations AS rs\n      WHERE rs.reservation_id = ANY")

@@ -37,6 +37,7 @@ REPEATABLES = [
     "reports/40_expired.sql",
     "reports/50_quotas.sql",
     "reports/60_oversubscription.sql",
+    "reports/70_serving_paths.sql",
     "roles.sql",
 ]
 

@@ -67,6 +67,9 @@ async def test_the_policys_fallback_serves_a_refused_model(
     assert value(samples, "llmquota_serving_path_total", path="fallback_model") == 2
     assert value(samples, "llmquota_serving_path_total", path="primary") == 0
     assert value(samples, "llmquota_serving_path_seconds_count", path="fallback_model") == 2
+    # The ledger says the same of each row (the path the admission journaled).
+    paths = await db.fetch("SELECT serving_path FROM usage_ledger ORDER BY entry_id")
+    assert [r["serving_path"] for r in paths] == ["fallback_model", "fallback_model"]
 
 
 async def test_the_clients_fallbacks_and_opting_out(stack: Stack, db: asyncpg.Connection) -> None:
@@ -197,6 +200,9 @@ async def test_a_proxy_request_waits_for_a_permit(stack: Stack, db: asyncpg.Conn
         "second_deployment": 0,
         "rejected": 1,
     }
+    # The ledger says the same of each row (the path the admission journaled).
+    rows_paths = await db.fetch("SELECT serving_path FROM usage_ledger ORDER BY serving_path")
+    assert [r["serving_path"] for r in rows_paths] == ["primary", "queued"]
     with pytest.raises(openai.BadRequestError):
         await client.chat.completions.create(
             model="gpt-4o",

@@ -93,6 +93,16 @@ async def test_a_deployment_answering_429_or_5xx_hands_the_request_to_the_next(
     ]
     assert await db.fetchval("SELECT count(*) FROM reservations") == 1
     assert len(await ledger(db)) == 1
+    # The ledger row says how it was served, as the metric does.
+    assert await serving_paths(db) == ["second_deployment"]
+
+
+async def serving_paths(db: asyncpg.Connection) -> list[str]:
+    """The serving path of every usage row, oldest first."""
+    rows = await db.fetch(
+        "SELECT serving_path FROM usage_ledger WHERE entry_kind = 'usage' ORDER BY entry_id"
+    )
+    return [r["serving_path"] for r in rows]
 
 
 async def test_the_last_deployments_429_reaches_the_client_and_cools_the_ceilings(
@@ -161,3 +171,6 @@ async def test_cheapest_sends_to_the_lowest_price_factor_and_order_to_the_first(
         )
     assert in_order.headers["llmquota-upstream"] == "main"
     assert [r["model"] for r in main.requests] == ["gpt-4o"]
+    # Each served by the first deployment its rule picked: primary.
+    assert len(await settled(db, 3)) == 3
+    assert await serving_paths(db) == ["primary"] * 3

@@ -41,7 +41,8 @@ def test_report_scripts_define_the_listed_reports() -> None:
     text = "\n".join(report_scripts())
     assert text.startswith("-- The reporting schema")  # the base views come first
     for name in ("usage_daily", "invoice_monthly", "top_tenants", "reservation_accuracy",
-                 "reconciliation_daily", "expired_reservations"):  # fmt: skip
+                 "reconciliation_daily", "expired_reservations",
+                 "usage_by_serving_path"):  # fmt: skip
         assert f"CREATE OR REPLACE FUNCTION reporting.{name}(" in text
         assert f"COMMENT ON FUNCTION reporting.{name}(date, date, text)" in text
 

@@ -1,12 +1,15 @@
 """Tokens reserved and charged, by model and plan, in the metrics.
 
 The admission decision names the model admitted (a fallback when degraded)
-and the tenant's plan; the settlement statement answers only the tenant. So
-this worker remembers the labels of the reservations it admitted, in a
-bounded map, and charges a settlement to them; a reservation admitted by
-another worker (or forgotten past MAX_REMEMBERED) is charged as "unknown".
-The ledger, not these counters, is the record for billing: this is a view
-for dashboards, and must never cost a round trip.
+and the tenant's plan, and so does the settlement statement (lq_finish
+answers the reservation's model and its tenant's plan). This worker
+remembers the labels of the reservations it admitted, in a bounded map, and
+charges a settlement to them, the labels its reserved tokens were counted
+under; a reservation admitted by another worker (or forgotten past
+MAX_REMEMBERED) is charged to the labels the store answered, and only a
+settlement the store did not answer (a worker's own, during an outage) as
+"unknown". The ledger, not these counters, is the record for billing: this
+is a view for dashboards, and must never cost a round trip.
 """
 
 from __future__ import annotations
@@ -95,8 +98,14 @@ class TokenAccounting:
         self, reservation_id: uuid.UUID, result: FinishResult, settlement: Settlement
     ) -> None:
         """Count a settlement: charged by its labels, refunds, and usage beyond reason."""
-        model, plan = self._labels.pop(reservation_id, (UNKNOWN, UNKNOWN))
-        self.metrics.charged_tokens.labels(model, plan).inc(settlement.charged_tokens)
+        labels = self._labels.pop(reservation_id, None)
+        if labels is None:  # admitted by another worker: the store's labels
+            labels = (
+                (self.metrics.model_labels(result.model), self.metrics.plan_labels(result.plan))
+                if result.model is not None
+                else (UNKNOWN, UNKNOWN)
+            )
+        self.metrics.charged_tokens.labels(*labels).inc(settlement.charged_tokens)
         self.metrics.settlements.labels(str(settlement.late).lower()).inc()
         self.metrics.refunded_tokens.inc(settlement.refunded_tokens)
         self._forgiven(reservation_id, result)

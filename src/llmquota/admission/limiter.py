@@ -16,9 +16,8 @@ Concurrent admissions of one process are coalesced into batch statements
 (batching.py), and so are settlements and releases, which share one batch:
 the SQL decides a batch exactly as one by one in arrival order, so callers
 see the same answers, only sooner. A tenant's repeat requests past its limit
-are refused from memory for a moment (refusals.py); a caller that would
-rather wait passes `max_wait_ms`, and a ladder step may queue what it sheds
-(waiting.py).
+are refused from memory for a moment (refusals.py); a caller that would rather
+wait passes `max_wait_ms`, and a ladder step may queue what it sheds (waiting.py).
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from llmquota.domain.validation import (
     check_lease_seconds,
     check_token_count,
 )
-from llmquota.domain.vocabulary import OUTCOMES
+from llmquota.domain.vocabulary import OUTCOMES, SettledPath
 from llmquota.metrics import Metrics
 from llmquota.store.deadline import DeadlineQueue, within_store_deadline
 from llmquota.store.store import Store
@@ -359,22 +358,23 @@ class Limiter:
         outcome: str = "ok",
         caller: str | None = None,
         usage: UpstreamUsage | None = None,
+        serving_path: SettledPath | None = None,
     ) -> Settlement:
         """Charge actual usage for a reservation; idempotent for the same figures.
 
         `usage`: an upstream reported the figures, for an answer relayed
         already. Its source goes to the ledger row, and a store that does not
         answer gets the settle journaled, not lost (Settlement.journaled).
+        `serving_path`: the ledger row's, when known better than at admission (the proxy's).
         """
         check_token_count("input_tokens", input_tokens)
         check_token_count("output_tokens", output_tokens)
         if outcome not in OUTCOMES:
             raise InvalidRequest(f"outcome must be one of {sorted(OUTCOMES)}")
         request = FinishRequest(
-            reservation_id, "settle", caller, input_tokens, output_tokens, outcome
+            reservation_id, "settle", caller, input_tokens, output_tokens, outcome, serving_path
         )
-        if usage is not None:
-            request = usage.onto(request)
+        request = request if usage is None else usage.onto(request)
         result = await self._finish_one(request, journal=usage is not None)
         if result.status == "conflict":
             raise ReservationConflict(

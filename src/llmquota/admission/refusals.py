@@ -43,7 +43,7 @@ MAX_TENANTS = 10_000
 # What two requests of one tenant must share for one's refusal to stand for
 # the other's: everything the store decides by, which is the request less
 # what only names it (its idempotency key and digest) or only matters once
-# admitted (its lease).
+# admitted (its lease, and the serving path its reservation journals).
 RefusalShape = AdmitRequest
 
 
@@ -55,7 +55,9 @@ class _Remembered:
 
 
 def _shape(request: AdmitRequest) -> RefusalShape:
-    return request._replace(idempotency_key=None, request_hash=None, lease_seconds=None)
+    return request._replace(
+        idempotency_key=None, request_hash=None, lease_seconds=None, serving_path=None
+    )
 
 
 class RefusalMemory:

@@ -27,7 +27,7 @@ from llmquota.domain.records import AdmitDecision, HeartbeatResult
 from llmquota.domain.refusal_table import REFUSALS
 from llmquota.domain.settlement import Settlement
 from llmquota.domain.upstream_usage import UpstreamUsage
-from llmquota.domain.vocabulary import FailureMode, Outcome
+from llmquota.domain.vocabulary import FailureMode, Outcome, SettledPath
 
 if TYPE_CHECKING:
     from llmquota.admission.limiter import Limiter
@@ -167,14 +167,21 @@ class Reservation:
         )
         return self.settlement
 
-    async def settle_upstream(self, usage: UpstreamUsage, outcome: Outcome = "ok") -> Settlement:
+    async def settle_upstream(
+        self,
+        usage: UpstreamUsage,
+        outcome: Outcome = "ok",
+        *,
+        serving_path: SettledPath | None = None,
+    ) -> Settlement:
         """Settle what an upstream answered (resolved by domain/upstream_usage.py).
 
         The answer was relayed already, so its usage must land whatever
         happens to the store: a settle the store does not answer is journaled
         and replayed when it is back (Settlement.journaled). The ledger row
         says where the figures came from, with the upstream's own where they
-        differ.
+        differ, and how the request was served when `serving_path` names it
+        (else as the reservation journaled it).
         """
         self.settlement = await self._limiter.settle(
             self.reservation_id,
@@ -183,6 +190,7 @@ class Reservation:
             outcome=outcome,
             caller=self.tenant,
             usage=usage,
+            serving_path=serving_path,
         )
         return self.settlement
 

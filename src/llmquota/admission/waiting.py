@@ -318,8 +318,14 @@ class WaitQueue:
         return self._answer(admission, request.tenant, waited_ms=waited_ms)
 
     async def _wait(self, queue: _TenantQueue, waiter: _Waiter, request: AdmitRequest) -> Admission:
-        """Wait for the turn, then decide at each hint until admitted or out of time."""
+        """Wait for the turn, then decide at each hint until admitted or out of time.
+
+        Every decision here comes after waiting: the request asks lq_admit to
+        journal the serving path `queued`, so its settlement's ledger row says
+        so whichever worker settles it (a fallback admitted says fallback_model).
+        """
         loop = asyncio.get_running_loop()
+        request = request._replace(serving_path="queued")
         while True:
             now = loop.time()
             if queue.waiters[0] is not waiter:

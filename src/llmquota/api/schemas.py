@@ -45,7 +45,7 @@ from llmquota.domain.validation import (
     MAX_TOKEN_COUNT,
     storable_text_problem,
 )
-from llmquota.domain.vocabulary import FailureMode, Priority, Scope
+from llmquota.domain.vocabulary import FailureMode, LedgerServingPath, Priority, Scope
 
 TokenCount = Annotated[int, WholeNumber(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[int, WholeNumber(ge=1, le=MAX_LEASE_SECONDS)]
@@ -360,6 +360,20 @@ class StatusResponse(BaseModel):
     layers: list[LayerStatusResponse]
 
 
+class PathUsageResponse(BaseModel):
+    """The usage of one serving path."""
+
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    saved_input_tokens: int = Field(
+        description="cache hits: the input tokens the provider would have billed (0 elsewhere)"
+    )
+    saved_output_tokens: int = Field(
+        description="cache hits: the output tokens the provider would have billed (0 elsewhere)"
+    )
+
+
 class UsageResponse(BaseModel):
     """GET /v1/tenants/{tenant}/usage: ledger totals over [from, to)."""
 
@@ -369,6 +383,11 @@ class UsageResponse(BaseModel):
     requests: int
     input_tokens: int
     output_tokens: int
+    by_serving_path: dict[LedgerServingPath, PathUsageResponse] = Field(
+        description="the same totals by how the requests were served, only paths with rows: "
+        "primary, cache, fallback_model, queued, second_deployment (a row recorded "
+        "without a path, an adjustment or one older than the path, counts as primary)"
+    )
 
 
 class ErrorDetail(BaseModel):

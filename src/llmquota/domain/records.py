@@ -15,7 +15,8 @@ admission). Change one with `_replace`, not dataclasses.replace.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from typing import NamedTuple
@@ -25,13 +26,16 @@ from llmquota.domain.policy import Policy
 from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
+    AdmittedPath,
     FailureMode,
     FinishAction,
     FinishStatus,
+    LedgerServingPath,
     LimitKind,
     Priority,
     RefusalReason,
     Scope,
+    SettledPath,
     UsageSource,
 )
 
@@ -76,6 +80,11 @@ class AdmitRequest(NamedTuple):
     max_tokens_given: bool = True
     # The tenant's API key that asked (its own limits and quotas), None: none.
     key_id: int | None = None
+    # How it came to be decided, journaled with the reservation for its
+    # settlement's ledger row: `queued` when it waited for room first
+    # (admission/waiting.py). None: as asked (lq_admit writes fallback_model
+    # itself when it admits a fallback).
+    serving_path: AdmittedPath | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -167,6 +176,10 @@ class FinishRequest:
     input_tokens: int | None = None
     output_tokens: int | None = None
     outcome: str | None = None
+    # Settle only: how the request was served, when the settler knows better
+    # than the admission did (the proxy's second deployment). None: the
+    # reservation's journaled path, else primary.
+    serving_path: SettledPath | None = None
     # Settle only, for the ledger row: where the figures came from (None:
     # reported), and an upstream's own figures where they differ from them
     # (domain/upstream_usage.py).
@@ -192,6 +205,12 @@ class FinishResult:
     # debited because they stood at minus their burst (lq_shared_forgiven).
     forgiven_global_tokens: int | None = None
     forgiven_ceiling_tokens: int | None = None
+    # The reservation's model (the one admitted) and its tenant's plan, as
+    # the store holds them: the settling worker labels its metrics with
+    # them whichever worker admitted it. None: not known (an answer of the
+    # worker's own, during an outage).
+    model: str | None = None
+    plan: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,9 +315,25 @@ class LayerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PathUsage:
+    """Ledger totals of one serving path: what was charged, and what a cache hit
+    saved (the tokens the provider would have billed; 0 on other paths)."""
+
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    saved_input_tokens: int = 0
+    saved_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class UsageTotals:
     """Ledger totals for a tenant over a period."""
 
     requests: int
     input_tokens: int
     output_tokens: int
+    # The same by how the requests were served, for the paths with rows only
+    # (a row without a path, an adjustment or one older than revision 0026,
+    # counts as primary).
+    by_serving_path: Mapping[LedgerServingPath, PathUsage] = field(default_factory=dict)

@@ -125,3 +125,23 @@ OUTCOMES: tuple[Outcome, ...] = ("ok", "error", "cancelled")
 #             negative): the relayed text counted with tiktoken instead.
 UsageSource = Literal["reported", "counted", "clamped"]
 USAGE_SOURCES: tuple[UsageSource, ...] = ("reported", "counted", "clamped")
+
+# How a request was served (usage_ledger.serving_path, issue 23): as asked
+# (primary), from the response cache (cache), as a fallback model
+# (fallback_model), after waiting for room (queued), or by a model's next
+# deployment after the first answered 429 or 5xx (second_deployment). The
+# cache writes its own rows (sql/cache.sql); lq_finish writes the rest.
+LedgerServingPath = Literal["primary", "cache", "fallback_model", "queued", "second_deployment"]
+LEDGER_SERVING_PATHS: tuple[LedgerServingPath, ...] = (
+    "primary",
+    "cache",
+    "fallback_model",
+    "queued",
+    "second_deployment",
+)
+# The path a settler may name for its ledger row (every one but the cache's),
+# and the path an admission journals (reservations.serving_path; NULL: primary):
+# `queued` when the request waited for room, `fallback_model` written by
+# lq_admit itself when it admitted a fallback.
+SettledPath = Literal["primary", "fallback_model", "queued", "second_deployment"]
+AdmittedPath = Literal["fallback_model", "queued"]

@@ -27,8 +27,9 @@ from llmquota.store.connection import Row
 
 def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int) -> tuple[Any, ...]:
     """The arrays (and the retry hint) of lq_admit for a batch, in order, less its deadline
-    and reservation ids; each request's API key (p_key_ids) and each explicit
-    fallback's output reserve (p_alt_outputs) last."""
+    and reservation ids; then each request's API key (p_key_ids), each explicit
+    fallback's output reserve (p_alt_outputs) and the serving path it journals
+    (p_serving_paths), last."""
     alt_ord: list[int] = []
     alt_models: list[str] = []
     alt_inputs: list[int] = []
@@ -59,6 +60,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         _,  # output_strategy: the reserve says it all
         _,  # max_tokens_given: decided before the store
         key_ids,
+        serving_paths,
     ) = columns
     return (
         tenants,
@@ -82,6 +84,7 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         _or_null(output_reserves),
         _or_null(key_ids),
         _or_null(alt_outputs),
+        _or_null(serving_paths),
     )
 
 
@@ -98,6 +101,7 @@ def finish_arguments(requests: Sequence[FinishRequest]) -> tuple[list[Any], ...]
         # numeric in the database: a provider's figure may exceed any bigint
         [r.reported_input_tokens for r in requests],
         [r.reported_output_tokens for r in requests],
+        [r.serving_path for r in requests],
     )
 
 
@@ -218,6 +222,8 @@ def finish_results(rows: Sequence[Row]) -> list[FinishResult]:
             excess_tokens=row["excess_tokens"],
             forgiven_global_tokens=row["forgiven_global_tokens"],
             forgiven_ceiling_tokens=row["forgiven_ceiling_tokens"],
+            model=row["model"],
+            plan=row["plan"],
         )
         for row in rows
     ]

@@ -32,6 +32,7 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
     LayerStatus,
+    PathUsage,
     PolicySnapshotRows,
     StoredPolicy,
     UsageTotals,
@@ -364,15 +365,25 @@ class Store:
         *,
         deadline_seconds: float | None = None,
     ) -> UsageTotals:
-        """Ledger totals for a tenant over [start, end)."""
+        """Ledger totals for a tenant over [start, end), and the same by serving path."""
         rows = await self._fetch(
             "tenant_usage", tenant, start, end, deadline_seconds=deadline_seconds
         )
-        row = rows[0]
+        total, *paths = rows  # the totals first (serving_path NULL), then each path
         return UsageTotals(
-            requests=int(row["requests"]),
-            input_tokens=int(row["input_tokens"]),
-            output_tokens=int(row["output_tokens"]),
+            requests=int(total["requests"]),
+            input_tokens=int(total["input_tokens"]),
+            output_tokens=int(total["output_tokens"]),
+            by_serving_path={
+                row["serving_path"]: PathUsage(
+                    requests=int(row["requests"]),
+                    input_tokens=int(row["input_tokens"]),
+                    output_tokens=int(row["output_tokens"]),
+                    saved_input_tokens=int(row["saved_input_tokens"]),
+                    saved_output_tokens=int(row["saved_output_tokens"]),
+                )
+                for row in paths
+            },
         )
 
     async def ensure_ledger_partitions(

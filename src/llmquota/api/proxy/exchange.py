@@ -30,7 +30,7 @@ from llmquota.domain.errors import LimiterError, ReservationConflict, StoreUnava
 from llmquota.domain.records import AdmitDecision
 from llmquota.domain.tokens import count_text
 from llmquota.domain.upstream_usage import UpstreamUsage, resolve_usage
-from llmquota.domain.vocabulary import FailureMode, Outcome
+from llmquota.domain.vocabulary import FailureMode, Outcome, SettledPath
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,11 @@ class Exchange:
         self.model = model
         self.estimate_factors = estimate_factors
         self.finished = False
+        # How the request is being served, for its ledger row, when the proxy
+        # knows better than the admission did: routes.py sets
+        # second_deployment when a deployment after the first serves it. None:
+        # as the reservation journaled it (fallback_model, queued), else primary.
+        self.serving_path: SettledPath | None = None
         # A stream's pump owns the reservation from the moment it starts.
         self.handed_over = False
         # Set at the first relayed output: the next heartbeat goes at once and says so.
@@ -224,7 +229,9 @@ class Exchange:
                 usage.source,
             )
         try:
-            settlement = await self.reservation.settle_upstream(usage, outcome)
+            settlement = await self.reservation.settle_upstream(
+                usage, outcome, serving_path=self.serving_path
+            )
         except LimiterError as exc:
             # Journaling failed too (a full journal), or the store refused it:
             # the lease expires with nothing, and the audit flags a relayed one.

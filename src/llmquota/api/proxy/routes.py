@@ -182,6 +182,7 @@ async def _forward(
         path: ServingPath = "second_deployment" if rank else admitted.path
         headers["llmquota-upstream"] = upstream.name
         headers[cache.SERVING_PATH_HEADER] = path
+        exchange.serving_path = "second_deployment" if rank else None  # its ledger row
         call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content, lookup)
         try:
             answer = await (_stream(call, parsed) if parsed.stream else _complete(call))

@@ -22,7 +22,12 @@ from fastapi.responses import JSONResponse
 from llmquota.api.auth import Caller
 from llmquota.api.dependencies import AdminDep, CallerDep, LimiterDep, TenantName
 from llmquota.api.routes.policies import policy_response
-from llmquota.api.schemas import LayerStatusResponse, StatusResponse, UsageResponse
+from llmquota.api.schemas import (
+    LayerStatusResponse,
+    PathUsageResponse,
+    StatusResponse,
+    UsageResponse,
+)
 from llmquota.domain.json_text import DateTime
 from llmquota.domain.records import LayerStatus, StoredPolicy
 from llmquota.domain.refusals import binding_retry_ms, seconds_until_full
@@ -117,6 +122,16 @@ async def tenant_usage(
         requests=totals.requests,
         input_tokens=totals.input_tokens,
         output_tokens=totals.output_tokens,
+        by_serving_path={
+            path: PathUsageResponse(
+                requests=usage.requests,
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                saved_input_tokens=usage.saved_input_tokens,
+                saved_output_tokens=usage.saved_output_tokens,
+            )
+            for path, usage in totals.by_serving_path.items()
+        },
     )
     return JSONResponse(body.model_dump(mode="json", by_alias=True))
 
