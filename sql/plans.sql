@@ -48,6 +48,7 @@ BEGIN
            output_estimate     = e.output_estimate,
            request_cost        = e.request_cost,
            uses_concurrency    = e.uses_concurrency,
+           cache               = e.cache,
            policy_version      = nextval('policy_version_seq'),
            tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                    e.tpm, e.tburst, now_ts),
@@ -79,7 +80,11 @@ BEGIN
                    coalesce(own -> 'output_estimate', p.output_estimate) AS output_estimate,
                    -- what one call counts as (weighted request cost): the tenant's own only
                    (own ->> 'request_cost')::integer AS request_cost,
-                   (own ->> 'uses_concurrency')::boolean AS uses_concurrency
+                   (own ->> 'uses_concurrency')::boolean AS uses_concurrency,
+                   -- the response cache (proxy mode): own else plan's, as output_estimate.
+                   -- A JSON null counts as unset: limit_layers_cache_mode refuses a
+                   -- cache without a mode, and null is no cache at all.
+                   coalesce(nullif(own -> 'cache', 'null'::jsonb), p.cache) AS cache
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan
@@ -128,9 +133,14 @@ $$;
 -- Create or replace a plan and, in the same transaction, recompute every
 -- tenant on it: a plan change reaches all its tenants at once, each with a
 -- new policy_version. Returns how many tenants were changed.
--- p_output_estimate was added (learned output reservations).
+-- p_output_estimate was added (learned output reservations), then p_cache
+-- (migration 0026: the response cache its tenants take where they set none).
+-- The older signatures are dropped: beside the new one, a call with fewer
+-- arguments would be ambiguous.
 DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
                                     integer, text, text[]);
+DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
+                                    integer, text, text[], boolean, jsonb);
 CREATE OR REPLACE FUNCTION lq_put_plan(
     p_plan            text,
     p_priority        smallint,
@@ -143,7 +153,8 @@ CREATE OR REPLACE FUNCTION lq_put_plan(
     p_failure_mode    text,
     p_fallback_models text[],
     p_prepaid         boolean,
-    p_output_estimate jsonb DEFAULT NULL   -- NULL: max_tokens
+    p_output_estimate jsonb DEFAULT NULL,  -- NULL: max_tokens
+    p_cache           jsonb DEFAULT NULL   -- NULL: no response cache
 ) RETURNS integer
 LANGUAGE plpgsql
 AS $$
@@ -152,9 +163,10 @@ DECLARE
 BEGIN
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
-                            fallback_models, prepaid, output_estimate)
+                            fallback_models, prepaid, output_estimate, cache)
     VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
-            p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid, p_output_estimate)
+            p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid, p_output_estimate,
+            p_cache)
     ON CONFLICT (plan) DO UPDATE
        SET priority = excluded.priority,
            tokens_per_minute = excluded.tokens_per_minute,
@@ -167,6 +179,7 @@ BEGIN
            fallback_models = excluded.fallback_models,
            prepaid = excluded.prepaid,
            output_estimate = excluded.output_estimate,
+           cache = excluded.cache,
            updated_at = clock_timestamp();
     -- A new statement: it sees every tenant that joined the plan and committed
     -- while this transaction waited for the plan row.

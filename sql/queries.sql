@@ -80,14 +80,16 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
 -- then is clamped to the new capacity; a limit that did not exist before
 -- starts full. $13 is the If-Match list (NULL: none; see lq_policy_precondition):
 -- no row when it does not match. $14 and $15: what one call counts as
--- (request_cost, uses_concurrency; NULL: the tenant's).
+-- (request_cost, uses_concurrency; NULL: the tenant's). $16: the route's own
+-- response cache (NULL: the tenant's); the proxy reads it from the policy
+-- cache, so it rides the policy_version like every other field.
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
                                lease_seconds, failure_mode, fallback_models, tokens, requests,
-                               output_estimate, request_cost, uses_concurrency)
+                               output_estimate, request_cost, uses_concurrency, cache)
 SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb,
-       $14::integer, $15::boolean
+       $14::integer, $15::boolean, $16::jsonb
  WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
 ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
@@ -101,6 +103,7 @@ ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        output_estimate     = excluded.output_estimate,
        request_cost        = excluded.request_cost,
        uses_concurrency    = excluded.uses_concurrency,
+       cache               = excluded.cache,
        policy_version      = nextval('policy_version_seq'),
        tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                excluded.tokens_per_minute, excluded.token_burst,
@@ -138,11 +141,12 @@ SELECT CASE WHEN g.ok THEN lq_put_tenant_policy($1::text, $2::text, $3::jsonb) E
 -- Create or replace a plan and recompute every tenant on it, in one
 -- transaction; how many tenants changed (see lq_put_plan). $13 is the If-Match
 -- list (NULL: none; see lq_named_precondition): precondition_met false and
--- nothing written when it does not match.
+-- nothing written when it does not match. $14: the plan's response cache
+-- (NULL: none), which its tenants take where they set none.
 SELECT CASE WHEN g.ok THEN
             lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
                         $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
-                        $12::jsonb) END AS tenants,
+                        $12::jsonb, $14::jsonb) END AS tenants,
        g.ok AS precondition_met
   FROM (SELECT lq_named_precondition('plan', $1::text, $13::text[]) AS ok OFFSET 0) AS g
 
@@ -150,7 +154,7 @@ SELECT CASE WHEN g.ok THEN
 -- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
 SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
        p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
-       p.prepaid, p.output_estimate::text AS output_estimate,
+       p.prepaid, p.output_estimate::text AS output_estimate, p.cache::text AS cache,
        lq_plan_version(p.updated_at) AS version,
        (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
   FROM plans AS p
@@ -265,10 +269,12 @@ SELECT layer_id FROM gone
 
 -- get_policy --
 -- One layer's policy, or no row; the global layer's summed over its shards.
+-- A tenant's output_estimate and cache are its effective ones (its own, else
+-- its plan's; own_policy says which it set itself); the global layer has neither.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
        prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate,
-       shards, request_cost, uses_concurrency
+       shards, request_cost, uses_concurrency, cache::text AS cache
   FROM limit_layers
  WHERE scope = $1::text AND scope <> 'global'
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -276,7 +282,7 @@ SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
 UNION ALL
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, NULL, '{}'::text[],
-       false, NULL, NULL, shards, NULL::integer, NULL::boolean
+       false, NULL, NULL, shards, NULL::integer, NULL::boolean, NULL::text
   FROM global_layer
  WHERE $1::text = 'global'
 
@@ -468,11 +474,12 @@ RETURNING tenant, suspended_at
 -- layer_status --
 -- The global layer (summed over its shards) and every layer of one tenant,
 -- refilled to now (read only), with the effective fallback models (the layer's
--- own, else its plan's), as admission uses them.
+-- own, else its plan's), as admission uses them, and the effective response
+-- cache (the console shows which layer serves answers again).
 SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
        tokens, requests, '{}'::text[] AS fallback_models, false AS prepaid, shards,
-       NULL::integer AS request_cost, NULL::boolean AS uses_concurrency
+       NULL::integer AS request_cost, NULL::boolean AS uses_concurrency, NULL::text AS cache
   FROM global_layer
 UNION ALL
 (SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
@@ -480,7 +487,7 @@ UNION ALL
         lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp()),
         lq_refilled(requests, requests_per_minute, request_burst, refilled_at,
                     clock_timestamp()),
-        fallback_models, prepaid, shards, request_cost, uses_concurrency
+        fallback_models, prepaid, shards, request_cost, uses_concurrency, cache::text
    FROM limit_layers
   WHERE scope IN ('tenant', 'route') AND tenant = $1::text
   ORDER BY layer_id)
@@ -530,7 +537,10 @@ SELECT key FROM outage_id_key
 -- snapshot version is (max policy_version, layer count): a policy change takes
 -- the next policy_version and a deleted tenant lowers the count. When it
 -- equals the caller's ($1, $2) only the version row comes back (the columns of
--- the layer are NULL); otherwise up to $3 layers, in layer_id order.
+-- the layer are NULL); otherwise up to $3 layers, in layer_id order. The
+-- response cache policy (`cache`, the tenant layer's effective one) comes
+-- with them: the proxy decides whether to look an answer up from this copy,
+-- without a round trip of its own.
 WITH version AS (
     SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
            count(*) FILTER (WHERE shard = 0)::bigint AS layer_count
@@ -540,14 +550,15 @@ WITH version AS (
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
        l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate, l.request_cost,
-       l.uses_concurrency
+       l.uses_concurrency, l.cache
   FROM version AS v
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others
            SELECT g.layer_id, g.scope, g.tenant, g.route, g.tokens_per_minute, g.token_burst,
                   g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
                   g.failure_mode, g.policy_version, NULL::text AS output_estimate,
-                  NULL::integer AS request_cost, NULL::boolean AS uses_concurrency
+                  NULL::integer AS request_cost, NULL::boolean AS uses_concurrency,
+                  NULL::text AS cache
              FROM global_layer AS g
             WHERE (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
@@ -555,7 +566,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
            (SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.tokens_per_minute,
                    ll.token_burst, ll.requests_per_minute, ll.request_burst, ll.max_in_flight,
                    ll.lease_seconds, ll.failure_mode, ll.policy_version,
-                   ll.output_estimate::text, ll.request_cost, ll.uses_concurrency
+                   ll.output_estimate::text, ll.request_cost, ll.uses_concurrency,
+                   ll.cache::text
               FROM limit_layers AS ll
              WHERE ll.scope IN ('tenant', 'route')
                AND (v.snapshot_version, v.layer_count)

@@ -94,6 +94,16 @@ LIMITS = ["tokens_per_minute", "token_burst", "requests_per_minute", "request_bu
 POLICY = {"tokens_per_minute": 1_000, "requests_per_minute": 100}
 FIXED = {"output_estimate": {"strategy": "fixed", "tokens": 10}}
 LEARNED = {"output_estimate": {"strategy": "learned", "quantile": 0.9, "min_samples": 5}}
+CACHE = {
+    "cache": {
+        "mode": "semantic",
+        "embedding_model": "text-embedding-3-small",
+        "ttl_seconds": 60,
+        "max_entries": 10,
+        "similarity": 0.9,
+        "hit_price_usd": "0.0001",
+    }
+}
 CEILING = {
     "models": ["gpt-4o"],
     "tokens_per_minute": 1_000,
@@ -115,11 +125,16 @@ def _estimate_fields(
     **more: Any,
 ) -> list[tuple[dict[str, Any], tuple[str | int, ...], list[Any]]]:
     """`more`: what else the body needs (a tenant or route policy of no limit says
-    "unlimited": true)."""
+    "unlimited": true). The response cache's numbers too."""
     return [
         ({**FIXED, **more}, ("output_estimate", "tokens"), NOT_INTEGERS),
         ({**LEARNED, **more}, ("output_estimate", "min_samples"), NOT_INTEGERS),
         ({**LEARNED, **more}, ("output_estimate", "quantile"), NOT_FRACTIONS),
+        ({**CACHE, **more}, ("cache", "ttl_seconds"), NOT_INTEGERS),
+        ({**CACHE, **more}, ("cache", "max_entries"), NOT_INTEGERS),
+        ({**CACHE, **more}, ("cache", "similarity"), NOT_FRACTIONS),
+        # Money is a decimal string: a JSON number (or a boolean) is refused.
+        ({**CACHE, **more}, ("cache", "hit_price_usd"), [True, 1, 0.5]),
     ]
 
 
@@ -371,6 +386,11 @@ BAD_MODELS = {
 }
 
 
+def _embedding(model: str, **more: Any) -> dict[str, Any]:
+    """A policy whose semantic response cache embeds with `model`, and `more`."""
+    return {**more, "cache": {"mode": "semantic", "embedding_model": model}}
+
+
 async def test_models_outside_the_pattern_are_422_and_change_nothing(
     client: httpx.AsyncClient, db: asyncpg.Connection
 ) -> None:
@@ -382,6 +402,13 @@ async def test_models_outside_the_pattern_are_422_and_change_nothing(
             ("POST", "/v1/admit", {**ADMIT, "fallback_models": [model]}, "fallback_models"),
             ("PUT", "/v1/tenants/acme/policy", {"fallback_models": [model]}, "fallback_models"),
             ("PUT", "/v1/plans/gold", {"fallback_models": [model]}, "fallback_models"),
+            ("PUT", "/v1/plans/gold", _embedding(model), "embedding_model"),
+            (
+                "PUT",
+                "/v1/tenants/acme/policy",
+                _embedding(model, unlimited=True),
+                "embedding_model",
+            ),
         ]
         if model != "gpt-4o*":
             attempts += [

@@ -16,6 +16,7 @@ from decimal import Decimal
 from typing import Any
 
 import asyncpg
+import openai
 import pytest
 
 from llmquota.admission.limiter import Limiter
@@ -313,3 +314,21 @@ async def test_the_sweeper_deletes_expired_entries(
         await limiter.close()
     assert report.cache_entries_expired == 1
     assert await db.fetchval("SELECT count(*) FROM response_cache") == 0
+
+
+async def test_a_key_never_gets_a_cached_answer_of_a_model_it_may_not_use(
+    cached: Stack, db: asyncpg.Connection
+) -> None:
+    await cached.openai().chat.completions.create(
+        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
+    )
+    await entries(db, 1)
+    created = await cached.admin.post("/v1/tenants/acme/keys", json={"models": ["gpt-4o-mini"]})
+    assert created.status_code == 201, created.text
+    limited = cached.openai(api_key=created.json()["key"])
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        await limited.chat.completions.create(
+            model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
+        )
+    assert denied.value.status_code == 403
+    assert await cache_rows(db) == []

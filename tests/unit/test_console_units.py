@@ -6,8 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 from llmquota.api.console.chart import decisions_chart, minute_totals
 from llmquota.api.console.html import Markup, esc, table
-from llmquota.api.console.views import sign_in_body
+from llmquota.api.console.views import cache_summary, sign_in_body
 from llmquota.domain.decision_counts import OTHER_TENANTS, DecisionTally, MinuteCount, minute_of
+from llmquota.domain.response_cache import CachePolicy
 
 NOON = datetime(2026, 12, 2, 12, 0, tzinfo=UTC).timestamp()
 
@@ -85,3 +86,24 @@ def test_the_sign_in_form_is_html_after_a_refusal_and_the_refusal_is_text() -> N
         assert 'value="tok&amp;en"' in body
     assert "not an admin key &lt;b&gt;</p>" in sign_in_body("t", "that key is not an admin key <b>")
     assert "sign-in-error" not in sign_in_body("t", None)
+
+
+def test_a_layers_response_cache_is_summed_up_in_one_cell() -> None:
+    assert cache_summary(None) is None
+    assert cache_summary(CachePolicy(mode="exact")) == "exact, 3600 s, 1000 entries"
+    semantic = CachePolicy.model_validate(
+        {
+            "mode": "semantic",
+            "embedding_model": "text-embedding-3-small",
+            "similarity": 0.9,
+            "ttl_seconds": 60,
+            "max_entries": 5,
+            "sampled": True,
+            "serve_when_exhausted": False,
+            "hit_price_usd": "0.00050",
+        }
+    )
+    assert cache_summary(semantic) == (
+        "semantic >= 0.9 (text-embedding-3-small), 60 s, 5 entries, sampled too, "
+        "not when exhausted, 0.0005 USD a hit"
+    )

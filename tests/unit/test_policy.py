@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
+from decimal import Decimal
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from llmquota.admission.policy_cache import PolicyCache
 from llmquota.domain.policy import (
     DEFAULT_LEASE_SECONDS,
     MAX_IN_FLIGHT,
@@ -17,6 +21,17 @@ from llmquota.domain.policy import (
     CallWeight,
     Policy,
     call_weight,
+)
+from llmquota.domain.records import CachedLayer
+from llmquota.domain.response_cache import (
+    DEFAULT_MAX_ENTRIES,
+    DEFAULT_TTL_SECONDS,
+    HIT_PRICE_PATTERN,
+    MAX_ENTRIES,
+    MAX_HIT_PRICE_USD,
+    MAX_TTL_SECONDS,
+    CachePolicy,
+    parse_cache_policy,
 )
 
 FIELDS = [
@@ -129,6 +144,7 @@ def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
         "output_estimate": None,
         "request_cost": None,
         "uses_concurrency": None,
+        "cache": None,
     }
     assert DEFAULT_LEASE_SECONDS == 120
     assert policy.resolved() == policy
@@ -190,3 +206,79 @@ def test_a_calls_weight_is_its_routes_else_its_tenants_else_one_request_and_a_pe
     for bad in ({"request_cost": -1}, {"request_cost": 10_001}, {"uses_concurrency": 1}):
         with pytest.raises(ValueError, match=r"request_cost|uses_concurrency"):
             Policy(**bad)  # type: ignore[arg-type]
+
+
+SEMANTIC = {"mode": "semantic", "embedding_model": "text-embedding-3-small"}
+
+
+def test_a_policys_cache_is_checked_and_stored_as_it_is_answered() -> None:
+    assert Policy().cache is None
+    policy = Policy.model_validate({"cache": {**SEMANTIC, "hit_price_usd": "0.50"}})
+    assert policy.cache is not None and policy.cache.hit_price_usd == Decimal("0.5")
+    # The stored form (jsonb) and the answer: the price a decimal string without
+    # trailing zeros, every default written out; read back, the same policy.
+    dumped = policy.model_dump(mode="json")["cache"]
+    assert dumped == {
+        **SEMANTIC,
+        "ttl_seconds": DEFAULT_TTL_SECONDS,
+        "max_entries": DEFAULT_MAX_ENTRIES,
+        "similarity": 0.92,
+        "sampled": False,
+        "serve_when_exhausted": True,
+        "hit_price_usd": "0.5",
+    }
+    assert parse_cache_policy(json.dumps(dumped)) == policy.cache
+    assert Policy.model_validate({"cache": dumped}) == policy
+    # A Decimal given in Python is taken as it is.
+    assert CachePolicy(mode="exact", hit_price_usd=Decimal("2")).hit_price_usd == 2
+    for bad in (
+        {"mode": "semantic"},
+        {"mode": "exact", "embedding_model": "m"},
+        {**SEMANTIC, "similarity": 0.0},
+        {**SEMANTIC, "similarity": 1.5},
+        {"mode": "exact", "ttl_seconds": 0},
+        {"mode": "exact", "ttl_seconds": MAX_TTL_SECONDS + 1},
+        {"mode": "exact", "max_entries": MAX_ENTRIES + 1},
+        {"mode": "exact", "hit_price_usd": 0.5},  # money is a string
+        {"mode": "exact", "hit_price_usd": "1e-4"},
+        {"mode": "exact", "hit_price_usd": "-1"},
+        {"mode": "exact", "hit_price_usd": f"{MAX_HIT_PRICE_USD}.000001"},
+        {"mode": "exact", "hit_price_usd": "0.0000001"},
+        {"mode": "exact", "max_tokens": 5},
+    ):
+        with pytest.raises(ValidationError):
+            Policy.model_validate({"cache": bad})
+    assert Policy.model_validate({"cache": {"mode": "exact", "hit_price_usd": "1000.0"}})
+
+
+def test_the_hit_price_pattern_is_the_validators_bound() -> None:
+    """The schema's pattern states the bounds: what it allows is what the model takes."""
+    for text in ("0", "0.000001", "12.5", "999.999999", "1000", "1000.000000"):
+        assert re.fullmatch(HIT_PRICE_PATTERN, text), text
+        taken = CachePolicy.model_validate({"mode": "exact", "hit_price_usd": text})
+        assert taken.hit_price_usd == Decimal(text)
+    for text in ("00", "01", "1000.000001", "1001", ".5", "5.", "1e3", " 1", "0.0000001"):
+        assert not re.fullmatch(HIT_PRICE_PATTERN, text), text
+
+
+def test_the_policy_cache_answers_the_routes_cache_over_the_tenants() -> None:
+    cache = PolicyCache(refresh_seconds=10, max_stale_seconds=60)
+    tenant = CachePolicy(mode="exact", ttl_seconds=8)
+    route = CachePolicy.model_validate(SEMANTIC)
+    cache.replace(
+        (4, 4),
+        [
+            CachedLayer("global", None, None, Policy(tokens_per_minute=10), 1),
+            CachedLayer("tenant", "acme", None, Policy(cache=tenant), 2),
+            CachedLayer("route", "acme", "chat", Policy(cache=route), 3),
+            CachedLayer("route", "acme", "plain", Policy(max_in_flight=2), 4),
+            CachedLayer("tenant", "beta", None, Policy(), 5),
+        ],
+        now=0.0,
+    )
+    assert cache.cache_policy("acme", "chat") == route
+    assert cache.cache_policy("acme", "plain") == tenant  # a route layer without one
+    assert cache.cache_policy("acme", "other") == tenant  # no such route layer
+    assert cache.cache_policy("acme", None) == tenant
+    assert cache.cache_policy("beta", None) is None
+    assert cache.cache_policy("nobody", "chat") is None  # not cached: cache nothing

@@ -30,7 +30,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import NoReturn, Unpack
+from typing import Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.accounting import TokenAccounting
@@ -62,6 +62,7 @@ from llmquota.domain.records import (
     FinishResult,
     HeartbeatResult,
 )
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.domain.validation import (
     check_lease_generation,
@@ -260,6 +261,14 @@ class Limiter:
         """Load every layer's policy into this worker's cache (one row if unchanged)."""
         await self.outage.refresh_policies()
 
+    async def cache_policy(self, tenant: str, route: str | None) -> CachePolicy | None:
+        """The response cache policy of a request (the route's, else the tenant's, else
+        its plan's; None: cache nothing), from this worker's policy cache, without a
+        round trip: a change reaches it when announced, else within
+        POLICY_CACHE_REFRESH_SECONDS, as an older copy is refreshed first (recovery.py)."""
+        await self.outage.refresh_when_due(self.deadline_seconds)
+        return self.policies.cache_policy(tenant, route)
+
     async def flush_outage_journal(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
         return await self.outage.flush()
@@ -337,18 +346,8 @@ class Limiter:
             return self.outage.journal_settlement(request, exc)
         self.outage.store_answered()
         if result.status == "not_found":
-            self._raise_not_found(request.reservation_id)
+            self.outage.raise_not_found(request.reservation_id)
         return result
-
-    def _raise_not_found(self, reservation_id: uuid.UUID) -> NoReturn:
-        """The store has no such reservation: 404, unless a worker made it during
-        an outage and has not recorded it yet (503, retry)."""
-        if is_outage_id(reservation_id) and self.fallback.made_by_a_worker(reservation_id):
-            raise StoreUnavailable(
-                f"reservation {reservation_id} was admitted during an outage and "
-                "is not recorded yet; retry"
-            )
-        raise ReservationNotFound(f"no reservation {reservation_id}")
 
     async def settle(
         self,

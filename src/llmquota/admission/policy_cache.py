@@ -10,6 +10,11 @@ With it, every refresh also takes the budgets as they are then (provider
 ceilings, blocking quotas' remaining, prepaid balances, prices: see
 domain/local_budget.py), which move with every admission and so have no
 version: `local` decisions use a fraction of what they had left.
+
+While the store answers, the copy is also what a request's policy fields
+that are not decided in SQL are read from, so that reading them costs no
+round trip: the output estimate's strategy (estimates.py) and the response
+cache policy the proxy looks answers up by (`cache_policy`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 from llmquota.domain.ladder import LadderStep
 from llmquota.domain.local_budget import OutageBudgets
 from llmquota.domain.records import CachedLayer
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import Scope
 
 LayerKey = tuple[Scope, str | None, str | None]
@@ -89,6 +95,16 @@ class PolicyCache:
         if route is None:
             return (tenant_layer,)
         return (self._layers.get(("route", tenant, route)), tenant_layer)
+
+    def cache_policy(self, tenant: str, route: str | None) -> CachePolicy | None:
+        """The response cache policy of a request: the route layer's own if it has
+        one, else the tenant layer's (its own, else its plan's); None when neither
+        sets one or the tenant is not cached (caching nothing is always safe).
+        Read from this copy, so the proxy asks no question of the store for it."""
+        for layer in self.own_layers(tenant, route):
+            if layer is not None and layer.cache is not None:
+                return layer.cache
+        return None
 
     def __len__(self) -> int:
         return len(self._layers)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from llmquota.admission.abandoned import RETRY_MISSING_SECONDS, AbandonedAdmissions
 from llmquota.admission.changes import ChangeFeed
@@ -25,7 +26,8 @@ from llmquota.admission.outage import FlushReport, JournalFull, OutageJournal
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.admission.reservation import Admission
 from llmquota.config import Settings
-from llmquota.domain.errors import StoreTimeout, StoreUnavailable
+from llmquota.domain.errors import ReservationNotFound, StoreTimeout, StoreUnavailable
+from llmquota.domain.outage_ids import is_outage_id
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
 from llmquota.metrics import Metrics
 from llmquota.store.store import Store
@@ -65,6 +67,10 @@ class OutageRecovery:
             settings.outage_journal_max_entries, settings.statement_timeout_ms / 1000.0
         )
         self._refreshing: asyncio.Task[None] | None = None
+        # When the running refresh started and a refresh last failed
+        # (monotonic): see refresh_when_due.
+        self._refresh_started_at = 0.0
+        self._refresh_failed_at: float | None = None
         self._recovering: asyncio.Task[None] | None = None
         # One refresh at a time, so that a slow one cannot put an older
         # snapshot over a newer one; and one announced by NOTIFY waits for it.
@@ -84,19 +90,52 @@ class OutageRecovery:
         """The store answered: record the outage journal and refresh policies if due."""
         if len(self.journal) or len(self.abandoned):
             self.ensure_recovery()
-        if self.policies.due(time.monotonic()) and (
-            self._refreshing is None or self._refreshing.done()
-        ):
+        if self.policies.due(time.monotonic()):
+            self._start_refresh()
+
+    def _start_refresh(self) -> asyncio.Task[None]:
+        """The background refresh: the one running, else a new one."""
+        if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.ensure_future(self._refresh_quietly())
+            self._refresh_started_at = time.monotonic()
+        return self._refreshing
 
     async def _refresh_quietly(self) -> None:
         """A background refresh: whatever goes wrong, decisions carry on."""
         try:
             await self.refresh_policies()
         except StoreUnavailable as exc:
+            self._refresh_failed_at = time.monotonic()
             self.store_failed("policy_snapshot", exc)
         except Exception:
+            self._refresh_failed_at = time.monotonic()
             log.warning("refreshing the policy cache failed", exc_info=True)
+
+    async def refresh_when_due(self, wait_seconds: float) -> None:
+        """Refresh the cache first when its refresh interval has passed; a reader
+        that must see a change within that interval (the proxy's response cache
+        policy) calls this before reading the copy.
+
+        Callers share one refresh (store_answered's too), so a burst of them
+        costs the store one snapshot, and they wait for it at most
+        `wait_seconds` from its start, all together: past that the refresh
+        carries on in the background and the last copy serves. Once a refresh
+        has failed, none is started or waited for here until an interval has
+        passed (recovery refreshes when the store is back): an outage must not
+        add a wait to every request.
+        """
+        now = time.monotonic()
+        if not self.policies.due(now):
+            return
+        failed_at = self._refresh_failed_at
+        if failed_at is not None and now - failed_at < self.policies.refresh_seconds:
+            return
+        refreshing = self._start_refresh()
+        left = self._refresh_started_at + wait_seconds - now
+        if left > 0:
+            with contextlib.suppress(TimeoutError):
+                # Shielded: a caller that stops waiting leaves the refresh running.
+                await asyncio.wait_for(asyncio.shield(refreshing), left)
 
     async def admit(
         self, requests: list[AdmitRequest], deadline_seconds: float
@@ -133,6 +172,16 @@ class OutageRecovery:
         whatever it made as soon as the store answers (abandoned.py)."""
         self.abandoned.abandon(reservation_ids)
         self.ensure_recovery()
+
+    def raise_not_found(self, reservation_id: uuid.UUID) -> NoReturn:
+        """The store has no such reservation: 404, unless a worker made it during
+        an outage and has not recorded it yet (503, retry)."""
+        if is_outage_id(reservation_id) and self.fallback.made_by_a_worker(reservation_id):
+            raise StoreUnavailable(
+                f"reservation {reservation_id} was admitted during an outage and "
+                "is not recorded yet; retry"
+            )
+        raise ReservationNotFound(f"no reservation {reservation_id}")
 
     def policies_changed(self) -> None:
         """A change was announced (NOTIFY): refresh the cache now, and once more

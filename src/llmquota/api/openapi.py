@@ -44,6 +44,7 @@ _POLICY_SCOPES: dict[str, tuple[str, tuple[str, ...]]] = {
             "prepaid",
             "fallback_models",
             "output_estimate",
+            "cache",
             "unlimited",
             "request_cost",
             "uses_concurrency",
@@ -145,7 +146,7 @@ def _patches_are_merge_patches(document: JsonObject) -> None:
 def _patch_value(schema: JsonObject, schemas: JsonObject) -> JsonObject:
     """A field of a merge patch: its own schema or null (null removes it, RFC 7396).
 
-    An object-valued field (output_estimate) is merged into the stored one
+    An object-valued field (output_estimate, cache) is merged into the stored one
     member by member, so only the merged object has to be valid: the patch
     says "an object" whose members are ones the field's models have (the
     server refuses any other, even as null), and the server judges the result.

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.plans import ShedStep
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import FailureMode, OversubscriptionVerdict, Priority
 
 
@@ -31,6 +32,9 @@ class PlanResponse(BaseModel):
     fallback_models: list[str]
     prepaid: bool = Field(description="its tenants pay from a prepaid credit balance")
     output_estimate: OutputEstimate | None = None
+    cache: CachePolicy | None = Field(
+        default=None, description="the response cache its tenants take where they set none"
+    )
     tenants: int = Field(description="tenants on this plan")
 
 

@@ -34,6 +34,12 @@ from llmquota.domain.policy import (
     RequestRate,
     TokenRate,
 )
+from llmquota.domain.response_cache import (
+    MAX_ENTRIES,
+    MAX_HIT_PRICE_USD,
+    MAX_TTL_SECONDS,
+    CachePolicy,
+)
 from llmquota.domain.validation import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_TOKEN_COUNT,
@@ -273,6 +279,16 @@ class PolicyBody(BaseModel):
         description="tenant and route policies: whether a call takes an in-flight permit "
         "(max_in_flight) on its layers (default: the tenant's for a route, else true)",
     )
+    cache: CachePolicy | None = Field(
+        default=None,
+        description="tenant and route policies: proxy answers served again from the "
+        'response cache: {"mode": "exact"} (the same request) or {"mode": "semantic", '
+        '"embedding_model": M} (a close enough last user turn, `similarity` in (0, 1], '
+        f"default 0.92); ttl_seconds 1 to {MAX_TTL_SECONDS} (3600), max_entries 1 to "
+        f"{MAX_ENTRIES} (1000), sampled (false), serve_when_exhausted (true), "
+        f"hit_price_usd (a decimal string, 0 to {MAX_HIT_PRICE_USD}; default: free). A "
+        "route's wins over its tenant's, a tenant's over its plan's; null: none",
+    )
     unlimited: StrictBool | None = Field(
         default=None,
         description="tenant and route policies: true to store a policy with no limit and "
@@ -304,6 +320,7 @@ class PolicyResponse(BaseModel):
     shards: int = 1
     request_cost: int | None = None
     uses_concurrency: bool | None = None
+    cache: CachePolicy | None = None
 
 
 class LayerStatusResponse(BaseModel):

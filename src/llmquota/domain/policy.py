@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_schemas import BURSTS_NEED_RATES
 from llmquota.domain.output_estimates import OutputEstimate
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import DEFAULT_FAILURE_MODE, FailureMode
 
 # Ceilings on every configurable number, so a typo cannot store a value the
@@ -52,6 +53,12 @@ class Policy(BaseModel):
     # else 1 and true.
     request_cost: Annotated[int, WholeNumber(ge=0, le=MAX_REQUEST_COST)] | None = None
     uses_concurrency: StrictBool | None = None
+    # Whether proxy mode answers a request again from the response cache
+    # (tenant, route and plan policies; domain/response_cache.py says how):
+    # a route's own wins over its tenant's, a tenant's own over its plan's.
+    # None: nothing is cached. Nothing in admission reads it: the proxy asks
+    # the policy cache for it (PolicyCache.cache_policy) before admitting.
+    cache: CachePolicy | None = None
 
     @property
     def has_limits(self) -> bool:

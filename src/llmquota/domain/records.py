@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from llmquota.domain.output_estimates import OutputStrategy
 from llmquota.domain.policy import Policy
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
     FailureMode,
@@ -188,6 +189,13 @@ class CachedLayer:
     route: str | None
     policy: Policy
     policy_version: int
+
+    @property
+    def cache(self) -> CachePolicy | None:
+        """The layer's response cache policy: a route's own, a tenant's effective one
+        (its own, else its plan's), None for the global layer or none set. Part of
+        the policy, so it is loaded, versioned and replaced with it."""
+        return self.policy.cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,13 +40,28 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    StrictFloat,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic.config import JsonDict
 
 from llmquota.domain.json_numbers import WholeNumber
+from llmquota.domain.json_schemas import present
+from llmquota.domain.money import money_text
+from llmquota.domain.names import ModelName
 
 CacheMode = Literal["exact", "semantic"]
 MAX_TTL_SECONDS = 30 * 86_400
@@ -56,6 +71,17 @@ DEFAULT_MAX_ENTRIES = 1_000
 DEFAULT_SIMILARITY = 0.92
 # The most a hit may be priced at, in USD (a typo guard, like policy.py's).
 MAX_HIT_PRICE_USD = Decimal("1000")
+HIT_PRICE_PLACES = 6
+# A hit's price as the API takes it: a decimal string, as every amount of
+# money (a JSON number would have lost digits before anyone read it), from 0
+# to MAX_HIT_PRICE_USD with at most HIT_PRICE_PLACES places. The schema
+# shows this pattern, so it states the bounds a string must keep.
+HIT_PRICE_PATTERN = r"^((0|[1-9][0-9]{0,2})(\.[0-9]{1,6})?|1000(\.0{1,6})?)$"
+_HIT_PRICE = re.compile(HIT_PRICE_PATTERN)
+HIT_PRICE_RULE = (
+    f'a decimal string such as "0.0001", from 0 to {MAX_HIT_PRICE_USD} with at most '
+    f"{HIT_PRICE_PLACES} decimal places"
+)
 # A stored answer larger than this is not cached (the row stays small).
 MAX_CACHED_BODY_BYTES = 1_048_576
 # The most dimensions an embedding may have (the largest models: 3,072).
@@ -72,10 +98,49 @@ SIGNATURE_MAX_DISTANCE = 20
 _SIGNATURE_SEED = 0x6C6D7175  # "lmqu": the hyperplanes are the same in every worker
 
 
+def _hit_price(value: object) -> object:
+    """A price string as its Decimal, without trailing zeros (a Decimal given in
+    Python as it is); anything else, a JSON number among them, refused with the rule."""
+    if isinstance(value, Decimal):
+        return value
+    if isinstance(value, str) and _HIT_PRICE.fullmatch(value):
+        return Decimal(money_text(Decimal(value)))  # exact: the pattern allows 6 places
+    raise ValueError(f"must be {HIT_PRICE_RULE}")
+
+
+# Shown as money_text writes every amount ("0.0001", "2"): however it was
+# spelt in the PUT ("0.00010", "2.0"), a GET answers one form, and a PUT of
+# that answer stores the same.
+HitPriceUsd = Annotated[
+    Decimal,
+    Field(ge=0, le=MAX_HIT_PRICE_USD, decimal_places=HIT_PRICE_PLACES),
+    BeforeValidator(_hit_price),
+    PlainSerializer(money_text, return_type=str, when_used="json"),
+    WithJsonSchema({"type": "string", "pattern": HIT_PRICE_PATTERN, "description": HIT_PRICE_RULE}),
+]
+
+# The rule between mode and embedding_model, as JSON Schema (the validator
+# below says it to pydantic): semantic needs a model, exact takes none.
+_SEMANTIC_NEEDS_A_MODEL: JsonDict = {
+    "allOf": [
+        {
+            "if": {"required": ["mode"], "properties": {"mode": {"const": "semantic"}}},
+            "then": present("embedding_model", "string"),
+        },
+        {
+            "if": {"required": ["mode"], "properties": {"mode": {"const": "exact"}}},
+            "then": {"properties": {"embedding_model": {"type": "null"}}},
+        },
+    ]
+}
+
+
 class CachePolicy(BaseModel):
     """A policy's `cache` member: whether and how proxy answers are reused."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, json_schema_extra=_SEMANTIC_NEEDS_A_MODEL
+    )
 
     mode: CacheMode
     ttl_seconds: Annotated[int, WholeNumber(ge=1, le=MAX_TTL_SECONDS)] = DEFAULT_TTL_SECONDS
@@ -83,15 +148,14 @@ class CachePolicy(BaseModel):
     # semantic only: the least cosine similarity served, and the model whose
     # embeddings compare the last user turns
     similarity: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = DEFAULT_SIMILARITY
-    embedding_model: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    # (a model name as a request names one: it goes upstream as such)
+    embedding_model: ModelName | None = None
     # cache requests sampled at a temperature above 0 (or none given)
     sampled: StrictBool = False
     # serve a hit while the tenant's budget is spent (the point of the tier)
     serve_when_exhausted: StrictBool = True
     # what a hit costs the tenant, written to its ledger row (USD)
-    hit_price_usd: (
-        Annotated[Decimal, Field(ge=0, le=MAX_HIT_PRICE_USD, decimal_places=6)] | None
-    ) = None
+    hit_price_usd: HitPriceUsd | None = None
 
     @model_validator(mode="after")
     def _semantic_needs_a_model(self) -> CachePolicy:

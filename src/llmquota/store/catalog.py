@@ -23,6 +23,7 @@ from llmquota.domain.oversubscription import (
 )
 from llmquota.domain.plans import Ceiling, Plan, ShedStep, StoredCeiling, StoredPlan
 from llmquota.domain.policy import Policy
+from llmquota.domain.response_cache import parse_cache_policy
 from llmquota.domain.vocabulary import PRIORITIES, priority_of, priority_rank
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
@@ -123,6 +124,7 @@ class Catalog:
             plan.prepaid,
             None if plan.output_estimate is None else plan.output_estimate.model_dump_json(),
             _etags(if_match),
+            None if plan.cache is None else plan.cache.model_dump_json(),
             deadline_seconds=deadline_seconds,
         )
         if not rows[0]["precondition_met"]:
@@ -149,6 +151,7 @@ class Catalog:
                     fallback_models=list(row["fallback_models"]),
                     prepaid=row["prepaid"],
                     output_estimate=parse_output_estimate(row["output_estimate"]),
+                    cache=parse_cache_policy(row["cache"]),
                 ),
                 tenants=int(row["tenants"]),
                 version=int(row["version"]),

@@ -36,6 +36,7 @@ from llmquota.domain.records import (
     StoredPolicy,
     UsageTotals,
 )
+from llmquota.domain.response_cache import parse_cache_policy
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.admit_statement import AdmitStatement
 from llmquota.store.catalog import Catalog
@@ -262,7 +263,7 @@ class Store:
         `if_match` (ETags or "*"): PreconditionFailed unless the layer's is one of them.
         """
         if scope == "tenant" and tenant is not None:
-            own = policy.model_dump(include=policy.model_fields_set, exclude_none=True)
+            own = policy.model_dump(mode="json", include=policy.model_fields_set, exclude_none=True)
             if fallback_models:
                 own["fallback_models"] = list(fallback_models)
             version = await self.catalog.put_tenant_policy(
@@ -292,6 +293,7 @@ class Store:
             None if if_match is None else list(if_match),
             p.request_cost,
             p.uses_concurrency,
+            _cache_json(p),
             deadline_seconds=deadline_seconds,
         )
         if not rows:
@@ -404,6 +406,7 @@ def _policy_from_row(row: asyncpg.Record) -> Policy:
         output_estimate=parse_output_estimate(row.get("output_estimate")),
         request_cost=row.get("request_cost"),
         uses_concurrency=row.get("uses_concurrency"),
+        cache=parse_cache_policy(row.get("cache")),
     )
 
 
@@ -411,3 +414,8 @@ def _estimate_json(policy: Policy) -> str | None:
     """A policy's output_estimate as the jsonb the layer stores (None: unset)."""
     estimate = policy.output_estimate
     return None if estimate is None else estimate.model_dump_json()
+
+
+def _cache_json(policy: Policy) -> str | None:
+    """A policy's cache as the jsonb the layer stores (None: unset)."""
+    return None if policy.cache is None else policy.cache.model_dump_json()

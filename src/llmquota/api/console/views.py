@@ -26,9 +26,11 @@ from llmquota.api.console.html import (
 from llmquota.domain.alerts import AlertEvent, Webhook
 from llmquota.domain.decision_counts import MinuteCount, TenantDay
 from llmquota.domain.keys import KeyRecord
+from llmquota.domain.money import money_text
 from llmquota.domain.plans import StoredCeiling
 from llmquota.domain.quotas import CreditAccount, Quota
 from llmquota.domain.records import LayerStatus
+from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.url_masking import mask_url
 
 
@@ -105,6 +107,25 @@ def ceilings_table(ceilings: Sequence[StoredCeiling]) -> Markup:
     return table(headers, rows, test_id="ceilings", empty="no provider ceilings")
 
 
+def cache_summary(cache: CachePolicy | None) -> str | None:
+    """A layer's response cache as a person reads it: mode, lifetime, size, price."""
+    if cache is None:
+        return None
+    how = (
+        f"semantic >= {cache.similarity:g} ({cache.embedding_model})"
+        if cache.mode == "semantic"
+        else "exact"
+    )
+    parts = [how, f"{cache.ttl_seconds} s", f"{cache.max_entries} entries"]
+    if cache.sampled:
+        parts.append("sampled too")
+    if not cache.serve_when_exhausted:
+        parts.append("not when exhausted")
+    if cache.hit_price_usd is not None:
+        parts.append(f"{money_text(cache.hit_price_usd)} USD a hit")
+    return ", ".join(parts)
+
+
 def layers_table(layers: Sequence[LayerStatus], *, test_id: str) -> Markup:
     rows = [
         (
@@ -117,6 +138,7 @@ def layers_table(layers: Sequence[LayerStatus], *, test_id: str) -> Markup:
             layer.policy.request_burst,
             layer.in_flight,
             layer.policy.max_in_flight,
+            cache_summary(layer.policy.cache),
         )
         for layer in layers
     ]
@@ -130,6 +152,7 @@ def layers_table(layers: Sequence[LayerStatus], *, test_id: str) -> Markup:
         "request capacity",
         "in flight",
         "max in flight",
+        "response cache",
     )
     return table(headers, rows, test_id=test_id, empty="no limits")
 

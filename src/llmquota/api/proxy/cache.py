@@ -86,7 +86,14 @@ async def lookup_for(
     an endpoint not cached, a sampled request the policy does not cache)."""
     if endpoint not in CACHED_ENDPOINTS or caller.tenant is None:
         return None
+    if caller.models is not None and caller.models.first_refused([parsed.model]) is not None:
+        return None  # admission answers the key's 403, as without a cache
     limiter: Limiter = request.app.state.limiter
+    if len(limiter.journal):
+        # An outage is being recorded: the store did not answer lately, and a
+        # lookup would spend the decision deadline before admission's own
+        # failure mode answers. The cache waits for the store to be back.
+        return None
     route = request.headers.get("llmquota-route")
     policy = await limiter.cache_policy(str(caller.tenant), route)
     if policy is None or (is_sampled(parsed.body) and not policy.sampled):

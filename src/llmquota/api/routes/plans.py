@@ -56,6 +56,7 @@ def _plan_response(stored: StoredPlan) -> PlanResponse:
         fallback_models=list(plan.fallback_models),
         prepaid=plan.prepaid,
         output_estimate=plan.output_estimate,
+        cache=plan.cache,
         tenants=stored.tenants,
     )
 

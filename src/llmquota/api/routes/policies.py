@@ -99,6 +99,8 @@ async def put_policy(
         raise InvalidRequest("fallback_models: set them on a plan, a tenant or a route")
     if body.output_estimate is not None and scope == "global":
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
+    if body.cache is not None and scope == "global":
+        raise InvalidRequest("cache: set it on a plan, a tenant or a route")
     if scope == "global" and (body.request_cost is not None or body.uses_concurrency is not None):
         raise InvalidRequest(
             "request_cost, uses_concurrency: set them on a tenant or a route (what its calls "
@@ -111,7 +113,8 @@ async def put_policy(
         await _check_shards(admin, body)
     policy = _policy(body)  # checks the limits whatever the plan adds
     if scope == "tenant" and tenant is not None:
-        own = body.model_dump(exclude_none=True, exclude={"plan", "unlimited"})
+        # JSON values: the own policy is stored as jsonb (a cache's hit price as its string).
+        own = body.model_dump(mode="json", exclude_none=True, exclude={"plan", "unlimited"})
         await admin.put_tenant_policy(tenant, body.plan, own, if_match=if_match)
     else:
         await admin.put_policy(

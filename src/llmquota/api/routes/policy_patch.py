@@ -121,8 +121,8 @@ def refuse_unknown_members(model: type[BaseModel], patch: dict[str, Any]) -> Non
     never there), so `{"tokens_per_mintue": null}` would answer 200 and change
     nothing; a PUT body with that member is refused, and so is the patch. An
     object member of a field that holds models (`output_estimate`: one of
-    three strategies) is merged member by member, so it is checked against
-    the fields those models have.
+    three strategies; `cache`) is merged member by member, so it is checked
+    against the fields those models have.
     """
     _refuse_unknown((model,), patch, "")
 
