@@ -446,6 +446,9 @@ async def measure(
 
 
 def run(server_dsn: str, sizes: Sizes) -> Outcome:
+    """The whole comparison on a fresh database of `server_dsn`. The trace is
+    checked before anything starts, so a trace where a semantic hit could be
+    another question's answer fails in a second, not after the replay."""
     asks = trace(sizes)
     checked = check(asks)
     dsn = asyncio.run(fresh_database(server_dsn, "bench_response_cache"))
