@@ -8,6 +8,8 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -21,6 +23,16 @@ UNLIMITED_TOKENS_PER_MINUTE = 10_000_000_000
 # queues for longer than the product's 250 ms default must still be counted,
 # not turned into a failure-mode 503 (one statement per request queues ~1 s).
 BENCH_DECISION_DEADLINE_MS = 60_000
+
+
+class Report(Protocol):
+    """What bench/run.py's Report offers a section kept in a module of its own."""
+
+    sections: list[str]
+
+    def line(self, text: str, *, summary: bool = False) -> None: ...
+
+    def chart(self, name: str) -> tuple[Path, str]: ...
 
 
 def with_database(dsn: str, database: str) -> str:

@@ -33,11 +33,10 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import asyncpg
 
-from bench.common import BENCH_DECISION_DEADLINE_MS
+from bench.common import BENCH_DECISION_DEADLINE_MS, Report
 from bench.fake_provider import FakeProvider
 from llmquota import Limiter, Settings
 from llmquota.domain.plans import Ceiling, Plan, ShedStep
@@ -317,16 +316,6 @@ async def run_read_then_admit(dsn: str, minutes: float) -> Outcome:
 
 
 # -- the report section -------------------------------------------------------------------
-
-
-class Report(Protocol):
-    """What bench/run.py's Report offers a section."""
-
-    sections: list[str]
-
-    def line(self, text: str, *, summary: bool = False) -> None: ...
-
-    def chart(self, name: str) -> tuple[Path, str]: ...
 
 
 def chart(outcomes: list[Outcome], path: Path) -> None:

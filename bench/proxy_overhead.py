@@ -76,11 +76,13 @@ FULL = Plan(requests=400, streams=200, load_seconds=15.0)
 QUICK = Plan(requests=60, streams=40, load_seconds=4.0)
 
 
-def serve_fake(port: int) -> None:
-    """In a process of its own: the fake provider on `port`."""
+def serve_fake(port: int, semantic_embeddings: bool = False) -> None:
+    """In a process of its own: the fake provider on `port` (WORDS words an
+    answer, WORD_DELAY_S before each streamed one); with `semantic_embeddings`
+    its /v1/embeddings are bag-of-words vectors, so paraphrases are close."""
     import uvicorn
 
-    fake = FakeProvider(words=WORDS, delay=WORD_DELAY_S)
+    fake = FakeProvider(words=WORDS, delay=WORD_DELAY_S, semantic_embeddings=semantic_embeddings)
     uvicorn.run(fake.app(), host="127.0.0.1", port=port, log_level="warning")
 
 
@@ -105,9 +107,12 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def fake_provider() -> Iterator[str]:
+def fake_provider(*, semantic_embeddings: bool = False) -> Iterator[str]:
+    """The fake provider in a process of its own; yields its OpenAI base URL."""
     port = free_port()
-    process = multiprocessing.Process(target=serve_fake, args=(port,), daemon=True)
+    process = multiprocessing.Process(
+        target=serve_fake, args=(port, semantic_embeddings), daemon=True
+    )
     process.start()
     try:
         wait_until_up(f"http://127.0.0.1:{port}/")
@@ -123,38 +128,54 @@ def llmquota(fake_url: str) -> Iterator[str]:
     data_dir = Path(tempfile.mkdtemp(prefix="llmquota-bench-")) / "pg"
     with open_database(os.environ.get("LLMQUOTA_DATABASE_URL"), data_dir) as db:
         migrate.upgrade(db.dsn)
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "LLMQUOTA_DATABASE_URL": db.dsn,
-            "LLMQUOTA_ADMIN_KEY": ADMIN_KEY,
-            "LLMQUOTA_OPENAI_BASE_URL": fake_url,
-            "LLMQUOTA_OPENAI_API_KEY": PROVIDER_KEY,
-            # Throughput on two shared cores, not the outage path (as bench/run.py does).
-            "LLMQUOTA_DECISION_DEADLINE_MS": "60000",
-        }
-        command = [sys.executable, "-m", "uvicorn", "llmquota.api.app:create_app_from_env"]
-        command += ["--factory", "--host", "127.0.0.1", "--port", str(port)]
-        server = subprocess.Popen([*command, "--log-level", "warning"], env=env)
-        try:
-            wait_until_up(f"{base}/healthz", server)
+        with proxy_server(db.dsn, fake_url) as base:
             yield f"{tenant_key(base)}@{base}/v1"
-        finally:
-            stop(server)
 
 
-def tenant_key(base: str) -> str:
-    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    policy = {
-        "tokens_per_minute": 1_000_000_000,
-        "token_burst": 100_000_000,
-        "requests_per_minute": 100_000_000,
-        "max_in_flight": 10_000,
+@contextmanager
+def proxy_server(dsn: str, fake_url: str) -> Iterator[str]:
+    """llmquota in proxy mode (uvicorn, one worker) on the migrated database `dsn`,
+    in front of the fake at `fake_url`; yields its base URL."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "LLMQUOTA_DATABASE_URL": dsn,
+        "LLMQUOTA_ADMIN_KEY": ADMIN_KEY,
+        "LLMQUOTA_OPENAI_BASE_URL": fake_url,
+        "LLMQUOTA_OPENAI_API_KEY": PROVIDER_KEY,
+        # Throughput on two shared cores, not the outage path (as bench/run.py does).
+        "LLMQUOTA_DECISION_DEADLINE_MS": "60000",
     }
+    command = [sys.executable, "-m", "uvicorn", "llmquota.api.app:create_app_from_env"]
+    command += ["--factory", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen([*command, "--log-level", "warning"], env=env)
+    try:
+        wait_until_up(f"{base}/healthz", server)
+        yield base
+    finally:
+        stop(server)
+
+
+# Limits a bench tenant never reaches: the bench measures the proxy, not refusals.
+UNLIMITED_POLICY: dict[str, Any] = {
+    "tokens_per_minute": 1_000_000_000,
+    "token_burst": 100_000_000,
+    "requests_per_minute": 100_000_000,
+    "max_in_flight": 10_000,
+}
+
+
+def tenant_key(base: str, tenant: str = "bench", **policy: Any) -> str:
+    """A fresh key of `tenant`, whose policy is UNLIMITED_POLICY with `policy`'s
+    members added (a `cache`, say)."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with httpx.Client(base_url=base, headers=admin, timeout=30) as client:
-        client.put("/v1/tenants/bench/policy", json=policy).raise_for_status()
-        response = client.post("/v1/tenants/bench/keys")
+        answer = client.put(f"/v1/tenants/{tenant}/policy", json={**UNLIMITED_POLICY, **policy})
+        if answer.is_error:
+            # Said in full: a 422 here names the policy member this server refuses.
+            raise RuntimeError(f"PUT {answer.url.path}: {answer.status_code} {answer.text}")
+        response = client.post(f"/v1/tenants/{tenant}/keys")
         response.raise_for_status()
         return str(response.json()["key"])
 

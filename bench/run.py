@@ -39,6 +39,7 @@ from bench import (  # noqa: E402
     oversubscription,
     pgbench,
     redis_lua,
+    response_cache,
     scaleout,
     servers,
     shards,
@@ -878,8 +879,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 11),
-        help="run only these comparisons (1-10)",
+        choices=range(1, 12),
+        help="run only these comparisons (1-11)",
     )
     return parser.parse_args()
 
@@ -894,7 +895,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 11))
+    wanted = set(args.only or range(1, 12))
     servers.ensure_tools()
     started = time.monotonic()
     load = common.machine_load()
@@ -915,7 +916,7 @@ def main() -> int:
             if 1 not in wanted:
                 asyncio.run(_library_database(pg))
             compare_sql_ceiling(pg, "bench_library", plan, report, service_10k_64)
-        run_sections_4_to_10(pg, wanted, plan, report)
+        run_sections_4_to_11(pg, wanted, plan, report)
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
@@ -927,7 +928,7 @@ def main() -> int:
     return 0
 
 
-def run_sections_4_to_10(
+def run_sections_4_to_11(
     pg: servers.Postgres, wanted: set[int], plan: Plan, report: Report
 ) -> None:
     """The comparisons that need no Redis and no result of another."""
@@ -946,6 +947,8 @@ def run_sections_4_to_10(
         estimates.section(report)  # simulated time: needs no server
     if 10 in wanted:
         compare_shards(pg, plan, report)
+    if 11 in wanted:
+        response_cache.section(pg.dsn, plan.quick, report)
 
 
 MARKER = "<!-- Everything below this line is written by bench/run.py. -->"
