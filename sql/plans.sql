@@ -346,6 +346,9 @@ BEGIN
     END IF;
     DELETE FROM api_keys WHERE tenant = p_tenant;
     DELETE FROM limit_layers WHERE tenant = p_tenant;
+    -- Its cached answers go with it: a tenant created again under the same
+    -- name is never served the old one's (cache.sql).
+    DELETE FROM response_cache WHERE tenant = p_tenant;
     DELETE FROM tenants WHERE tenant = p_tenant;
     RETURN QUERY SELECT 'deleted'::text, 0::bigint;
 END

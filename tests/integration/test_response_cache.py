@@ -221,3 +221,11 @@ async def test_a_semantic_lookup_picks_the_most_similar(store: Store) -> None:
         semantic(query, exact=9), similarity=0.92, price_usd=None
     )
     assert hit is not None and hit.answer == b"2"
+
+
+async def test_a_deleted_tenants_entries_go_with_it(store: Store, db: asyncpg.Connection) -> None:
+    await store.ensure_tenant("acme")
+    await put(store, key("acme"))
+    await put(store, key("globex"))
+    assert await db.fetchval("SELECT status FROM lq_delete_tenant('acme', NULL)") == "deleted"
+    assert [r["tenant"] for r in await db.fetch("SELECT tenant FROM response_cache")] == ["globex"]

@@ -30,6 +30,7 @@ REPEATABLES = [
     "reliability.sql",
     "quotas.sql",
     "keys.sql",
+    "cache.sql",
     "reports/00_base.sql",
     "reports/10_usage.sql",
     "reports/20_accuracy.sql",
