@@ -18,7 +18,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import APIRouter, Request, Response
@@ -31,6 +31,7 @@ from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy import cache
 from llmquota.api.proxy.admission import Admitted, admit_proxied
 from llmquota.api.proxy.callers import proxy_caller
+from llmquota.api.proxy.cooldown import retry_after_seconds
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics, ServingPath
 from llmquota.api.proxy.pool import PoolRefusal, Slot
@@ -39,6 +40,7 @@ from llmquota.api.proxy.stream import RelayResponse, StreamRelay
 from llmquota.api.proxy.upstream import (
     PASSED_BACK,
     UPSTREAM_LIMIT_PREFIXES,
+    Chain,
     Proxy,
     Upstream,
     missing_upstream,
@@ -187,26 +189,37 @@ async def _forward(
     lookup: cache.CacheLookup | None,
     started: float,
 ) -> Response:
-    """Send an admitted request to the model's deployments, in rank, until one answers."""
+    """Send an admitted request to the model's deployments until one answers:
+    in their order (Proxy.chain: the routing rule's rank, the cooled down
+    last), each at most once and all within one deadline; when no other may
+    follow, the last attempt's error is the answer."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
     exchange, parsed = admitted.exchange, admitted.parsed
     headers = limit_headers(kind, exchange.decision) | admitted.headers
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
-    ranked = proxy.deployments(kind, exchange.model)
-    for rank, upstream in enumerate(ranked):
-        path: ServingPath = "second_deployment" if rank else admitted.path
+    chain = proxy.chain(kind, exchange.model)
+    answer: Response | None = None
+    path: ServingPath = admitted.path
+    for upstream in chain.order:
+        if answer is not None and not chain.time_for_another():
+            break
+        path = admitted.path if upstream is chain.ranked[0] else "second_deployment"
         headers["llmquota-upstream"] = upstream.name
         headers[cache.SERVING_PATH_HEADER] = path
-        call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content, lookup)
+        call = Call(
+            proxy, upstream, endpoint, request, exchange, headers, admitted.content, chain, lookup
+        )
         try:
             answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
-        except _TryNext:
-            continue  # nothing produced: the same reservation goes to the next
-        proxy.metrics.served(path, started)
-        return answer
-    raise AssertionError("the last deployment never asks for the next")
+            break
+        except _TryNext as failed:
+            answer = failed.answer  # nothing produced: the same reservation goes to the next
+    if answer is None:
+        raise AssertionError("no deployment serves the admitted model")
+    proxy.metrics.served(path, started)
+    return answer
 
 
 async def _count_tokens(request: Request) -> Response:
@@ -295,9 +308,12 @@ def _pool_refused(kind: Kind, exc: PoolRefusal, headers: dict[str, str]) -> Resp
     return error_response(kind, exc.status, str(exc), headers={**headers, **retry})
 
 
-def _upstream_failed(kind: Kind, exc: httpx.HTTPError, headers: dict[str, str]) -> Response:
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    reason = type(exc).__name__
+def _upstream_failed(
+    kind: Kind, exc: httpx.HTTPError | TimeoutError, headers: dict[str, str]
+) -> Response:
+    """No answer: 504 for a timeout (the upstream's, or the request's deadline), else 502."""
+    status = 504 if isinstance(exc, httpx.TimeoutException | TimeoutError) else 502
+    reason = "in the request's time" if isinstance(exc, TimeoutError) else type(exc).__name__
     return error_response(kind, status, f"the provider did not answer ({reason})", headers=headers)
 
 
@@ -323,7 +339,12 @@ def _upstream_error(
 
 
 class _TryNext(Exception):
-    """The deployment answered 429 or 5xx and another serves the model: try it."""
+    """The deployment answered 429 or 5xx, or nothing, and another serves the
+    model: try it, or answer `answer` if no time is left for it."""
+
+    def __init__(self, answer: Response) -> None:
+        super().__init__(answer.status_code)
+        self.answer = answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,8 +358,12 @@ class Call:
     exchange: Exchange
     headers: dict[str, str]
     content: bytes  # the body as it goes upstream (the admitted model's)
+    # the request's deployments, in the order tried, and their deadline
+    chain: Chain
     # where a successful answer is stored, when the response cache keeps it
     cache: cache.CacheLookup | None = None
+    # when it was sent (time.monotonic(), cooldown.py's clock)
+    sent_at: float = field(default_factory=time.monotonic)
 
     def metrics(self) -> CallMetrics:
         """The observations of the upstream call about to be sent, timed from now."""
@@ -352,18 +377,51 @@ class Call:
         """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""
         return await self.proxy.shares[self.upstream.name].acquire(self.exchange.reservation.tenant)
 
-    def refused(self, response: httpx.Response) -> None:
-        """Raise _TryNext on a 429 or 5xx when a later deployment serves the model.
+    def in_time(self) -> asyncio.Timeout:
+        """What is left of the request's deadline, to bound the wait for an answer."""
+        return asyncio.timeout_at(self.chain.deadline)
+
+    def refused(self, response: httpx.Response) -> Response:
+        """The answer to a provider's error; on a 429 or 5xx, remembered against the
+        deployment (cooldown.py), and _TryNext raised when a later one may serve.
 
         The reservation stays as it is: nothing was produced, and the model's
         ceilings, which bound every deployment of it, already count it once.
         Its ceilings are not cooled down either: they bound the deployment
         about to serve too. The last deployment's 429 cools them (below).
         """
-        ranked = [u.name for u in self.proxy.deployments(self.upstream.kind, self.exchange.model)]
-        later = ranked.index(self.upstream.name) + 1 < len(ranked)
-        if later and (response.status_code == 429 or response.status_code >= 500):
-            raise _TryNext
+        answer = _upstream_error(self.upstream.kind, self.upstream, response, self.headers)
+        if response.status_code != 429 and response.status_code < 500:
+            self.answered()  # the request's fault (a 400), not the deployment's
+            return answer
+        self._failed(response.status_code == 429, retry_after_seconds(response.headers))
+        if self.chain.later(self.upstream):
+            raise _TryNext(answer)
+        return answer
+
+    def unanswered(self, exc: httpx.HTTPError | TimeoutError) -> Response:
+        """No answer (no connection, a timeout): a 502 or 504, handed on as a 5xx
+        is. The request's deadline running out is not held against the deployment."""
+        answer = _upstream_failed(self.upstream.kind, exc, self.headers)
+        if not isinstance(exc, TimeoutError):
+            self._failed(False, None)
+        if self.chain.later(self.upstream):
+            raise _TryNext(answer)
+        return answer
+
+    def answered(self) -> None:
+        """The deployment answered well: its count of failures starts again."""
+        if self.chain.cools:
+            self.proxy.cooldowns.answered(self.upstream.name, self.exchange.model, self.sent_at)
+
+    def _failed(self, refused: bool, retry_after: float | None) -> None:
+        if not self.chain.cools:
+            return  # nothing to try instead: the ceilings' cooldown is the one
+        cooldowns, name, model = self.proxy.cooldowns, self.upstream.name, self.exchange.model
+        record = cooldowns.refused if refused else cooldowns.failed
+        if record(name, model, time.monotonic(), retry_after):
+            self.proxy.metrics.cooled(name)
+            log.warning("deployment %r of %r cooled down: tried after the others", name, model)
 
 
 async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
@@ -378,24 +436,12 @@ async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
     setting = call.proxy.settings.proxy_ceiling_cooldown_seconds
     if response.status_code != 429 or setting <= 0:
         return
-    seconds = _retry_after_seconds(response.headers) or setting
+    seconds = retry_after_seconds(response.headers) or setting
     admin: AdminService = call.request.app.state.admin
     try:
         await admin.cool_down_ceilings(call.exchange.model, min(seconds, 3_600.0))
     except LimiterError as exc:
         log.warning("ceiling cool-down for %r not recorded: %s", call.exchange.model, exc)
-
-
-def _retry_after_seconds(headers: httpx.Headers) -> float | None:
-    """The provider's retry hint in seconds (retry-after-ms first), if it gave one."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        try:
-            value = float(headers.get(name, ""))
-        except ValueError:
-            continue
-        if value > 0:
-            return value * scale
-    return None
 
 
 async def _complete(call: Call) -> Response:
@@ -407,22 +453,24 @@ async def _complete(call: Call) -> Response:
     except PoolRefusal as exc:
         return _pool_refused(kind, exc, headers)
     try:
-        # Streamed, to time the response head apart from the body.
-        response = await call.proxy.client(upstream).send(outgoing, stream=True)
-        try:
-            calls.answered(response.status_code)
-            await response.aread()
-        finally:
-            await response.aclose()
-    except httpx.HTTPError as exc:
+        async with call.in_time():
+            # Streamed, to time the response head apart from the body.
+            response = await call.proxy.client(upstream).send(outgoing, stream=True)
+            try:
+                calls.answered(response.status_code)
+                await response.aread()
+            finally:
+                await response.aclose()
+    except (httpx.HTTPError, TimeoutError) as exc:
         calls.failed(exc)
-        return _upstream_failed(kind, exc, headers)
+        return call.unanswered(exc)
     finally:
         slot.release()
     if response.status_code >= 400:
-        call.refused(response)
+        answer = call.refused(response)
         await _cool_down_on_429(call, response)
-        return _upstream_error(kind, upstream, response, headers)
+        return answer
+    call.answered()
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
         tracker.read_body(loads_bounded(response.content))
@@ -453,11 +501,12 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
     except PoolRefusal as exc:
         return _pool_refused(kind, exc, headers)
     try:
-        response = await proxy.client(upstream).send(outgoing, stream=True)
-    except httpx.HTTPError as exc:
+        async with call.in_time():  # to the response head; the stream itself is not bounded
+            response = await proxy.client(upstream).send(outgoing, stream=True)
+    except (httpx.HTTPError, TimeoutError) as exc:
         slot.release()
         calls.failed(exc)
-        return _upstream_failed(kind, exc, headers)
+        return call.unanswered(exc)
     except BaseException:
         slot.release()
         raise
@@ -468,9 +517,10 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         finally:
             await response.aclose()
             slot.release()
-        call.refused(response)
+        answer = call.refused(response)
         await _cool_down_on_429(call, response)
-        return _upstream_error(kind, upstream, response, headers)
+        return answer
+    call.answered()
     settings = proxy.settings
     relay = StreamRelay(
         call.exchange,
