@@ -67,6 +67,10 @@ class FakeProvider:
     # Models whose OpenAI streams hang after their first word (an upstream stuck mid-stream).
     hang_models: set[str] = field(default_factory=set)
     delay: float = 0.0
+    # How long `hang` waits before answering (longer than the proxy's read timeout).
+    hang_seconds: float = 1.5
+    # A 429's retry-after-ms, beside its retry-after of 7 s (None: not sent).
+    retry_after_ms: int | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     streams_finished: int = 0
@@ -106,7 +110,7 @@ class FakeProvider:
         self.requests.append(body)
         self.headers.append(dict(request.headers))
         if self.scenario == "hang":
-            await asyncio.sleep(1.5)  # longer than the proxy's read timeout in that test
+            await asyncio.sleep(self.hang_seconds)
         if self.before_answer is not None:
             self.before_answer()  # a fault test freezing the store mid-request
         return body
@@ -127,6 +131,8 @@ class FakeProvider:
             return _error(kind, 401, "authentication_error", message)
         if self.scenario == "429":
             headers = {"retry-after": "7", "x-should-retry": "false"}
+            if self.retry_after_ms is not None:
+                headers["retry-after-ms"] = str(self.retry_after_ms)
             if kind == "openai":
                 headers |= {
                     "x-ratelimit-remaining-requests": "0",

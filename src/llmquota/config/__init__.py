@@ -6,6 +6,10 @@ reads or writes the environment.
 """
 
 from llmquota.config.commands import COMMAND_DEFAULTS, CommandDefault, command_default
+from llmquota.config.outbound import (
+    MAX_DEPLOYMENT_COOLDOWN_FAILURES,
+    MAX_DEPLOYMENT_COOLDOWN_SECONDS,
+)
 from llmquota.config.renames import ENV_PREFIX
 from llmquota.config.settings import (
     DATA_DIR_ENV,
@@ -33,6 +37,8 @@ __all__ = [
     "MAX_BATCHES_IN_FLIGHT",
     "MAX_BATCH_SIZE",
     "MAX_BATCH_WINDOW_SECONDS",
+    "MAX_DEPLOYMENT_COOLDOWN_FAILURES",
+    "MAX_DEPLOYMENT_COOLDOWN_SECONDS",
     "WIRE_FORMATS",
     "CommandDefault",
     "Settings",

@@ -209,6 +209,8 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "proxy_pool_wait_ms",
             "proxy_tenant_max_drains",
             "proxy_ceiling_cooldown_seconds",
+            "proxy_deployment_cooldown_seconds",
+            "proxy_deployment_cooldown_failures",
         ),
     ),
 )

@@ -16,6 +16,13 @@ from pydantic_settings import BaseSettings
 from llmquota.domain.destinations import DestinationRules, parse_networks
 from llmquota.domain.errors import InvalidRequest
 
+# The longest a deployment of a model is cooled down (api/proxy/cooldown.py),
+# whatever its provider's retry-after says: as long as the provider
+# ceilings' cooldown may last.
+MAX_DEPLOYMENT_COOLDOWN_SECONDS = 3_600.0
+# The most failures in a row that may be asked for before a deployment is cooled.
+MAX_DEPLOYMENT_COOLDOWN_FAILURES = 100
+
 
 class OutboundSettings(BaseSettings):
     """Alert delivery, webhook destinations, the proxy's upstreams and pools."""
@@ -141,7 +148,12 @@ class OutboundSettings(BaseSettings):
         default=10.0, gt=0, le=600.0, description="longest wait for a connection to an upstream"
     )
     proxy_read_timeout_seconds: float = Field(
-        default=600.0, gt=0, le=3_600.0, description="longest wait for the provider's next bytes"
+        default=600.0,
+        gt=0,
+        le=3_600.0,
+        description="longest wait for the provider's next bytes; plus the connect timeout, "
+        "also the deadline of all of a request's attempts at a model's deployments together "
+        "(the longest of theirs, with an upstream's own timeouts)",
     )
     proxy_max_connections: int = Field(
         default=200,
@@ -157,6 +169,23 @@ class OutboundSettings(BaseSettings):
         description="0: off. Otherwise an upstream 429 for a model empties the provider "
         "ceilings matching it and debits their refill for the provider's retry-after (this "
         "many seconds when it gives none), so llmquota refuses that model itself meanwhile",
+    )
+    proxy_deployment_cooldown_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        le=MAX_DEPLOYMENT_COOLDOWN_SECONDS,
+        description="0: off. Otherwise a deployment of a model listed under several upstreams "
+        "that answers 429 (for the provider's retry-after) or fails "
+        "PROXY_DEPLOYMENT_COOLDOWN_FAILURES times in a row (for this many seconds) is tried "
+        "after the model's other deployments meanwhile, on that worker",
+    )
+    proxy_deployment_cooldown_failures: int = Field(
+        default=3,
+        ge=1,
+        le=MAX_DEPLOYMENT_COOLDOWN_FAILURES,
+        description="5xx answers, failed connections or timeouts in a row that cool a "
+        "deployment of a model down (a 429 cools it at once; any other answer starts the "
+        "count again)",
     )
     proxy_tenant_connection_share: float = Field(
         default=0.5,

@@ -37,9 +37,12 @@ def pool_refused(kind: Kind, exc: PoolRefusal, headers: dict[str, str]) -> Respo
     return error_response(kind, exc.status, str(exc), headers={**headers, **retry})
 
 
-def upstream_failed(kind: Kind, exc: httpx.HTTPError, headers: dict[str, str]) -> Response:
-    status = 504 if isinstance(exc, httpx.TimeoutException) else 502
-    reason = type(exc).__name__
+def upstream_failed(
+    kind: Kind, exc: httpx.HTTPError | TimeoutError, headers: dict[str, str]
+) -> Response:
+    """No answer: 504 for a timeout (the upstream's, or the request's deadline), else 502."""
+    status = 504 if isinstance(exc, httpx.TimeoutException | TimeoutError) else 502
+    reason = "in the request's time" if isinstance(exc, TimeoutError) else type(exc).__name__
     return error_response(kind, status, f"the provider did not answer ({reason})", headers=headers)
 
 

@@ -3,7 +3,8 @@
 The key comes as `Authorization: Bearer` (the openai SDK) or `x-api-key` (the
 anthropic SDK). A request that cannot call providers (no key, the admin key,
 a key without the 'admit' scope, a suspended tenant) is answered here, in
-the provider's error format.
+the provider's error format; `read_request` also reads the body and finds
+the upstream serving its model.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from llmquota.api.auth import (
     Caller,
     TooManyFailedAuthentications,
 )
-from llmquota.api.proxy.wire import Kind, error_response
+from llmquota.api.proxy.requests import ProxyRequest, parse
+from llmquota.api.proxy.upstream import Proxy, Upstream, missing_upstream, unserved_model
+from llmquota.api.proxy.wire import Endpoint, Kind, error_response, kind_of
 
 
 async def proxy_caller(kind: Kind, request: Request) -> Caller | Response:
@@ -52,3 +55,27 @@ async def proxy_caller(kind: Kind, request: Request) -> Caller | Response:
             kind, 403, f"tenant {caller.tenant!r} is suspended", error_type="tenant_suspended"
         )
     return caller
+
+
+async def read_request(
+    endpoint: Endpoint, request: Request
+) -> tuple[Caller, ProxyRequest, Upstream] | Response:
+    """The caller's key, its request read and the upstream serving it; or the error to
+    answer. Raises BadProxyRequest."""
+    kind = kind_of(endpoint)
+    proxy: Proxy = request.app.state.proxy
+    if not proxy.configured(kind):
+        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
+    caller = await proxy_caller(kind, request)
+    if isinstance(caller, Response):
+        return caller
+    parsed = parse(
+        endpoint,
+        await request.body(),
+        proxy.settings.proxy_default_max_tokens,
+        lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
+    )
+    upstream = proxy.route(kind, parsed.model)
+    if upstream is None:  # parse refused it already; kept for the type checker
+        return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
+    return caller, parsed, upstream

@@ -34,7 +34,8 @@ SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 
 
 class ProxyMetrics:
-    """Upstream latency, time to first token, output speed, provider errors, drains."""
+    """Upstream latency, time to first token, output speed, provider errors, serving
+    paths, deployment cooldowns, drains."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         by_call = ["provider", "endpoint"]
@@ -73,11 +74,20 @@ class ProxyMetrics:
             ["provider"],
             registry=registry,
         )
+        self._register_serving(registry)
+        self.drains_in_progress = Gauge(
+            "llmquota_proxy_drains_in_progress",
+            "Streams whose client hung up, still read to the provider's final usage",
+            registry=registry,
+        )
+
+    def _register_serving(self, registry: CollectorRegistry) -> None:
+        """How requests were served, and which deployments were passed over."""
         self.serving_paths = Counter(
             "llmquota_serving_path",
             "Proxied requests by how they were served: primary, fallback_model (degraded), "
             "queued (after waiting for room), second_deployment (the first answered "
-            "429 or 5xx), rejected (refused by a limit)",
+            "429 or 5xx, just now or lately), rejected (refused by a limit)",
             ["path"],
             registry=registry,
         )
@@ -91,9 +101,12 @@ class ProxyMetrics:
         for path in SERVING_PATHS:  # every path reads 0 before its first request
             self.serving_paths.labels(path)
             self.serving_seconds.labels(path)
-        self.drains_in_progress = Gauge(
-            "llmquota_proxy_drains_in_progress",
-            "Streams whose client hung up, still read to the provider's final usage",
+        self.deployment_cooldowns = Counter(
+            "llmquota_deployment_cooldowns",
+            "Cooldowns begun of a deployment of a model listed under several upstreams "
+            "(a 429, or PROXY_DEPLOYMENT_COOLDOWN_FAILURES failures in a row): tried after "
+            "the model's other deployments meanwhile",
+            ["upstream"],
             registry=registry,
         )
 
@@ -101,6 +114,10 @@ class ProxyMetrics:
         """One proxied request answered by `path`, `started` at time.perf_counter()."""
         self.serving_paths.labels(path).inc()
         self.serving_seconds.labels(path).observe(time.perf_counter() - started)
+
+    def cooled(self, upstream: str) -> None:
+        """A cooldown of one of `upstream`'s deployments began (api/proxy/cooldown.py)."""
+        self.deployment_cooldowns.labels(upstream).inc()
 
     def call(self, provider: Kind, endpoint: Endpoint) -> CallMetrics:
         """The observations of one upstream call, timed from now."""
@@ -130,7 +147,7 @@ class CallMetrics:
 
     def failed(self, exc: BaseException, *, mid_stream: bool = False) -> None:
         """No answer (or no end to a stream): counted by what went wrong."""
-        if isinstance(exc, httpx.TimeoutException):
+        if isinstance(exc, httpx.TimeoutException | TimeoutError):  # ours: the deadline
             status = "timeout"
         elif mid_stream:
             status = "broken"

@@ -17,15 +17,12 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from llmquota.admin.service import AdminService
-from llmquota.admission.limiter import Limiter
-from llmquota.api.auth import Caller
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy import cache
 from llmquota.api.proxy.admission import Admitted, admit_proxied
@@ -36,17 +33,18 @@ from llmquota.api.proxy.answers import (
     upstream_failed,
     upstream_request,
 )
-from llmquota.api.proxy.callers import proxy_caller
+from llmquota.api.proxy.callers import read_request
+from llmquota.api.proxy.cooldown import retry_after_seconds
+from llmquota.api.proxy.counting import count_tokens_answer
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
 from llmquota.api.proxy.metrics import CallMetrics, ServingPath
 from llmquota.api.proxy.pool import PoolRefusal, Slot
-from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest, parse
+from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
 from llmquota.api.proxy.upstream import (
+    Chain,
     Proxy,
     Upstream,
-    missing_upstream,
-    unserved_model,
 )
 from llmquota.api.proxy.wire import (
     Endpoint,
@@ -55,7 +53,7 @@ from llmquota.api.proxy.wire import (
     kind_of,
     limit_headers,
 )
-from llmquota.domain.errors import InvalidRequest, LimiterError, StoreUnavailable
+from llmquota.domain.errors import LimiterError, StoreUnavailable
 from llmquota.domain.json_limits import loads_bounded
 
 log = logging.getLogger("llmquota.proxy")
@@ -89,33 +87,9 @@ def proxy_router(proxy_enabled: dict[Kind, bool]) -> APIRouter:
     async def count_tokens(request: Request) -> Response:
         """Anthropic's token count, reserving nothing: counted here as /v1/messages is,
         or the upstream's own (LLMQUOTA_PROXY_COUNT_TOKENS=upstream)."""
-        return await _count_tokens(request)
+        return await count_tokens_answer(request)
 
     return router
-
-
-async def _read(
-    endpoint: Endpoint, request: Request
-) -> tuple[Caller, ProxyRequest, Upstream] | Response:
-    """The caller's key, its request read and the upstream serving it; or the error to
-    answer. Raises BadProxyRequest."""
-    kind = kind_of(endpoint)
-    proxy: Proxy = request.app.state.proxy
-    if not proxy.configured(kind):
-        return error_response(kind, 404, missing_upstream(kind), code="not_configured")
-    caller = await proxy_caller(kind, request)
-    if isinstance(caller, Response):
-        return caller
-    parsed = parse(
-        endpoint,
-        await request.body(),
-        proxy.settings.proxy_default_max_tokens,
-        lambda model: None if proxy.route(kind, model) else unserved_model(kind, model),
-    )
-    upstream = proxy.route(kind, parsed.model)
-    if upstream is None:  # parse refused it already; kept for the type checker
-        return error_response(kind, 404, unserved_model(kind, parsed.model), param="model")
-    return caller, parsed, upstream
 
 
 async def _handle(endpoint: Endpoint, request: Request) -> Response:
@@ -124,7 +98,7 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
     kind = kind_of(endpoint)
     started = time.perf_counter()
     try:
-        read = await _read(endpoint, request)
+        read = await read_request(endpoint, request)
         if isinstance(read, Response):
             return read
         caller, parsed, _upstream = read
@@ -170,92 +144,47 @@ async def _forward(
     lookup: cache.CacheLookup | None,
     started: float,
 ) -> Response:
-    """Send an admitted request to the model's deployments, in rank, until one answers."""
+    """Send an admitted request to the model's deployments until one answers:
+    in their order (Proxy.chain: the routing rule's rank, the cooled down
+    last), each at most once and all within one deadline; when no other may
+    follow, the last attempt's error is the answer."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
     exchange, parsed = admitted.exchange, admitted.parsed
     headers = limit_headers(kind, exchange.decision) | admitted.headers
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
-    ranked = proxy.deployments(kind, exchange.model)
-    for rank, upstream in enumerate(ranked):
-        path: ServingPath = "second_deployment" if rank else admitted.path
+    chain = proxy.chain(kind, exchange.model)
+    answer: Response | None = None
+    path: ServingPath = admitted.path
+    for upstream in chain.order:
+        if answer is not None and not chain.time_for_another():
+            break
+        path = admitted.path if upstream is chain.ranked[0] else "second_deployment"
         headers["llmquota-upstream"] = upstream.name
         headers[cache.SERVING_PATH_HEADER] = path
-        exchange.serving_path = "second_deployment" if rank else None  # its ledger row
-        call = Call(proxy, upstream, endpoint, request, exchange, headers, admitted.content, lookup)
+        exchange.serving_path = None if path == admitted.path else "second_deployment"
+        call = Call(
+            proxy, upstream, endpoint, request, exchange, headers, admitted.content, chain, lookup
+        )
         try:
             answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
-        except _TryNext:
-            continue  # nothing produced: the same reservation goes to the next
-        proxy.metrics.served(path, started)
-        return answer
-    raise AssertionError("the last deployment never asks for the next")
-
-
-async def _count_tokens(request: Request) -> Response:
-    """POST /v1/messages/count_tokens: `{"input_tokens": N}` as Anthropic answers it,
-    N counted exactly as /v1/messages counts the same body for its admission
-    (system prompt and tools included); or, with PROXY_COUNT_TOKENS=upstream,
-    the upstream's own answer. Either way nothing is reserved or settled."""
-    kind: Kind = "anthropic"
-    proxy: Proxy = request.app.state.proxy
-    try:
-        read = await _read("count_tokens", request)
-        if isinstance(read, Response):
-            return read
-        caller, parsed, upstream = read
-        tenant = str(caller.tenant)
-        if proxy.settings.proxy_count_tokens == "upstream":
-            return await _count_upstream(proxy, upstream, request, tenant)
-        limiter: Limiter = request.app.state.limiter
-        try:
-            counted = await limiter.prepare_off_loop(
-                tenant=tenant,
-                model=parsed.model,
-                max_tokens=parsed.max_tokens,  # 0: a count generates nothing
-                messages=parsed.messages,
-                input_tokens=parsed.input_tokens,
-            )
-        except InvalidRequest as exc:
-            raise BadProxyRequest(400, str(exc)) from None
-    except BadProxyRequest as exc:
-        return error_response(kind, exc.status, str(exc), param=exc.param)
-    return JSONResponse({"input_tokens": counted.input_tokens})
-
-
-async def _count_upstream(
-    proxy: Proxy, upstream: Upstream, request: Request, tenant: str
-) -> Response:
-    """The upstream's count of the body as the client wrote it, passed back scrubbed;
-    its errors as any upstream call's (pool, timeout, the provider's error)."""
-    kind = upstream.kind
-    outgoing = upstream_request(proxy, upstream, "count_tokens", request, await request.body())
-    calls = proxy.metrics.call(kind, "count_tokens")
-    try:
-        slot = await proxy.shares[upstream.name].acquire(tenant)
-    except PoolRefusal as exc:
-        return pool_refused(kind, exc, {})
-    try:
-        response = await proxy.client(upstream).send(outgoing)
-        calls.answered(response.status_code)
-    except httpx.HTTPError as exc:
-        calls.failed(exc)
-        return upstream_failed(kind, exc, {})
-    finally:
-        slot.release()
-    if response.status_code >= 400:
-        return upstream_error(kind, upstream, response, {})
-    return Response(
-        upstream.scrub(response.content),
-        status_code=response.status_code,
-        headers=upstream.scrub_headers(passed_back(response)),
-        media_type=response.headers.get("content-type"),
-    )
+            break
+        except _TryNext as failed:
+            answer = failed.answer  # nothing produced: the same reservation goes to the next
+    if answer is None:
+        raise AssertionError("no deployment serves the admitted model")
+    proxy.metrics.served(path, started)
+    return answer
 
 
 class _TryNext(Exception):
-    """The deployment answered 429 or 5xx and another serves the model: try it."""
+    """The deployment answered 429 or 5xx, or nothing, and another serves the
+    model: try it, or answer `answer` if no time is left for it."""
+
+    def __init__(self, answer: Response) -> None:
+        super().__init__(answer.status_code)
+        self.answer = answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,8 +198,12 @@ class Call:
     exchange: Exchange
     headers: dict[str, str]
     content: bytes  # the body as it goes upstream (the admitted model's)
+    # the request's deployments, in the order tried, and their deadline
+    chain: Chain
     # where a successful answer is stored, when the response cache keeps it
     cache: cache.CacheLookup | None = None
+    # when it was sent (time.monotonic(), cooldown.py's clock)
+    sent_at: float = field(default_factory=time.monotonic)
 
     def metrics(self) -> CallMetrics:
         """The observations of the upstream call about to be sent, timed from now."""
@@ -284,18 +217,51 @@ class Call:
         """A slot of the upstream's pool for this tenant (pool.py); raises PoolRefusal."""
         return await self.proxy.shares[self.upstream.name].acquire(self.exchange.reservation.tenant)
 
-    def refused(self, response: httpx.Response) -> None:
-        """Raise _TryNext on a 429 or 5xx when a later deployment serves the model.
+    def in_time(self) -> asyncio.Timeout:
+        """What is left of the request's deadline, to bound the wait for an answer."""
+        return asyncio.timeout_at(self.chain.deadline)
+
+    def refused(self, response: httpx.Response) -> Response:
+        """The answer to a provider's error; on a 429 or 5xx, remembered against the
+        deployment (cooldown.py), and _TryNext raised when a later one may serve.
 
         The reservation stays as it is: nothing was produced, and the model's
         ceilings, which bound every deployment of it, already count it once.
         Its ceilings are not cooled down either: they bound the deployment
         about to serve too. The last deployment's 429 cools them (below).
         """
-        ranked = [u.name for u in self.proxy.deployments(self.upstream.kind, self.exchange.model)]
-        later = ranked.index(self.upstream.name) + 1 < len(ranked)
-        if later and (response.status_code == 429 or response.status_code >= 500):
-            raise _TryNext
+        answer = upstream_error(self.upstream.kind, self.upstream, response, self.headers)
+        if response.status_code != 429 and response.status_code < 500:
+            self.answered()  # the request's fault (a 400), not the deployment's
+            return answer
+        self._failed(response.status_code == 429, retry_after_seconds(response.headers))
+        if self.chain.later(self.upstream):
+            raise _TryNext(answer)
+        return answer
+
+    def unanswered(self, exc: httpx.HTTPError | TimeoutError) -> Response:
+        """No answer (no connection, a timeout): a 502 or 504, handed on as a 5xx
+        is. The request's deadline running out is not held against the deployment."""
+        answer = upstream_failed(self.upstream.kind, exc, self.headers)
+        if not isinstance(exc, TimeoutError):
+            self._failed(False, None)
+        if self.chain.later(self.upstream):
+            raise _TryNext(answer)
+        return answer
+
+    def answered(self) -> None:
+        """The deployment answered well: its count of failures starts again."""
+        if self.chain.cools:
+            self.proxy.cooldowns.answered(self.upstream.name, self.exchange.model, self.sent_at)
+
+    def _failed(self, refused: bool, retry_after: float | None) -> None:
+        if not self.chain.cools:
+            return  # nothing to try instead: the ceilings' cooldown is the one
+        cooldowns, name, model = self.proxy.cooldowns, self.upstream.name, self.exchange.model
+        record = cooldowns.refused if refused else cooldowns.failed
+        if record(name, model, time.monotonic(), retry_after):
+            self.proxy.metrics.cooled(name)
+            log.warning("deployment %r of %r cooled down: tried after the others", name, model)
 
 
 async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
@@ -310,24 +276,12 @@ async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
     setting = call.proxy.settings.proxy_ceiling_cooldown_seconds
     if response.status_code != 429 or setting <= 0:
         return
-    seconds = _retry_after_seconds(response.headers) or setting
+    seconds = retry_after_seconds(response.headers) or setting
     admin: AdminService = call.request.app.state.admin
     try:
         await admin.cool_down_ceilings(call.exchange.model, min(seconds, 3_600.0))
     except LimiterError as exc:
         log.warning("ceiling cool-down for %r not recorded: %s", call.exchange.model, exc)
-
-
-def _retry_after_seconds(headers: httpx.Headers) -> float | None:
-    """The provider's retry hint in seconds (retry-after-ms first), if it gave one."""
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        try:
-            value = float(headers.get(name, ""))
-        except ValueError:
-            continue
-        if value > 0:
-            return value * scale
-    return None
 
 
 async def _complete(call: Call) -> Response:
@@ -339,22 +293,24 @@ async def _complete(call: Call) -> Response:
     except PoolRefusal as exc:
         return pool_refused(kind, exc, headers)
     try:
-        # Streamed, to time the response head apart from the body.
-        response = await call.proxy.client(upstream).send(outgoing, stream=True)
-        try:
-            calls.answered(response.status_code)
-            await response.aread()
-        finally:
-            await response.aclose()
-    except httpx.HTTPError as exc:
+        async with call.in_time():
+            # Streamed, to time the response head apart from the body.
+            response = await call.proxy.client(upstream).send(outgoing, stream=True)
+            try:
+                calls.answered(response.status_code)
+                await response.aread()
+            finally:
+                await response.aclose()
+    except (httpx.HTTPError, TimeoutError) as exc:
         calls.failed(exc)
-        return upstream_failed(kind, exc, headers)
+        return call.unanswered(exc)
     finally:
         slot.release()
     if response.status_code >= 400:
-        call.refused(response)
+        answer = call.refused(response)
         await _cool_down_on_429(call, response)
-        return upstream_error(kind, upstream, response, headers)
+        return answer
+    call.answered()
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
         tracker.read_body(loads_bounded(response.content))
@@ -385,11 +341,12 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
     except PoolRefusal as exc:
         return pool_refused(kind, exc, headers)
     try:
-        response = await proxy.client(upstream).send(outgoing, stream=True)
-    except httpx.HTTPError as exc:
+        async with call.in_time():  # to the response head; the stream itself is not bounded
+            response = await proxy.client(upstream).send(outgoing, stream=True)
+    except (httpx.HTTPError, TimeoutError) as exc:
         slot.release()
         calls.failed(exc)
-        return upstream_failed(kind, exc, headers)
+        return call.unanswered(exc)
     except BaseException:
         slot.release()
         raise
@@ -400,9 +357,10 @@ async def _stream(call: Call, parsed: ProxyRequest) -> Response:
         finally:
             await response.aclose()
             slot.release()
-        call.refused(response)
+        answer = call.refused(response)
         await _cool_down_on_429(call, response)
-        return upstream_error(kind, upstream, response, headers)
+        return answer
+    call.answered()
     settings = proxy.settings
     relay = StreamRelay(
         call.exchange,

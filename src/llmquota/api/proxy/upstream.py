@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ import httpx
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
+from llmquota.api.proxy.cooldown import DeploymentCooldowns
 from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.pool import ConnectionShares
 from llmquota.api.proxy.wire import Endpoint, Kind
@@ -40,6 +42,10 @@ _FORWARDED = {"anthropic": ("anthropic-version", "anthropic-beta"), "openai": ()
 PASSED_BACK = ("x-request-id", "request-id", "openai-processing-ms")
 # An upstream 429's headers, passed through with it.
 UPSTREAM_LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-", "retry-after")
+# The least time left of a request's deadline in which another deployment is
+# tried: less would reach the provider only to be cut off, while the provider
+# may still do (and bill) the work nobody reads.
+MIN_ATTEMPT_SECONDS = 0.25
 # Each endpoint's path under its upstream's base URL (OpenAI's includes /v1).
 PATHS: dict[Endpoint, str] = {
     "chat": "/chat/completions",
@@ -122,6 +128,37 @@ def _upstream(config: UpstreamConfig, settings: Settings) -> Upstream:
     return Upstream(config.format, config.base_url, config.api_key, config.name, timeout)
 
 
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """The deployments one request may try, in order, and the deadline they share.
+
+    The deadline is as long as the most patient of the model's deployments
+    would be waited for alone (Proxy.patience_seconds): a model with one
+    deployment is bounded as it always was, and a request handed from one to
+    the next never takes several times that. Each attempt waits only for
+    what is left; the client's SDK, whose own timeout is set against one
+    provider call, is answered in time. Another attempt starts only with
+    MIN_ATTEMPT_SECONDS left.
+    """
+
+    ranked: tuple[Upstream, ...]  # the routing rule's rank
+    order: tuple[Upstream, ...]  # the order tried
+    deadline: float  # the event loop's time
+
+    @property
+    def cools(self) -> bool:
+        """Whether a deployment's failures cool it down: the model has another to try."""
+        return len(self.ranked) > 1
+
+    def later(self, upstream: Upstream) -> bool:
+        """Whether another deployment follows `upstream` in the order tried."""
+        return upstream is not self.order[-1]
+
+    def time_for_another(self) -> bool:
+        """Whether another attempt may start: enough of the deadline is left."""
+        return self.deadline - asyncio.get_running_loop().time() >= MIN_ATTEMPT_SECONDS
+
+
 class Proxy:
     """The upstreams of one worker, a pooled client for each with its tenants'
     shares (pool.py), and the streams it is still settling."""
@@ -144,6 +181,13 @@ class Proxy:
             for name in self.upstreams
         }
         self.pumps: set[asyncio.Task[None]] = set()
+        # Which deployments of a model answered 429 or failed lately (cooldown.py).
+        self.cooldowns = DeploymentCooldowns(
+            seconds=settings.proxy_deployment_cooldown_seconds,
+            failures=settings.proxy_deployment_cooldown_failures,
+        )
+        for name in self.upstreams:  # each reads 0 before its first cooldown
+            self.metrics.deployment_cooldowns.labels(name)
 
     def client(self, upstream: Upstream) -> httpx.AsyncClient:
         """The pooled client of `upstream` (one pool per upstream)."""
@@ -164,6 +208,22 @@ class Proxy:
         the first is `route`'s, the others are tried when it answers 429 or 5xx."""
         ranked = deployments(self.configs, kind, model, self.routing)
         return [self.upstreams[c.name] for c in ranked]
+
+    def chain(self, kind: Kind, model: str) -> Chain:
+        """The deployments a request for `model` tries: those not cooled down in
+        rank, then the cooled ones (cooldown.py), all within one deadline."""
+        ranked = self.deployments(kind, model)
+        order = self.cooldowns.order([u.name for u in ranked], model, time.monotonic())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(map(self.patience_seconds, ranked), default=0.0)
+        return Chain(tuple(ranked), tuple(self.upstreams[name] for name in order), deadline)
+
+    def patience_seconds(self, upstream: Upstream) -> float:
+        """The longest `upstream` is waited for alone: its connect timeout plus its
+        read timeout (its own from the upstreams file, else the PROXY_* settings)."""
+        timeout = upstream.timeout or httpx.Timeout(None)
+        connect = timeout.connect or self.settings.proxy_connect_timeout_seconds
+        return connect + (timeout.read or self.settings.proxy_read_timeout_seconds)
 
     async def close(self) -> None:
         """Let running streams finish (up to the drain bound), then cancel them and close."""
