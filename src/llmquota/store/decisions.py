@@ -30,16 +30,15 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
     and reservation ids; then each request's API key (p_key_ids), each explicit
     fallback's output reserve (p_alt_outputs) and the serving path it journals
     (p_serving_paths), last."""
-    alt_ord: list[int] = []
-    alt_models: list[str] = []
-    alt_inputs: list[int] = []
-    alt_outputs: list[int | None] = []
-    for position, request in enumerate(requests, start=1):
-        for model, input_tokens, output, _ in request.fallbacks:
-            alt_ord.append(position)
-            alt_models.append(model)
-            alt_inputs.append(input_tokens)
-            alt_outputs.append(output)
+    # The explicit fallbacks, flattened: request position, model, input, output reserve.
+    flat = [
+        (position, model, input_tokens, output)
+        for position, request in enumerate(requests, start=1)
+        for model, input_tokens, output, _ in request.fallbacks
+    ]
+    alt_ord, alt_models, alt_inputs, alt_outputs = (
+        [list(column) for column in zip(*flat, strict=True)] if flat else [[], [], [], []]
+    )
     # An AdmitRequest is a tuple: zip turns the batch into its columns in one call.
     columns = list(zip(*requests, strict=True)) or [()] * len(AdmitRequest._fields)
     (
