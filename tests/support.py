@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
+
+from llmquota.domain.response_cache import unit
 
 if TYPE_CHECKING:
     from llmquota.admission.limiter import Limiter
@@ -55,3 +59,13 @@ async def queued(limiter: Limiter, tenant: str, waiters: int = 1) -> None:
             return
         await asyncio.sleep(0.025)
     raise AssertionError(f"{tenant} never had {waiters} waiting")
+
+
+def vector_at_cosine(vector: list[float], cos: float, rng: random.Random) -> list[float]:
+    """A unit vector at cosine `cos` from the unit `vector` (a random direction
+    orthogonal to it, mixed in): a paraphrase's embedding, made to measure."""
+    noise = [rng.gauss(0.0, 1.0) for _ in vector]
+    dot = sum(n * v for n, v in zip(noise, vector, strict=True))
+    orthogonal = unit([n - dot * v for n, v in zip(noise, vector, strict=True)])
+    sin = math.sqrt(1.0 - cos * cos)
+    return [cos * v + sin * o for v, o in zip(vector, orthogonal, strict=True)]

@@ -10,7 +10,6 @@ context at or above the similarity and nothing below it.
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import AsyncIterator
 from decimal import Decimal
@@ -21,6 +20,7 @@ import pytest
 from llmquota.domain.response_cache import cosine, signature, unit
 from llmquota.store.response_cache import CacheKey
 from llmquota.store.store import Store
+from tests.support import vector_at_cosine
 
 ANSWER = b'{"id":"chatcmpl-1","choices":[{"message":{"content":"hi"}}]}'
 
@@ -154,15 +154,6 @@ async def test_the_bound_is_exact_under_concurrent_stores(
     assert await db.fetchval("SELECT count(*) FROM response_cache") == 5
 
 
-def near(vector: list[float], cos: float, rng: random.Random) -> list[float]:
-    """A unit vector at cosine `cos` from the unit `vector`."""
-    noise = [rng.gauss(0.0, 1.0) for _ in vector]
-    dot = sum(n * v for n, v in zip(noise, vector, strict=True))
-    orthogonal = unit([n - dot * v for n, v in zip(noise, vector, strict=True)])
-    sin = math.sqrt(1.0 - cos * cos)
-    return [cos * v + sin * o for v, o in zip(vector, orthogonal, strict=True)]
-
-
 def semantic(vector: list[float], exact: int, context: int = 7) -> CacheKey:
     return key(
         exact=exact,
@@ -185,7 +176,7 @@ async def test_a_semantic_lookup_serves_the_nearest_of_its_context_above_the_sim
         ttl_seconds=600,
         max_entries=10,
     )
-    close, far = near(stored, 0.95, rng), near(stored, 0.80, rng)
+    close, far = vector_at_cosine(stored, 0.95, rng), vector_at_cosine(stored, 0.80, rng)
     assert cosine(stored, close) == pytest.approx(0.95)
     hit = await store.response_cache.serve(
         semantic(close, exact=2), similarity=0.92, price_usd=None
@@ -210,7 +201,7 @@ async def test_a_semantic_lookup_picks_the_most_similar(store: Store) -> None:
     query = unit([rng.gauss(0.0, 1.0) for _ in range(128)])
     for exact, cos in ((1, 0.93), (2, 0.99), (3, 0.96)):
         await store.response_cache.store(
-            semantic(near(query, cos, rng), exact=exact),
+            semantic(vector_at_cosine(query, cos, rng), exact=exact),
             str(exact).encode(),
             input_tokens=1,
             output_tokens=1,

@@ -22,6 +22,7 @@ from llmquota.domain.response_cache import (
     signature,
     unit,
 )
+from tests.support import vector_at_cosine
 
 CHAT = {"model": "gpt-4o", "temperature": 0, "messages": [{"role": "user", "content": "Hi there"}]}
 
@@ -119,14 +120,6 @@ def test_unit_vectors_and_cosine() -> None:
         unit([math.inf, 1.0])
 
 
-def _at(vector: list[float], cos: float, rng: random.Random) -> list[float]:
-    noise = [rng.gauss(0.0, 1.0) for _ in vector]
-    dot = sum(n * v for n, v in zip(noise, vector, strict=True))
-    other = unit([n - dot * v for n, v in zip(noise, vector, strict=True)])
-    sin = math.sqrt(1 - cos * cos)
-    return [cos * v + sin * o for v, o in zip(vector, other, strict=True)]
-
-
 def _distance(a: int, b: int) -> int:
     return bin((a ^ b) & ((1 << SIGNATURE_BITS) - 1)).count("1")
 
@@ -138,7 +131,10 @@ def test_the_signature_keeps_near_pairs_and_drops_unrelated_ones() -> None:
     near_kept = far_kept = 0
     for _ in range(200):
         a = unit([rng.gauss(0.0, 1.0) for _ in range(384)])
-        near_kept += _distance(signature(a), signature(_at(a, 0.92, rng))) <= SIGNATURE_MAX_DISTANCE
+        near_kept += (
+            _distance(signature(a), signature(vector_at_cosine(a, 0.92, rng)))
+            <= SIGNATURE_MAX_DISTANCE
+        )
         b = unit([rng.gauss(0.0, 1.0) for _ in range(384)])
         far_kept += _distance(signature(a), signature(b)) <= SIGNATURE_MAX_DISTANCE
     assert near_kept == 200

@@ -45,6 +45,21 @@ class CacheHit:
     similarity: float
 
 
+def _key_arguments(key: CacheKey) -> tuple[object, ...]:
+    """A key as the first eight arguments of lq_cache_serve and lq_cache_store."""
+    embedding = None if key.embedding is None else list(key.embedding)
+    return (
+        key.tenant,
+        key.route or "",
+        key.endpoint,
+        key.model,
+        key.exact_key,
+        key.context_key,
+        embedding,
+        key.signature,
+    )
+
+
 class ResponseCacheStore:
     """Typed access to the response cache."""
 
@@ -65,19 +80,7 @@ class ResponseCacheStore:
         ledger as a hit; None on a miss."""
         rows = await self._pool.fetch(
             self._sql["cache_serve"],
-            (
-                key.tenant,
-                key.route or "",
-                key.endpoint,
-                key.model,
-                key.exact_key,
-                key.context_key,
-                None if key.embedding is None else list(key.embedding),
-                key.signature,
-                SIGNATURE_MAX_DISTANCE,
-                similarity,
-                price_usd,
-            ),
+            (*_key_arguments(key), SIGNATURE_MAX_DISTANCE, similarity, price_usd),
             deadline_seconds=deadline_seconds,
         )
         if not rows:
@@ -108,14 +111,7 @@ class ResponseCacheStore:
         rows = await self._pool.fetch(
             self._sql["cache_store"],
             (
-                key.tenant,
-                key.route or "",
-                key.endpoint,
-                key.model,
-                key.exact_key,
-                key.context_key,
-                None if key.embedding is None else list(key.embedding),
-                key.signature,
+                *_key_arguments(key),
                 answer,
                 input_tokens,
                 output_tokens,
