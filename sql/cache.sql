@@ -10,15 +10,17 @@
 --                    transaction, writes the hit's ledger row: a request
 --                    served from the cache is on the books exactly once,
 --                    with 0 tokens charged and what it saved;
---   lq_cache_store   keeps a fresh answer, and the tenant's namespace within
---                    its max_entries (the oldest go first);
+--   lq_cache_store   keeps a fresh answer, and the namespace (tenant and
+--                    route) within its max_entries (the oldest go first);
 --   lq_cache_sweep   deletes expired entries in bounded batches (the sweeper).
 --
 -- Lock order: a cache entry is never locked together with a limit layer or a
 -- reservation, so these statements take no place in admission.sql's order.
--- lq_cache_store serialises one tenant's stores behind a transaction-scoped
--- advisory lock, so that its bound is exact under concurrency; lq_cache_serve
--- locks only the entry it serves (its hit counter).
+-- lq_cache_store takes its tenant's row (FOR KEY SHARE: lq_delete_tenant,
+-- which locks it FOR UPDATE first, waits for it, or it for the delete), then
+-- serialises one namespace's stores behind a transaction-scoped advisory
+-- lock, so that its bound is exact under concurrency. lq_cache_serve locks
+-- nothing: it reads, and appends the hit's ledger row.
 --
 -- Time is the database's clock, as everywhere: an entry is live while
 -- expires_at > clock_timestamp().
@@ -46,12 +48,18 @@ $$;
 --     at most the namespace's entries, each compared by one XOR and a bit
 --     count), compared exactly by cosine; the most similar at or above
 --     p_similarity wins, the newest on a tie.
--- (3) On a hit, the entry's counter goes up (its row lock is the only one
---     taken) and the ledger gets the hit's row: entry_kind 'usage', outcome
+-- (3) On a hit, the ledger gets the hit's row: entry_kind 'usage', outcome
 --     'ok', 0 tokens charged, serving_path 'cache', the tokens the provider
 --     would have billed in saved_*, and the operator's price for a hit, if
 --     the policy sets one. hit_id is the row's reservation_id: a hit has no
---     reservation, and the id keeps each hit its own receipt.
+--     reservation, and the id keeps each hit its own receipt. A statement
+--     that reaches this step past p_budget_ms (counted from its start) writes
+--     nothing and answers a miss: the worker stops waiting for it a little
+--     later (store/response_cache.py), and a hit it has given up on must not
+--     be booked while the request goes on to the provider.
+-- p_budget_ms was added: the first signature goes.
+DROP FUNCTION IF EXISTS lq_cache_serve(text, text, text, text, bytea, bytea, real[], bigint,
+                                       integer, double precision, numeric);
 CREATE OR REPLACE FUNCTION lq_cache_serve(
     p_tenant         text,
     p_route          text,               -- '' for none
@@ -63,7 +71,8 @@ CREATE OR REPLACE FUNCTION lq_cache_serve(
     p_signature      bigint,
     p_max_distance   integer,
     p_similarity     double precision,
-    p_price_usd      numeric             -- NULL: no price for a hit
+    p_price_usd      numeric,            -- NULL: no price for a hit
+    p_budget_ms      integer             -- past it, book nothing (a miss)
 ) RETURNS TABLE (
     hit_id           uuid,
     entry_id         bigint,
@@ -77,6 +86,7 @@ AS $$
 DECLARE
     now_ts  timestamptz := clock_timestamp();
     found_e response_cache;
+    found_id bigint;
     sim     double precision := 1.0;
     hit     uuid := gen_random_uuid();
 BEGIN
@@ -90,7 +100,7 @@ BEGIN
 
     -- (2) the nearest of the same context
     IF found_e.entry_id IS NULL AND p_embedding IS NOT NULL THEN
-        SELECT s.entry_id, s.cos INTO found_e.entry_id, sim
+        SELECT s.entry_id, s.cos INTO found_id, sim
           FROM (SELECT c.entry_id, c.created_at,
                        lq_cache_cosine(c.embedding, p_embedding) AS cos
                   FROM response_cache AS c
@@ -103,16 +113,16 @@ BEGIN
          WHERE s.cos >= p_similarity
          ORDER BY s.cos DESC, s.created_at DESC
          LIMIT 1;
-        IF found_e.entry_id IS NOT NULL THEN
-            SELECT c.* INTO found_e FROM response_cache AS c WHERE c.entry_id = found_e.entry_id;
+        IF found_id IS NOT NULL THEN
+            SELECT c.* INTO found_e FROM response_cache AS c WHERE c.entry_id = found_id;
         END IF;
     END IF;
-    IF found_e.entry_id IS NULL THEN
+    IF found_e.entry_id IS NULL
+       OR clock_timestamp() > statement_timestamp() + make_interval(secs => p_budget_ms / 1000.0) THEN
         RETURN;
     END IF;
 
-    -- (3) the counter and the ledger row, in this transaction
-    UPDATE response_cache AS c SET hits = c.hits + 1 WHERE c.entry_id = found_e.entry_id;
+    -- (3) the ledger row, in this transaction
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
                               serving_path, saved_input_tokens, saved_output_tokens, price_usd)
@@ -126,11 +136,15 @@ $$;
 
 
 -- Keep an answer: insert it, or refresh the entry of the same key (a newer
--- answer, a new expiry). Then the tenant keeps at most p_max_entries live
+-- answer, a new expiry; its semantic columns come whole from one side, so an
+-- answer stored without an embedding keeps the entry's own). Nothing is kept
+-- for a tenant that no longer exists (a stream that ended after its tenant
+-- was deleted: a tenant created again under the name must not be served
+-- it). Then the namespace (tenant and route) keeps at most p_max_entries
 -- entries: its expired ones go, then its oldest beyond the bound. The
--- advisory lock (per tenant, for this transaction) makes the bound exact:
--- two stores of one tenant never both count the namespace before either
--- inserted. Returns how many entries the bound removed.
+-- advisory lock (per namespace, for this transaction) makes the bound exact:
+-- two stores never both count the namespace before either inserted. Returns
+-- how many entries the bound removed.
 CREATE OR REPLACE FUNCTION lq_cache_store(
     p_tenant         text,
     p_route          text,
@@ -151,8 +165,13 @@ AS $$
 DECLARE
     now_ts  timestamptz;
     removed integer;
+    expired integer;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended('lq_cache:' || p_tenant, 0));
+    PERFORM 1 FROM tenants AS t WHERE t.tenant = p_tenant FOR KEY SHARE;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended('lq_cache:' || p_tenant || '/' || p_route, 0));
     now_ts := clock_timestamp();
     INSERT INTO response_cache AS c (tenant, route, endpoint, model, exact_key, context_key,
                                      embedding, signature, answer, input_tokens, output_tokens,
@@ -161,8 +180,10 @@ BEGIN
             p_embedding, p_signature, p_answer, p_input_tokens, p_output_tokens,
             now_ts, now_ts + make_interval(secs => p_ttl_seconds))
     ON CONFLICT (tenant, route, endpoint, model, exact_key) DO UPDATE
-       SET context_key = excluded.context_key,
-           embedding = coalesce(excluded.embedding, c.embedding),
+       SET context_key = CASE WHEN excluded.embedding IS NULL THEN c.context_key
+                              ELSE excluded.context_key END,
+           embedding = CASE WHEN excluded.embedding IS NULL THEN c.embedding
+                            ELSE excluded.embedding END,
            signature = CASE WHEN excluded.embedding IS NULL THEN c.signature
                             ELSE excluded.signature END,
            answer = excluded.answer,
@@ -170,16 +191,19 @@ BEGIN
            output_tokens = excluded.output_tokens,
            created_at = excluded.created_at,
            expires_at = excluded.expires_at;
-    WITH doomed AS (
-        SELECT c.entry_id
-          FROM response_cache AS c
-         WHERE c.tenant = p_tenant
-         ORDER BY (c.expires_at > now_ts) DESC, c.created_at DESC, c.entry_id DESC
-        OFFSET p_max_entries
-    )
-    DELETE FROM response_cache AS c USING doomed AS d WHERE c.entry_id = d.entry_id;
+    DELETE FROM response_cache AS c
+     WHERE c.tenant = p_tenant AND c.route = p_route AND c.expires_at <= now_ts;
+    GET DIAGNOSTICS expired = ROW_COUNT;
+    -- The newest p_max_entries by the (tenant, route, created_at) index, read
+    -- backwards; the rest go.
+    DELETE FROM response_cache AS c
+     WHERE c.entry_id IN (SELECT o.entry_id
+                            FROM response_cache AS o
+                           WHERE o.tenant = p_tenant AND o.route = p_route
+                           ORDER BY o.created_at DESC, o.entry_id DESC
+                          OFFSET p_max_entries);
     GET DIAGNOSTICS removed = ROW_COUNT;
-    RETURN removed;
+    RETURN removed + expired;
 END
 $$;
 

@@ -6,10 +6,10 @@
 -- write the hit's ledger row; no row: a miss.
 SELECT * FROM lq_cache_serve($1::text, $2::text, $3::text, $4::text, $5::bytea, $6::bytea,
                              $7::real[], $8::bigint, $9::integer, $10::double precision,
-                             $11::numeric)
+                             $11::numeric, $12::integer)
 
 -- cache_store --
--- Keep an answer, within the tenant's max_entries: how many entries the bound removed.
+-- Keep an answer, within its namespace's max_entries: how many entries went.
 SELECT lq_cache_store($1::text, $2::text, $3::text, $4::text, $5::bytea, $6::bytea,
                       $7::real[], $8::bigint, $9::bytea, $10::bigint, $11::bigint,
                       $12::integer, $13::integer) AS removed

@@ -286,7 +286,8 @@ $$;
 -- it), and no role but the owner can insert a row the horizon reasoning
 -- does not hold for (its own xact_id or entry_id).
 -- The result gained usage_source and the as-reported figures (revision
--- 0016): a changed result type needs the old function gone first.
+-- 0016), then serving_path, a cache hit's saved tokens and a row's own price
+-- (revision 0026): a changed result type needs the old function gone first.
 DROP FUNCTION IF EXISTS lq_export_ledger(bigint, integer, integer);
 CREATE OR REPLACE FUNCTION lq_export_ledger(
     p_after_export_id bigint,
@@ -309,7 +310,11 @@ CREATE OR REPLACE FUNCTION lq_export_ledger(
     reason           text,
     usage_source     text,
     reported_input_tokens  numeric,
-    reported_output_tokens numeric
+    reported_output_tokens numeric,
+    serving_path     text,
+    saved_input_tokens  bigint,
+    saved_output_tokens bigint,
+    price_usd        numeric
 )
 LANGUAGE plpgsql
 SECURITY DEFINER
@@ -356,7 +361,8 @@ BEGIN
     SELECT p.export_id, l.entry_id, l.recorded_at, l.entry_kind, l.tenant, l.route, l.model,
            l.reservation_id, l.input_tokens, l.output_tokens, l.reserved_tokens, l.outcome,
            l.policy_version, l.reason,
-           l.usage_source, l.reported_input_tokens, l.reported_output_tokens
+           l.usage_source, l.reported_input_tokens, l.reported_output_tokens,
+           l.serving_path, l.saved_input_tokens, l.saved_output_tokens, l.price_usd
       FROM ledger_export_positions AS p
       JOIN usage_ledger AS l
         ON l.entry_id = p.entry_id AND l.recorded_at = p.recorded_at

@@ -10,7 +10,9 @@
   request's answer-changing members; `context_key`, `embedding` and
   `signature` serve semantic lookups (the embedding scaled to length 1, its
   SimHash). Rows expire at `expires_at` (the sweeper deletes them) and a
-  tenant keeps at most its policy's `max_entries` (the oldest go first).
+  tenant keeps at most its policy's `max_entries` per route (the oldest go
+  first). Hits are counted in the ledger, not here: a counter on the entry
+  would make every hit of a popular answer wait for the one before.
 - `usage_ledger.serving_path`: how the request was served (primary, cache,
   fallback_model, queued, second_deployment); NULL on adjustments and on
   rows older than this revision. A cache hit's row charges 0 tokens and
@@ -61,7 +63,6 @@ CREATE TABLE response_cache (
     output_tokens bigint NOT NULL CHECK (output_tokens >= 0),
     created_at   timestamptz NOT NULL,
     expires_at   timestamptz NOT NULL,
-    hits         bigint NOT NULL DEFAULT 0,
     CONSTRAINT response_cache_semantic CHECK (
         (embedding IS NULL) = (signature IS NULL)
         AND (embedding IS NULL OR context_key IS NOT NULL))
@@ -71,7 +72,7 @@ CREATE UNIQUE INDEX response_cache_exact
 CREATE INDEX response_cache_context
     ON response_cache (tenant, route, endpoint, model, context_key)
     WHERE embedding IS NOT NULL;
-CREATE INDEX response_cache_age ON response_cache (tenant, created_at);
+CREATE INDEX response_cache_age ON response_cache (tenant, route, created_at);
 CREATE INDEX response_cache_expiry ON response_cache (expires_at);
 COMMENT ON TABLE response_cache IS
     'answers the proxy serves again (the policy''s cache), per tenant; route is empty for none';

@@ -18,6 +18,7 @@ import asyncpg
 import pytest
 
 from llmquota.domain.response_cache import cosine, signature, unit
+from llmquota.finance.ledger import LedgerStore
 from llmquota.store.response_cache import CacheKey
 from llmquota.store.store import Store
 from tests.support import vector_at_cosine
@@ -28,6 +29,8 @@ ANSWER = b'{"id":"chatcmpl-1","choices":[{"message":{"content":"hi"}}]}'
 @pytest.fixture
 async def store(app_dsn: str) -> AsyncIterator[Store]:
     opened = await Store.connect(app_dsn, min_size=1, max_size=20)
+    for tenant in ("acme", "globex"):  # an answer is kept only for a tenant that exists
+        await opened.ensure_tenant(tenant)
     yield opened
     await opened.close()
 
@@ -53,7 +56,9 @@ async def test_an_exact_hit_is_served_once_and_booked_in_the_ledger(
     store: Store, db: asyncpg.Connection
 ) -> None:
     await put(store, key())
-    hit = await store.response_cache.serve(key(), similarity=0.9, price_usd=Decimal("0.0002"))
+    hit = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=Decimal("0.0002")
+    )
     assert hit is not None
     assert (hit.answer, hit.input_tokens, hit.output_tokens) == (ANSWER, 40, 12)
     row = await db.fetchrow(
@@ -77,17 +82,22 @@ async def test_an_exact_hit_is_served_once_and_booked_in_the_ledger(
         "saved_output_tokens": 12,
         "price_usd": Decimal("0.0002"),
     }
-    assert await db.fetchval("SELECT hits FROM response_cache") == 1
     # Each hit is its own row with its own id.
-    again = await store.response_cache.serve(key(), similarity=0.9, price_usd=None)
+    again = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=None
+    )
     assert again is not None and again.hit_id != hit.hit_id
     assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 2
-    assert await db.fetchval("SELECT hits FROM response_cache") == 2
 
 
 async def test_a_miss_writes_nothing(store: Store, db: asyncpg.Connection) -> None:
     await put(store, key())
-    assert await store.response_cache.serve(key(exact=2), similarity=0.9, price_usd=None) is None
+    assert (
+        await store.response_cache.serve(
+            key(exact=2), budget_seconds=5.0, similarity=0.9, price_usd=None
+        )
+        is None
+    )
     assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 0
 
 
@@ -96,9 +106,14 @@ async def test_another_tenant_or_route_never_reads_an_entry(
 ) -> None:
     await put(store, key("acme", route="support"))
     for other in (key("globex", route="support"), key("acme"), key("acme", route="sales")):
-        assert await store.response_cache.serve(other, similarity=0.5, price_usd=None) is None
+        assert (
+            await store.response_cache.serve(
+                other, budget_seconds=5.0, similarity=0.5, price_usd=None
+            )
+            is None
+        )
     assert await store.response_cache.serve(
-        key("acme", route="support"), similarity=0.5, price_usd=None
+        key("acme", route="support"), budget_seconds=5.0, similarity=0.5, price_usd=None
     )
     assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 1
 
@@ -113,10 +128,17 @@ async def test_an_expired_entry_is_not_served_and_the_sweeper_deletes_it(
         " WHERE exact_key = $1",
         (1).to_bytes(32, "big"),
     )
-    assert await store.response_cache.serve(key(exact=1), similarity=0.9, price_usd=None) is None
+    assert (
+        await store.response_cache.serve(
+            key(exact=1), budget_seconds=5.0, similarity=0.9, price_usd=None
+        )
+        is None
+    )
     assert await store.response_cache.sweep(100) == 1
     assert await db.fetchval("SELECT count(*) FROM response_cache") == 1
-    assert await store.response_cache.serve(key(exact=2), similarity=0.9, price_usd=None)
+    assert await store.response_cache.serve(
+        key(exact=2), budget_seconds=5.0, similarity=0.9, price_usd=None
+    )
 
 
 async def test_storing_the_same_key_again_refreshes_the_entry(
@@ -127,7 +149,9 @@ async def test_storing_the_same_key_again_refreshes_the_entry(
         key(), b'{"new":1}', input_tokens=3, output_tokens=4, ttl_seconds=600, max_entries=10
     )
     assert await db.fetchval("SELECT count(*) FROM response_cache") == 1
-    hit = await store.response_cache.serve(key(), similarity=0.9, price_usd=None)
+    hit = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=None
+    )
     assert hit is not None and (hit.answer, hit.input_tokens, hit.output_tokens) == (
         b'{"new":1}',
         3,
@@ -179,17 +203,19 @@ async def test_a_semantic_lookup_serves_the_nearest_of_its_context_above_the_sim
     close, far = vector_at_cosine(stored, 0.95, rng), vector_at_cosine(stored, 0.80, rng)
     assert cosine(stored, close) == pytest.approx(0.95)
     hit = await store.response_cache.serve(
-        semantic(close, exact=2), similarity=0.92, price_usd=None
+        semantic(close, exact=2), budget_seconds=5.0, similarity=0.92, price_usd=None
     )
     assert hit is not None and hit.similarity == pytest.approx(0.95, abs=1e-5)
     # Below the similarity, or another context (another system prompt): no hit.
     assert (
-        await store.response_cache.serve(semantic(far, exact=3), similarity=0.92, price_usd=None)
+        await store.response_cache.serve(
+            semantic(far, exact=3), budget_seconds=5.0, similarity=0.92, price_usd=None
+        )
         is None
     )
     assert (
         await store.response_cache.serve(
-            semantic(close, exact=4, context=8), similarity=0.92, price_usd=None
+            semantic(close, exact=4, context=8), budget_seconds=5.0, similarity=0.92, price_usd=None
         )
         is None
     )
@@ -209,14 +235,54 @@ async def test_a_semantic_lookup_picks_the_most_similar(store: Store) -> None:
             max_entries=10,
         )
     hit = await store.response_cache.serve(
-        semantic(query, exact=9), similarity=0.92, price_usd=None
+        semantic(query, exact=9), budget_seconds=5.0, similarity=0.92, price_usd=None
     )
     assert hit is not None and hit.answer == b"2"
 
 
 async def test_a_deleted_tenants_entries_go_with_it(store: Store, db: asyncpg.Connection) -> None:
-    await store.ensure_tenant("acme")
     await put(store, key("acme"))
     await put(store, key("globex"))
     assert await db.fetchval("SELECT status FROM lq_delete_tenant('acme', NULL)") == "deleted"
     assert [r["tenant"] for r in await db.fetch("SELECT tenant FROM response_cache")] == ["globex"]
+    # An answer that ends after its tenant went is not kept (a stream still running).
+    assert await put(store, key("acme", exact=2)) == 0
+    assert [r["tenant"] for r in await db.fetch("SELECT tenant FROM response_cache")] == ["globex"]
+
+
+async def test_a_lookup_past_its_budget_books_nothing(store: Store, db: asyncpg.Connection) -> None:
+    """The statement checks its budget before it writes the hit's row: a lookup
+    held up past it (here by a lock on the table) answers a miss and books
+    nothing, while the worker, waiting a grace longer, still hears the answer."""
+    await put(store, key())
+    async with db.transaction():
+        await db.execute("LOCK TABLE response_cache IN ACCESS EXCLUSIVE MODE")
+        lookup = asyncio.ensure_future(
+            store.response_cache.serve(key(), budget_seconds=0.2, similarity=0.9, price_usd=None)
+        )
+        await asyncio.sleep(0.6)
+    assert await lookup is None
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger") == 0
+    # Within its budget, the same lookup is a hit.
+    assert await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=None
+    )
+
+
+async def test_the_billing_export_carries_a_hits_path_savings_and_price(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    await put(store, key())
+    hit = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=Decimal("0.0002")
+    )
+    assert hit is not None
+    (entry,) = await LedgerStore(db).export_page(0, 10, 10)
+    line = entry.to_json()
+    assert {k: line[k] for k in ("reservation_id", "serving_path", "input_tokens")} == {
+        "reservation_id": str(hit.hit_id),
+        "serving_path": "cache",
+        "input_tokens": 0,
+    }
+    assert (line["saved_input_tokens"], line["saved_output_tokens"]) == (40, 12)
+    assert line["price_usd"] == "0.0002"

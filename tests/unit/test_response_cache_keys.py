@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -57,11 +58,18 @@ def test_the_exact_key_names_the_endpoint_and_the_model() -> None:
 
 
 def test_the_context_leaves_out_the_last_user_turn_only() -> None:
+    def context(body: dict[str, Any], embedding_model: str = "e") -> bytes:
+        return context_key("chat", "m", body, embedding_model)
+
     paraphrase = {**CHAT, "messages": [{"role": "user", "content": "Hello there"}]}
-    assert context_key("chat", "m", CHAT) == context_key("chat", "m", paraphrase)
+    assert context(CHAT) == context(paraphrase)
     system = {**CHAT, "messages": [{"role": "system", "content": "Be terse"}, *CHAT["messages"]]}
-    assert context_key("chat", "m", CHAT) != context_key("chat", "m", system)
-    assert context_key("chat", "m", CHAT) != context_key("chat", "m", {**CHAT, "max_tokens": 5})
+    assert context(CHAT) != context(system)
+    assert context(CHAT) != context({**CHAT, "max_tokens": 5})
+    # The last turn's other members, and the embedding model, are context too.
+    named = {**CHAT, "messages": [{"role": "user", "content": "Hi there", "name": "bob"}]}
+    assert context(CHAT) != context(named)
+    assert context(CHAT) != context(CHAT, embedding_model="other")
 
 
 @pytest.mark.parametrize(

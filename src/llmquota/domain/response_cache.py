@@ -230,13 +230,15 @@ def last_user_text(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def context_key(endpoint: str, model: str, body: Mapping[str, Any]) -> bytes:
+def context_key(endpoint: str, model: str, body: Mapping[str, Any], embedding_model: str) -> bytes:
     """What a semantic match must share: the exact key with the last user turn's
-    text left out."""
+    text left out (its other members, such as a `name`, stay), and the model
+    whose embeddings are compared (vectors of two models are never compared)."""
     messages = list(body.get("messages") or [])
     kept = _kept(body)
-    kept["messages"] = [*messages[:-1], {"role": "user", "content": None}]
-    return hashlib.sha256(_canonical(["semantic", endpoint, model, kept])).digest()
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    kept["messages"] = [*messages[:-1], {**last, "content": None}]
+    return hashlib.sha256(_canonical(["semantic", endpoint, model, embedding_model, kept])).digest()
 
 
 def unit(vector: Sequence[float]) -> list[float]:

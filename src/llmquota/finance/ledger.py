@@ -74,6 +74,15 @@ class LedgerEntry:
     usage_source: str | None = None
     reported_input_tokens: int | None = None
     reported_output_tokens: int | None = None
+    # How the request was served (primary, cache, fallback_model, queued,
+    # second_deployment; None on adjustments and rows older than revision
+    # 0026); a cache hit's tokens the provider would have billed; a price the
+    # row carries beside its tokens' (a cache hit's, when the policy sets one),
+    # as a decimal string, so no float ever holds money.
+    serving_path: str | None = None
+    saved_input_tokens: int | None = None
+    saved_output_tokens: int | None = None
+    price_usd: Decimal | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The JSON line a billing pipeline reads; `id` is the export cursor."""
@@ -95,6 +104,10 @@ class LedgerEntry:
             "usage_source": self.usage_source,
             "reported_input_tokens": self.reported_input_tokens,
             "reported_output_tokens": self.reported_output_tokens,
+            "serving_path": self.serving_path,
+            "saved_input_tokens": self.saved_input_tokens,
+            "saved_output_tokens": self.saved_output_tokens,
+            "price_usd": None if self.price_usd is None else str(self.price_usd),
         }
 
 

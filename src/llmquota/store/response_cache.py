@@ -16,6 +16,13 @@ from llmquota.domain.response_cache import SIGNATURE_MAX_DISTANCE
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.sqlfiles import named_queries
 
+# How much longer than its budget the worker waits for a lookup's answer: the
+# statement's own check (book nothing past the budget) answers first. Only a
+# server that freezes between that check and its commit for longer than this
+# can book a hit the worker gave up on (the window admission closes with
+# abandoned.py; for a hit, a row at 0 tokens and the policy's price).
+BUDGET_GRACE_SECONDS = 1.0
+
 
 @dataclass(frozen=True, slots=True)
 class CacheKey:
@@ -73,15 +80,27 @@ class ResponseCacheStore:
         *,
         similarity: float,
         price_usd: Decimal | None,
-        deadline_seconds: float | None = None,
+        budget_seconds: float,
     ) -> CacheHit | None:
         """The cached answer for `key` (exact, else the nearest of its context at
         or above `similarity` when the key has an embedding), recorded in the
-        ledger as a hit; None on a miss."""
+        ledger as a hit; None on a miss.
+
+        A statement that finds a hit past `budget_seconds` books nothing and
+        answers a miss; this worker waits BUDGET_GRACE_SECONDS longer before
+        it gives up on the statement, so that the database's own answer comes
+        first and a hit is never booked for a request that went on without it.
+        """
         rows = await self._pool.fetch(
             self._sql["cache_serve"],
-            (*_key_arguments(key), SIGNATURE_MAX_DISTANCE, similarity, price_usd),
-            deadline_seconds=deadline_seconds,
+            (
+                *_key_arguments(key),
+                SIGNATURE_MAX_DISTANCE,
+                similarity,
+                price_usd,
+                max(1, round(budget_seconds * 1000)),
+            ),
+            deadline_seconds=budget_seconds + BUDGET_GRACE_SECONDS,
         )
         if not rows:
             return None

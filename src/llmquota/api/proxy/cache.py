@@ -44,7 +44,7 @@ from llmquota.api.proxy.exchange import UsageTracker
 from llmquota.api.proxy.pool import PoolRefusal
 from llmquota.api.proxy.requests import ProxyRequest
 from llmquota.api.proxy.stream import event_data, without_usage
-from llmquota.api.proxy.upstream import Proxy
+from llmquota.api.proxy.upstream import Proxy, Upstream
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.domain.errors import LimiterError
 from llmquota.domain.json_limits import loads_bounded
@@ -59,11 +59,15 @@ from llmquota.domain.response_cache import (
     signature,
     unit,
 )
+from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.store.response_cache import CacheHit, CacheKey
 
 log = logging.getLogger(__name__)
 
 SERVING_PATH_HEADER = "llmquota-serving-path"
+# The most of an embeddings answer read (an 8,192-dimension vector in JSON is
+# about 200 KB): a larger one is refused before it is parsed.
+MAX_EMBEDDING_ANSWER_BYTES = 1_048_576
 SIMILARITY_HEADER = "llmquota-cache-similarity"
 # The endpoints whose answers are cached: generations. Embeddings and
 # legacy completions pass through.
@@ -76,7 +80,6 @@ class CacheLookup:
 
     policy: CachePolicy
     key: CacheKey
-    stream: bool
 
 
 async def lookup_for(
@@ -105,7 +108,7 @@ async def lookup_for(
         model=parsed.model,
         exact_key=exact_key(endpoint, parsed.model, parsed.body),
     )
-    return CacheLookup(policy, key, parsed.stream)
+    return CacheLookup(policy, key)
 
 
 async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
@@ -121,7 +124,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
     embedded, for storing a fresh answer under it)."""
     limiter: Limiter = request.app.state.limiter
     policy = lookup.policy
-    deadline = limiter.deadline_seconds
+    budget = limiter.deadline_seconds
     answers = limiter.store.response_cache
     semantic = False
     try:
@@ -129,7 +132,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
             lookup.key,
             similarity=policy.similarity,
             price_usd=policy.hit_price_usd,
-            deadline_seconds=deadline,
+            budget_seconds=budget,
         )
         if hit is None and policy.mode == "semantic":
             lookup = await _embedded(request, caller, lookup, parsed)
@@ -139,7 +142,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
                     lookup.key,
                     similarity=policy.similarity,
                     price_usd=policy.hit_price_usd,
-                    deadline_seconds=deadline,
+                    budget_seconds=budget,
                 )
     except LimiterError as exc:
         # The cache is an optimisation: a store that does not answer it sends
@@ -201,7 +204,7 @@ async def _embedded(
         return lookup
     key = replace(
         lookup.key,
-        context_key=context_key(lookup.key.endpoint, lookup.key.model, parsed.body),
+        context_key=context_key(lookup.key.endpoint, lookup.key.model, parsed.body, model),
         embedding=vector,
         signature=signature(vector),
     )
@@ -211,8 +214,12 @@ async def _embedded(
 async def _embed(
     request: Request, caller: Caller, route: str | None, model: str, text: str
 ) -> list[float] | None:
-    """`text` embedded by `model` (length 1), charged to the caller's tenant; None
-    when it cannot be had."""
+    """`text` embedded by `model` (length 1), admitted and settled as the caller's
+    tenant's own request of that model (never degraded to another: its tokens
+    are priced as the embedding model's); None when it cannot be had. A call
+    the provider answered with its usage is settled whatever its vector is,
+    through the outage journal if the store does not answer; one that never
+    answered is released."""
     proxy: Proxy = request.app.state.proxy
     limiter: Limiter = request.app.state.limiter
     upstream = proxy.route("openai", model)
@@ -228,22 +235,24 @@ async def _embed(
             max_tokens=0,
             messages=[{"role": "user", "content": text}],
             key_id=caller.key_id,
+            degrade=False,
         )
     except LimiterError:
         return None  # refused (or no store): no semantic lookup this time
+    answer: tuple[list[float] | None, int] | None = None
     try:
         answer = await _call_embeddings(proxy, upstream, tenant, model, text)
     except (httpx.HTTPError, PoolRefusal, ValueError) as exc:
         log.warning("cache embedding by %r failed: %s", model, exc)
-        await asyncio.shield(_release(reservation))
-        return None
-    vector, input_tokens = answer
+    finally:
+        if answer is None:
+            await asyncio.shield(_release(reservation))
+        else:
+            usage = UpstreamUsage(input_tokens=answer[1], output_tokens=0, source="reported")
+            await asyncio.shield(_settle(reservation, usage))
+    vector = None if answer is None else answer[0]
     try:
-        await reservation.settle(input_tokens=input_tokens, output_tokens=0)
-    except LimiterError as exc:
-        log.warning("cache embedding of %s not settled: %s", tenant, exc)
-    try:
-        return unit(vector)
+        return None if vector is None else unit(vector)
     except ValueError:
         return None
 
@@ -255,11 +264,19 @@ async def _release(reservation: Reservation) -> None:
         log.warning("could not release reservation %s: %s", reservation.reservation_id, exc)
 
 
+async def _settle(reservation: Reservation, usage: UpstreamUsage) -> None:
+    try:
+        await reservation.settle_upstream(usage)
+    except LimiterError as exc:
+        log.error("cache embedding %s not settled: %s", reservation.reservation_id, exc)
+
+
 async def _call_embeddings(
-    proxy: Proxy, upstream: Any, tenant: str, model: str, text: str
-) -> tuple[list[float], int]:
-    """One OpenAI embeddings call: the vector and the input tokens the provider
-    counted. Raises ValueError for an answer not in the documented shape."""
+    proxy: Proxy, upstream: Upstream, tenant: str, model: str, text: str
+) -> tuple[list[float] | None, int]:
+    """One OpenAI embeddings call: the vector (None when not one the cache can
+    use) and the input tokens the provider counted. Raises ValueError for an
+    answer without a usable token count, or larger than MAX_EMBEDDING_ANSWER_BYTES."""
     client = proxy.client(upstream)
     outgoing = client.build_request(
         "POST",
@@ -270,26 +287,36 @@ async def _call_embeddings(
     )
     slot = await proxy.shares[upstream.name].acquire(tenant)
     try:
-        response = await client.send(outgoing)
+        response = await client.send(outgoing, stream=True)
+        try:
+            content = bytearray()
+            async for chunk in response.aiter_bytes():
+                content += chunk
+                if len(content) > MAX_EMBEDDING_ANSWER_BYTES:
+                    raise ValueError("the embeddings answer is larger than the cache reads")
+        finally:
+            await response.aclose()
     finally:
         slot.release()
     if response.status_code != 200:
         raise ValueError(f"the embeddings upstream answered {response.status_code}")
-    body: Any = loads_bounded(response.content)
+    body: Any = loads_bounded(bytes(content))
+    try:
+        tokens = body["usage"]["prompt_tokens"]
+    except (KeyError, TypeError):
+        raise ValueError("the embeddings answer has no usage.prompt_tokens") from None
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        raise ValueError("the embeddings answer's prompt_tokens is not a count")
     try:
         vector = body["data"][0]["embedding"]
-        tokens = body["usage"]["prompt_tokens"]
     except (KeyError, IndexError, TypeError):
-        raise ValueError("the embeddings answer has no data[0].embedding or usage") from None
+        return None, tokens
     if (
         not isinstance(vector, list)
         or not 0 < len(vector) <= MAX_EMBEDDING_DIMENSIONS
         or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in vector)
-        or not isinstance(tokens, int)
-        or isinstance(tokens, bool)
-        or tokens < 0
     ):
-        raise ValueError("the embeddings answer is not a list of numbers with a token count")
+        return None, tokens
     return [float(x) for x in vector], tokens
 
 
@@ -337,6 +364,8 @@ def _count(value: object) -> bool:
 async def _store(
     limiter: Limiter, lookup: CacheLookup, answer: bytes, input_tokens: int, output_tokens: int
 ) -> None:
+    """Keep an answer; a failure is logged and costs only the next hit (the task
+    runs in the background: nobody else would hear of it)."""
     policy = lookup.policy
     try:
         await limiter.store.response_cache.store(
@@ -348,5 +377,5 @@ async def _store(
             max_entries=policy.max_entries,
             deadline_seconds=limiter.deadline_seconds,
         )
-    except LimiterError as exc:
-        log.warning("response cache store failed: %s", exc)
+    except Exception:
+        log.exception("response cache store failed")

@@ -296,11 +296,13 @@ async def _complete(call: Call) -> Response:
         async with call.in_time():
             # Streamed, to time the response head apart from the body.
             response = await call.proxy.client(upstream).send(outgoing, stream=True)
-            try:
-                calls.answered(response.status_code)
-                await response.aread()
-            finally:
-                await response.aclose()
+        try:
+            calls.answered(response.status_code)
+            # The head came in time: the body is not cut by the request's
+            # deadline (the provider bills it), only by the read timeout.
+            await response.aread()
+        finally:
+            await response.aclose()
     except (httpx.HTTPError, TimeoutError) as exc:
         calls.failed(exc)
         return call.unanswered(exc)
