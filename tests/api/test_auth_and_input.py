@@ -99,6 +99,7 @@ async def test_policy_round_trip_and_defaults(
         "shards": 1,
         "request_cost": None,
         "uses_concurrency": None,
+        "cache": None,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",
