@@ -17,8 +17,8 @@ import asyncpg
 import openai
 import pytest
 
-from llmquota.api.proxy.metrics import SERVING_PATHS
 from llmquota.domain.output_estimates import bucket_of, bucket_top
+from llmquota.domain.vocabulary import SERVING_PATHS
 from tests.proxy.conftest import GENEROUS, Stack, ledger, settled, stack_for
 from tests.proxy.fake_provider import FakeProvider
 from tests.proxy.test_proxy_metrics import scrape, value

@@ -6,7 +6,7 @@ checked by mypy wherever it travels, from the SQL row to the JSON body.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 # What a refusal names as the limit that bound.
 # quota: a calendar quota; credits: a prepaid balance.
@@ -132,13 +132,9 @@ USAGE_SOURCES: tuple[UsageSource, ...] = ("reported", "counted", "clamped")
 # deployment after the first answered 429 or 5xx (second_deployment). The
 # cache writes its own rows (sql/cache.sql); lq_finish writes the rest.
 LedgerServingPath = Literal["primary", "cache", "fallback_model", "queued", "second_deployment"]
-LEDGER_SERVING_PATHS: tuple[LedgerServingPath, ...] = (
-    "primary",
-    "cache",
-    "fallback_model",
-    "queued",
-    "second_deployment",
-)
+# The proxy's serving-path metric counts one more: refused by a limit (rejected).
+ServingPath = Literal[LedgerServingPath, "rejected"]
+SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 # The path a settler may name for its ledger row (every one but the cache's),
 # and the path an admission journals (reservations.serving_path; NULL: primary):
 # `queued` when the request waited for room, `fallback_model` written by

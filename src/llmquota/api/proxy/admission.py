@@ -31,13 +31,13 @@ from llmquota.api.auth import Caller, Forbidden
 from llmquota.api.disconnect import CLIENT_CLOSED_REQUEST, client_left
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy.exchange import Exchange
-from llmquota.api.proxy.metrics import ServingPath
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.upstream import Proxy, Upstream, unserved_model
 from llmquota.api.proxy.wire import Kind, error_response, refusal
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.records import AdmitRequest
 from llmquota.domain.refusal_table import REFUSALS
+from llmquota.domain.vocabulary import ServingPath
 
 FALLBACKS_HEADER = "llmquota-fallback-models"
 DEGRADE_HEADER = "llmquota-degrade"

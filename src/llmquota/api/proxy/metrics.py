@@ -13,24 +13,15 @@ event inside a stream).
 from __future__ import annotations
 
 import time
-from typing import Literal, get_args
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmquota.api.proxy.wire import Endpoint, Kind
+from llmquota.domain.vocabulary import SERVING_PATHS, ServingPath
 
 UPSTREAM_BUCKETS_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKENS_PER_SECOND_BUCKETS = (1, 5, 10, 25, 50, 100, 200, 400, 800, 1600, 3200)
-
-# How a proxied request was served (seed 001's serving paths): as asked
-# (`primary`), as a fallback model (`fallback_model`), after waiting for room
-# (`queued`), by a deployment other than its first after that one answered 429
-# or 5xx (`second_deployment`), or not at all, refused by a limit (`rejected`).
-ServingPath = Literal[
-    "primary", "cache", "fallback_model", "queued", "second_deployment", "rejected"
-]
-SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 
 
 class ProxyMetrics:

@@ -37,7 +37,7 @@ from llmquota.api.proxy.callers import read_request
 from llmquota.api.proxy.cooldown import retry_after_seconds
 from llmquota.api.proxy.counting import count_tokens_answer
 from llmquota.api.proxy.exchange import Exchange, UsageTracker
-from llmquota.api.proxy.metrics import CallMetrics, ServingPath
+from llmquota.api.proxy.metrics import CallMetrics
 from llmquota.api.proxy.pool import PoolRefusal, Slot
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.stream import RelayResponse, StreamRelay
@@ -55,6 +55,7 @@ from llmquota.api.proxy.wire import (
 )
 from llmquota.domain.errors import LimiterError, StoreUnavailable
 from llmquota.domain.json_limits import loads_bounded
+from llmquota.domain.vocabulary import ServingPath
 
 log = logging.getLogger("llmquota.proxy")
 
