@@ -52,6 +52,14 @@ async def entries(db: asyncpg.Connection, count: int, within: float = 10.0) -> i
         await asyncio.sleep(0.02)
 
 
+async def ask_and_store(client: openai.AsyncOpenAI, db: asyncpg.Connection) -> None:
+    """Ask QUESTION once (temperature 0: cacheable) and wait until its answer is stored."""
+    await client.chat.completions.create(
+        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
+    )
+    await entries(db, 1)
+
+
 async def cache_rows(db: asyncpg.Connection) -> list[dict[str, Any]]:
     rows = await db.fetch(
         "SELECT tenant, model, input_tokens, output_tokens, saved_input_tokens,"
@@ -105,10 +113,7 @@ async def test_a_hit_is_served_when_the_budget_is_spent_and_priced_as_the_policy
     }
     assert (await cached.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
     client = cached.openai()
-    await client.chat.completions.create(
-        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
-    )
-    await entries(db, 1)
+    await ask_and_store(client, db)
     # The one request a minute is spent: a new question is refused...
     refused = await cached.admin.post(
         "/v1/chat/completions",
@@ -134,10 +139,7 @@ async def test_a_policy_can_keep_hits_within_the_budget(
     }
     assert (await cached.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
     client = cached.openai()
-    await client.chat.completions.create(
-        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
-    )
-    await entries(db, 1)
+    await ask_and_store(client, db)
     again = await cached.admin.post(
         "/v1/chat/completions",
         json={"model": "gpt-4o", "messages": QUESTION, "max_tokens": 50, "temperature": 0},
@@ -167,10 +169,7 @@ async def test_a_hit_within_the_budget_gives_back_what_admission_reserved(
 async def test_another_tenants_identical_request_is_not_served_from_the_cache(
     cached: Stack, db: asyncpg.Connection
 ) -> None:
-    await cached.openai().chat.completions.create(
-        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
-    )
-    await entries(db, 1)
+    await ask_and_store(cached.openai(), db)
     policy = {**GENEROUS, "cache": EXACT}
     assert (await cached.admin.put("/v1/tenants/globex/policy", json=policy)).is_success
     other_key = (await cached.admin.post("/v1/tenants/globex/keys")).json()["key"]
@@ -306,10 +305,7 @@ async def test_a_bad_cache_policy_is_refused_before_anything_is_stored(cached: S
 async def test_the_sweeper_deletes_expired_entries(
     cached: Stack, db: asyncpg.Connection, app_dsn: str
 ) -> None:
-    await cached.openai().chat.completions.create(
-        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
-    )
-    await entries(db, 1)
+    await ask_and_store(cached.openai(), db)
     await db.execute("UPDATE response_cache SET expires_at = clock_timestamp()")
     limiter = await Limiter.connect(app_dsn)
     try:
@@ -323,10 +319,7 @@ async def test_the_sweeper_deletes_expired_entries(
 async def test_a_key_never_gets_a_cached_answer_of_a_model_it_may_not_use(
     cached: Stack, db: asyncpg.Connection
 ) -> None:
-    await cached.openai().chat.completions.create(
-        model="gpt-4o", messages=QUESTION, max_tokens=50, temperature=0
-    )
-    await entries(db, 1)
+    await ask_and_store(cached.openai(), db)
     created = await cached.admin.post("/v1/tenants/acme/keys", json={"models": ["gpt-4o-mini"]})
     assert created.status_code == 201, created.text
     limited = cached.openai(api_key=created.json()["key"])
