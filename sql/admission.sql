@@ -382,10 +382,25 @@ $$;
 -- limit_scope, reason and ceiling describe the refusal the requested model
 -- got. With p_degrade false, alt_models lists the fallbacks that would fit.
 --
+-- Deployments: a model may be served by several deployments (upstreams in
+-- UPSTREAMS_FILE), and a provider ceiling may be scoped to one of them
+-- (limit_layers.upstream). The caller names each candidate model's
+-- deployments (p_up_*: request position, model, deployment, in its order,
+-- and the routing rule), and each candidate model is then tried on each of
+-- them in turn before the next model: a ceiling counts for a deployment when
+-- its models match and its upstream is NULL or that deployment. The rule
+-- 'least_utilized' tries first the deployment whose own (scoped) token
+-- ceilings would have the most room left, as a share of their burst (none:
+-- the most); 'order' (anything else) keeps the caller's order. A candidate
+-- model with no deployment named is one candidate that every matching
+-- ceiling bounds, scoped or not, as before scoping existed. `upstream`
+-- names the deployment admitted, and the reservation journals it.
+--
 -- Serving path: each reservation journals how it came to be admitted
 -- (reservations.serving_path), for the ledger row its settlement or expiry
--- writes (lq_finish): 'fallback_model' when a fallback was admitted, else
--- the caller's p_serving_paths ('queued': the request waited for room
+-- writes (lq_finish): 'fallback_model' when a fallback was admitted,
+-- 'second_deployment' when the requested model was admitted on a deployment
+-- after the first it was tried on, else the caller's p_serving_paths ('queued': the request waited for room
 -- first), else NULL (primary). Written in the journaling INSERT itself, so
 -- it costs no statement of its own.
 --
@@ -451,6 +466,11 @@ DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
                                         uuid[], bigint[]);
+-- p_up_* (deployments) were added, and the result gained upstream.
+DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
+                                        integer[], text[], text[], integer, smallint[], boolean[],
+                                        boolean[], integer[], text[], bigint[], bigint[], boolean,
+                                        uuid[], bigint[], bigint[], text[]);
 CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_tenants          text[],
     p_routes           text[],
@@ -474,7 +494,11 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
     p_alt_outputs      bigint[] DEFAULT NULL,    -- each explicit fallback's output reserve
                                                  -- (as p_alt_inputs), NULL: max_tokens
-    p_serving_paths    text[] DEFAULT NULL       -- 'queued': it waited for room; NULL: as asked
+    p_serving_paths    text[] DEFAULT NULL,      -- 'queued': it waited for room; NULL: as asked
+    p_up_ord           integer[] DEFAULT NULL,   -- deployments: request position,
+    p_up_models        text[] DEFAULT NULL,      -- the candidate model they serve,
+    p_up_names         text[] DEFAULT NULL,      -- the deployment, in the caller's order,
+    p_up_rules         text[] DEFAULT NULL       -- and the model's rule ('least_utilized')
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -511,7 +535,8 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     credit_balance             numeric,
     binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
     binding_token_burst        bigint,
-    binding_tokens             double precision
+    binding_tokens             double precision,
+    upstream                   text        -- the deployment admitted (NULL: none named)
 )
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
@@ -527,6 +552,7 @@ DECLARE
     m_all        text[];
     mc_model     text[];
     mc_layer     bigint[];
+    mc_upstream  text[];     -- the deployment the ceiling is scoped to (NULL: every one)
     -- The locked layers, in layer_id order. Position i describes one layer;
     -- l_key is 'g/<shard>', 't/<tenant>', 'r/<tenant>/<route>' or 'c/<ceiling>'.
     l_id         bigint[];
@@ -578,6 +604,9 @@ DECLARE
     -- Explicit fallbacks of request k: p_alt_*[x_first[k] .. x_first[k] + x_count[k] - 1].
     x_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
     x_count      integer[] := array_fill(0, ARRAY[n]);
+    -- Deployments of request k: p_up_*[u_first[k] .. u_first[k] + u_count[k] - 1].
+    u_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
+    u_count      integer[] := array_fill(0, ARRAY[n]);
     -- Per-request results, indexed by request position.
     r_status     text[] := array_fill(NULL::text, ARRAY[n]);
     r_id         uuid[] := array_fill(NULL::uuid, ARRAY[n]);
@@ -616,6 +645,8 @@ DECLARE
     r_resets     timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
     r_zone       text[] := array_fill(NULL::text, ARRAY[n]);
     r_credit     numeric[] := array_fill(NULL::numeric, ARRAY[n]);
+    r_upstream   text[] := array_fill(NULL::text, ARRAY[n]);
+    r_path       text[] := array_fill(NULL::text, ARRAY[n]);  -- the serving path journaled
     -- Calendar quotas of the batch's tenants, their current windows locked
     -- (step 4b): running usage (reserved + charged) and what this batch adds.
     has_quotas   boolean := false;
@@ -665,6 +696,8 @@ DECLARE
     c_models     text[];
     c_inputs     bigint[];
     c_outputs    bigint[];   -- output to reserve, NULL: max_tokens
+    c_ups        text[];     -- the deployment tried (NULL: none named)
+    c_fb         boolean[];  -- a fallback model (not the requested one)
     c            integer;
     fits         text[];
     k            integer;
@@ -746,8 +779,9 @@ BEGIN
 
     -- The ceilings each of those models matches (ceilings are few: a scan of
     -- the partial index over them).
-    SELECT array_agg(m.model ORDER BY c.layer_id), array_agg(c.layer_id ORDER BY c.layer_id)
-      INTO mc_model, mc_layer
+    SELECT array_agg(m.model ORDER BY c.layer_id), array_agg(c.layer_id ORDER BY c.layer_id),
+           array_agg(c.upstream ORDER BY c.layer_id)
+      INTO mc_model, mc_layer, mc_upstream
       FROM limit_layers AS c
       JOIN unnest(m_all) AS m(model) ON m.model LIKE ANY (c.model_patterns)
      WHERE c.scope = 'ceiling';
@@ -815,6 +849,13 @@ BEGIN
             SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
               FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
                    WITH ORDINALITY AS u(t, r, inp, mx, res, o)
+        ), ups AS (
+            -- the deployment each request goes to: the first named for its
+            -- model (no ceiling here to choose by)
+            SELECT d.o AS k, (array_agg(d.name ORDER BY d.i))[1] AS name
+              FROM unnest(p_up_ord, p_up_models, p_up_names) WITH ORDINALITY AS d(o, m, name, i)
+             WHERE d.m = p_models[d.o]
+             GROUP BY d.o
         ), pairs AS (
             -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
             -- 4 its key's
@@ -901,12 +942,12 @@ BEGIN
             INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                       input_tokens, input_estimated, max_tokens, reserved_tokens,
                                       policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash, serving_path)
+                                      idempotency_key, request_hash, serving_path, upstream)
             SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
                    p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
                    d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k], p_serving_paths[d.k]
-              FROM decided AS d
+                   NULL, p_request_hashes[d.k], p_serving_paths[d.k], u.name
+              FROM decided AS d LEFT JOIN ups AS u USING (k)
         )
         SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
                NULL::text, NULL::text, NULL::bigint, NULL::bigint,
@@ -918,8 +959,8 @@ BEGIN
                     WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
                     ELSE least(p_priorities[d.k], d.t_priority) END,
                d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
-               NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens
-          FROM decided AS d
+               NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens, u.name
+          FROM decided AS d LEFT JOIN ups AS u USING (k)
          ORDER BY d.k;
         IF FOUND THEN
             RETURN;
@@ -990,6 +1031,13 @@ BEGIN
             x_first[p_alt_ord[x]] := x;
         END IF;
         x_count[p_alt_ord[x]] := x_count[p_alt_ord[x]] + 1;
+    END LOOP;
+    -- And its deployments (grouped by request too).
+    FOR x IN 1 .. coalesce(cardinality(p_up_ord), 0) LOOP
+        IF u_first[p_up_ord[x]] IS NULL THEN
+            u_first[p_up_ord[x]] := x;
+        END IF;
+        u_count[p_up_ord[x]] := u_count[p_up_ord[x]] + 1;
     END LOOP;
 
     -- (4) The clock, read once the locks are held, never before the latest
@@ -1182,6 +1230,7 @@ BEGIN
                     r_model[k] := r_model[j];
                     r_input[k] := r_input[j];
                     r_degraded[k] := r_degraded[j];
+                    r_upstream[k] := r_upstream[j];
                 END IF;
                 r_t_tokens[k] := l_tokens[ti];
                 r_t_requests[k] := l_requests[ti];
@@ -1189,7 +1238,8 @@ BEGIN
                 CONTINUE;
             END IF;
             SELECT rs.reservation_id, rs.reserved_tokens, rs.lease_expires_at,
-                   rs.lease_generation, rs.request_hash, rs.model, rs.input_tokens
+                   rs.lease_generation, rs.request_hash, rs.model, rs.input_tokens,
+                   rs.upstream
               INTO prior
               FROM reservations AS rs
              WHERE rs.tenant = p_tenants[k]
@@ -1204,6 +1254,7 @@ BEGIN
                     r_model[k] := prior.model;
                     r_input[k] := prior.input_tokens;
                     r_degraded[k] := prior.model IS DISTINCT FROM p_models[k];
+                    r_upstream[k] := prior.upstream;
                 ELSE
                     r_status[k] := 'idempotency_conflict';
                 END IF;
@@ -1240,18 +1291,56 @@ BEGIN
             c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
             c_outputs := c_outputs || array_fill(p_output_reserve[k], ARRAY[cardinality(c_models) - 1]);
         END IF;
+        -- Each candidate model on each of its deployments, in turn (see
+        -- Deployments above): the model's rule orders them, least_utilized by
+        -- the room its scoped token ceilings would have left (a share of the
+        -- burst, the running balances of this batch), none scoped counting as
+        -- the most.
+        c_ups := array_fill(NULL::text, ARRAY[cardinality(c_models)]);
+        c_fb := ARRAY(SELECT g.i > 1 FROM generate_subscripts(c_models, 1) AS g(i) ORDER BY g.i);
+        IF u_count[k] > 0 THEN
+            SELECT array_agg(e.model ORDER BY e.c, e.rank), array_agg(e.input ORDER BY e.c, e.rank),
+                   array_agg(e.output ORDER BY e.c, e.rank), array_agg(e.up ORDER BY e.c, e.rank),
+                   array_agg(e.c > 1 ORDER BY e.c, e.rank)
+              INTO c_models, c_inputs, c_outputs, c_ups, c_fb
+              FROM (SELECT m.c, m.model, m.input, m.output, d.up,
+                           row_number() OVER (
+                               PARTITION BY m.c
+                               ORDER BY CASE WHEN d.rule = 'least_utilized' THEN
+                                   (SELECT min((l_tokens[p.j] - m.input
+                                                - coalesce(m.output, p_max_tokens[k])) / l_tburst[p.j])
+                                      FROM unnest(mc_model, mc_upstream, mc_layer) AS s(model, up, id)
+                                           CROSS JOIN LATERAL
+                                           (SELECT array_position(l_id, s.id) AS j) AS p
+                                     WHERE s.model = m.model AND s.up = d.up
+                                       AND l_tpm[p.j] IS NOT NULL) END DESC NULLS FIRST,
+                                        d.i) AS rank
+                      FROM unnest(c_models, c_inputs, c_outputs)
+                           WITH ORDINALITY AS m(model, input, output, c)
+                      LEFT JOIN LATERAL (
+                           SELECT w.up, w.rule, w.i
+                             FROM unnest(p_up_models[u_first[k] : u_first[k] + u_count[k] - 1],
+                                         p_up_names[u_first[k] : u_first[k] + u_count[k] - 1],
+                                         p_up_rules[u_first[k] : u_first[k] + u_count[k] - 1])
+                                  WITH ORDINALITY AS w(model, up, rule, i)
+                            WHERE w.model = m.model) AS d ON true
+                     WHERE m.model IS NOT NULL) AS e;
+        END IF;
         fits := '{}';
         refused_j := NULL;
 
         FOR c IN 1 .. cardinality(c_models) LOOP
             -- A fallback the request's key may not use is never tried (the
             -- requested model was checked before admission: 403).
-            CONTINUE WHEN c > 1 AND x_ki[k] IS NOT NULL AND l_allowed[x_ki[k]] IS NOT NULL
+            CONTINUE WHEN c_fb[c] AND x_ki[k] IS NOT NULL AND l_allowed[x_ki[k]] IS NOT NULL
                       AND NOT c_models[c] LIKE ANY (l_allowed[x_ki[k]]::text[]);
-            -- The layers of this candidate: global, tenant, route, key, matching ceilings.
+            -- The layers of this candidate: global, tenant, route, key, and the
+            -- ceilings matching its model (those scoped to a deployment: only
+            -- on that deployment, or when none is named).
             layers := array_remove(ARRAY[x_gi[k], ti, ri, x_ki[k]], NULL);
             FOR x IN 1 .. coalesce(cardinality(mc_model), 0) LOOP
-                IF mc_model[x] = c_models[c] THEN
+                IF mc_model[x] = c_models[c]
+                   AND (c_ups[c] IS NULL OR mc_upstream[x] IS NULL OR mc_upstream[x] = c_ups[c]) THEN
                     layers := layers || array_position(l_id, mc_layer[x]);
                 END IF;
             END LOOP;
@@ -1381,9 +1470,11 @@ BEGIN
             END IF;
 
             IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0 AND budget IS NULL THEN
-                IF c > 1 AND p_degrade[k] IS NOT DISTINCT FROM false THEN
+                IF c_fb[c] AND p_degrade[k] IS NOT DISTINCT FROM false THEN
                     -- Not degrading: only say that this fallback would fit now.
-                    fits := fits || c_models[c];
+                    IF NOT c_models[c] = ANY (fits) THEN
+                        fits := fits || c_models[c];
+                    END IF;
                     CONTINUE;
                 END IF;
                 -- Every layer passes: debit them all.
@@ -1424,7 +1515,11 @@ BEGIN
                 r_status[k] := 'admitted';
                 r_model[k] := c_models[c];
                 r_input[k] := c_inputs[c];
-                r_degraded[k] := c > 1;
+                r_degraded[k] := c_fb[c];
+                r_upstream[k] := c_ups[c];
+                r_path[k] := CASE WHEN c_fb[c] THEN 'fallback_model'
+                                  WHEN c > 1 THEN 'second_deployment'
+                                  ELSE p_serving_paths[k] END;
                 r_reserved[k] := cost;
                 r_id[k] := coalesce(p_reservation_ids[k], gen_random_uuid());
                 r_generation[k] := 1;
@@ -1442,8 +1537,12 @@ BEGIN
                     b_ord := b_ord || k;
                 END IF;
                 EXIT;
-            ELSIF c = 1 THEN
-                -- The requested model's refusal: what a 429 (or a degraded 201) says.
+            ELSIF c = 1 OR (NOT c_fb[c] AND r_status[k] = 'too_large'
+                            AND too_cap IS NULL AND rq_too_j IS NULL) THEN
+                -- The requested model's refusal: what a 429 (or a degraded 201)
+                -- says. On several deployments, its first's, unless that one
+                -- can never fit it and another only lacks room now.
+                r_alt_max[k] := NULL;
                 refused_layers := layers;
                 refused_j := coalesce(too_j, tok_j);
                 r_reserved[k] := cost;
@@ -1592,13 +1691,12 @@ BEGIN
                               input_tokens, input_estimated, max_tokens, reserved_tokens,
                               policy_version, created_at, lease_seconds, lease_expires_at,
                               idempotency_key, request_hash, quota_ids, reserved_cost,
-                              credit_reserved, request_cost, permits, serving_path)
+                              credit_reserved, request_cost, permits, serving_path, upstream)
     SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
            r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
            a.version, now_ts, a.lease, r_expires[a.k],
            p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit,
-           x_rc[a.k], x_pm[a.k],
-           CASE WHEN r_degraded[a.k] THEN 'fallback_model' ELSE p_serving_paths[a.k] END
+           x_rc[a.k], x_pm[a.k], r_path[a.k], r_upstream[a.k]
       FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
            AS a(k, layers, version, lease, quotas, cost, credit);
 
@@ -1611,7 +1709,7 @@ BEGIN
            r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
            r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
            r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i],
-           r_b_tpm[o.i], r_b_tburst[o.i], r_b_tokens[o.i]
+           r_b_tpm[o.i], r_b_tburst[o.i], r_b_tokens[o.i], r_upstream[o.i]
       FROM generate_series(1, n) AS o(i);
 END
 $$;
@@ -1678,6 +1776,11 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
                                  uuid[], bigint[]);
+-- p_up_* (deployments) were added, and the result gained upstream.
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[], bigint[], timestamptz,
+                                 uuid[], bigint[], bigint[], text[]);
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],
@@ -1701,7 +1804,11 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
     p_alt_outputs      bigint[] DEFAULT NULL,    -- each explicit fallback's output reserve
                                                  -- (as p_alt_inputs), NULL: max_tokens
-    p_serving_paths    text[] DEFAULT NULL       -- 'queued': it waited for room; NULL: as asked
+    p_serving_paths    text[] DEFAULT NULL,      -- 'queued': it waited for room; NULL: as asked
+    p_up_ord           integer[] DEFAULT NULL,   -- deployments: request position,
+    p_up_models        text[] DEFAULT NULL,      -- the candidate model they serve,
+    p_up_names         text[] DEFAULT NULL,      -- the deployment, in the caller's order,
+    p_up_rules         text[] DEFAULT NULL       -- and the model's rule ('least_utilized')
 ) RETURNS TABLE (
     ord                        integer,
     status                     text,
@@ -1738,7 +1845,8 @@ CREATE OR REPLACE FUNCTION lq_admit(
     credit_balance             numeric,
     binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
     binding_token_burst        bigint,
-    binding_tokens             double precision
+    binding_tokens             double precision,
+    upstream                   text        -- the deployment admitted (NULL: none named)
 )
 LANGUAGE plpgsql
 AS $$
@@ -1752,7 +1860,7 @@ BEGIN
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
             p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths);
+            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
         PERFORM lq_admit_in_time(p_deadline, 'ran');
         RETURN;
     END IF;
@@ -1762,14 +1870,14 @@ BEGIN
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
             p_output_reserve, false, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths);
+            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
     EXCEPTION WHEN SQLSTATE 'LQ001' THEN
         RETURN QUERY SELECT * FROM lq_admit_decide(
             p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
             p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
             p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
             p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths);
+            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
     END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END

@@ -198,12 +198,16 @@ $$;
 -- settings (migration 0023: NULL alert_at is the ladder's steps, NULL
 -- hysteresis and quiet time the workers' settings).
 -- p_alert_at, p_alert_hysteresis and p_alert_quiet_seconds were added (ceiling alerts),
--- then p_shed_queue_ms (migration 0025: each step's wait for room, NULL: none).
+-- then p_shed_queue_ms (migration 0025: each step's wait for room, NULL: none),
+-- then p_upstream (migration 0027: the one deployment it bounds, NULL: every one).
 DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
                                        double precision[], smallint[], bigint[]);
 DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
                                        double precision[], smallint[], bigint[], numeric[],
                                        double precision, double precision);
+DROP FUNCTION IF EXISTS lq_put_ceiling(text, text[], bigint, bigint, bigint, bigint, integer,
+                                       double precision[], smallint[], bigint[], numeric[],
+                                       double precision, double precision, integer[]);
 CREATE OR REPLACE FUNCTION lq_put_ceiling(
     p_ceiling             text,
     p_models              text[],
@@ -218,7 +222,8 @@ CREATE OR REPLACE FUNCTION lq_put_ceiling(
     p_alert_at            numeric[] DEFAULT NULL,
     p_alert_hysteresis    double precision DEFAULT NULL,
     p_alert_quiet_seconds double precision DEFAULT NULL,
-    p_shed_queue_ms       integer[] DEFAULT NULL
+    p_shed_queue_ms       integer[] DEFAULT NULL,
+    p_upstream            text DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE sql
 AS $$
@@ -226,11 +231,11 @@ AS $$
                                    token_burst, requests_per_minute, request_burst,
                                    max_in_flight, shed_above, shed_admit, shed_small,
                                    shed_queue_ms, alert_at, alert_hysteresis,
-                                   alert_quiet_seconds, tokens, requests)
+                                   alert_quiet_seconds, upstream, tokens, requests)
     VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
             p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
             p_shed_queue_ms, p_alert_at, p_alert_hysteresis, p_alert_quiet_seconds,
-            p_tburst, p_rburst)
+            p_upstream, p_tburst, p_rburst)
     ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET models = excluded.models,
            model_patterns = excluded.model_patterns,
@@ -246,6 +251,7 @@ AS $$
            alert_at = excluded.alert_at,
            alert_hysteresis = excluded.alert_hysteresis,
            alert_quiet_seconds = excluded.alert_quiet_seconds,
+           upstream = excluded.upstream,
            policy_version = nextval('policy_version_seq'),
            -- never below minus the new burst, as lq_credit_layers keeps a
            -- ceiling (a smaller burst forgives the debt beyond it)

@@ -6,8 +6,9 @@
 -- admit --
 -- Decide a batch of admission requests in arrival order (see lq_admit), by
 -- the deadline $18, with the reservation ids $19, the requests' key layers
--- $20, their explicit fallbacks' output reserves $21 and the serving path
--- each journals ($22: queued after waiting). database_now is the
+-- $20, their explicit fallbacks' output reserves $21, the serving path
+-- each journals ($22: queued after waiting) and the deployments of each
+-- candidate model ($23-$26: request position, model, deployment, rule). database_now is the
 -- database's clock once the batch is decided: the worker's deadlines are
 -- stated on it (store/clock.py).
 SELECT a.*, clock_timestamp() AS database_now
@@ -15,7 +16,8 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[], $23::integer[],
+                $24::text[], $25::text[], $26::text[]) AS a
 
 -- admit_without_flush --
 -- The same batch decision, committed without waiting for the WAL flush
@@ -30,7 +32,8 @@ SELECT a.*, clock_timestamp() AS database_now
                 $6::boolean[], $7::integer[], $8::text[], $9::text[], $10::integer,
                 $11::smallint[], $12::boolean[], $13::boolean[], $14::integer[],
                 $15::text[], $16::bigint[], $17::bigint[], $18::timestamptz,
-                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[]) AS a
+                $19::uuid[], $20::bigint[], $21::bigint[], $22::text[], $23::integer[],
+                $24::text[], $25::text[], $26::text[]) AS a
 
 -- finish --
 -- Settle, release or expire a batch of reservations (see lq_finish); $7-$9:
@@ -180,12 +183,12 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
 -- put_ceiling --
 -- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
 -- $11 is the If-Match list, as put_plan's; $12 to $14 the alert settings, $15
--- the ladder's queue steps.
+-- the ladder's queue steps, $16 the deployment it is scoped to.
 SELECT CASE WHEN g.ok THEN
             lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint,
                            $6::bigint, $7::integer, $8::float8[], $9::smallint[],
                            $10::bigint[], $12::numeric[], $13::float8,
-                           $14::float8, $15::integer[]) END AS policy_version,
+                           $14::float8, $15::integer[], $16::text) END AS policy_version,
        g.ok AS precondition_met
   FROM (SELECT lq_named_precondition('ceiling', $1::text, $11::text[]) AS ok OFFSET 0) AS g
 
@@ -199,7 +202,8 @@ WITH clock AS (
 )
 SELECT l.ceiling, l.models, l.tokens_per_minute, l.token_burst, l.requests_per_minute,
        l.request_burst, l.max_in_flight, l.shed_above, l.shed_admit, l.shed_small,
-       l.shed_queue_ms, l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.policy_version, l.in_flight,
+       l.shed_queue_ms, l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.upstream,
+       l.policy_version, l.in_flight,
        lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, c.ts) AS tokens,
        lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at, c.ts)
            AS requests,
@@ -231,16 +235,19 @@ SELECT tenant,
  LIMIT $1::integer
 
 -- cool_down_ceilings --
--- The provider refused model $1 (429): every ceiling matching it is emptied
--- and debited the refill of $2 seconds, so that it admits nothing for that
--- long and then refills at its own rate. Locked in layer_id order, the
--- admission's order. The names of the ceilings cooled down.
+-- The provider refused model $1 (429): every ceiling matching it that bounds
+-- the deployment $3 (scoped to it, or unless $4 to no deployment; $3 NULL:
+-- every ceiling) is emptied and debited the refill of $2 seconds, so that it
+-- admits nothing for that long and then refills at its own rate. Locked in
+-- layer_id order, the admission's order. The names of the ceilings cooled down.
 WITH locked AS (
     SELECT l.layer_id
       FROM limit_layers AS l
      WHERE l.scope = 'ceiling'
        AND l.tokens_per_minute IS NOT NULL
        AND $1::text LIKE ANY (l.model_patterns)
+       AND ($3::text IS NULL OR l.upstream = $3::text
+            OR (l.upstream IS NULL AND NOT $4::boolean))
      ORDER BY l.layer_id
        FOR UPDATE
 )
@@ -600,6 +607,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
 -- ceiling's `ladder`, when a step of it queues (migration 0025), is its steps
 -- as [above, admit mask, small_request_tokens, queue_ms] arrays: a worker
 -- reads from it how long a shed request may wait (admission/ladder_queue.py).
+-- Its `upstream`: the deployment it is scoped to (migration 0027), if any.
 (SELECT 'ceiling'::text AS kind, ll.ceiling AS name, NULL::text AS tenant, NULL::text AS route,
         ll.model_patterns AS patterns, ll.tokens_per_minute, ll.token_burst,
         ll.requests_per_minute, ll.request_burst, ll.max_in_flight, ll.policy_version,
@@ -611,7 +619,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
             (SELECT jsonb_agg(jsonb_build_array(s.above, s.admit, s.small, s.queue_ms)
                               ORDER BY s.o)
                FROM unnest(ll.shed_above, ll.shed_admit, ll.shed_small, ll.shed_queue_ms)
-                    WITH ORDINALITY AS s(above, admit, small, queue_ms, o)) END AS ladder
+                    WITH ORDINALITY AS s(above, admit, small, queue_ms, o)) END AS ladder,
+        ll.upstream
    FROM limit_layers AS ll
   WHERE ll.scope = 'ceiling'
   ORDER BY ll.layer_id
@@ -620,7 +629,8 @@ UNION ALL
 (SELECT 'quota', q.name, q.tenant, q.route, q.model_patterns, NULL, NULL, NULL, NULL, NULL,
         NULL, q.quota_id, q.tokens, q.cost,
         coalesce(w.reserved_tokens + w.charged_tokens, 0),
-        coalesce(w.reserved_cost + w.charged_cost, 0), cw.window_end, NULL, NULL, NULL, NULL
+        coalesce(w.reserved_cost + w.charged_cost, 0), cw.window_end, NULL, NULL, NULL, NULL,
+        NULL
    FROM quotas AS q
         CROSS JOIN LATERAL lq_quota_window(q.period, q.timezone, clock_timestamp()) AS cw
         LEFT JOIN quota_windows AS w
@@ -630,7 +640,7 @@ UNION ALL
   LIMIT $1::integer)
 UNION ALL
 (SELECT 'credits', NULL, ll.tenant, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-        NULL, NULL, NULL, NULL, coalesce(ca.balance - ca.reserved, 0), NULL, NULL, NULL
+        NULL, NULL, NULL, NULL, coalesce(ca.balance - ca.reserved, 0), NULL, NULL, NULL, NULL
    FROM limit_layers AS ll
         LEFT JOIN credit_accounts AS ca ON ca.tenant = ll.tenant
   WHERE ll.scope = 'tenant' AND ll.prepaid
@@ -639,7 +649,7 @@ UNION ALL
 UNION ALL
 (SELECT DISTINCT ON (mp.model) 'price', mp.model, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
         NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, mp.input_usd_per_million,
-        mp.output_usd_per_million, NULL
+        mp.output_usd_per_million, NULL, NULL
    FROM model_prices AS mp
   WHERE mp.effective_from <= clock_timestamp()
   ORDER BY mp.model, mp.effective_from DESC

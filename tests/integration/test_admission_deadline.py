@@ -66,9 +66,9 @@ async def test_a_statement_held_past_its_deadline_rolls_back(
         await tx.start()
         await locker.execute("SELECT 1 FROM limit_layers WHERE tenant = 'acme' FOR UPDATE")
         deadline = await admitter.fetchval("SELECT clock_timestamp() + interval '0.3 s'")
-        *arrays, key_ids, alt_outputs, paths = admit_arguments([request], 1000)
+        arguments = admit_arguments([request], 1000)
         admit = asyncio.ensure_future(
-            admitter.fetch(queries()["admit"], *arrays, deadline, None, key_ids, alt_outputs, paths)
+            admitter.fetch(queries()["admit"], *arguments[:17], deadline, None, *arguments[17:])
         )
         await asyncio.sleep(0.6)
         assert not admit.done()  # waiting on the lock, well past its deadline

@@ -74,7 +74,7 @@ def test_downgrade_to_nothing_and_upgrade_again_gives_the_same_schema(empty_dsn:
         "function",
         "lq_admit(text[],text[],text[],bigint[],bigint[],boolean[],integer[],text[],text[],integer,"
         "smallint[],boolean[],boolean[],integer[],text[],bigint[],bigint[],"
-        "timestamp with time zone,uuid[],bigint[],bigint[],text[])",
+        "timestamp with time zone,uuid[],bigint[],bigint[],text[],integer[],text[],text[],text[])",
     ) in {(kind, name) for kind, name, _ in first}
 
     migrate.downgrade(empty_dsn, "base")

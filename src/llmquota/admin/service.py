@@ -240,10 +240,13 @@ class AdminService:
             limit, deadline_seconds=self._deadline_seconds
         )
 
-    async def cool_down_ceilings(self, model: str, seconds: float) -> list[str]:
-        """The provider refused `model`: its ceilings admit nothing for `seconds`."""
+    async def cool_down_ceilings(
+        self, model: str, seconds: float, upstream: str | None = None, *, scoped_only: bool = False
+    ) -> list[str]:
+        """The provider (deployment `upstream`) refused `model`: the ceilings that bound
+        it admit nothing for `seconds` (see Catalog.cool_down_ceilings)."""
         return await self._catalog.cool_down_ceilings(
-            model, seconds, deadline_seconds=self._deadline_seconds
+            model, seconds, upstream, scoped_only, deadline_seconds=self._deadline_seconds
         )
 
     async def delete_ceiling(self, name: str) -> None:

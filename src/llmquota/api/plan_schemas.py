@@ -55,6 +55,10 @@ class CeilingResponse(BaseModel):
     request_burst: int | None
     max_in_flight: int | None
     shed: list[ShedStep]
+    upstream: str | None = Field(
+        default=None,
+        description="the deployment this ceiling is scoped to (null: every deployment)",
+    )
     policy_version: int
     remaining_tokens: int | None
     remaining_requests: int | None

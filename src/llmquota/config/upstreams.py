@@ -21,12 +21,17 @@ model glob in `[[routing]]` tables (the first whose `models` matches wins):
 
     [[routing]]
     models = ["gpt-4o*"]
-    rule = "cheapest"                       # or "order", the default: file order
+    rule = "cheapest"                       # "order" (the default), "cheapest", "least_utilized"
 
 `order` tries the deployments that name the model exactly, then those whose
 glob matches it, each in file order; `cheapest` the lowest `price_factor`
-first (ties in that order). The tenant is charged the catalogue's price
-whichever deployment serves: `price_factor` only ranks deployments.
+first (ties in that order); `least_utilized` the one whose own provider
+ceilings (a ceiling's `upstream`) have the most room left, decided in the
+admission statement with every other limit (sql/admission.sql). Under every
+rule, a deployment whose ceilings lack room is passed over for the next in
+the same statement, so spillover is exact under any concurrency. The tenant
+is charged the catalogue's price whichever deployment serves: `price_factor`
+only ranks deployments.
 
 The file is read once, at start-up, and every mistake in it is refused then
 with the file and the field named: a typo found at the first request would
@@ -67,8 +72,8 @@ _FIELDS = frozenset(
         "price_factor",
     }
 )
-RoutingRuleName = Literal["order", "cheapest"]
-ROUTING_RULES: tuple[RoutingRuleName, ...] = ("order", "cheapest")
+RoutingRuleName = Literal["order", "cheapest", "least_utilized"]
+ROUTING_RULES: tuple[RoutingRuleName, ...] = ("order", "cheapest", "least_utilized")
 MAX_PRICE_FACTOR = 1_000.0
 # Any model of the format: what an upstream from the simple variables serves.
 EVERY_MODEL = ("*",)
@@ -124,14 +129,19 @@ def deployments(
     rules: tuple[RoutingRule, ...] = (),
 ) -> list[UpstreamConfig]:
     """Every upstream of `form` serving `model`, ranked by the model's routing rule:
-    exact names before globs, in file order (`order`), or by price (`cheapest`)."""
+    exact names before globs, in file order (`order`, and `least_utilized`, which
+    the admission statement ranks again by room), or by price (`cheapest`)."""
     served = [u for u in upstreams if u.format == form]
     ranked = [u for u in served if u.serves(model) == "exact"]
     ranked += [u for u in served if u.serves(model) == "glob"]
-    rule = next((r.rule for r in rules if r.applies(model)), "order")
-    if rule == "cheapest":
+    if routing_rule(model, rules) == "cheapest":
         ranked.sort(key=lambda u: u.price_factor)  # stable: ties keep their order
     return ranked
+
+
+def routing_rule(model: str, rules: tuple[RoutingRule, ...]) -> RoutingRuleName:
+    """The rule of the first [[routing]] table whose `models` match `model`; `order`."""
+    return next((r.rule for r in rules if r.applies(model)), "order")
 
 
 def route(
@@ -186,7 +196,9 @@ def _routing(path: str, tables: object) -> tuple[RoutingRule, ...]:
             raise UpstreamsFileError(f"{where}.{sorted(unknown)[0]}: unknown field")
         rule = table.get("rule")
         if rule not in ROUTING_RULES:
-            raise UpstreamsFileError(f"{where}.rule: must be 'order' or 'cheapest'")
+            raise UpstreamsFileError(
+                f"{where}.rule: must be 'order', 'cheapest' or 'least_utilized'"
+            )
         rules.append(RoutingRule(_models(where, table), rule))
     return tuple(rules)
 

@@ -69,6 +69,8 @@ class CeilingFigures:
     policy_version: int
     # Its shedding ladder, when a step of it queues (domain/ladder.py); else ().
     ladder: tuple[LadderStep, ...] = ()
+    # The one deployment it bounds (limit_layers.upstream); None: every one.
+    upstream: str | None = None
     compiled: tuple[re.Pattern[str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +137,10 @@ class OutageBudgets:
 
     def ceilings_for(self, model: str) -> list[CeilingFigures]:
         return [c for c in self.ceilings if c.covers(model)]
+
+    def scoped_to_deployment(self, model: str) -> bool:
+        """Whether some ceiling of `model` bounds only one of its deployments."""
+        return any(c.upstream is not None for c in self.ceilings_for(model))
 
     def ladder_of(self, ceiling: str) -> tuple[LadderStep, ...]:
         """The ladder of a ceiling whose steps queue (() for any other, or unknown)."""

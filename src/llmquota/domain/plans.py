@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictFloat,
+    StrictStr,
     model_validator,
 )
 from pydantic.config import JsonDict
@@ -40,6 +41,9 @@ from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, p
 MAX_FALLBACK_MODELS = 8
 MAX_CEILING_MODELS = 64
 MAX_SHED_STEPS = 8
+# An upstream's name, as a ceiling's `upstream` names it (UPSTREAMS_FILE's names
+# are free text: any printable characters).
+UPSTREAM_NAME_MAX_CHARS = 128
 # A ladder step's wait for room: at most ten minutes, as a decision deadline
 # allows; a worker waits at most its own cap (LLMQUOTA_MAX_WAIT_MS_CAP).
 MAX_QUEUE_MS = 600_000
@@ -140,6 +144,22 @@ class Ceiling(BaseModel):
     request_burst: RequestRate | None = None
     max_in_flight: Annotated[int, WholeNumber(ge=1, le=MAX_IN_FLIGHT)] | None = None
     shed: Annotated[list[ShedStep], Field(max_length=MAX_SHED_STEPS, default_factory=list)]
+    # The one deployment whose own limit this ceiling mirrors (an upstream's
+    # name in LLMQUOTA_UPSTREAMS_FILE); None: every deployment of its models.
+    upstream: (
+        Annotated[
+            StrictStr,
+            Field(
+                min_length=1,
+                max_length=UPSTREAM_NAME_MAX_CHARS,
+                pattern=r"^[^\x00-\x1f\x7f]+$",
+                description="the deployment (an upstream's name in LLMQUOTA_UPSTREAMS_FILE) "
+                "whose own limit this ceiling mirrors: it counts only requests sent there "
+                "(default: every deployment of its models)",
+            ),
+        ]
+        | None
+    ) = None
     # Ceiling alerts (llmquota.admin.ceiling_alerts): utilization fractions, as
     # a quota's `alerts` are spelled; None: each step of the ladder.
     alert_at: (

@@ -27,6 +27,7 @@ from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import (
     AdmitStatus,
     AdmittedPath,
+    DeploymentRule,
     FailureMode,
     FinishAction,
     FinishStatus,
@@ -51,6 +52,18 @@ class FallbackCandidate(NamedTuple):
     # What to reserve for its output, and how chosen; None: max_tokens.
     output_reserve: int | None = None
     output_strategy: OutputStrategy = "max_tokens"
+
+
+class Deployment(NamedTuple):
+    """One deployment a candidate model may be served by (an upstream of
+    UPSTREAMS_FILE), as admission tries it: a provider ceiling scoped to it
+    (its `upstream`) counts only for requests sent there. lq_admit tries a
+    candidate model's deployments in the order given, or with the rule
+    `least_utilized` the one whose own ceilings have the most room first."""
+
+    model: str
+    upstream: str
+    rule: DeploymentRule = "order"
 
 
 class AdmitRequest(NamedTuple):
@@ -85,6 +98,10 @@ class AdmitRequest(NamedTuple):
     # (admission/waiting.py). None: as asked (lq_admit writes fallback_model
     # itself when it admits a fallback).
     serving_path: AdmittedPath | None = None
+    # The deployments of the requested model and of its explicit fallbacks,
+    # each model's in its order (the proxy's UPSTREAMS_FILE); () : none named,
+    # and every ceiling of a model bounds it, scoped or not.
+    deployments: tuple[Deployment, ...] = ()
 
     @property
     def reserved_tokens(self) -> int:
@@ -164,6 +181,8 @@ class AdmitDecision(NamedTuple):
     # The binding token layer; None where it is not known (no token layer,
     # or a failure mode's decision: balances are unknown offline).
     binding: TokenLayerFigures | None = None
+    # The deployment admitted (one the request named), None: none named.
+    upstream: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

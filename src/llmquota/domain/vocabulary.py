@@ -129,7 +129,8 @@ USAGE_SOURCES: tuple[UsageSource, ...] = ("reported", "counted", "clamped")
 # How a request was served (usage_ledger.serving_path, issue 23): as asked
 # (primary), from the response cache (cache), as a fallback model
 # (fallback_model), after waiting for room (queued), or by a model's next
-# deployment after the first answered 429 or 5xx (second_deployment). The
+# deployment: its first lacked room under its own ceiling (lq_admit chose the
+# next) or answered 429 or 5xx (second_deployment). The
 # cache writes its own rows (sql/cache.sql); lq_finish writes the rest.
 LedgerServingPath = Literal["primary", "cache", "fallback_model", "queued", "second_deployment"]
 # The proxy's serving-path metric counts one more: refused by a limit (rejected).
@@ -137,7 +138,14 @@ ServingPath = Literal[LedgerServingPath, "rejected"]
 SERVING_PATHS: tuple[ServingPath, ...] = get_args(ServingPath)
 # The path a settler may name for its ledger row (every one but the cache's),
 # and the path an admission journals (reservations.serving_path; NULL: primary):
-# `queued` when the request waited for room, `fallback_model` written by
-# lq_admit itself when it admitted a fallback.
+# `queued` when the request waited for room, `fallback_model` and
+# `second_deployment` written by lq_admit itself when it admitted a fallback,
+# or the requested model on a deployment after its first.
 SettledPath = Literal["primary", "fallback_model", "queued", "second_deployment"]
-AdmittedPath = Literal["fallback_model", "queued"]
+AdmittedPath = Literal["fallback_model", "queued", "second_deployment"]
+
+# How lq_admit chooses among a model's deployments (UPSTREAMS_FILE's
+# [[routing]]): in the order given (`order`; `cheapest` is that order, ranked
+# by price before the statement), or the one whose own ceilings have the most
+# room first (`least_utilized`, decided in the statement).
+DeploymentRule = Literal["order", "least_utilized"]

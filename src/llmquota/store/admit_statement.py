@@ -73,8 +73,8 @@ class AdmitStatement:
                 if deadline_seconds is None
                 else self.clock.deadline(deadline_seconds + MAX_LAG_CREDIT_SECONDS)
             )
-            *arrays, key_ids, alt_outputs, serving_paths = arguments
-            return (*arrays, deadline, reservation_ids, key_ids, alt_outputs, serving_paths)
+            # $1-$17, then the deadline ($18) and the ids ($19), then $20 onwards
+            return (*arguments[:17], deadline, reservation_ids, *arguments[17:])
 
         try:
             with past_deadline_as_timeout(self.clock):

@@ -193,6 +193,7 @@ class Catalog:
             ceiling.alert_hysteresis,
             ceiling.alert_quiet_seconds,
             _queue_steps(ceiling),
+            ceiling.upstream,
             deadline_seconds=deadline_seconds,
         )
         if not rows[0]["precondition_met"]:
@@ -235,11 +236,24 @@ class Catalog:
         return [(row["tenant"], float(row["utilization"])) for row in rows]
 
     async def cool_down_ceilings(
-        self, model: str, seconds: float, *, deadline_seconds: float | None = None
+        self,
+        model: str,
+        seconds: float,
+        upstream: str | None = None,
+        scoped_only: bool = False,
+        *,
+        deadline_seconds: float | None = None,
     ) -> list[str]:
-        """Empty the ceilings matching `model` for `seconds` of refill; their names."""
+        """Empty the ceilings matching `model` that bound deployment `upstream` (scoped
+        to it, or unless `scoped_only` to none; None: every one) for `seconds` of
+        refill; their names."""
         rows = await self._fetch(
-            "cool_down_ceilings", model, seconds, deadline_seconds=deadline_seconds
+            "cool_down_ceilings",
+            model,
+            seconds,
+            upstream,
+            scoped_only,
+            deadline_seconds=deadline_seconds,
         )
         return [str(row["ceiling"]) for row in rows]
 
@@ -287,6 +301,7 @@ def _stored_ceiling(row: Row) -> StoredCeiling:
             alert_at=None if row["alert_at"] is None else [float(t) for t in row["alert_at"]],
             alert_hysteresis=row["alert_hysteresis"],
             alert_quiet_seconds=row["alert_quiet_seconds"],
+            upstream=row["upstream"],
         ),
         policy_version=int(row["policy_version"]),
         tokens=row["tokens"],

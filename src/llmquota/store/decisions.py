@@ -29,7 +29,8 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
     """The arrays (and the retry hint) of lq_admit for a batch, in order, less its deadline
     and reservation ids; then each request's API key (p_key_ids), each explicit
     fallback's output reserve (p_alt_outputs) and the serving path it journals
-    (p_serving_paths), last."""
+    (p_serving_paths); then the deployments of each candidate model, flattened
+    (p_up_*: request position, model, deployment, rule), last."""
     # The explicit fallbacks, flattened: request position, model, input, output reserve.
     flat = [
         (position, model, input_tokens, output)
@@ -60,7 +61,16 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         _,  # max_tokens_given: decided before the store
         key_ids,
         serving_paths,
+        _,  # deployments, flattened below
     ) = columns
+    deployed = [
+        (position, model, upstream, rule)
+        for position, request in enumerate(requests, start=1)
+        for model, upstream, rule in request.deployments
+    ]
+    up_ord, up_models, up_names, up_rules = (
+        [list(column) for column in zip(*deployed, strict=True)] if deployed else [None] * 4
+    )
     return (
         tenants,
         _or_null(routes),
@@ -84,6 +94,10 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         _or_null(key_ids),
         _or_null(alt_outputs),
         _or_null(serving_paths),
+        up_ord,
+        up_models,
+        up_names,
+        up_rules,
     )
 
 
@@ -152,6 +166,7 @@ ADMIT_COLUMNS = (
     "binding_tokens_per_minute",
     "binding_token_burst",
     "binding_tokens",
+    "upstream",
 )
 
 
@@ -194,6 +209,7 @@ def admit_decision(row: Sequence[Any]) -> AdmitDecision:
             resets_at if resets_at is None else _local(resets_at, row[31]),
             row[32],  # credit_balance
             None if row[34] is None else TokenLayerFigures._make(row[33:36]),
+            row[36],  # upstream
         )
     )
 

@@ -121,6 +121,7 @@ def _ceiling(row: Row) -> CeilingFigures:
         ),
         policy_version=int(row["policy_version"]),
         ladder=tuple(_ladder(row["ladder"])),
+        upstream=row["upstream"],
     )
 
 

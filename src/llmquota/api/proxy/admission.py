@@ -13,6 +13,16 @@ was admitted for it is released. `llmquota-degrade: false` keeps the model
 as written. `llmquota-max-wait-ms` waits for room like /v1/admit's
 `max_wait_ms` (at most MAX_WAIT_MS_CAP), with the same queue and the same
 `llmquota-waited-ms` and `llmquota-wait-queue` answers.
+
+Deployments (issue 23): the decision names, for the requested model and each
+explicit fallback, the deployments that serve it (Proxy.admission_deployments),
+and lq_admit chooses one in the same statement as every other limit, so a
+ceiling scoped to one deployment (its `upstream`) is charged only for what
+goes there, and traffic beyond it spills to the next exactly. The answer says
+which served (`llmquota-upstream`). A deployment that then answers 429 or
+5xx hands the request on through a decision of its own among those not yet
+tried (`next_deployment`), the first reservation released, so the next
+deployment's ceiling is charged and nothing is charged twice.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.upstream import Proxy, Upstream, unserved_model
 from llmquota.api.proxy.wire import Kind, error_response, refusal
 from llmquota.domain.errors import InvalidRequest
-from llmquota.domain.records import AdmitRequest
+from llmquota.domain.records import AdmitRequest, FallbackCandidate
 from llmquota.domain.refusal_table import REFUSALS
 from llmquota.domain.vocabulary import ServingPath
 
@@ -56,6 +66,8 @@ class Admitted:
     content: bytes
     headers: dict[str, str]
     path: ServingPath
+    # The request as decided (its deployments), for a hand-over's own decision.
+    prepared: AdmitRequest
 
 
 async def admit_proxied(
@@ -71,8 +83,9 @@ async def admit_proxied(
     answer (counted as serving path `rejected`, timed from `started`), or the
     admitted request. Raises BadProxyRequest for a bad header."""
     limiter: Limiter = request.app.state.limiter
+    proxy: Proxy = request.app.state.proxy
     tenant = str(caller.tenant)
-    fallbacks = _fallbacks(kind, request.app.state.proxy, request)
+    fallbacks = _fallbacks(kind, proxy, request)
     max_wait_ms = _max_wait_ms(request)
     try:
         if max_wait_ms is not None:
@@ -89,6 +102,8 @@ async def admit_proxied(
             degrade=_degrade(request),
         )
         prepared = caller.admitting(prepared)
+        models = [prepared.model, *(f.model for f in prepared.fallbacks)]
+        prepared = prepared._replace(deployments=proxy.admission_deployments(kind, models))
     except InvalidRequest as exc:
         raise BadProxyRequest(400, str(exc)) from None
     except Forbidden as exc:
@@ -99,12 +114,11 @@ async def admit_proxied(
         return decided
     admission, waited_ms = decided
     admitted = await _admitted(
-        kind, request, tenant, parsed, raw, admission=admission, headers=headers
+        kind, request, prepared, parsed, raw, admission=admission, headers=headers
     )
     if isinstance(admitted, Admitted) and waited_ms and admitted.path == "primary":
         admitted = dataclasses.replace(admitted, path="queued")
     elif admission.decision.status in REFUSALS:
-        proxy: Proxy = request.app.state.proxy
         proxy.metrics.served("rejected", started)
     return admitted
 
@@ -138,17 +152,18 @@ async def _decide(
 async def _admitted(
     kind: Kind,
     request: Request,
-    tenant: str,
+    prepared: AdmitRequest,
     parsed: ProxyRequest,
     raw: bytes,
     *,
     admission: Admission,
     headers: dict[str, str],
 ) -> Admitted | Response:
-    """The answer to a decision: its refusal, or the request as it goes upstream."""
+    """The answer to a decision: its refusal, or the request as it goes upstream
+    (to the deployment the decision chose, else the model's first)."""
     limiter: Limiter = request.app.state.limiter
     proxy: Proxy = request.app.state.proxy
-    decision = admission.decision
+    tenant, decision = prepared.tenant, admission.decision
     refused = refusal(kind, tenant, decision)
     if refused is not None:
         refused.headers.update(headers)
@@ -158,7 +173,7 @@ async def _admitted(
     # Fenced: the stream's heartbeats come from a task of their own.
     reservation = Reservation(limiter, tenant, admission, fence=True)
     model = decision.model or parsed.model
-    upstream = proxy.route(kind, model)
+    upstream = proxy.upstreams.get(decision.upstream or "") or proxy.route(kind, model)
     if upstream is None:
         # A policy default no upstream of this format serves: the requested
         # model's refusal, which the decision still describes.
@@ -173,8 +188,66 @@ async def _admitted(
         headers["llmquota-degraded-from"] = parsed.model
         parsed = dataclasses.replace(parsed, body={**parsed.body, "model": model}, model=model)
         content = json.dumps(parsed.body).encode()
+    elif _spilled(proxy.deployments(kind, model), prepared, upstream):
+        path = "second_deployment"
     exchange = Exchange(reservation, model, limiter.settings.estimate_factors)
-    return Admitted(exchange, parsed, upstream, content, headers, path)
+    return Admitted(exchange, parsed, upstream, content, headers, path, prepared)
+
+
+def _spilled(ranked: list[Upstream], prepared: AdmitRequest, chosen: Upstream) -> bool:
+    """Whether the request goes to another deployment than its model's first-ranked
+    (lq_admit passed over it for want of room, or it is cooled down): never under
+    least_utilized, whose choice is the balance it asks for."""
+    rule = next((d.rule for d in prepared.deployments if d.model == prepared.model), "order")
+    return rule == "order" and bool(ranked) and chosen is not ranked[0]
+
+
+async def next_deployment(
+    request: Request, admitted: Admitted, tried: frozenset[str]
+) -> Upstream | None:
+    """The deployment to hand a request on to after one answered 429 or 5xx, by a
+    decision of its own among the model's deployments not yet `tried` (the
+    reservation so far released first: that deployment charged nothing), so
+    that the next one's ceilings are charged, exactly and once. The exchange
+    then holds the new reservation. None: no deployment left, or none admits
+    it now (the last answer stands)."""
+    proxy: Proxy = request.app.state.proxy
+    limiter: Limiter = request.app.state.limiter
+    exchange, kind = admitted.exchange, admitted.upstream.kind
+    deployments = proxy.admission_deployments(kind, [exchange.model], skip=tried)
+    if not deployments:
+        return None
+    await exchange.release()
+    again = _as_admitted(admitted.prepared, exchange)._replace(
+        deployments=deployments, serving_path="second_deployment"
+    )
+    admission = await limiter.decide(again, recall=False)
+    if admission.decision.status != "admitted" or admission.decision.upstream is None:
+        return None
+    exchange.reservation = Reservation(limiter, again.tenant, admission, fence=True)
+    exchange.finished = False
+    return proxy.upstreams[admission.decision.upstream]
+
+
+def _as_admitted(prepared: AdmitRequest, exchange: Exchange) -> AdmitRequest:
+    """`prepared` as the model its exchange serves: a fallback's own input and
+    output reserve when it was an explicit one; never degraded again (the body
+    already names the model), never answered from memory, no idempotency key
+    (the first reservation was its admission)."""
+    decision = exchange.decision
+    request = prepared._replace(fallbacks=(), degrade=False, idempotency_key=None)
+    if exchange.model == prepared.model:
+        return request
+    own = next((f for f in prepared.fallbacks if f.model == exchange.model), None)
+    fallback = own or FallbackCandidate(
+        exchange.model, decision.input_tokens or prepared.input_tokens, prepared.output_reserve
+    )
+    return request._replace(
+        model=fallback.model,
+        input_tokens=fallback.input_tokens,
+        output_reserve=fallback.output_reserve,
+        output_strategy=fallback.output_strategy if own else prepared.output_strategy,
+    )
 
 
 def _fallbacks(kind: Kind, proxy: Proxy, request: Request) -> list[str] | None:

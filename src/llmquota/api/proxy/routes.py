@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request, Response
 from llmquota.admin.service import AdminService
 from llmquota.api.fairness import RELEASE_EARLY
 from llmquota.api.proxy import cache
-from llmquota.api.proxy.admission import Admitted, admit_proxied
+from llmquota.api.proxy.admission import Admitted, admit_proxied, next_deployment
 from llmquota.api.proxy.answers import (
     passed_back,
     pool_refused,
@@ -146,25 +146,25 @@ async def _forward(
     started: float,
 ) -> Response:
     """Send an admitted request to the model's deployments until one answers:
-    in their order (Proxy.chain: the routing rule's rank, the cooled down
-    last), each at most once and all within one deadline; when no other may
-    follow, the last attempt's error is the answer."""
+    first the one its admission chose, then on a 429 or 5xx the next
+    (Proxy.chain: the routing rule's rank, the cooled down last; decided again
+    when the admission chose, see next_deployment), each at most once and all
+    within one deadline; when no other may follow, the last error is the answer."""
     kind = kind_of(endpoint)
     proxy: Proxy = request.app.state.proxy
     exchange, parsed = admitted.exchange, admitted.parsed
     headers = limit_headers(kind, exchange.decision) | admitted.headers
     if exchange.fallback is not None:
         headers["llmquota-fallback"] = exchange.fallback  # as /v1/admit says it
-    chain = proxy.chain(kind, exchange.model)
-    answer: Response | None = None
+    chain = proxy.chain(kind, exchange.model, first=admitted.upstream.name)
+    upstream: Upstream | None = admitted.upstream
     path: ServingPath = admitted.path
-    for upstream in chain.order:
-        if answer is not None and not chain.time_for_another():
-            break
-        path = admitted.path if upstream is chain.ranked[0] else "second_deployment"
+    while upstream is not None:
+        path = admitted.path if not chain.tried else "second_deployment"
         headers["llmquota-upstream"] = upstream.name
         headers[cache.SERVING_PATH_HEADER] = path
-        exchange.serving_path = None if path == admitted.path else "second_deployment"
+        # (the journal says how it was admitted; a deployment after the first says more)
+        exchange.serving_path = "second_deployment" if path == "second_deployment" else None
         call = Call(
             proxy, upstream, endpoint, request, exchange, headers, admitted.content, chain, lookup
         )
@@ -172,20 +172,35 @@ async def _forward(
             answer = await (_stream(call, parsed) if parsed.stream else _complete(call))
             break
         except _TryNext as failed:
-            answer = failed.answer  # nothing produced: the same reservation goes to the next
-    if answer is None:
-        raise AssertionError("no deployment serves the admitted model")
+            answer = failed.answer  # nothing produced
+            chain.tried.add(upstream.name)
+            if failed.response is not None:
+                await _cool_down_on_429(call, failed.response, scoped_only=True)
+            in_time = chain.time_for_another()
+            upstream = await _handed_on(request, admitted, chain) if in_time else None
     proxy.metrics.served(path, started)
     return answer
+
+
+async def _handed_on(request: Request, admitted: Admitted, chain: Chain) -> Upstream | None:
+    """The next deployment: by a decision of its own when a ceiling of the model is
+    scoped to one deployment (and the admission chose among them), else the
+    same reservation goes to the next in the chain's order, as every ceiling of
+    the model already counts it."""
+    exchange, limiter = admitted.exchange, request.app.state.limiter
+    if exchange.decision.upstream is None or not limiter.scoped_to_deployment(exchange.model):
+        return chain.next_untried()
+    return await next_deployment(request, admitted, frozenset(chain.tried))
 
 
 class _TryNext(Exception):
     """The deployment answered 429 or 5xx, or nothing, and another serves the
     model: try it, or answer `answer` if no time is left for it."""
 
-    def __init__(self, answer: Response) -> None:
+    def __init__(self, answer: Response, response: httpx.Response | None = None) -> None:
         super().__init__(answer.status_code)
         self.answer = answer
+        self.response = response  # the provider's answer, if it gave one
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,10 +241,10 @@ class Call:
         """The answer to a provider's error; on a 429 or 5xx, remembered against the
         deployment (cooldown.py), and _TryNext raised when a later one may serve.
 
-        The reservation stays as it is: nothing was produced, and the model's
-        ceilings, which bound every deployment of it, already count it once.
-        Its ceilings are not cooled down either: they bound the deployment
-        about to serve too. The last deployment's 429 cools them (below).
+        Nothing was produced: the reservation is released or handed on
+        (_handed_on). On a 429, the ceilings scoped to this deployment are
+        cooled (_cool_down_on_429, in _forward); those of every deployment
+        only by the last one's 429, as they bound the next one too.
         """
         answer = upstream_error(self.upstream.kind, self.upstream, response, self.headers)
         if response.status_code != 429 and response.status_code < 500:
@@ -237,7 +252,7 @@ class Call:
             return answer
         self._failed(response.status_code == 429, retry_after_seconds(response.headers))
         if self.chain.later(self.upstream):
-            raise _TryNext(answer)
+            raise _TryNext(answer, response)
         return answer
 
     def unanswered(self, exc: httpx.HTTPError | TimeoutError) -> Response:
@@ -265,13 +280,17 @@ class Call:
             log.warning("deployment %r of %r cooled down: tried after the others", name, model)
 
 
-async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
+async def _cool_down_on_429(
+    call: Call, response: httpx.Response, *, scoped_only: bool = False
+) -> None:
     """An upstream 429: the provider's own limit is reached, whatever our ceilings say.
 
-    With PROXY_CEILING_COOLDOWN_SECONDS set, the ceilings of the model are
-    emptied for the provider's retry-after (or that setting), so llmquota
-    refuses the model itself meanwhile instead of sending requests the
-    provider will refuse. Best effort: the client's answer never waits on it
+    With PROXY_CEILING_COOLDOWN_SECONDS set, the ceilings of the model that
+    bound this deployment (scoped to it, or to none) are emptied for the
+    provider's retry-after (or that setting), so llmquota refuses the model
+    there meanwhile instead of sending requests the provider will refuse.
+    `scoped_only`: another deployment takes the request, so only the ceilings
+    scoped to this one. Best effort: the client's answer never waits on it
     failing.
     """
     setting = call.proxy.settings.proxy_ceiling_cooldown_seconds
@@ -280,7 +299,9 @@ async def _cool_down_on_429(call: Call, response: httpx.Response) -> None:
     seconds = retry_after_seconds(response.headers) or setting
     admin: AdminService = call.request.app.state.admin
     try:
-        await admin.cool_down_ceilings(call.exchange.model, min(seconds, 3_600.0))
+        await admin.cool_down_ceilings(
+            call.exchange.model, min(seconds, 3_600.0), call.upstream.name, scoped_only=scoped_only
+        )
     except LimiterError as exc:
         log.warning("ceiling cool-down for %r not recorded: %s", call.exchange.model, exc)
 

@@ -32,8 +32,10 @@ from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.pool import ConnectionShares
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
-from llmquota.config.upstreams import deployments
+from llmquota.config.upstreams import deployments, routing_rule
+from llmquota.domain.records import Deployment
 from llmquota.domain.scrubbing import SecretScrubber
+from llmquota.domain.vocabulary import DeploymentRule
 
 ANTHROPIC_VERSION = "2023-06-01"
 # Client headers a provider needs to read the request as it was meant.
@@ -144,6 +146,7 @@ class Chain:
     ranked: tuple[Upstream, ...]  # the routing rule's rank
     order: tuple[Upstream, ...]  # the order tried
     deadline: float  # the event loop's time
+    tried: set[str] = field(default_factory=set)  # the names of those tried so far
 
     @property
     def cools(self) -> bool:
@@ -151,8 +154,12 @@ class Chain:
         return len(self.ranked) > 1
 
     def later(self, upstream: Upstream) -> bool:
-        """Whether another deployment follows `upstream` in the order tried."""
-        return upstream is not self.order[-1]
+        """Whether a deployment other than `upstream` is still to be tried."""
+        return any(u is not upstream and u.name not in self.tried for u in self.order)
+
+    def next_untried(self) -> Upstream | None:
+        """The first deployment in the order tried that has not been."""
+        return next((u for u in self.order if u.name not in self.tried), None)
 
     def time_for_another(self) -> bool:
         """Whether another attempt may start: enough of the deadline is left."""
@@ -209,14 +216,36 @@ class Proxy:
         ranked = deployments(self.configs, kind, model, self.routing)
         return [self.upstreams[c.name] for c in ranked]
 
-    def chain(self, kind: Kind, model: str) -> Chain:
-        """The deployments a request for `model` tries: those not cooled down in
-        rank, then the cooled ones (cooldown.py), all within one deadline."""
+    def chain(self, kind: Kind, model: str, first: str | None = None) -> Chain:
+        """The deployments a request for `model` tries: `first` (the one its
+        admission chose), then those not cooled down in rank, then the cooled ones
+        (cooldown.py), all within one deadline."""
         ranked = self.deployments(kind, model)
         order = self.cooldowns.order([u.name for u in ranked], model, time.monotonic())
+        if first in order:
+            order.remove(first)
+            order.insert(0, first)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(map(self.patience_seconds, ranked), default=0.0)
         return Chain(tuple(ranked), tuple(self.upstreams[name] for name in order), deadline)
+
+    def admission_deployments(
+        self, kind: Kind, models: list[str], skip: frozenset[str] = frozenset()
+    ) -> tuple[Deployment, ...]:
+        """The deployments of each of `models` as admission tries them (lq_admit
+        chooses among them in its statement, a ceiling scoped to one counting only
+        there): the order `chain` tries, less `skip` (those already tried), with
+        the model's routing rule; `cheapest` is that order already."""
+        now = time.monotonic()
+        chosen: list[Deployment] = []
+        for model in dict.fromkeys(models):
+            least = routing_rule(model, self.routing) == "least_utilized"
+            rule: DeploymentRule = "least_utilized" if least else "order"
+            names = [u.name for u in self.deployments(kind, model)]
+            for name in self.cooldowns.order(names, model, now):
+                if name not in skip:
+                    chosen.append(Deployment(model, name, rule))
+        return tuple(chosen)
 
     def patience_seconds(self, upstream: Upstream) -> float:
         """The longest `upstream` is waited for alone: its connect timeout plus its

@@ -25,7 +25,9 @@ from llmquota.api.plan_schemas import (
     PlanList,
     PlanResponse,
 )
+from llmquota.api.proxy.upstream import Proxy
 from llmquota.api.routes.policy_patch import merged_write, patch_body, validated
+from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.oversubscription import (
     DEFAULT_DAYS,
     MAX_DAYS,
@@ -72,6 +74,7 @@ def _ceiling_response(stored: StoredCeiling) -> CeilingResponse:
         request_burst=c.effective_request_burst,
         max_in_flight=c.max_in_flight,
         shed=list(c.shed),
+        upstream=c.upstream,
         policy_version=stored.policy_version,
         remaining_tokens=None if stored.tokens is None else math.floor(stored.tokens),
         remaining_requests=None if stored.requests is None else math.floor(stored.requests),
@@ -82,6 +85,17 @@ def _ceiling_response(stored: StoredCeiling) -> CeilingResponse:
         alert_hysteresis=c.alert_hysteresis,
         alert_quiet_seconds=c.alert_quiet_seconds,
     )
+
+
+def _check_upstream(request: Request, ceiling: Ceiling) -> None:
+    """A ceiling scoped to a deployment names one this server's proxy knows, when it
+    has upstreams: a typo would leave the ceiling bounding nothing."""
+    proxy: Proxy = request.app.state.proxy
+    if ceiling.upstream is not None and proxy.upstreams and ceiling.upstream not in proxy.upstreams:
+        known = ", ".join(sorted(proxy.upstreams))
+        raise InvalidRequest(
+            f"upstream: no upstream named {ceiling.upstream!r} in this server's upstreams ({known})"
+        )
 
 
 async def _stored_plan(admin: AdminService, name: str, response: Response) -> PlanResponse:
@@ -175,6 +189,7 @@ async def put_ceiling(
 ) -> CeilingResponse:
     """Create or replace a provider ceiling for the models it names."""
     caller.require_admin()
+    _check_upstream(request, body)
     await admin.put_ceiling(ceiling, body, if_match=if_match(request))
     return await _stored_ceiling(admin, ceiling, response)
 
@@ -196,7 +211,9 @@ async def patch_ceiling(
         return found.ceiling.model_dump(mode="json", exclude_none=True), found.policy_version
 
     async def write(document: dict[str, Any], version: str) -> None:
-        await admin.put_ceiling(ceiling, validated(Ceiling, document), if_match=[version])
+        body = validated(Ceiling, document)
+        _check_upstream(request, body)
+        await admin.put_ceiling(ceiling, body, if_match=[version])
 
     await merged_write(request, Ceiling, f"ceiling {ceiling!r}", stored, write)
     return await _stored_ceiling(admin, ceiling, response)
