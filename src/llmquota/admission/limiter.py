@@ -269,12 +269,6 @@ class Limiter:
         await self.outage.refresh_when_due(self.deadline_seconds)
         return self.policies.cache_policy(tenant, route)
 
-    def scoped_to_deployment(self, model: str) -> bool:
-        """Whether a provider ceiling of `model` bounds only one of its deployments
-        (its `upstream`), as of this worker's last policy refresh: a request handed
-        from one deployment to another then needs a decision of its own."""
-        return self.policies.budgets.scoped_to_deployment(model)
-
     async def flush_outage_journal(self) -> FlushReport:
         """Write the outage journal to the store now (the recovery task does this by itself)."""
         return await self.outage.flush()

@@ -56,6 +56,12 @@ class PolicyCache:
         """Take the budgets as the store has them now (usable as long as the policies)."""
         self.budgets = budgets
 
+    def scoped_to_deployment(self, model: str) -> bool:
+        """Whether a provider ceiling of `model` bounds only one of its deployments
+        (its `upstream`), as of the last refresh: a request handed from one
+        deployment to another then needs a decision of its own."""
+        return self.budgets.scoped_to_deployment(model)
+
     def ladder_of(self, ceiling: str) -> tuple[LadderStep, ...]:
         """A ceiling's ladder when a step of it queues, as of the last refresh."""
         return self.budgets.ladder_of(ceiling)

@@ -20,10 +20,11 @@ from pydantic import (
     StrictStr,
 )
 
+from llmquota.domain.admit_request import MAX_UPSTREAMS
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_schemas import BURSTS_NEED_RATES, DISTINCT, present
 from llmquota.domain.json_text import storable_text_pattern
-from llmquota.domain.names import ModelName, Name
+from llmquota.domain.names import ModelName, Name, UpstreamName
 from llmquota.domain.output_estimates import OutputEstimate, OutputStrategy
 from llmquota.domain.plans import MAX_FALLBACK_MODELS
 from llmquota.domain.policy import (
@@ -45,7 +46,13 @@ from llmquota.domain.validation import (
     MAX_TOKEN_COUNT,
     storable_text_problem,
 )
-from llmquota.domain.vocabulary import FailureMode, LedgerServingPath, Priority, Scope
+from llmquota.domain.vocabulary import (
+    DeploymentRule,
+    FailureMode,
+    LedgerServingPath,
+    Priority,
+    Scope,
+)
 
 TokenCount = Annotated[int, WholeNumber(ge=0, le=MAX_TOKEN_COUNT)]
 LeaseSeconds = Annotated[int, WholeNumber(ge=1, le=MAX_LEASE_SECONDS)]
@@ -112,6 +119,23 @@ class AdmitBody(BaseModel):
         default=None,
         description="wait up to this long for room instead of a 429 (bounded by the server's cap)",
     )
+    upstreams: (
+        Annotated[
+            list[UpstreamName],
+            Field(min_length=1, max_length=MAX_UPSTREAMS, json_schema_extra=DISTINCT),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="the deployments that may serve the model, in order: admission chooses "
+        "one whose ceilings (a ceiling's `upstream`) have room, and the 201 names it in "
+        "`upstream`; default: none named, every ceiling of the model applies",
+    )
+    upstream_rule: DeploymentRule | None = Field(
+        default=None,
+        description="how the deployment is chosen: the first with room (order, the default), "
+        "or the one whose own ceilings have the most room left (least_utilized)",
+    )
 
 
 class Remaining(BaseModel):
@@ -166,6 +190,10 @@ class AdmitResponse(BaseModel):
         description="what was reserved for output and how, for the model admitted (a "
         "fallback's own estimate when degraded): reserved_tokens is input_tokens plus tokens; "
         "strategy max_tokens, learned or fixed"
+    )
+    upstream: str | None = Field(
+        default=None,
+        description="the deployment chosen among the request's `upstreams` (null: none named)",
     )
 
 

@@ -29,6 +29,8 @@ class Held:
         self.input_estimated = admitted.input_estimated
         self.model: str = admitted.model
         self.degraded = admitted.degraded
+        # The deployment chosen among the request's upstreams (None: none named).
+        self.upstream: str | None = admitted.upstream
         self.output_estimate: dict[str, Any] = admitted.output_estimate
         self.priority: Priority | None = admitted.priority
         self.lease_expires_at: datetime = admitted.lease_expires_at

@@ -39,6 +39,9 @@ class AdmitFields(TypedDict, total=False):
     priority: Priority | None
     fallback_models: Sequence[str] | None
     degrade: bool | None
+    # The deployments that may serve the model, and how one is chosen.
+    upstreams: Sequence[str] | None
+    upstream_rule: str | None
 
 
 def admit_body(fields: AdmitFields, *, generate_key: bool) -> dict[str, Any]:
@@ -51,8 +54,9 @@ def admit_body(fields: AdmitFields, *, generate_key: bool) -> dict[str, Any]:
     body: dict[str, Any] = {name: value for name, value in fields.items() if value is not None}
     if "messages" in body:
         body["messages"] = [dict(message) for message in body["messages"]]
-    if "fallback_models" in body:
-        body["fallback_models"] = list(body["fallback_models"])
+    for listed in ("fallback_models", "upstreams"):
+        if listed in body:
+            body[listed] = list(body[listed])
     if generate_key and "idempotency_key" not in body:
         body["idempotency_key"] = GENERATED_KEY_PREFIX + uuid.uuid4().hex
     return body
@@ -137,6 +141,8 @@ class Admitted:
     remaining: dict[str, Any]
     priority: Priority | None
     answer: dict[str, Any]
+    # The deployment chosen among the request's upstreams (None: none named).
+    upstream: str | None = None
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> Admitted:
@@ -153,6 +159,7 @@ class Admitted:
             remaining=dict(body["remaining"]),
             priority=body.get("priority"),
             answer=body,
+            upstream=body.get("upstream"),
         )
 
 

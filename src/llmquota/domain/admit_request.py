@@ -10,13 +10,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.model_limits import max_output_tokens
+from llmquota.domain.names import UPSTREAM_NAME_PATTERN, UPSTREAM_NAME_RULE
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
-from llmquota.domain.records import AdmitRequest, FallbackCandidate
+from llmquota.domain.records import AdmitRequest, Deployment, FallbackCandidate
 from llmquota.domain.tokens import (
     UNLIMITED_SECONDS,
     CpuBudget,
@@ -31,7 +33,10 @@ from llmquota.domain.validation import (
     check_name,
     check_token_count,
 )
-from llmquota.domain.vocabulary import PRIORITIES, Priority
+from llmquota.domain.vocabulary import DEPLOYMENT_RULES, PRIORITIES, DeploymentRule, Priority
+
+# The most deployments a request may name for its model.
+MAX_UPSTREAMS = 16
 
 
 class AdmitArguments(TypedDict, total=False):
@@ -54,6 +59,10 @@ class AdmitArguments(TypedDict, total=False):
     degrade: bool | None
     # The tenant's API key the request is made with: its own limits and quotas apply.
     key_id: int | None
+    # The deployments that may serve the requested model, in order, and how
+    # admission chooses among them (records.Deployment).
+    upstreams: Sequence[str] | None
+    upstream_rule: DeploymentRule | None
 
 
 def prepare_admit_request(
@@ -75,12 +84,12 @@ def prepare_admit_request(
     count_cpu_seconds: float = UNLIMITED_SECONDS,
     request_hash_key: bytes | None = None,
     key_id: int | None = None,
+    upstreams: Sequence[str] | None = None,
+    upstream_rule: DeploymentRule | None = None,
 ) -> AdmitRequest:
-    """Validate and count a request; raises InvalidRequest.
-
-    Counting stops encoding after `count_cpu_seconds` of this thread's CPU and
-    bounds the rest from above (marked as an estimate; see tokens.py).
-    `request_hash_key` keys the digest of an idempotent request (request_hash).
+    """Validate and count a request; raises InvalidRequest. Counting stops encoding
+    after `count_cpu_seconds` of this thread's CPU and bounds the rest from above
+    (an estimate, tokens.py); `request_hash_key` keys an idempotent request's digest.
     """
     _check_names(tenant, route, model)
     _check_options(lease_seconds, idempotency_key, priority)
@@ -88,16 +97,15 @@ def prepare_admit_request(
     if (messages is None) == (input_tokens is None):
         raise InvalidRequest("give exactly one of messages or input_tokens")
     models = _fallback_models(model, fallback_models)
+    deployments = _deployments(model, upstreams, upstream_rule)
     counted, estimated, fallbacks = _count_each(
         model, models, messages, input_tokens, estimate_factors, count_cpu_seconds
     )
     request_hash = None
     if idempotency_key is not None:
-        request_hash = _request_hash(
-            [route, model, max_tokens, lease_seconds, input_tokens, messages]
-            + ([priority, list(models), degrade] if priority or models or degrade is False else []),
-            request_hash_key,
-        )
+        asked = [route, model, max_tokens, lease_seconds, input_tokens, messages]
+        asked += _given([priority, list(models), degrade, list(deployments)])
+        request_hash = _request_hash(asked, request_hash_key)
     return AdmitRequest(
         tenant=tenant,
         route=route,
@@ -114,7 +122,38 @@ def prepare_admit_request(
         fallbacks=fallbacks,
         max_tokens_given=max_tokens_given,
         key_id=_key_id(key_id),
+        deployments=deployments,
     )
+
+
+def _deployments(
+    model: str, upstreams: Sequence[str] | None, rule: DeploymentRule | None
+) -> tuple[Deployment, ...]:
+    """The requested model's deployments, checked: bounded, distinct, each a name of
+    printable characters; the rule one of DEPLOYMENT_RULES (default `order`)."""
+    if rule is not None and rule not in DEPLOYMENT_RULES:
+        raise InvalidRequest(f"upstream_rule must be one of {', '.join(DEPLOYMENT_RULES)}")
+    if upstreams is None:
+        return ()
+    if isinstance(upstreams, str) or not isinstance(upstreams, Sequence):
+        raise InvalidRequest("upstreams must be a list of upstream names")
+    if not 0 < len(upstreams) <= MAX_UPSTREAMS:
+        raise InvalidRequest(f"upstreams: 1 to {MAX_UPSTREAMS} names")
+    for name in upstreams:
+        if not isinstance(name, str) or not re.fullmatch(UPSTREAM_NAME_PATTERN, name):
+            raise InvalidRequest(f"upstreams: each {UPSTREAM_NAME_RULE}")
+    if len(set(upstreams)) != len(upstreams):
+        raise InvalidRequest("upstreams: each name once")
+    return tuple(Deployment(model, name, rule or "order") for name in upstreams)
+
+
+def _given(options: list[Any]) -> list[Any]:
+    """What a digest adds of [priority, fallbacks, degrade, deployments]: the first
+    three when any is given, the deployments when given, so that a request
+    without them has the digest it had before they existed."""
+    priority, models, degrade, deployments = options
+    added = [priority, models, degrade] if priority or models or degrade is False else []
+    return added + ([deployments] if deployments else [])
 
 
 def _key_id(key_id: object) -> int | None:

@@ -87,3 +87,21 @@ def is_model(value: object) -> TypeGuard[str]:
 def is_model_glob(value: object) -> TypeGuard[str]:
     """Whether `value` is a model name or a `*` glob of them."""
     return isinstance(value, str) and _MODEL_GLOB.fullmatch(value) is not None
+
+
+# Upstreams (deployments) as UPSTREAMS_FILE names them, which a ceiling's
+# `upstream` and an admission's `upstreams` refer to: free text there, so
+# any printable characters here (no control characters), 1 to
+# UPSTREAM_NAME_MAX_CHARS.
+UPSTREAM_NAME_MAX_CHARS = 128
+UPSTREAM_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+UPSTREAM_NAME_RULE = f"an upstream's name: 1 to {UPSTREAM_NAME_MAX_CHARS} printable characters"
+UpstreamName = Annotated[
+    StrictStr,
+    Field(
+        min_length=1,
+        max_length=UPSTREAM_NAME_MAX_CHARS,
+        pattern=UPSTREAM_NAME_PATTERN,
+        description=UPSTREAM_NAME_RULE,
+    ),
+]

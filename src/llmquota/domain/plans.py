@@ -27,23 +27,19 @@ from pydantic import (
     Field,
     StrictBool,
     StrictFloat,
-    StrictStr,
     model_validator,
 )
 from pydantic.config import JsonDict
 
 from llmquota.domain.json_numbers import WholeNumber
 from llmquota.domain.json_schemas import BURST_RULES, DISTINCT, present
-from llmquota.domain.names import ModelGlob, ModelName
+from llmquota.domain.names import ModelGlob, ModelName, UpstreamName
 from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
 from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, priority_rank
 
 MAX_FALLBACK_MODELS = 8
 MAX_CEILING_MODELS = 64
 MAX_SHED_STEPS = 8
-# An upstream's name, as a ceiling's `upstream` names it (UPSTREAMS_FILE's names
-# are free text: any printable characters).
-UPSTREAM_NAME_MAX_CHARS = 128
 # A ladder step's wait for room: at most ten minutes, as a decision deadline
 # allows; a worker waits at most its own cap (LLMQUOTA_MAX_WAIT_MS_CAP).
 MAX_QUEUE_MS = 600_000
@@ -146,20 +142,12 @@ class Ceiling(BaseModel):
     shed: Annotated[list[ShedStep], Field(max_length=MAX_SHED_STEPS, default_factory=list)]
     # The one deployment whose own limit this ceiling mirrors (an upstream's
     # name in LLMQUOTA_UPSTREAMS_FILE); None: every deployment of its models.
-    upstream: (
-        Annotated[
-            StrictStr,
-            Field(
-                min_length=1,
-                max_length=UPSTREAM_NAME_MAX_CHARS,
-                pattern=r"^[^\x00-\x1f\x7f]+$",
-                description="the deployment (an upstream's name in LLMQUOTA_UPSTREAMS_FILE) "
-                "whose own limit this ceiling mirrors: it counts only requests sent there "
-                "(default: every deployment of its models)",
-            ),
-        ]
-        | None
-    ) = None
+    upstream: UpstreamName | None = Field(
+        default=None,
+        description="the deployment (an upstream's name in LLMQUOTA_UPSTREAMS_FILE) whose own "
+        "limit this ceiling mirrors: it counts only requests sent there (default: every "
+        "deployment of its models)",
+    )
     # Ceiling alerts (llmquota.admin.ceiling_alerts): utilization fractions, as
     # a quota's `alerts` are spelled; None: each step of the ladder.
     alert_at: (

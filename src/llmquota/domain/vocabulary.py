@@ -149,3 +149,4 @@ AdmittedPath = Literal["fallback_model", "queued", "second_deployment"]
 # by price before the statement), or the one whose own ceilings have the most
 # room first (`least_utilized`, decided in the statement).
 DeploymentRule = Literal["order", "least_utilized"]
+DEPLOYMENT_RULES: tuple[DeploymentRule, ...] = get_args(DeploymentRule)

@@ -8,7 +8,7 @@ are built here too, for the same reason.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -31,15 +31,8 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
     fallback's output reserve (p_alt_outputs) and the serving path it journals
     (p_serving_paths); then the deployments of each candidate model, flattened
     (p_up_*: request position, model, deployment, rule), last."""
-    # The explicit fallbacks, flattened: request position, model, input, output reserve.
-    flat = [
-        (position, model, input_tokens, output)
-        for position, request in enumerate(requests, start=1)
-        for model, input_tokens, output, _ in request.fallbacks
-    ]
-    alt_ord, alt_models, alt_inputs, alt_outputs = (
-        [list(column) for column in zip(*flat, strict=True)] if flat else [[], [], [], []]
-    )
+    # Explicit fallbacks: request position, model, input, output reserve.
+    alts = _flattened(requests, lambda request: [f[:3] for f in request.fallbacks], empty=[])
     # An AdmitRequest is a tuple: zip turns the batch into its columns in one call.
     columns = list(zip(*requests, strict=True)) or [()] * len(AdmitRequest._fields)
     (
@@ -61,16 +54,8 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         _,  # max_tokens_given: decided before the store
         key_ids,
         serving_paths,
-        _,  # deployments, flattened below
+        _,  # deployments, flattened below: position, model, name, rule
     ) = columns
-    deployed = [
-        (position, model, upstream, rule)
-        for position, request in enumerate(requests, start=1)
-        for model, upstream, rule in request.deployments
-    ]
-    up_ord, up_models, up_names, up_rules = (
-        [list(column) for column in zip(*deployed, strict=True)] if deployed else [None] * 4
-    )
     return (
         tenants,
         _or_null(routes),
@@ -87,18 +72,31 @@ def admit_arguments(requests: Sequence[AdmitRequest], concurrency_retry_ms: int)
         else [None if p is None else priority_rank(p) for p in priorities],
         priority_any if any(priority_any) else None,
         _or_null(degrade),
-        alt_ord,
-        alt_models,
-        alt_inputs,
+        *alts[:3],  # p_alt_ord, p_alt_models, p_alt_inputs
         _or_null(output_reserves),
         _or_null(key_ids),
-        _or_null(alt_outputs),
+        _or_null(alts[3]),  # p_alt_outputs
         _or_null(serving_paths),
-        up_ord,
-        up_models,
-        up_names,
-        up_rules,
+        *_flattened(requests, lambda request: request.deployments, empty=None),
     )
+
+
+def _flattened(
+    requests: Sequence[AdmitRequest],
+    items: Callable[[AdmitRequest], Sequence[tuple[Any, ...]]],
+    empty: list[Any] | None,
+) -> list[Any]:
+    """Each request's `items` as columns of one array each, the request's position
+    (from 1) first: lq_admit's grouped arrays (p_alt_*, p_up_*); `empty` each
+    column when no request has any."""
+    rows = [
+        (position, *item)
+        for position, request in enumerate(requests, start=1)
+        for item in items(request)
+    ]
+    if not rows:
+        return [empty] * 4
+    return [list(column) for column in zip(*rows, strict=True)]
 
 
 def finish_arguments(requests: Sequence[FinishRequest]) -> tuple[list[Any], ...]:

@@ -188,7 +188,8 @@ async def _handed_on(request: Request, admitted: Admitted, chain: Chain) -> Upst
     same reservation goes to the next in the chain's order, as every ceiling of
     the model already counts it."""
     exchange, limiter = admitted.exchange, request.app.state.limiter
-    if exchange.decision.upstream is None or not limiter.scoped_to_deployment(exchange.model):
+    scoped = limiter.policies.scoped_to_deployment(exchange.model)
+    if exchange.decision.upstream is None or not scoped:
         return chain.next_untried()
     return await next_deployment(request, admitted, frozenset(chain.tried))
 

@@ -131,6 +131,8 @@ async def _prepared(body: AdmitBody, caller: Caller, limiter: Limiter) -> AdmitR
         priority_any=caller.is_admin,
         fallback_models=body.fallback_models,
         degrade=body.degrade,
+        upstreams=body.upstreams,
+        upstream_rule=body.upstream_rule,
     )
     return caller.admitting(prepared)  # the key's own limits; 403 for a model it may not use
 
@@ -181,6 +183,7 @@ def _admitted(
         degraded_because=refusal_cause(d) if d.degraded and d.limit_kind else None,
         priority=d.priority,
         priority_lowered_from=lowered_from(requested_priority, d.priority),
+        upstream=d.upstream,
     )
 
 
