@@ -19,8 +19,10 @@
 -- lq_cache_store takes its tenant's row (FOR KEY SHARE: lq_delete_tenant,
 -- which locks it FOR UPDATE first, waits for it, or it for the delete), then
 -- serialises one namespace's stores behind a transaction-scoped advisory
--- lock, so that its bound is exact under concurrency. lq_cache_serve locks
--- nothing: it reads, and appends the hit's ledger row.
+-- lock, so that its bound is exact under concurrency. lq_cache_serve reads
+-- and appends the hit's ledger row; a hit the operator prices also locks
+-- the cost quotas' windows (quota_id order) and then the tenant's prepaid
+-- account, admission.sql's order for those, holding no layer.
 --
 -- Time is the database's clock, as everywhere: an entry is live while
 -- expires_at > clock_timestamp().
@@ -52,14 +54,25 @@ $$;
 --     'ok', 0 tokens charged, serving_path 'cache', the tokens the provider
 --     would have billed in saved_*, and the operator's price for a hit, if
 --     the policy sets one. hit_id is the row's reservation_id: a hit has no
---     reservation, and the id keeps each hit its own receipt. A statement
+--     reservation, and the id keeps each hit its own receipt. A priced hit
+--     is charged like any other usage: to the cost of every calendar quota
+--     it matches (the tenant's, its route's, its key's p_key_id) and to a
+--     prepaid tenant's credits (the credit ledger's charge for hit_id, which
+--     `llmquota audit` checks against the row's price). It is served only
+--     within those budgets: a blocking quota the price would take past its
+--     cost, or a prepaid balance below the price, makes it a miss, and
+--     admission then refuses the request as it refuses any other. A
+--     statement
 --     that reaches this step past p_budget_ms (counted from its start) writes
 --     nothing and answers a miss: the worker stops waiting for it a little
 --     later (store/response_cache.py), and a hit it has given up on must not
 --     be booked while the request goes on to the provider.
--- p_budget_ms was added: the first signature goes.
+-- p_budget_ms was added: the first signature goes; then p_key_id (a priced hit
+-- counts against the key's quotas).
 DROP FUNCTION IF EXISTS lq_cache_serve(text, text, text, text, bytea, bytea, real[], bigint,
                                        integer, double precision, numeric);
+DROP FUNCTION IF EXISTS lq_cache_serve(text, text, text, text, bytea, bytea, real[], bigint,
+                                       integer, double precision, numeric, integer);
 CREATE OR REPLACE FUNCTION lq_cache_serve(
     p_tenant         text,
     p_route          text,               -- '' for none
@@ -72,7 +85,8 @@ CREATE OR REPLACE FUNCTION lq_cache_serve(
     p_max_distance   integer,
     p_similarity     double precision,
     p_price_usd      numeric,            -- NULL: no price for a hit
-    p_budget_ms      integer             -- past it, book nothing (a miss)
+    p_budget_ms      integer,            -- past it, book nothing (a miss)
+    p_key_id         bigint DEFAULT NULL -- the API key that asked (its quotas)
 ) RETURNS TABLE (
     hit_id           uuid,
     entry_id         bigint,
@@ -89,6 +103,13 @@ DECLARE
     found_id bigint;
     sim     double precision := 1.0;
     hit     uuid := gen_random_uuid();
+    priced  boolean := coalesce(p_price_usd, 0) > 0;
+    q       quotas;
+    w       quota_windows;
+    qs      bigint[] := '{}';
+    prepaid boolean := false;
+    avail   numeric;
+    x       integer;
 BEGIN
     -- (1) the exact key
     SELECT c.* INTO found_e
@@ -117,18 +138,49 @@ BEGIN
             SELECT c.* INTO found_e FROM response_cache AS c WHERE c.entry_id = found_id;
         END IF;
     END IF;
-    IF found_e.entry_id IS NULL
-       OR clock_timestamp() > statement_timestamp() + make_interval(secs => p_budget_ms / 1000.0) THEN
+    IF found_e.entry_id IS NULL THEN
         RETURN;
     END IF;
 
-    -- (3) the ledger row, in this transaction
+    -- (3) a priced hit's budgets: locked, and within them, or a miss
+    IF priced THEN
+        FOR q IN SELECT m.* FROM lq_matching_quotas(p_tenant, nullif(p_route, ''), p_model,
+                                                    p_key_id) AS m
+                  WHERE m.cost IS NOT NULL LOOP
+            w := lq_quota_window_row(q.quota_id, now_ts);
+            IF q.enforce = 'block' AND w.reserved_cost + w.charged_cost + p_price_usd > q.cost THEN
+                RETURN;
+            END IF;
+            qs := qs || q.quota_id;
+        END LOOP;
+        SELECT coalesce(bool_or(l.prepaid), false) INTO prepaid
+          FROM limit_layers AS l
+         WHERE l.scope = 'tenant' AND l.tenant = p_tenant AND l.route IS NULL;
+        IF prepaid THEN
+            SELECT a.balance - a.reserved INTO avail
+              FROM credit_accounts AS a WHERE a.tenant = p_tenant FOR UPDATE;
+            IF coalesce(avail, 0) < p_price_usd THEN
+                RETURN;
+            END IF;
+        END IF;
+    END IF;
+    IF clock_timestamp() > statement_timestamp() + make_interval(secs => p_budget_ms / 1000.0) THEN
+        RETURN;
+    END IF;
+
+    -- (4) the ledger row and the charges, in this transaction
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
                               serving_path, saved_input_tokens, saved_output_tokens, price_usd)
     VALUES (hit, 'usage', p_tenant, nullif(p_route, ''), p_model,
             0, 0, 0, 'ok',
             'cache', found_e.input_tokens, found_e.output_tokens, p_price_usd);
+    FOR x IN 1 .. cardinality(qs) LOOP
+        PERFORM lq_quota_apply(qs[x], now_ts, 0, 0, 0, p_price_usd);
+    END LOOP;
+    IF prepaid THEN
+        PERFORM lq_credit_apply(p_tenant, hit, NULL, p_price_usd);
+    END IF;
     RETURN QUERY SELECT hit, found_e.entry_id, found_e.answer,
                         found_e.input_tokens, found_e.output_tokens, sim;
 END

@@ -99,9 +99,11 @@ SELECT c.ceiling,
   FROM public.usage_ledger AS u
   JOIN public.limit_layers AS c
     ON c.scope = 'ceiling' AND u.model LIKE ANY (c.model_patterns)
- WHERE u.entry_kind = 'usage';
+ WHERE u.entry_kind = 'usage'
+   -- a response cache hit never reached the provider: no activity at its ceiling
+   AND u.serving_path IS DISTINCT FROM 'cache';
 COMMENT ON VIEW reporting.ceiling_activity IS
-    'each resolved reservation of a model a provider ceiling matches: ceiling, tenant, UTC minute';
+    'each resolved reservation of a model a provider ceiling matches (not a cache hit): ceiling, tenant, UTC minute';
 
 -- The report, over the last p_days days up to now (p_days >= 1; the callers
 -- check it), of every ceiling or of ceiling p_ceiling alone.

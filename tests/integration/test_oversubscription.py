@@ -201,3 +201,19 @@ async def test_the_report_reads_only_the_ledger_partitions_of_its_period(
     }
     assert len(every - in_period) >= 5  # two months before, three ahead
     assert scanned and scanned <= in_period, plan
+
+
+async def test_a_response_cache_hit_is_no_activity_at_the_ceiling(
+    admin: AdminService, db: asyncpg.Connection
+) -> None:
+    """A hit never reached the provider: ceiling_activity counts only the rows
+    that did, so a tenant served from the cache is not an active tenant there."""
+    await _ceiling(admin, tokens_per_minute=5_000)
+    await db.executemany(
+        "INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, model, input_tokens,"
+        " output_tokens, reserved_tokens, outcome, serving_path)"
+        " VALUES (gen_random_uuid(), 'usage', $1, 'gpt-4o', $2, $3, $4, 'ok', $5)",
+        [("served", 100, 20, 200, "primary"), ("cached", 0, 0, 0, "cache")],
+    )
+    rows = await db.fetch("SELECT ceiling, tenant FROM reporting.ceiling_activity")
+    assert [(r["ceiling"], r["tenant"]) for r in rows] == [("c", "served")]

@@ -17,6 +17,8 @@ from decimal import Decimal
 import asyncpg
 import pytest
 
+from llmquota.admin.alerts import AlertService
+from llmquota.domain.quotas import quota_spec
 from llmquota.domain.response_cache import cosine, signature, unit
 from llmquota.finance.ledger import LedgerStore
 from llmquota.store.response_cache import CacheKey
@@ -286,3 +288,52 @@ async def test_the_billing_export_carries_a_hits_path_savings_and_price(
     }
     assert (line["saved_input_tokens"], line["saved_output_tokens"]) == (40, 12)
     assert line["price_usd"] == "0.0002"
+
+
+async def test_a_priced_hit_is_charged_to_credits_and_cost_quotas_and_only_within_them(
+    store: Store, db: asyncpg.Connection
+) -> None:
+    """A hit the operator prices is usage like any other: the prepaid balance and
+    each cost quota it matches are charged its price, in the statement that
+    books it; a blocking quota it would take past its cost, or a balance below
+    the price, makes it a miss (admission then refuses as for any request)."""
+    alerts = AlertService(store)
+    assert await store.catalog.put_tenant_policy("acme", None, {"prepaid": True}) is not None
+    await alerts.top_up("acme", Decimal("0.0005"), "invoice-1")
+    quota, _ = await alerts.put_quota("acme", None, "spend", quota_spec(period="day", cost="1"))
+    await put(store, key())
+    price = Decimal("0.0002")
+    served = [
+        await store.response_cache.serve(key(), budget_seconds=5.0, similarity=0.9, price_usd=price)
+        for _ in range(3)
+    ]
+    # 0.0005 pays for two hits of 0.0002; the third would take it below zero.
+    assert [hit is not None for hit in served] == [True, True, False]
+    account = await db.fetchrow(
+        "SELECT balance, reserved FROM credit_accounts WHERE tenant = 'acme'"
+    )
+    assert (account["balance"], account["reserved"]) == (Decimal("0.0001"), 0)
+    charges = await db.fetch(
+        "SELECT reservation_id, amount FROM credit_ledger WHERE entry_kind = 'charge'"
+    )
+    assert sorted(c["reservation_id"] for c in charges) == sorted(h.hit_id for h in served if h)
+    assert {c["amount"] for c in charges} == {-price}
+    window = await db.fetchrow(
+        "SELECT charged_cost, charged_tokens FROM quota_windows WHERE quota_id = $1",
+        quota.quota_id,
+    )
+    assert (window["charged_cost"], window["charged_tokens"]) == (2 * price, 0)
+    # A blocking cost quota with less room than the price: a miss, nothing charged.
+    await alerts.top_up("acme", Decimal("1"), "invoice-2")
+    await alerts.put_quota("acme", None, "spend", quota_spec(period="day", cost="0.0005"))
+    miss = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=price
+    )
+    assert miss is None
+    assert await db.fetchval("SELECT count(*) FROM usage_ledger WHERE serving_path = 'cache'") == 2
+    # An unpriced hit of a prepaid tenant costs it nothing and is always served.
+    free = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=None
+    )
+    assert free is not None
+    assert await db.fetchval("SELECT count(*) FROM credit_ledger WHERE entry_kind = 'charge'") == 2

@@ -81,6 +81,7 @@ class ResponseCacheStore:
         similarity: float,
         price_usd: Decimal | None,
         budget_seconds: float,
+        key_id: int | None = None,
     ) -> CacheHit | None:
         """The cached answer for `key` (exact, else the nearest of its context at
         or above `similarity` when the key has an embedding), recorded in the
@@ -90,6 +91,9 @@ class ResponseCacheStore:
         answers a miss; this worker waits BUDGET_GRACE_SECONDS longer before
         it gives up on the statement, so that the database's own answer comes
         first and a hit is never booked for a request that went on without it.
+        A priced hit is charged to the cost quotas it matches (the tenant's, its
+        route's and API key `key_id`'s) and a prepaid tenant's credits, and is a
+        miss when they lack room for it (sql/cache.sql).
         """
         rows = await self._pool.fetch(
             self._sql["cache_serve"],
@@ -99,6 +103,7 @@ class ResponseCacheStore:
                 similarity,
                 price_usd,
                 max(1, round(budget_seconds * 1000)),
+                key_id,
             ),
             deadline_seconds=budget_seconds + BUDGET_GRACE_SECONDS,
         )

@@ -133,6 +133,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
             similarity=policy.similarity,
             price_usd=policy.hit_price_usd,
             budget_seconds=budget,
+            key_id=caller.key_id,
         )
         if hit is None and policy.mode == "semantic":
             lookup = await _embedded(request, caller, lookup, parsed)
@@ -143,6 +144,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
                     similarity=policy.similarity,
                     price_usd=policy.hit_price_usd,
                     budget_seconds=budget,
+                    key_id=caller.key_id,
                 )
     except LimiterError as exc:
         # The cache is an optimisation: a store that does not answer it sends

@@ -174,10 +174,12 @@ async def _forward(
         except _TryNext as failed:
             answer = failed.answer  # nothing produced
             chain.tried.add(upstream.name)
-            if failed.response is not None:
-                await _cool_down_on_429(call, failed.response, scoped_only=True)
             in_time = chain.time_for_another()
             upstream = await _handed_on(request, admitted, chain) if in_time else None
+            if upstream is None:
+                await exchange.release()
+            if failed.response is not None:  # after any release: it must not refill them
+                await _cool_down_on_429(call, failed.response, scoped_only=True)
     proxy.metrics.served(path, started)
     return answer
 
@@ -297,6 +299,10 @@ async def _cool_down_on_429(
     setting = call.proxy.settings.proxy_ceiling_cooldown_seconds
     if response.status_code != 429 or setting <= 0:
         return
+    if not scoped_only:
+        # The request ends here, nothing produced: what it held goes back first,
+        # so that the give-back never refills the ceilings emptied below.
+        await call.exchange.release()
     seconds = retry_after_seconds(response.headers) or setting
     admin: AdminService = call.request.app.state.admin
     try:
