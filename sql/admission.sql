@@ -789,7 +789,8 @@ BEGIN
 
     -- (3a) The fast path, one statement: when no request of the batch
     -- touches a provider ceiling or a quota and none has an idempotency key
-    -- or explicit fallbacks, this statement locks the batch's layers (every
+    -- (fallbacks do not matter: where every request fits, each is admitted
+    -- as asked, as (5) would), this statement locks the batch's layers (every
     -- global shard with p_pool; in layer_id order), refills them
     -- to one clock read once all are locked, and, when every tenant is known,
     -- none is prepaid, no locked layer weighs its calls (request_cost,
@@ -805,7 +806,6 @@ BEGIN
     -- test of batched == one by one covers both paths.
     has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
     IF NOT has_quotas AND mc_layer IS NULL
-       AND coalesce(cardinality(p_alt_ord), 0) = 0
        AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0 THEN
         RETURN QUERY
         WITH locked AS MATERIALIZED (
@@ -1518,8 +1518,17 @@ BEGIN
                 r_degraded[k] := c_fb[c];
                 r_upstream[k] := c_ups[c];
                 r_path[k] := CASE WHEN c_fb[c] THEN 'fallback_model'
-                                  WHEN c > 1 THEN 'second_deployment'
+                                  WHEN c > 1 AND c_ups[c] IS NOT NULL
+                                       AND p_up_rules[u_first[k]] IS DISTINCT FROM 'least_utilized'
+                                  THEN 'second_deployment'
                                   ELSE p_serving_paths[k] END;
+                IF NOT c_fb[c] AND c > 1 THEN
+                    -- the requested model, admitted: no refusal to report
+                    r_kind[k] := NULL; r_scope[k] := NULL; r_wait[k] := NULL;
+                    r_capacity[k] := NULL; r_reason[k] := NULL; r_ceiling[k] := NULL;
+                    r_util[k] := NULL; r_quota[k] := NULL; r_resets[k] := NULL;
+                    r_zone[k] := NULL; r_credit[k] := NULL; r_alt_max[k] := NULL;
+                END IF;
                 r_reserved[k] := cost;
                 r_id[k] := coalesce(p_reservation_ids[k], gen_random_uuid());
                 r_generation[k] := 1;
@@ -1542,7 +1551,10 @@ BEGIN
                 -- The requested model's refusal: what a 429 (or a degraded 201)
                 -- says. On several deployments, its first's, unless that one
                 -- can never fit it and another only lacks room now.
-                r_alt_max[k] := NULL;
+                r_kind[k] := NULL; r_scope[k] := NULL; r_wait[k] := NULL;
+                r_capacity[k] := NULL; r_reason[k] := NULL; r_ceiling[k] := NULL;
+                r_util[k] := NULL; r_quota[k] := NULL; r_resets[k] := NULL;
+                r_zone[k] := NULL; r_credit[k] := NULL; r_alt_max[k] := NULL;
                 refused_layers := layers;
                 refused_j := coalesce(too_j, tok_j);
                 r_reserved[k] := cost;

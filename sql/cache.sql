@@ -61,14 +61,16 @@ $$;
 --     `llmquota audit` checks against the row's price). It is served only
 --     within those budgets: a blocking quota the price would take past its
 --     cost, or a prepaid balance below the price, makes it a miss, and
---     admission then refuses the request as it refuses any other. A
---     statement
+--     admission then refuses the request as it refuses any other. A lookup
+--     made once the request was admitted names its reservation
+--     (p_reservation_id): what that holds counts as room for the hit, as a
+--     hit gives it back. A statement
 --     that reaches this step past p_budget_ms (counted from its start) writes
 --     nothing and answers a miss: the worker stops waiting for it a little
 --     later (store/response_cache.py), and a hit it has given up on must not
 --     be booked while the request goes on to the provider.
 -- p_budget_ms was added: the first signature goes; then p_key_id (a priced hit
--- counts against the key's quotas).
+-- counts against the key's quotas) and p_reservation_id.
 DROP FUNCTION IF EXISTS lq_cache_serve(text, text, text, text, bytea, bytea, real[], bigint,
                                        integer, double precision, numeric);
 DROP FUNCTION IF EXISTS lq_cache_serve(text, text, text, text, bytea, bytea, real[], bigint,
@@ -86,7 +88,8 @@ CREATE OR REPLACE FUNCTION lq_cache_serve(
     p_similarity     double precision,
     p_price_usd      numeric,            -- NULL: no price for a hit
     p_budget_ms      integer,            -- past it, book nothing (a miss)
-    p_key_id         bigint DEFAULT NULL -- the API key that asked (its quotas)
+    p_key_id         bigint DEFAULT NULL,  -- the API key that asked (its quotas)
+    p_reservation_id uuid DEFAULT NULL     -- the request's own, when admitted first
 ) RETURNS TABLE (
     hit_id           uuid,
     entry_id         bigint,
@@ -110,6 +113,11 @@ DECLARE
     prepaid boolean := false;
     avail   numeric;
     x       integer;
+    -- what the request's own reservation holds (room for the hit it is for)
+    own_cost   numeric := 0;
+    own_credit numeric := 0;
+    own_quotas bigint[] := '{}';
+    used       numeric;
 BEGIN
     -- (1) the exact key
     SELECT c.* INTO found_e
@@ -143,12 +151,24 @@ BEGIN
     END IF;
 
     -- (3) a priced hit's budgets: locked, and within them, or a miss
+    IF priced AND p_reservation_id IS NOT NULL THEN
+        SELECT coalesce(r.reserved_cost, 0), coalesce(r.credit_reserved, 0),
+               coalesce(r.quota_ids, '{}')
+          INTO own_cost, own_credit, own_quotas
+          FROM reservations AS r
+         WHERE r.reservation_id = p_reservation_id AND r.tenant = p_tenant
+           AND r.state = 'active';
+    END IF;
     IF priced THEN
         FOR q IN SELECT m.* FROM lq_matching_quotas(p_tenant, nullif(p_route, ''), p_model,
                                                     p_key_id) AS m
                   WHERE m.cost IS NOT NULL LOOP
             w := lq_quota_window_row(q.quota_id, now_ts);
-            IF q.enforce = 'block' AND w.reserved_cost + w.charged_cost + p_price_usd > q.cost THEN
+            used := w.reserved_cost + w.charged_cost;
+            IF q.quota_id = ANY (own_quotas) THEN
+                used := used - own_cost;
+            END IF;
+            IF q.enforce = 'block' AND used + p_price_usd > q.cost THEN
                 RETURN;
             END IF;
             qs := qs || q.quota_id;
@@ -159,7 +179,7 @@ BEGIN
         IF prepaid THEN
             SELECT a.balance - a.reserved INTO avail
               FROM credit_accounts AS a WHERE a.tenant = p_tenant FOR UPDATE;
-            IF coalesce(avail, 0) < p_price_usd THEN
+            IF coalesce(avail, 0) + coalesce(own_credit, 0) < p_price_usd THEN
                 RETURN;
             END IF;
         END IF;

@@ -559,7 +559,9 @@ SELECT key FROM outage_id_key
 -- the layer are NULL); otherwise up to $3 layers, in layer_id order. The
 -- response cache policy (`cache`, the tenant layer's effective one) comes
 -- with them: the proxy decides whether to look an answer up from this copy,
--- without a round trip of its own.
+-- without a round trip of its own; and the default `fallback_models` (the
+-- tenant layer's effective list), which a worker reserves at each model's own
+-- learned estimate (admission/estimates.py).
 WITH version AS (
     SELECT coalesce(max(policy_version), 0)::bigint AS snapshot_version,
            count(*) FILTER (WHERE shard = 0)::bigint AS layer_count
@@ -569,7 +571,7 @@ WITH version AS (
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
        l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate, l.request_cost,
-       l.uses_concurrency, l.cache
+       l.uses_concurrency, l.cache, l.fallback_models
   FROM version AS v
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others
@@ -577,7 +579,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
                   g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
                   g.failure_mode, g.policy_version, NULL::text AS output_estimate,
                   NULL::integer AS request_cost, NULL::boolean AS uses_concurrency,
-                  NULL::text AS cache
+                  NULL::text AS cache, NULL::text[] AS fallback_models
              FROM global_layer AS g
             WHERE (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
@@ -586,7 +588,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
                    ll.token_burst, ll.requests_per_minute, ll.request_burst, ll.max_in_flight,
                    ll.lease_seconds, ll.failure_mode, ll.policy_version,
                    ll.output_estimate::text, ll.request_cost, ll.uses_concurrency,
-                   ll.cache::text
+                   ll.cache::text, ll.fallback_models
               FROM limit_layers AS ll
              WHERE ll.scope IN ('tenant', 'route')
                AND (v.snapshot_version, v.layer_count)

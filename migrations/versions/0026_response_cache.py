@@ -110,6 +110,8 @@ DROP FUNCTION IF EXISTS lq_audit();
 DROP FUNCTION IF EXISTS lq_audit_reservation_books();
 DROP FUNCTION IF EXISTS lq_audit_quota_windows();
 DROP VIEW IF EXISTS reporting.ledger_entries CASCADE;
+-- (reports/60_oversubscription.sql reads serving_path since issue 23's deployments)
+DROP VIEW IF EXISTS reporting.ceiling_activity CASCADE;
 DELETE FROM schema_repeatables
  WHERE name IN ('admission.sql', 'ledger.sql', 'reliability.sql', 'plans.sql', 'queries.sql',
                 'cache.sql')

@@ -14,11 +14,9 @@ from llmquota.config import Settings
 ADMIN_KEY = "lq_test_admin_key_0123456789"
 
 
-@pytest.fixture
-async def client(app_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
-    """An HTTP client for an app whose lifespan (pool, authenticator) is
-    running, connected as llmquota_app (a missing grant answers 500)."""
-    settings = Settings(  # type: ignore[call-arg]
+def api_settings(**extra: object) -> Settings:
+    """The settings of the API tests' app, with `extra` on top."""
+    return Settings(  # type: ignore[call-arg]
         admin_key=ADMIN_KEY,
         pool_min_size=1,
         pool_max_size=10,
@@ -29,8 +27,15 @@ async def client(app_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
         # its own; tests/api/test_ceiling_alerts.py runs it where it is tested.
         ceiling_alerts=False,
         _env_file=None,
+        **extra,
     )
-    app = create_app(settings, dsn=app_dsn)
+
+
+@pytest.fixture
+async def client(app_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for an app whose lifespan (pool, authenticator) is
+    running, connected as llmquota_app (a missing grant answers 500)."""
+    app = create_app(api_settings(), dsn=app_dsn)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://llmquota") as c:

@@ -20,8 +20,7 @@ from fastapi import FastAPI
 
 from llmquota.api.app import create_app
 from llmquota.client import AsyncClient
-from llmquota.config import Settings
-from tests.api.conftest import ADMIN_KEY, make_tenant
+from tests.api.conftest import api_settings, make_tenant
 
 SCOPED = {"models": ["gpt-4o"], "tokens_per_minute": 1, "token_burst": 300}
 
@@ -41,16 +40,7 @@ async def with_upstreams(
             for name in ("main", "azure")
         )
     )
-    settings = Settings(  # type: ignore[call-arg]
-        admin_key=ADMIN_KEY,
-        pool_max_size=10,
-        decision_deadline_ms=60_000,
-        ceiling_alerts=False,
-        upstreams_file=str(path),
-        openai_base_url=None,
-        openai_api_key=None,
-        _env_file=None,
-    )
+    settings = api_settings(upstreams_file=str(path), openai_base_url=None, openai_api_key=None)
     app = create_app(settings, dsn=app_dsn)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -124,8 +114,10 @@ async def test_the_rest_client_passes_upstreams_and_reads_the_choice(
     served: tuple[httpx.AsyncClient, FastAPI], admin: dict[str, str]
 ) -> None:
     client, app = served
-    scoped = await put_ceiling(client, admin, "main-gpt4o", upstream="main", token_burst=100)
-    assert scoped.is_success
+    # Both have room; azure more of it: `order` takes main, least_utilized azure.
+    for name, burst in (("main", 1_000), ("azure", 2_000)):
+        scoped = await put_ceiling(client, admin, f"{name}-gpt4o", upstream=name, token_burst=burst)
+        assert scoped.is_success
     key = (await make_tenant(client, admin, "acme"))["Authorization"].removeprefix("Bearer ")
     transport = httpx.ASGITransport(app=app)
     async with AsyncClient("http://llmquota", key, transport=transport) as limiter:
@@ -145,3 +137,4 @@ async def test_the_rest_client_passes_upstreams_and_reads_the_choice(
             upstream_rule="least_utilized",
         )
     assert (first.upstream, second.upstream) == ("main", "azure")
+    assert second.admitted.answer["upstream"] == "azure"

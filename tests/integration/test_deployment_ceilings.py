@@ -129,11 +129,43 @@ async def test_least_utilized_goes_where_the_most_room_is_left(
 
 
 async def test_least_utilized_reads_the_running_balances_of_its_batch(limiter: Limiter) -> None:
+    """One statement for 8 requests (the store's batch, no coalescer): each choice
+    sees what the requests before it in the batch took."""
     await lay_out(limiter, main=10, azure=10)
-    batch = await asyncio.gather(
-        *(decide(limiter, BOTH, upstream_rule="least_utilized") for _ in range(8))
+    request = limiter.prepare(
+        tenant="acme",
+        model=MODEL,
+        input_tokens=20,
+        max_tokens=80,
+        upstreams=BOTH,
+        upstream_rule="least_utilized",
     )
-    assert Counter(d.upstream for d in batch) == {"main": 4, "azure": 4}
+    batch = await limiter.store.admit([request] * 8)
+    assert [d.upstream for d in batch] == ["main", "azure"] * 4
+
+
+async def test_an_admission_on_a_later_deployment_reports_no_refusal(limiter: Limiter) -> None:
+    """main's ceiling can never hold the request (too large there); azure's can,
+    once: the admission says nothing of main's refusal, and the 429 after it
+    is azure's own (not main's capacity)."""
+    await lay_out(limiter, main=1, azure=1)
+    small = Ceiling(models=[MODEL], tokens_per_minute=SLOW, token_burst=50, upstream="main")
+    await limiter.store.catalog.put_ceiling("main-gpt4o", small)
+    admitted = await decide(limiter, BOTH)
+    assert (admitted.status, admitted.upstream, admitted.degraded) == ("admitted", "azure", False)
+    assert (admitted.limit_kind, admitted.ceiling, admitted.capacity, admitted.reason) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    refused = await decide(limiter, BOTH)
+    assert (refused.status, refused.ceiling, refused.capacity, refused.limit_kind) == (
+        "rate_limited",
+        "azure-gpt4o",
+        None,
+        "tokens",
+    )
 
 
 async def test_a_request_naming_no_deployment_is_bounded_by_every_ceiling_of_its_model(
@@ -197,6 +229,7 @@ async def test_a_fallback_model_is_tried_on_its_own_deployments_after_the_reques
         (["main", "main"], None, "each name once"),
         ([], None, "1 to 16 names"),
         (["bad\nname"], None, "printable characters"),
+        (["x" * 129], None, "printable characters"),
         ("main", None, "must be a list"),
         (BOTH, "fastest", "upstream_rule must be one of order, least_utilized"),
     ],

@@ -380,3 +380,29 @@ async def test_a_fallback_with_a_larger_estimate_reserves_the_larger(
     await held.settle(input_tokens=10, output_tokens=900)  # 123 of the reservation back
     tenant = await raw_layer(db, "tenant", "acme")
     assert tenant["tokens"] == pytest.approx(20_000 - 910, abs=0.5)
+
+
+async def test_a_default_list_fallback_reserves_its_own_estimate(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    """The leftover for default lists: a fallback of the tenant's (plan's) own
+    `fallback_models`, which the caller does not name, reserves its own learned
+    quantile too, as an explicit one does."""
+    await limiter.store.catalog.put_plan("free", Plan(fallback_models=["gpt-4o-mini"]))
+    await limiter.store.catalog.put_tenant_policy(
+        "acme", "free", {"tokens_per_minute": 1, "token_burst": 600, "output_estimate": LEARNED}
+    )
+    await _seed(db, "acme", {"gpt-4o": [1000] * 20, "gpt-4o-mini": [100] * 20})
+    await _refresh(limiter)
+    small = bucket_top(bucket_of(100))
+    held = await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=10, max_tokens=4000)
+    assert (held.model, held.degraded) == ("gpt-4o-mini", True)
+    assert held.output_estimate == {"strategy": "learned", "tokens": small}
+    assert held.reserved_tokens == 10 + small
+    tenant = await raw_layer(db, "tenant", "acme")
+    assert tenant["tokens"] == pytest.approx(600 - 10 - small, abs=0.5)
+    # With degrade false, nothing is degraded, and the 429 lists the default that fits.
+    with pytest.raises(RequestTooLarge):
+        await limiter.admit(
+            tenant="acme", model="gpt-4o", input_tokens=10, max_tokens=4000, degrade=False
+        )

@@ -18,6 +18,7 @@ import asyncpg
 import pytest
 
 from llmquota.admin.alerts import AlertService
+from llmquota.admission.limiter import Limiter
 from llmquota.domain.quotas import quota_spec
 from llmquota.domain.response_cache import cosine, signature, unit
 from llmquota.finance.ledger import LedgerStore
@@ -337,3 +338,43 @@ async def test_a_priced_hit_is_charged_to_credits_and_cost_quotas_and_only_withi
     )
     assert free is not None
     assert await db.fetchval("SELECT count(*) FROM credit_ledger WHERE entry_kind = 'charge'") == 2
+
+
+async def test_a_priced_hit_after_admission_counts_the_requests_own_hold_as_room(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    """serve_when_exhausted false: the lookup comes once the request is admitted,
+    and what its reservation holds is room for the hit (which gives it back):
+    a balance of 0.05 less a hold of 0.02025 still pays a hit of 0.04."""
+    store = limiter.store
+    alerts = AlertService(store)
+    await LedgerStore(db).set_price(
+        model="gpt-4o", input_usd_per_million=Decimal("2.50"),
+        output_usd_per_million=Decimal("10"), set_by="test",
+    )  # fmt: skip
+    assert await store.catalog.put_tenant_policy("acme", None, {"prepaid": True}) is not None
+    await alerts.top_up("acme", Decimal("0.05"), "invoice-1")
+    await put(store, key())
+    held = await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=100, max_tokens=2000)
+    hold = await db.fetchval(
+        "SELECT credit_reserved FROM reservations WHERE reservation_id = $1", held.reservation_id
+    )
+    assert hold == Decimal("0.02025")  # 100 x 2.50 + 2,000 x 10.00 per million
+    price = Decimal("0.04")
+    alone = await store.response_cache.serve(
+        key(), budget_seconds=5.0, similarity=0.9, price_usd=price
+    )
+    assert alone is None  # 0.02975 available without the hold
+    hit = await store.response_cache.serve(
+        key(),
+        budget_seconds=5.0,
+        similarity=0.9,
+        price_usd=price,
+        reservation_id=held.reservation_id,
+    )
+    assert hit is not None
+    await held.release()  # the hit gives the hold back
+    account = await db.fetchrow(
+        "SELECT balance, reserved FROM credit_accounts WHERE tenant = 'acme'"
+    )
+    assert (account["balance"], account["reserved"]) == (Decimal("0.01"), 0)

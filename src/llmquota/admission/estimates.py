@@ -7,9 +7,12 @@ the histograms that changed since the last read, plus a full reload every
 (policy_cache.py, refreshed the same way). A request is then prepared with
 the output tokens to reserve (domain/output_estimates.py decides), and the
 admission statement reserves input + that instead of input + max_tokens.
-Each explicit fallback gets its own, from its own histogram under the same
-policy, so that a degraded admission reserves what the model it admits is
-expected to use (sql/admission.sql costs each candidate by its own figures).
+Each fallback gets its own, from its own histogram under the same policy, so
+that a degraded admission reserves what the model it admits is expected to
+use (sql/admission.sql costs each candidate by its own figures): an explicit
+fallback, and a route's or plan's default list, which is then passed as
+explicit fallbacks with the requested model's input count (as the statement
+would count them).
 
 Whatever this worker does not know reserves max_tokens: a tenant or route
 not in the policy cache yet, a strategy a newer release stored, a key with
@@ -90,7 +93,7 @@ class OutputEstimator:
             return request  # output_reserve would answer max_tokens, as the request says
         reserve = self._reserve(policy, request, request.model)
         reserved = request.max_tokens if request.output_reserve is None else request.output_reserve
-        fallbacks = request.fallbacks
+        fallbacks = request.fallbacks or self._defaults(request)
         if fallbacks:
             fallbacks = tuple(self._fallback(policy, request, c) for c in fallbacks)
         if (
@@ -114,6 +117,20 @@ class OutputEstimator:
             request.max_tokens,
             max_tokens_given=request.max_tokens_given,
         )
+
+    def _defaults(self, request: AdmitRequest) -> tuple[FallbackCandidate, ...]:
+        """The route's default fallback list, else the tenant's (its plan's), as the
+        statement reads it, for a request that may degrade and names none: each
+        with the requested model's input count, to be reserved at its own estimate."""
+        if request.degrade is False:
+            return ()
+        for layer in self._policies.own_layers(request.tenant, request.route):
+            if layer is not None and layer.fallback_models:
+                models = layer.fallback_models
+                return tuple(
+                    FallbackCandidate(m, request.input_tokens) for m in models if m != request.model
+                )
+        return ()
 
     def _fallback(
         self, policy: EstimatePolicy | None, request: AdmitRequest, candidate: FallbackCandidate

@@ -16,7 +16,11 @@ from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.model_limits import max_output_tokens
-from llmquota.domain.names import UPSTREAM_NAME_PATTERN, UPSTREAM_NAME_RULE
+from llmquota.domain.names import (
+    UPSTREAM_NAME_MAX_CHARS,
+    UPSTREAM_NAME_PATTERN,
+    UPSTREAM_NAME_RULE,
+)
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
 from llmquota.domain.records import AdmitRequest, Deployment, FallbackCandidate
 from llmquota.domain.tokens import (
@@ -140,7 +144,11 @@ def _deployments(
     if not 0 < len(upstreams) <= MAX_UPSTREAMS:
         raise InvalidRequest(f"upstreams: 1 to {MAX_UPSTREAMS} names")
     for name in upstreams:
-        if not isinstance(name, str) or not re.fullmatch(UPSTREAM_NAME_PATTERN, name):
+        if (
+            not isinstance(name, str)
+            or len(name) > UPSTREAM_NAME_MAX_CHARS
+            or not re.fullmatch(UPSTREAM_NAME_PATTERN, name)
+        ):
             raise InvalidRequest(f"upstreams: each {UPSTREAM_NAME_RULE}")
     if len(set(upstreams)) != len(upstreams):
         raise InvalidRequest("upstreams: each name once")

@@ -112,9 +112,10 @@ class AdmitRequest(NamedTuple):
 
     def output_strategy_of(self, model: str | None) -> OutputStrategy:
         """How the output reserved for `model` was chosen: the requested model's
-        strategy, or the explicit fallback's that a degraded admission names.
-        A model of a default list (the route's or the plan's, which only the
-        statement reads) reserves the requested model's output, and says so."""
+        strategy, or the fallback's that a degraded admission names (a default
+        list's too, passed as fallbacks once estimated: admission/estimates.py).
+        A default the worker did not know yet (the statement read it) reserved
+        the requested model's output, and says so."""
         if model != self.model:
             for candidate in self.fallbacks:
                 if candidate.model == model:
@@ -252,6 +253,9 @@ class CachedLayer:
     route: str | None
     policy: Policy
     policy_version: int
+    # Its default fallback models (a tenant's effective list: its own, else its
+    # plan's), in order; () none.
+    fallback_models: tuple[str, ...] = ()
 
     @property
     def cache(self) -> CachePolicy | None:

@@ -82,6 +82,7 @@ class ResponseCacheStore:
         price_usd: Decimal | None,
         budget_seconds: float,
         key_id: int | None = None,
+        reservation_id: uuid.UUID | None = None,
     ) -> CacheHit | None:
         """The cached answer for `key` (exact, else the nearest of its context at
         or above `similarity` when the key has an embedding), recorded in the
@@ -93,7 +94,8 @@ class ResponseCacheStore:
         first and a hit is never booked for a request that went on without it.
         A priced hit is charged to the cost quotas it matches (the tenant's, its
         route's and API key `key_id`'s) and a prepaid tenant's credits, and is a
-        miss when they lack room for it (sql/cache.sql).
+        miss when they lack room for it, counting what the request's own
+        `reservation_id` holds (a lookup once admitted) as room (sql/cache.sql).
         """
         rows = await self._pool.fetch(
             self._sql["cache_serve"],
@@ -104,6 +106,7 @@ class ResponseCacheStore:
                 price_usd,
                 max(1, round(budget_seconds * 1000)),
                 key_id,
+                reservation_id,
             ),
             deadline_seconds=budget_seconds + BUDGET_GRACE_SECONDS,
         )

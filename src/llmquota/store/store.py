@@ -216,6 +216,7 @@ class Store:
                 route=row["route"],
                 policy=_policy_from_row(row),
                 policy_version=int(row["policy_version"]),
+                fallback_models=tuple(row["fallback_models"] or ()),
             )
             for row in rows
         ]

@@ -44,7 +44,7 @@ from llmquota.api.proxy.exchange import Exchange
 from llmquota.api.proxy.requests import BadProxyRequest, ProxyRequest
 from llmquota.api.proxy.upstream import Proxy, Upstream, unserved_model
 from llmquota.api.proxy.wire import Kind, error_response, refusal
-from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.errors import InvalidRequest, LimiterError
 from llmquota.domain.records import AdmitRequest, FallbackCandidate
 from llmquota.domain.refusal_table import REFUSALS
 from llmquota.domain.vocabulary import ServingPath
@@ -188,45 +188,49 @@ async def _admitted(
         headers["llmquota-degraded-from"] = parsed.model
         parsed = dataclasses.replace(parsed, body={**parsed.body, "model": model}, model=model)
         content = json.dumps(parsed.body).encode()
-    elif _spilled(proxy.deployments(kind, model), prepared, upstream):
+    elif _spilled(prepared, decision.upstream):
         path = "second_deployment"
     exchange = Exchange(reservation, model, limiter.settings.estimate_factors)
     return Admitted(exchange, parsed, upstream, content, headers, path, prepared)
 
 
-def _spilled(ranked: list[Upstream], prepared: AdmitRequest, chosen: Upstream) -> bool:
-    """Whether the request goes to another deployment than its model's first-ranked
-    (lq_admit passed over it for want of room, or it is cooled down): never under
-    least_utilized, whose choice is the balance it asks for."""
-    rule = next((d.rule for d in prepared.deployments if d.model == prepared.model), "order")
-    return rule == "order" and bool(ranked) and chosen is not ranked[0]
+def _spilled(prepared: AdmitRequest, chosen: str | None) -> bool:
+    """Whether lq_admit passed over the first deployment it was given for the
+    requested model for want of room, as it journals second_deployment then
+    (a cooled one was given last): never under least_utilized, whose choice is
+    the balance it asks for."""
+    first = next((d for d in prepared.deployments if d.model == prepared.model), None)
+    return first is not None and first.rule == "order" and chosen not in (None, first.upstream)
 
 
 async def next_deployment(
-    request: Request, admitted: Admitted, tried: frozenset[str]
+    request: Request, admitted: Admitted, tried: frozenset[str], untried: Upstream
 ) -> Upstream | None:
     """The deployment to hand a request on to after one answered 429 or 5xx, by a
     decision of its own among the model's deployments not yet `tried` (the
     reservation so far released first: that deployment charged nothing), so
     that the next one's ceilings are charged, exactly and once. The exchange
-    then holds the new reservation. None: no deployment left, or none admits
-    it now (the last answer stands)."""
+    then holds the new reservation. None: none admits it now, or the limiter
+    cannot say (the last answer stands). A failure mode's admission (the store
+    away) names no deployment: the next `untried` in the chain's order serves."""
     proxy: Proxy = request.app.state.proxy
     limiter: Limiter = request.app.state.limiter
     exchange, kind = admitted.exchange, admitted.upstream.kind
     deployments = proxy.admission_deployments(kind, [exchange.model], skip=tried)
-    if not deployments:
-        return None
     await exchange.release()
     again = _as_admitted(admitted.prepared, exchange)._replace(
         deployments=deployments, serving_path="second_deployment"
     )
-    admission = await limiter.decide(again, recall=False)
-    if admission.decision.status != "admitted" or admission.decision.upstream is None:
+    try:  # a hand-over, not an answer of its own: not counted as one
+        admission = await limiter.decide(again, answer=False, recall=False)
+    except LimiterError:
+        return None
+    if admission.decision.status != "admitted":
         return None
     exchange.reservation = Reservation(limiter, again.tenant, admission, fence=True)
     exchange.finished = False
-    return proxy.upstreams[admission.decision.upstream]
+    chosen = admission.decision.upstream
+    return untried if chosen is None else proxy.upstreams[chosen]
 
 
 def _as_admitted(prepared: AdmitRequest, exchange: Exchange) -> AdmitRequest:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -118,10 +119,14 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
     lookup: CacheLookup,
     parsed: ProxyRequest,
     started: float,
+    *,
+    holding: uuid.UUID | None = None,
 ) -> tuple[Response | None, CacheLookup]:
     """The answer from the cache (counted as serving path `cache`, timed from
     `started`), or None; and the lookup as it is now (with the semantic key once
-    embedded, for storing a fresh answer under it)."""
+    embedded, for storing a fresh answer under it). `holding`: the request's own
+    reservation, when it was admitted first (what it holds is room for a priced
+    hit, which gives it back)."""
     limiter: Limiter = request.app.state.limiter
     policy = lookup.policy
     budget = limiter.deadline_seconds
@@ -134,6 +139,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
             price_usd=policy.hit_price_usd,
             budget_seconds=budget,
             key_id=caller.key_id,
+            reservation_id=holding,
         )
         if hit is None and policy.mode == "semantic":
             lookup = await _embedded(request, caller, lookup, parsed)
@@ -145,6 +151,7 @@ async def serve(  # noqa: PLR0917 (the request's parts, as the proxy has them)
                     price_usd=policy.hit_price_usd,
                     budget_seconds=budget,
                     key_id=caller.key_id,
+                    reservation_id=holding,
                 )
     except LimiterError as exc:
         # The cache is an optimisation: a store that does not answer it sends

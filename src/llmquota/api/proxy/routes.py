@@ -128,7 +128,10 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         elif lookup is not None and not lookup.policy.serve_when_exhausted:
             # The policy serves hits only within the budget: looked up once
             # admitted; a hit gives back what was reserved (below).
-            served, lookup = await cache.serve(kind, request, caller, lookup, parsed, started)
+            holding = admitted.exchange.reservation_id
+            served, lookup = await cache.serve(
+                kind, request, caller, lookup, parsed, started, holding=holding
+            )
             if served is not None:
                 return served
         return await _forward(endpoint, request, admitted, lookup, started)
@@ -190,10 +193,11 @@ async def _handed_on(request: Request, admitted: Admitted, chain: Chain) -> Upst
     same reservation goes to the next in the chain's order, as every ceiling of
     the model already counts it."""
     exchange, limiter = admitted.exchange, request.app.state.limiter
+    untried = chain.next_untried()
     scoped = limiter.policies.scoped_to_deployment(exchange.model)
-    if exchange.decision.upstream is None or not scoped:
-        return chain.next_untried()
-    return await next_deployment(request, admitted, frozenset(chain.tried))
+    if untried is None or exchange.decision.upstream is None or not scoped:
+        return untried
+    return await next_deployment(request, admitted, frozenset(chain.tried), untried)
 
 
 class _TryNext(Exception):
