@@ -188,19 +188,22 @@ async def _admitted(
         headers["llmquota-degraded-from"] = parsed.model
         parsed = dataclasses.replace(parsed, body={**parsed.body, "model": model}, model=model)
         content = json.dumps(parsed.body).encode()
-    elif _spilled(prepared, decision.upstream):
+    elif _spilled(prepared, decision.upstream, proxy.deployments(kind, model)):
         path = "second_deployment"
     exchange = Exchange(reservation, model, limiter.settings.estimate_factors)
     return Admitted(exchange, parsed, upstream, content, headers, path, prepared)
 
 
-def _spilled(prepared: AdmitRequest, chosen: str | None) -> bool:
-    """Whether lq_admit passed over the first deployment it was given for the
-    requested model for want of room, as it journals second_deployment then
-    (a cooled one was given last): never under least_utilized, whose choice is
-    the balance it asks for."""
+def _spilled(prepared: AdmitRequest, chosen: str | None, ranked: list[Upstream]) -> bool:
+    """Whether the request goes to another deployment than the first: lq_admit
+    passed over the first it was given for want of room (and journals
+    second_deployment), or the routing rule's first is cooled down (given
+    last; the settlement names the path then). Never under least_utilized,
+    whose choice is the balance it asks for."""
     first = next((d for d in prepared.deployments if d.model == prepared.model), None)
-    return first is not None and first.rule == "order" and chosen not in (None, first.upstream)
+    if first is None or first.rule != "order" or chosen is None:
+        return False
+    return chosen != first.upstream or (bool(ranked) and chosen != ranked[0].name)
 
 
 async def next_deployment(
