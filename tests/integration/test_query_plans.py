@@ -99,6 +99,7 @@ async def test_a_batch_of_distinct_tenants_locks_its_layers_by_index_probes(
         list(range(1, n + 1)),
         None,  # fallbacks' output reserves: none
         None,  # serving paths: none (primary)
+        *([None] * 4),  # deployments: none named
     )
 
     # The fast path finds and locks them in one statement (a bitmap of probes).
@@ -138,8 +139,8 @@ async def test_settling_a_batch_finds_reservations_and_layers_by_index(
         [None] * n,
         1000,
         # priorities, degradation, output reserve, deadline, ids, keys, fallbacks' output,
-        # serving paths: none
-        *([None] * 12),
+        # serving paths, deployments: none
+        *([None] * 16),
     )
     # Ten thousand finished reservations around them, so a scan would show.
     await db.execute(
