@@ -1296,8 +1296,10 @@ BEGIN
         -- the room its scoped token ceilings would have left (a share of the
         -- burst, the running balances of this batch), none scoped counting as
         -- the most.
+        -- (plain expressions, no query, for a request naming no deployment)
         c_ups := array_fill(NULL::text, ARRAY[cardinality(c_models)]);
-        c_fb := ARRAY(SELECT g.i > 1 FROM generate_subscripts(c_models, 1) AS g(i) ORDER BY g.i);
+        c_fb := array_fill(true, ARRAY[cardinality(c_models)]);
+        c_fb[1] := false;
         IF u_count[k] > 0 THEN
             SELECT array_agg(e.model ORDER BY e.c, e.rank), array_agg(e.input ORDER BY e.c, e.rank),
                    array_agg(e.output ORDER BY e.c, e.rank), array_agg(e.up ORDER BY e.c, e.rank),

@@ -22,7 +22,7 @@ import pytest
 from llmquota.admission.limiter import Limiter
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.plans import Ceiling
-from llmquota.domain.records import AdmitDecision, Deployment
+from llmquota.domain.records import AdmitDecision, AdmitRequest, Deployment
 
 SLOW = 1
 MODEL = "gpt-4o"
@@ -45,8 +45,9 @@ async def lay_out(limiter: Limiter, main: int, azure: int, shared: int | None = 
     await limiter.refresh_policies()
 
 
-async def decide(limiter: Limiter, upstreams: list[str] | None, **extra: object) -> AdmitDecision:
-    request = limiter.prepare(
+def prepared(limiter: Limiter, upstreams: list[str] | None, **extra: object) -> AdmitRequest:
+    """acme's request of COST tokens, naming `upstreams`."""
+    return limiter.prepare(
         tenant="acme",
         model=MODEL,
         input_tokens=20,
@@ -54,7 +55,10 @@ async def decide(limiter: Limiter, upstreams: list[str] | None, **extra: object)
         upstreams=upstreams,
         **extra,  # type: ignore[arg-type]
     )
-    return (await limiter.decide(request)).decision
+
+
+async def decide(limiter: Limiter, upstreams: list[str] | None, **extra: object) -> AdmitDecision:
+    return (await limiter.decide(prepared(limiter, upstreams, **extra))).decision
 
 
 async def journaled(db: asyncpg.Connection) -> Counter[tuple[str | None, str | None]]:
@@ -132,14 +136,7 @@ async def test_least_utilized_reads_the_running_balances_of_its_batch(limiter: L
     """One statement for 8 requests (the store's batch, no coalescer): each choice
     sees what the requests before it in the batch took."""
     await lay_out(limiter, main=10, azure=10)
-    request = limiter.prepare(
-        tenant="acme",
-        model=MODEL,
-        input_tokens=20,
-        max_tokens=80,
-        upstreams=BOTH,
-        upstream_rule="least_utilized",
-    )
+    request = prepared(limiter, BOTH, upstream_rule="least_utilized")
     batch = await limiter.store.admit([request] * 8)
     assert [d.upstream for d in batch] == ["main", "azure"] * 4
 

@@ -10,17 +10,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Required, TypedDict
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.model_limits import max_output_tokens
-from llmquota.domain.names import (
-    UPSTREAM_NAME_MAX_CHARS,
-    UPSTREAM_NAME_PATTERN,
-    UPSTREAM_NAME_RULE,
-)
+from llmquota.domain.names import UPSTREAM_NAME_RULE, is_upstream_name
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
 from llmquota.domain.records import AdmitRequest, Deployment, FallbackCandidate
 from llmquota.domain.tokens import (
@@ -144,11 +139,7 @@ def _deployments(
     if not 0 < len(upstreams) <= MAX_UPSTREAMS:
         raise InvalidRequest(f"upstreams: 1 to {MAX_UPSTREAMS} names")
     for name in upstreams:
-        if (
-            not isinstance(name, str)
-            or len(name) > UPSTREAM_NAME_MAX_CHARS
-            or not re.fullmatch(UPSTREAM_NAME_PATTERN, name)
-        ):
+        if not is_upstream_name(name):
             raise InvalidRequest(f"upstreams: each {UPSTREAM_NAME_RULE}")
     if len(set(upstreams)) != len(upstreams):
         raise InvalidRequest("upstreams: each name once")

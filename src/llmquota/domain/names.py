@@ -23,6 +23,14 @@ from typing import Annotated, TypeGuard
 
 from pydantic import Field, StrictStr
 
+from llmquota.domain.json_text import (
+    is_unicode,
+    matches,
+    pattern_check,
+    pattern_field,
+    shown_text_pattern,
+)
+
 # Tenants, routes, plans, ceilings, quotas and webhooks: ASCII letters,
 # digits, '-', '_' and '.', not starting with '.' (so never '.' or '..'),
 # 1 to NAME_MAX_CHARS characters.
@@ -90,18 +98,19 @@ def is_model_glob(value: object) -> TypeGuard[str]:
 
 
 # Upstreams (deployments) as UPSTREAMS_FILE names them, which a ceiling's
-# `upstream` and an admission's `upstreams` refer to: free text there, so
-# any printable characters here (no control characters), 1 to
-# UPSTREAM_NAME_MAX_CHARS.
+# `upstream` and an admission's `upstreams` refer to: free text there, so text
+# safe to show here (json_text's rule: no control characters, line separators,
+# bidirectional overrides or lone surrogates), 1 to UPSTREAM_NAME_MAX_CHARS.
 UPSTREAM_NAME_MAX_CHARS = 128
-UPSTREAM_NAME_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+UPSTREAM_NAME_PATTERN = shown_text_pattern(UPSTREAM_NAME_MAX_CHARS)
 UPSTREAM_NAME_RULE = f"an upstream's name: 1 to {UPSTREAM_NAME_MAX_CHARS} printable characters"
 UpstreamName = Annotated[
     StrictStr,
-    Field(
-        min_length=1,
-        max_length=UPSTREAM_NAME_MAX_CHARS,
-        pattern=UPSTREAM_NAME_PATTERN,
-        description=UPSTREAM_NAME_RULE,
-    ),
+    pattern_field(UPSTREAM_NAME_PATTERN, UPSTREAM_NAME_MAX_CHARS, UPSTREAM_NAME_RULE),
+    pattern_check(UPSTREAM_NAME_PATTERN, UPSTREAM_NAME_RULE),
 ]
+
+
+def is_upstream_name(value: object) -> TypeGuard[str]:
+    """Whether `value` is an upstream's name as UPSTREAM_NAME_PATTERN says."""
+    return isinstance(value, str) and is_unicode(value) and matches(UPSTREAM_NAME_PATTERN, value)
