@@ -17,6 +17,7 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from llmquota.api.auth import Authenticator
 from llmquota.api.dependencies import AdminDep, CallerDep, TenantName, error_responses
 from llmquota.api.errors import error_response
 from llmquota.api.etags import if_match
@@ -120,4 +121,8 @@ async def delete_tenant(
             message=str(exc),
             active_reservations=exc.active_reservations,
         )
+    # This worker forgets the tenant's keys at once (as for a suspension); the
+    # others when the database's announcement reaches them.
+    authenticator: Authenticator = request.app.state.authenticator
+    authenticator.tenant_changed(tenant)
     return Response(status_code=204)
