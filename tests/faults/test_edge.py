@@ -178,6 +178,45 @@ async def test_a_trickled_body_gets_408_at_the_deadline_not_per_read(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_client_still_sending_a_refused_body_reads_the_413_not_a_reset(
+    database_dsn: str, protocol: type[asyncio.Protocol]
+) -> None:
+    """The server answers before the body is read, then closes lingering.
+
+    Closing a socket whose client keeps sending makes the kernel reset the
+    connection and drop the answer not yet read: the client would see
+    "connection reset by peer" instead of the 413 that says why.
+    """
+    declared = 4_000_000
+    async with serving(database_dsn, protocol, max_body_bytes=1_024) as (port, _app):
+        for _attempt in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = f"Authorization: Bearer {ADMIN_KEY}\r\ncontent-length: {declared}\r\n\r\n"
+            writer.write(
+                b"POST /v1/admit HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                + head.encode()
+            )
+
+            async def send_body(writer: asyncio.StreamWriter = writer) -> int:
+                sent = 0
+                with contextlib.suppress(ConnectionError):
+                    while sent < declared:
+                        writer.write(b" " * 65_536)
+                        await writer.drain()
+                        sent += 65_536
+                return sent
+
+            sending = asyncio.ensure_future(send_body())
+            status, headers, body = await read_response(reader)
+            assert status == 413
+            assert_error_shape(headers, body, "payload_too_large")
+            assert headers["connection"] == "close"
+            assert await closed_by_server(reader)
+            sending.cancel()
+            writer.close()
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 async def test_a_head_that_never_completes_is_cut_off_in_time(
     database_dsn: str, protocol: type[asyncio.Protocol]
 ) -> None:

@@ -6,6 +6,9 @@ head in plain text. A client that opens connections and trickles headers
 would hold them forever; a client that gets a 400 would get the one answer
 not in the API's error shape. The subclasses here bound the time and size of
 every request head and answer in the one error shape (head.py says how).
+A connection closed while its client may still be sending (an answer given
+before the body was read) closes lingering, so that the client reads the
+answer instead of a reset (linger.py).
 
 `http_protocol_class()` keeps uvicorn's own choice: httptools when it is
 installed, else h11 (`uvicorn.config.HTTP_PROTOCOLS["auto"]`).

@@ -18,6 +18,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from llmquota.api.protocols.head import HeadLimits, HeadWatch, bad_head_answer, head_timeout_answer
+from llmquota.api.protocols.linger import LingeringTransport
 
 
 class H11EdgeProtocol(H11Protocol):
@@ -39,13 +40,18 @@ class H11EdgeProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.linger = LingeringTransport(transport, self.loop, self._client_may_send)
+        self.transport = self.linger
         self.head.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.head.stop()
+        self.linger.connection_lost()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger.lingering:
+            return  # the answer is out: what the client still sends is dropped
         if self.conn.their_state is h11.IDLE:
             self.head.start()
             self.head.count(data)
@@ -61,12 +67,16 @@ class H11EdgeProtocol(H11Protocol):
         self.transport.write(
             bad_head_answer(self.head, too_large, self.server_state.default_headers)
         )
-        self.head.stop()
         self.transport.close()
+        self.head.stop()
+
+    def _client_may_send(self) -> bool:
+        """Whether the client may still be sending this request's head or body."""
+        return self.head.received > 0 or self.conn.their_state is h11.SEND_BODY
 
     def _head_timed_out(self) -> None:
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         self.transport.write(head_timeout_answer(self.head, self.server_state.default_headers))
-        self.head.stop()
         self.transport.close()
+        self.head.stop()

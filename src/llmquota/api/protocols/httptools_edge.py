@@ -20,6 +20,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from llmquota.api.protocols.head import HeadLimits, HeadWatch, bad_head_answer, head_timeout_answer
+from llmquota.api.protocols.linger import LingeringTransport
 
 
 class HttpToolsEdgeProtocol(HttpToolsProtocol):
@@ -38,13 +39,18 @@ class HttpToolsEdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.linger = LingeringTransport(transport, self.loop, self._client_may_send)
+        self.transport = self.linger
         self.head.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.head.stop()
+        self.linger.connection_lost()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self.linger.lingering:
+            return  # the answer is out: what the client still sends is dropped
         watched = self.awaiting_head and not self._answering()
         if watched:
             self.head.start()
@@ -70,8 +76,12 @@ class HttpToolsEdgeProtocol(HttpToolsProtocol):
         self.transport.write(
             bad_head_answer(self.head, too_large, self.server_state.default_headers)
         )
-        self.head.stop()
         self.transport.close()
+        self.head.stop()
+
+    def _client_may_send(self) -> bool:
+        """Whether the client may still be sending this request's head or body."""
+        return self.head.received > 0 or (self.cycle is not None and self.cycle.more_body)
 
     def _answering(self) -> bool:
         """Whether an answer to an earlier request is still being written."""
@@ -81,5 +91,5 @@ class HttpToolsEdgeProtocol(HttpToolsProtocol):
         if self.transport.is_closing() or not self.awaiting_head or self._answering():
             return
         self.transport.write(head_timeout_answer(self.head, self.server_state.default_headers))
-        self.head.stop()
         self.transport.close()
+        self.head.stop()

@@ -1,0 +1,105 @@
+"""Close a connection so that a client still sending its request reads the answer.
+
+A server that answers before reading the whole request (413 for a declared
+body over the limit, 408 for a body or head too slow, 400 for a broken head)
+and then closes its socket while the client's bytes keep arriving makes the
+kernel answer those bytes with a reset; the reset discards the answer the
+client had not read yet, and the client sees "connection reset by peer"
+instead of the status that says why. Web servers close such connections
+"lingering" (nginx's `lingering_close`, Apache's `lingering_close()`): send
+the answer, shut down the sending half, read and discard what the client
+still sends until it closes its side or the lingering time runs out, then
+close.
+
+`LingeringTransport` wraps the transport uvicorn's protocol writes to, so
+that every close uvicorn makes goes through here; it lingers only when the
+protocol says the client may still be sending (a request whose body or head
+is unfinished), and closes at once otherwise, so that idle keep-alive
+connections close as they always did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+LINGER_SECONDS = 2.0
+"""How long a client that is still sending has to read the answer and close."""
+
+
+class LingeringTransport(asyncio.Transport):
+    """The transport a guarded protocol hands uvicorn: close() lingers when it must."""
+
+    def __init__(
+        self,
+        inner: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        client_may_send: Callable[[], bool],
+    ) -> None:
+        super().__init__()
+        self._inner = inner
+        self._loop = loop
+        self._client_may_send = client_may_send
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+
+    def close(self) -> None:
+        if self.lingering or self._inner.is_closing():
+            return
+        if not (self._client_may_send() and self._inner.can_write_eof()):
+            self._inner.close()
+            return
+        self.lingering = True
+        self._inner.write_eof()  # FIN once the answer is flushed
+        self._inner.resume_reading()  # drain what flow control held back
+        self._timer = self._loop.call_later(LINGER_SECONDS, self._inner.close)
+
+    def connection_lost(self) -> None:
+        """The connection is gone (the client closed, or the lingering ended)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._inner.is_closing()
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._inner.write(data)
+
+    def can_write_eof(self) -> bool:
+        return self._inner.can_write_eof()
+
+    def write_eof(self) -> None:
+        self._inner.write_eof()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._inner.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        if not self.lingering:
+            self._inner.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._inner.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self._inner.is_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._inner.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._inner.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._inner.get_write_buffer_limits()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._inner.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._inner.get_protocol()
