@@ -108,6 +108,18 @@ def start_llmquota(dsn: str, workers: int = WORKERS) -> tuple[subprocess.Popen[b
     return _start(command, env, port), port
 
 
+def start_bare_asgi(workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], int]:
+    """bench/bare_asgi.py on uvicorn as `llmquota serve` runs (httptools, uvloop)."""
+    port = free_port()
+    command = [
+        sys.executable,
+        *("-m", "uvicorn", "bench.bare_asgi:app", "--host", "127.0.0.1", "--port", str(port)),
+        *("--workers", str(workers), "--http", "httptools", "--loop", "uvloop"),
+        *("--lifespan", "off", "--log-level", "warning", "--no-access-log"),
+    ]
+    return _start(command, dict(os.environ), port), port
+
+
 def start_baseline(
     redis_host: str, redis_port: int, client: str
 ) -> tuple[subprocess.Popen[bytes], int]:
@@ -136,11 +148,20 @@ def _ms(text: str) -> float:
 
 
 def run_wrk(
-    port: int, *, system: str, workload: str, tenants: int, connections: int, seconds: float
+    port: int,
+    *,
+    system: str,
+    workload: str,
+    tenants: int,
+    connections: int,
+    seconds: float,
+    lua: str | None = None,
 ) -> HttpResult:
-    """One wrk run (1 thread, so the servers keep the cores); parse its report."""
+    """One wrk run (1 thread, so the servers keep the cores); parse its report.
+
+    `lua`: the wrk script, when it is not admissions over `tenants` tenants."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(WRK_SCRIPT.format(key=ADMIN_KEY, tenants=tenants))
+        script.write(lua or WRK_SCRIPT.format(key=ADMIN_KEY, tenants=tenants))
     try:
         out = subprocess.run(
             [

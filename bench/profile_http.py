@@ -3,10 +3,14 @@
 Standalone, not part of bench/run.py: it starts Debian's PostgreSQL 15 (or
 the embedded one), seeds comparison 2's 10,000 tenants, starts `llmquota
 serve` the way comparison 2 does and drives POST /v1/admit with wrk (64
-connections, uniform tenants) for `--seconds`. It prints the requests/s and
-the server's CPU per request (all its worker processes, user + system, from
-psutil): on a shared machine that figure moves far less than throughput, so
-it is the one to compare before and after a change.
+connections, uniform tenants) for `--seconds`, then POST .../settle on as
+many reservations made beforehand; and before both, bench/bare_asgi.py (the
+cheapest answer on the same uvicorn) under the same load. It prints the
+requests/s and the server's CPU per request of each (all its worker
+processes, user + system, from psutil): on a shared machine that figure
+moves far less than throughput, so it is the one to compare before and after
+a change. The summary line: `http cpu per request: admit X us, settle Y us,
+bare asgi Z us`.
 
 With `--py-spy FILE` one worker is sampled by py-spy during the measured run
 (`--format raw`, collapsed stacks) and the frames holding the most samples
@@ -20,6 +24,7 @@ import asyncio
 import collections
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
 from bench import common, http_admission, servers  # noqa: E402
+from llmquota import Limiter, Settings  # noqa: E402
 
 TENANTS = 10_000
 CONNECTIONS = 64
@@ -37,9 +43,11 @@ TOP_FRAMES = 30
 
 
 def workers_of(supervisor: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    """The uvicorn worker processes (spawned children, not the resource tracker)."""
+    """The uvicorn worker processes (spawned children, not the resource tracker);
+    with one worker, uvicorn serves in the process it was started as."""
     children = psutil.Process(supervisor.pid).children(recursive=True)
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    spawned = [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    return spawned or [psutil.Process(supervisor.pid)]
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -103,47 +111,122 @@ def summarize(raw: Path) -> None:
         print(f"{100 * count / total:5.1f}%  {frame}")
 
 
+SETTLE_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
+local ids = {{}}
+for line in io.lines("{ids}") do ids[#ids + 1] = line end
+local body = '{{"input_tokens": 13, "output_tokens": 400}}'
+local i = 0
+request = function()
+  i = i + 1
+  return wrk.format(nil, "/v1/reservations/" .. ids[math.min(i, #ids)] .. "/settle", nil, body)
+end
+"""
+# Reservations made for the settle run, per second of it: more than a worker pair settles.
+SETTLES_PER_SECOND = 9_000
+
+
 def measure(args: argparse.Namespace, dsn: str) -> None:
+    bare_us = measure_bare(args)
     process, port = http_admission.start_llmquota(dsn, workers=args.workers)
     try:
         http_admission.run_wrk(
             port, system="warm-up", workload="warm-up", tenants=2, connections=64, seconds=3
         )
         workers = workers_of(process)
-        spy = None
-        if args.py_spy is not None:
-            spy = subprocess.Popen(
-                [
-                    str(Path(sys.executable).with_name("py-spy")),
-                    *("record", "--format", "raw", "-r", "250", "-o", str(args.py_spy)),
-                    *("-d", str(round(args.seconds)), "-p", str(workers[0].pid)),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            time.sleep(0.5)
-        cpu_before = cpu_seconds(workers)
-        result = http_admission.run_wrk(
-            port,
-            system="llmquota serve",
-            workload="10k",
-            tenants=TENANTS,
-            connections=CONNECTIONS,
-            seconds=args.seconds,
-        )
-        cpu = cpu_seconds(workers) - cpu_before
+        spy = start_py_spy(args, workers[0].pid)
+        admit, admit_us = cpu_per_request(workers, port, args.seconds, "admit")
         if spy is not None:
             spy.wait(60)
+        ids = asyncio.run(reservations(dsn, round(args.seconds * SETTLES_PER_SECOND)))
+        lua = SETTLE_SCRIPT.format(key=http_admission.ADMIN_KEY, ids=ids)
+        settle, settle_us = cpu_per_request(workers, port, args.seconds, "settle", lua)
+        ids.unlink()
     finally:
         http_admission.stop(process)
-    requests = result.per_second * round(args.seconds)
+    for name, result, us in (("admit", admit, admit_us), ("settle", settle, settle_us)):
+        print(
+            f"{name}: {result.per_second:.0f}/s, p50 {result.p50_ms:.1f} ms, "
+            f"p99 {result.p99_ms:.1f} ms, non-2xx {result.non_2xx}; "
+            f"server CPU per request {us:.0f} us"
+        )
     print(
-        f"{result.per_second:.0f}/s, p50 {result.p50_ms:.1f} ms, p99 {result.p99_ms:.1f} ms, "
-        f"non-2xx {result.non_2xx}; server CPU per request {1e6 * cpu / requests:.0f} us "
-        f"({len(workers)} workers, {common.machine_load()})"
+        f"http cpu per request: admit {admit_us:.0f} us, settle {settle_us:.0f} us, "
+        f"bare asgi {bare_us:.0f} us ({args.workers} workers, {common.machine_load()})"
     )
     if args.py_spy is not None:
         summarize(args.py_spy)
+
+
+def measure_bare(args: argparse.Namespace) -> float:
+    """CPU per request of bench/bare_asgi.py under the admit run's load."""
+    process, port = http_admission.start_bare_asgi(workers=args.workers)
+    try:
+        http_admission.run_wrk(
+            port, system="warm-up", workload="warm-up", tenants=2, connections=64, seconds=2
+        )
+        _result, us = cpu_per_request(workers_of(process), port, args.seconds, "bare asgi")
+    finally:
+        http_admission.stop(process)
+    return us
+
+
+def cpu_per_request(
+    workers: list[psutil.Process], port: int, seconds: float, system: str, lua: str | None = None
+) -> tuple[http_admission.HttpResult, float]:
+    """One wrk run against the server; its result and the workers' CPU per request in us."""
+    cpu_before = cpu_seconds(workers)
+    result = http_admission.run_wrk(
+        port,
+        system=system,
+        workload="10k",
+        tenants=TENANTS,
+        connections=CONNECTIONS,
+        seconds=seconds,
+        lua=lua,
+    )
+    cpu = cpu_seconds(workers) - cpu_before
+    return result, 1e6 * cpu / (result.per_second * round(seconds))
+
+
+def start_py_spy(args: argparse.Namespace, pid: int) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling one worker for the admit run, when --py-spy asks."""
+    if args.py_spy is None:
+        return None
+    spy = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("py-spy")),
+            *("record", "--format", "raw", "-r", "250", "-o", str(args.py_spy)),
+            *("-d", str(round(args.seconds)), "-p", str(pid)),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    return spy
+
+
+async def reservations(dsn: str, count: int) -> Path:
+    """`count` open reservations over the 10,000 tenants, their ids in a file, one a line."""
+    limiter = await Limiter.connect(dsn, Settings(database_url=dsn))
+    ids: list[str] = []
+
+    async def caller(offset: int) -> None:
+        for index in range(offset, count, CONNECTIONS):
+            admitted = await limiter.admit(
+                tenant=f"t{index % TENANTS}", model="gpt-4o", input_tokens=13, max_tokens=2_000
+            )
+            ids.append(str(admitted.reservation_id))
+
+    try:
+        await asyncio.gather(*(caller(offset) for offset in range(CONNECTIONS)))
+    finally:
+        await limiter.close()
+    with tempfile.NamedTemporaryFile("w", suffix=".ids", delete=False) as out:
+        out.write("\n".join(ids) + "\n")
+    return Path(out.name)
 
 
 async def prepare(server_dsn: str) -> str:

@@ -34,6 +34,8 @@ from llmquota.admin.gauges import UtilizationGauges
 from llmquota.admin.running import maintenance_running
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
+from llmquota.api import worker_heap
+from llmquota.api.application import Application
 from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import RequestLimits
 from llmquota.api.console import install_console
@@ -113,8 +115,11 @@ async def _background_tasks(
             await gauges
 
 
-def create_app(settings: Settings | None = None, dsn: str | None = None) -> FastAPI:
-    """Build the app; the database is `dsn`, else settings.database_url."""
+def create_app(
+    settings: Settings | None = None, dsn: str | None = None, *, server_worker: bool = False
+) -> FastAPI:
+    """Build the app; the database is `dsn`, else settings.database_url. A server
+    worker's (`server_worker`) heap is frozen once it has started (worker_heap.py)."""
     settings = settings or Settings()
     database = dsn or settings.database_url
     if not database:
@@ -140,6 +145,8 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
         app.state.admin = admin
         app.state.authenticator = authenticator
         _attach_services(app, limiter, settings)
+        if server_worker:
+            worker_heap.settle_after_startup()
         try:
             async with _background_tasks(app, limiter, admin, settings, database):
                 yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}
@@ -150,7 +157,7 @@ def create_app(settings: Settings | None = None, dsn: str | None = None) -> Fast
                 await authenticator.close()
                 await limiter.close()
 
-    app = FastAPI(
+    app = Application(
         title="llmquota",
         summary="Admission control for LLM providers: reserve, then settle.",
         version="0.1.0",
@@ -205,4 +212,4 @@ def _add_middlewares(app: FastAPI, settings: Settings) -> None:
 
 def create_app_from_env() -> FastAPI:
     """Factory for uvicorn workers: everything from LLMQUOTA_* variables."""
-    return create_app(Settings())
+    return create_app(Settings(), server_worker=True)
