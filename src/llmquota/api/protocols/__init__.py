@@ -8,7 +8,8 @@ not in the API's error shape. The subclasses here bound the time and size of
 every request head and answer in the one error shape (head.py says how).
 A connection closed while its client may still be sending (an answer given
 before the body was read) closes lingering, so that the client reads the
-answer instead of a reset (linger.py).
+answer instead of a reset; an answer's head and body go out in one write
+(edge_transport.py).
 
 `http_protocol_class()` keeps uvicorn's own choice: httptools when it is
 installed, else h11 (`uvicorn.config.HTTP_PROTOCOLS["auto"]`).

@@ -17,8 +17,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
+from llmquota.api.protocols.edge_transport import EdgeTransport
 from llmquota.api.protocols.head import HeadLimits, HeadWatch, bad_head_answer, head_timeout_answer
-from llmquota.api.protocols.linger import LingeringTransport
 
 
 class H11EdgeProtocol(H11Protocol):
@@ -40,7 +40,7 @@ class H11EdgeProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.linger = LingeringTransport(transport, self.loop, self._client_may_send)
+        self.linger = EdgeTransport(transport, self.loop, self._client_may_send)
         self.transport = self.linger
         self.head.start()
 

@@ -19,8 +19,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from llmquota.api.protocols.edge_transport import EdgeTransport
 from llmquota.api.protocols.head import HeadLimits, HeadWatch, bad_head_answer, head_timeout_answer
-from llmquota.api.protocols.linger import LingeringTransport
 
 
 class HttpToolsEdgeProtocol(HttpToolsProtocol):
@@ -39,7 +39,7 @@ class HttpToolsEdgeProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.linger = LingeringTransport(transport, self.loop, self._client_may_send)
+        self.linger = EdgeTransport(transport, self.loop, self._client_may_send)
         self.transport = self.linger
         self.head.start()
 

@@ -1,4 +1,4 @@
-"""Close a connection so that a client still sending its request reads the answer.
+"""The transport the guarded protocols hand uvicorn: lingering closes, one write per turn.
 
 A server that answers before reading the whole request (413 for a declared
 body over the limit, 408 for a body or head too slow, 400 for a broken head)
@@ -11,11 +11,17 @@ the answer, shut down the sending half, read and discard what the client
 still sends until it closes its side or the lingering time runs out, then
 close.
 
-`LingeringTransport` wraps the transport uvicorn's protocol writes to, so
+`EdgeTransport` wraps the transport uvicorn's protocol writes to, so
 that every close uvicorn makes goes through here; it lingers only when the
 protocol says the client may still be sending (a request whose body or head
 is unfinished), and closes at once otherwise, so that idle keep-alive
 connections close as they always did.
+
+It also gathers the writes of one turn of the event loop into one: uvicorn
+writes an answer's head and its body separately, each a `send` system call
+of its own, and the two are always made in the same turn. The gathered
+bytes go out at the end of that turn (`call_soon`), in order, and before
+any close or end of writing.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ LINGER_SECONDS = 2.0
 """How long a client that is still sending has to read the answer and close."""
 
 
-class LingeringTransport(asyncio.Transport):
-    """The transport a guarded protocol hands uvicorn: close() lingers when it must."""
+class EdgeTransport(asyncio.Transport):
+    """The transport a guarded protocol hands uvicorn: close() lingers when it must,
+    and the writes of one turn of the loop go out together."""
 
     def __init__(
         self,
@@ -42,9 +49,27 @@ class LingeringTransport(asyncio.Transport):
         self._loop = loop
         self._client_may_send = client_may_send
         self._timer: asyncio.TimerHandle | None = None
+        self._pending: list[bytes | bytearray | memoryview] = []
         self.lingering = False
 
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        # Kept until the end of the turn: a buffer the caller may reuse is copied.
+        self._pending.append(data if isinstance(data, bytes) else bytes(data))
+
+    def _flush(self) -> None:
+        """Write what this turn gathered, in one call."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if not self._inner.is_closing():
+            self._inner.write(pending[0] if len(pending) == 1 else b"".join(pending))
+
     def close(self) -> None:
+        self._flush()
         if self.lingering or self._inner.is_closing():
             return
         if not (self._client_may_send() and self._inner.can_write_eof()):
@@ -65,15 +90,14 @@ class LingeringTransport(asyncio.Transport):
         return self.lingering or self._inner.is_closing()
 
     def abort(self) -> None:
+        self._pending.clear()
         self._inner.abort()
-
-    def write(self, data: bytes | bytearray | memoryview) -> None:
-        self._inner.write(data)
 
     def can_write_eof(self) -> bool:
         return self._inner.can_write_eof()
 
     def write_eof(self) -> None:
+        self._flush()
         self._inner.write_eof()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
@@ -93,7 +117,7 @@ class LingeringTransport(asyncio.Transport):
         self._inner.set_write_buffer_limits(high, low)
 
     def get_write_buffer_size(self) -> int:
-        return self._inner.get_write_buffer_size()
+        return self._inner.get_write_buffer_size() + sum(len(data) for data in self._pending)
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return self._inner.get_write_buffer_limits()
