@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from tests.conftest import _admin, dsn_with_database
+from tests.ports import reserved_port
 
 LLMQUOTA = [sys.executable, "-m", "llmquota.cli"]
 
@@ -36,10 +36,7 @@ async def _fetchval(dsn: str, query: str) -> object:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return reserved_port()
 
 
 def _wait_healthy(base: str, process: subprocess.Popen[str], seconds: float = 60) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +30,7 @@ from llmquota.config import Settings
 from llmquota.domain.policy import Policy
 from llmquota.domain.vocabulary import Scope
 from tests.faults.proxy import PgProxy
+from tests.ports import reserved_port
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
@@ -175,9 +175,8 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a server of the test's own (held for the session: tests/ports.py)."""
+    return reserved_port()
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 from tests.faults.conftest import worker_env
+from tests.ports import reserved_port
 
 ADMIN_KEY = "lq_big_prompt_admin_key_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -37,9 +37,7 @@ MISSED_DEADLINES_TOLERATED = 2
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserved_port()
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from llmquota.api.protocols import H11EdgeProtocol, http_protocol_class
 from llmquota.api.protocols.httptools_edge import HttpToolsEdgeProtocol
 from tests.faults.conftest import count, elapsed_since, fault_settings, worker_env
 from tests.faults.proxy import PgProxy
+from tests.ports import reserved_port
 
 ADMIN_KEY = "lq_edge_admin_key_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -437,9 +437,7 @@ async def test_llmquota_serve_cuts_off_a_slow_head_and_shapes_its_400(
     # uvicorn's own choice of parser (httptools if installed), guarded.
     assert issubclass(http_protocol_class(), AutoHTTPProtocol)
     assert http_protocol_class() in (H11EdgeProtocol, HttpToolsEdgeProtocol)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = reserved_port()
     env = {k: v for k, v in worker_env().items() if not k.startswith("LLMQUOTA_")}
     env.update(
         LLMQUOTA_DATABASE_URL=database_dsn,

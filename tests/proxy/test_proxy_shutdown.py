@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 
@@ -21,6 +20,7 @@ import httpx
 import openai
 import pytest
 
+from tests.ports import reserved_port
 from tests.proxy.conftest import ADMIN, ADMIN_KEY, GENEROUS, ledger, reservation_states
 from tests.proxy.fake_provider import PROMPT_TOKENS, PROVIDER_KEY, FakeProvider, completion_tokens
 
@@ -28,10 +28,7 @@ MESSAGES = [{"role": "user", "content": "Say something long."}]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return reserved_port()
 
 
 @contextlib.asynccontextmanager
