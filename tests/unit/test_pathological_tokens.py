@@ -131,3 +131,37 @@ async def test_a_big_prompt_is_counted_off_the_event_loop(counter: TokenCounter)
         f"the count on the loop {on_loop_seconds * 1000:.0f} ms"
     )
     assert max(lags) < on_loop_seconds / 3, (max(lags), on_loop_seconds)
+
+
+class _CountingClock(_FakeClock):
+    """The fake clock, counting its readings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return super().__call__()
+
+
+def test_many_short_parts_past_the_budget_are_bounded_too() -> None:
+    """The budget holds across parts: a thousand short messages are not a way
+    around it (each part under a piece used to be encoded unchecked)."""
+    messages = [{"role": "user", "content": _prose(2_000)} for _ in range(1_000)]
+    exact = count_messages(messages, "gpt-4o")
+    clock = _CountingClock()
+    # A second per reading: the start, then one per part; 2.5 s allow two.
+    bounded = count_messages(messages, "gpt-4o", budget=CpuBudget(seconds=2.5, clock=clock))
+    assert bounded.estimated and not exact.estimated
+    assert bounded.tokens > exact.tokens  # bounded by bytes, never an undercount
+    assert clock.readings > 1_000  # every part asked
+
+
+def test_an_unlimited_budget_never_reads_the_clock() -> None:
+    clock = _CountingClock()
+    text = _prose(50_000)
+    budget = CpuBudget(clock=clock)
+    tokens, _estimated = encoded_length(get_encoding("o200k_base"), text, budget)
+    assert tokens > 0
+    assert clock.readings == 0

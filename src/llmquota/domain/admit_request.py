@@ -19,10 +19,12 @@ from llmquota.domain.names import UPSTREAM_NAME_RULE, is_upstream_name
 from llmquota.domain.plans import MAX_FALLBACK_MODELS, check_model_list
 from llmquota.domain.records import AdmitRequest, Deployment, FallbackCandidate
 from llmquota.domain.tokens import (
+    PIECE_CHARS,
     UNLIMITED_SECONDS,
     CpuBudget,
     TokenCountError,
     count_messages,
+    message_chars,
 )
 from llmquota.domain.validation import (
     MAX_TOKEN_COUNT,
@@ -212,9 +214,10 @@ def _count_each(  # noqa: PLR0917 (one private call site)
         if not fallback_models:
             return counted, False, ()
         return counted, False, tuple(FallbackCandidate(m, counted) for m in fallback_models)
-    # The budget's clock starts here, and only when there is something to
-    # count: reading a thread's CPU clock is a system call.
-    budget = CpuBudget(count_cpu_seconds)
+    # The budget's clock starts here, and only when there is more than one
+    # piece to count (a piece is encoded whole, whatever the budget): reading
+    # a thread's CPU clock is a system call, and most requests are short.
+    budget = CpuBudget(count_cpu_seconds) if _many_pieces(messages) else CpuBudget()
     counted, estimated = _count(messages or [], model, estimate_factors, budget)
     fallbacks = tuple(
         FallbackCandidate(m, _count(messages or [], m, estimate_factors, budget)[0])
@@ -238,6 +241,15 @@ def _fallback_models(model: str, fallback_models: Sequence[str] | None) -> tuple
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
     return tuple(fallback_models)
+
+
+def _many_pieces(messages: Sequence[Mapping[str, Any]] | None) -> bool:
+    """Whether the messages' text is longer than one piece (a malformed list
+    counts as long: counting it then refuses it, with the reason)."""
+    try:
+        return message_chars(messages or []) > PIECE_CHARS
+    except (TokenCountError, TypeError):
+        return True
 
 
 def _count(

@@ -87,7 +87,8 @@ class CpuBudget:
     """The CPU time one count may spend before it estimates what is left.
 
     Measured on the counting thread's own clock, so time the thread spends
-    waiting for a core does not count against the request.
+    waiting for a core does not count against the request. Reading that
+    clock is a system call, so an unlimited budget never reads it.
     """
 
     seconds: float = UNLIMITED_SECONDS
@@ -95,11 +96,15 @@ class CpuBudget:
     started: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.started = self.clock()
+        self.started = self.clock() if self.limited else 0.0
+
+    @property
+    def limited(self) -> bool:
+        return self.seconds != UNLIMITED_SECONDS
 
     def exhausted(self) -> bool:
         """Whether the budget is spent."""
-        return self.clock() - self.started >= self.seconds
+        return self.limited and self.clock() - self.started >= self.seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +284,9 @@ def encoded_length(encoding: tiktoken.Encoding, text: str, budget: CpuBudget) ->
     its own reservation, not in everyone's CPU.
     """
     if len(text) <= PIECE_CHARS:
+        # A short part is one piece, unless the parts before it spent the budget.
+        if budget.limited and budget.exhausted():
+            return len(text.encode("utf-8", "surrogatepass")), True
         return len(encoding.encode(text, disallowed_special=())), False
     tokens, estimated, position = 0, False, 0
     for end, clean in _piece_ends(text):
