@@ -121,8 +121,10 @@ def start_bare_asgi(workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], in
 
 
 def start_baseline(
-    redis_host: str, redis_port: int, client: str
+    redis_host: str, redis_port: int, client: str, app: str = "bench.baseline_app:app"
 ) -> tuple[subprocess.Popen[bytes], int]:
+    """A Redis-Lua baseline on uvicorn: FastAPI's (baseline_app.py) or the raw
+    ASGI one (raw_baseline_app.py, on httptools and uvloop as `llmquota serve`)."""
     port = free_port()
     env = {
         **os.environ,
@@ -133,7 +135,8 @@ def start_baseline(
     }
     command = [
         sys.executable,
-        *("-m", "uvicorn", "bench.baseline_app:app", "--host", "127.0.0.1"),
+        *("-m", "uvicorn", app, "--host", "127.0.0.1"),
+        *("--http", "httptools", "--loop", "uvloop", "--no-access-log"),
         *("--port", str(port), "--workers", str(WORKERS), "--log-level", "warning"),
     ]
     return _start(command, env, port), port
