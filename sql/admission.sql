@@ -11,7 +11,10 @@
 --   4. output_estimates rows, in (tenant, route, model) order (settlement
 --      only, see estimates.sql).
 -- A transaction only ever waits for a lock of a later class, or of the same
--- class further along the same order, so no cycle can form.
+-- class further along the same order, so no cycle can form. That holds
+-- across statements too: a transaction holding layers never waits for one
+-- it sees only now (lq_admit_decide (3): SKIP LOCKED, and a lock taken
+-- without waiting cannot close a cycle).
 --
 -- Time comes from the database clock alone: clock_timestamp() read after the
 -- locks are held, never earlier than a layer's last refill.
@@ -328,6 +331,9 @@ $$;
 -- into the statements that lock them. Plus the layers of the requests' API
 -- keys (p_key_ids: the key that asked, per request; NULL: none, or the admin),
 -- probed by the key (a key without limits has no layer).
+-- lq_admit_decide's fast path (3a) locks this set, or more, by a WHERE of
+-- its own, and its step (3) counts on that (it then waits for no layer):
+-- a layer added here is added there.
 -- p_key_ids was added (limits per API key): the old signature goes.
 DROP FUNCTION IF EXISTS lq_batch_layers(text[], text[], boolean);
 CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
@@ -650,6 +656,8 @@ DECLARE
     -- Calendar quotas of the batch's tenants, their current windows locked
     -- (step 4b): running usage (reserved + charged) and what this batch adds.
     has_quotas   boolean := false;
+    -- The fast path (3a) ran, did not fit, and holds the batch's layers.
+    fast_held    boolean := false;
     q_id         bigint[];
     q_name       text[];
     q_tenant     text[];
@@ -802,8 +810,9 @@ BEGIN
     -- journaling the reservations and answering need no loop. `fits` checks
     -- exactly the conditions of (5) (too large, tokens, requests, permits)
     -- against those running sums; when any fails, nothing here writes or
-    -- returns, the locks stay held, and (3) onwards decides. The property
-    -- test of batched == one by one covers both paths.
+    -- returns, the locks stay held, and (3) onwards decides (never waiting
+    -- for a lock again: see there). The property test of batched == one by
+    -- one covers both paths.
     has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
     IF NOT has_quotas AND mc_layer IS NULL
        AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0 THEN
@@ -965,12 +974,42 @@ BEGIN
         IF FOUND THEN
             RETURN;
         END IF;
+        fast_held := true;
     END IF;
 
     -- (3) Lock every layer any request touches, in layer_id order. FOR UPDATE
     -- re-reads a row changed by a transaction we waited for, so the balances
     -- below are the latest committed ones. The arrays come from one pass over
     -- the locked rows, so position i of each describes the same layer.
+    --
+    -- After the fast path (fast_held) this statement locks SKIP LOCKED and
+    -- never waits. That path did not fit and still holds its layers, and
+    -- this statement's snapshot is newer than its: a layer committed in
+    -- between (a new tenant, route or key layer, the global shard a new
+    -- shard count gives a tenant, a layer whose layer_id was drawn before
+    -- another's but committed after it) may sort below one it holds.
+    -- Waiting for that layer would wait for a lower layer_id while holding
+    -- a higher one, out of the order above, and a transaction locking in
+    -- order could deadlock with this one (PostgreSQL fails one of them).
+    -- Not waiting loses nothing the fast path saw: it locked every layer of
+    -- this set that its snapshot saw (the set, lq_batch_layers', is within
+    -- its WHERE, whose routes are a superset; and it runs only without
+    -- ceilings), and a lock of our own never blocks us. A layer it did not
+    -- see is locked if free; one another transaction holds is left out, and
+    -- the batch is decided as if that layer had been created just after it
+    -- (it was committed after the batch began; linearizable, the batch
+    -- first): a tenant's layer left out makes its requests unknown_tenant, a
+    -- route or key layer left out does not bind, and a global shard left
+    -- out is not counted (unpooled, its requests lack their shard: LQ001,
+    -- and lq_admit decides again pooled once the subtransaction's rollback
+    -- released these locks; pooled, the batch pools the shards it holds).
+    -- A lock taken without waiting cannot close a cycle.
+    -- Written twice, so that no path pays for it: releasing the fast path's
+    -- locks to lock again in order would need a subtransaction around it on
+    -- every call; taking its locks in a statement of its own, to know them,
+    -- costs each call another probe of every layer; one statement with both
+    -- lock modes (a UNION ALL) costs each call of this step starting both.
+    IF NOT fast_held THEN
     SELECT array_agg(x.layer_id),
            array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
                                   WHEN 'tenant' THEN 't/' || x.tenant
@@ -1012,6 +1051,51 @@ BEGIN
                        SELECT unnest(mc_layer))
              ORDER BY ll.layer_id
                FOR UPDATE) AS x;
+    ELSE
+    -- The same statement, SKIP LOCKED (tests/unit/test_lock_order_sql.py
+    -- keeps the two alike).
+    SELECT array_agg(x.layer_id),
+           array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
+                                  WHEN 'tenant' THEN 't/' || x.tenant
+                                  WHEN 'ceiling' THEN 'c/' || x.ceiling
+                                  WHEN 'key' THEN 'k/' || x.api_key_id
+                                  ELSE 'r/' || x.tenant || '/' || x.route END),
+           array_agg(x.scope),
+           array_agg(x.ceiling),
+           array_agg(x.tokens_per_minute),
+           array_agg(x.token_burst),
+           array_agg(x.requests_per_minute),
+           array_agg(x.request_burst),
+           array_agg(x.max_in_flight),
+           array_agg(x.lease_seconds),
+           array_agg(x.policy_version),
+           array_agg(x.tokens),
+           array_agg(x.requests),
+           array_agg(x.in_flight),
+           array_agg(x.refilled_at),
+           array_agg(x.priority),
+           array_agg(x.plan),
+           array_agg(x.fallback_models::text),
+           array_agg(x.allowed_models::text),
+           array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
+           array_agg(x.prepaid),
+           array_agg(x.request_cost),
+           array_agg(x.uses_concurrency),
+           max(x.refilled_at),
+           max(x.shards) FILTER (WHERE x.scope = 'global')
+      INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
+           l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
+           l_fallback, l_allowed, l_ladder, l_prepaid, l_rcost, l_uconc, now_ts, g_shards
+      FROM (SELECT ll.*
+              FROM limit_layers AS ll
+             WHERE ll.layer_id IN (
+                       SELECT b.layer_id
+                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_ids) AS b(layer_id)
+                       UNION
+                       SELECT unnest(mc_layer))
+             ORDER BY ll.layer_id
+               FOR UPDATE SKIP LOCKED) AS x;
+    END IF;
 
     -- The ladders of the locked ceilings, flattened.
     IF mc_layer IS NOT NULL THEN
