@@ -109,13 +109,15 @@ def start_llmquota(dsn: str, workers: int = WORKERS) -> tuple[subprocess.Popen[b
 
 
 def start_bare_asgi(workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], int]:
-    """bench/bare_asgi.py on uvicorn as `llmquota serve` runs (httptools, uvloop)."""
+    """bench/bare_asgi.py on uvicorn as `llmquota serve` runs it (its guarded
+    httptools protocol, uvloop)."""
     port = free_port()
     command = [
         sys.executable,
         *("-m", "uvicorn", "bench.bare_asgi:app", "--host", "127.0.0.1", "--port", str(port)),
-        *("--workers", str(workers), "--http", "httptools", "--loop", "uvloop"),
-        *("--lifespan", "off", "--log-level", "warning", "--no-access-log"),
+        *("--workers", str(workers), "--loop", "uvloop", "--lifespan", "off"),
+        *("--http", "llmquota.api.protocols.httptools_edge:HttpToolsEdgeProtocol"),
+        *("--log-level", "warning", "--no-access-log"),
     ]
     return _start(command, dict(os.environ), port), port
 

@@ -51,11 +51,14 @@ class Application(FastAPI):
         if self._native_telemetry.enabled() or not self.user_middleware:
             self._whole_path = True
             return None
+        outermost = self.user_middleware[0].cls
+        if not isinstance(outermost, type):  # a factory: nothing to recognise it by
+            self._whole_path = True
+            return None
         if self.middleware_stack is None:
             self.middleware_stack = self.build_middleware_stack()
-        outermost = self.user_middleware[0].cls
         layer: ASGIApp = self.middleware_stack
-        while not isinstance(layer, outermost):  # type: ignore[arg-type]
+        while not isinstance(layer, outermost):
             inner = getattr(layer, "app", None)
             if inner is None:
                 self._whole_path = True

@@ -32,6 +32,9 @@ from typing import Any
 
 LINGER_SECONDS = 2.0
 """How long a client that is still sending has to read the answer and close."""
+FLUSH_BYTES = 65_536
+"""Gathered bytes past which a write goes out at once: a big answer is not held
+(nor copied whole) until the turn ends, and uvicorn's flow control sees it."""
 
 
 class EdgeTransport(asyncio.Transport):
@@ -49,23 +52,27 @@ class EdgeTransport(asyncio.Transport):
         self._loop = loop
         self._client_may_send = client_may_send
         self._timer: asyncio.TimerHandle | None = None
-        self._pending: list[bytes | bytearray | memoryview] = []
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
         self.lingering = False
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
-            return
+        if not data or self.is_closing():
+            return  # as after a close: what comes then is not sent
         if not self._pending:
             self._loop.call_soon(self._flush)
         # Kept until the end of the turn: a buffer the caller may reuse is copied.
         self._pending.append(data if isinstance(data, bytes) else bytes(data))
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= FLUSH_BYTES:
+            self._flush()  # a big answer goes now, where flow control can see it
 
     def _flush(self) -> None:
         """Write what this turn gathered, in one call."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        if not self._inner.is_closing():
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        if not self.is_closing():
             self._inner.write(pending[0] if len(pending) == 1 else b"".join(pending))
 
     def close(self) -> None:
@@ -90,7 +97,7 @@ class EdgeTransport(asyncio.Transport):
         return self.lingering or self._inner.is_closing()
 
     def abort(self) -> None:
-        self._pending.clear()
+        self._pending, self._pending_bytes = [], 0
         self._inner.abort()
 
     def can_write_eof(self) -> bool:
@@ -104,8 +111,7 @@ class EdgeTransport(asyncio.Transport):
         return self._inner.get_extra_info(name, default)
 
     def pause_reading(self) -> None:
-        if not self.lingering:
-            self._inner.pause_reading()
+        self._inner.pause_reading()
 
     def resume_reading(self) -> None:
         self._inner.resume_reading()
@@ -117,7 +123,7 @@ class EdgeTransport(asyncio.Transport):
         self._inner.set_write_buffer_limits(high, low)
 
     def get_write_buffer_size(self) -> int:
-        return self._inner.get_write_buffer_size() + sum(len(data) for data in self._pending)
+        return self._inner.get_write_buffer_size() + self._pending_bytes
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return self._inner.get_write_buffer_limits()

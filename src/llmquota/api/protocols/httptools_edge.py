@@ -81,7 +81,9 @@ class HttpToolsEdgeProtocol(HttpToolsProtocol):
 
     def _client_may_send(self) -> bool:
         """Whether the client may still be sending this request's head or body."""
-        return self.head.received > 0 or (self.cycle is not None and self.cycle.more_body)
+        # Between a head and the end of its body (awaiting_head is False) the body
+        # may still be coming, even when the answer went out first.
+        return self.head.received > 0 or not self.awaiting_head
 
     def _answering(self) -> bool:
         """Whether an answer to an earlier request is still being written."""
