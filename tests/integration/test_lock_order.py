@@ -121,6 +121,12 @@ class Interleaving:
         return admitting
 
 
+async def generous_global_layer(limiter: Limiter, shards: int) -> None:
+    """A global layer of `shards` shards that never binds: only the locks matter."""
+    generous = Policy(tokens_per_minute=LARGE, token_burst=LARGE)
+    await limiter.store.put_policy("global", None, None, generous, shards=shards)
+
+
 def statuses(rows: list[asyncpg.Record]) -> list[tuple[int, str]]:
     return [(row["ord"], row["status"]) for row in rows]
 
@@ -129,8 +135,7 @@ def statuses(rows: list[asyncpg.Record]) -> list[tuple[int, str]]:
 async def test_a_layer_committed_under_a_batch_below_its_locks_is_not_waited_for(
     limiter: Limiter, db: asyncpg.Connection, owner_dsn: str, app_dsn: str, shards: int
 ) -> None:
-    generous = Policy(tokens_per_minute=LARGE, token_burst=LARGE)
-    await limiter.store.put_policy("global", None, None, generous, shards=shards)
+    await generous_global_layer(limiter, shards)
     async with Interleaving(db, owner_dsn, app_dsn) as run:
         admitting = await run.start_the_batch(limiter, y_holds_t0=True)
 
@@ -159,8 +164,7 @@ async def test_a_layer_committed_under_a_batch_below_its_locks_is_not_waited_for
 async def test_a_free_layer_committed_under_a_batch_is_taken_without_waiting(
     limiter: Limiter, db: asyncpg.Connection, owner_dsn: str, app_dsn: str, shards: int
 ) -> None:
-    generous = Policy(tokens_per_minute=LARGE, token_burst=LARGE)
-    await limiter.store.put_policy("global", None, None, generous, shards=shards)
+    await generous_global_layer(limiter, shards)
     async with Interleaving(db, owner_dsn, app_dsn) as run:
         admitting = await run.start_the_batch(limiter, y_holds_t0=False)
         rows = await asyncio.wait_for(admitting, WAIT_S)

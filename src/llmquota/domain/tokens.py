@@ -285,7 +285,7 @@ def encoded_length(encoding: tiktoken.Encoding, text: str, budget: CpuBudget) ->
     """
     if len(text) <= PIECE_CHARS:
         # A short part is one piece, unless the parts before it spent the budget.
-        if budget.limited and budget.exhausted():
+        if budget.exhausted():
             return len(text.encode("utf-8", "surrogatepass")), True
         return len(encoding.encode(text, disallowed_special=())), False
     tokens, estimated, position = 0, False, 0
