@@ -49,6 +49,7 @@ BEGIN
            request_cost        = e.request_cost,
            uses_concurrency    = e.uses_concurrency,
            cache               = e.cache,
+           admission           = e.admission,
            policy_version      = nextval('policy_version_seq'),
            tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                    e.tpm, e.tburst, now_ts),
@@ -84,7 +85,9 @@ BEGIN
                    -- the response cache (proxy mode): own else plan's, as output_estimate.
                    -- A JSON null counts as unset: limit_layers_cache_mode refuses a
                    -- cache without a mode, and null is no cache at all.
-                   coalesce(nullif(own -> 'cache', 'null'::jsonb), p.cache) AS cache
+                   coalesce(nullif(own -> 'cache', 'null'::jsonb), p.cache) AS cache,
+                   -- how its requests are admitted (allotments): the tenant's own only
+                   own ->> 'admission' AS admission
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan

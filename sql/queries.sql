@@ -87,14 +87,16 @@ SELECT target.state, target.lease_live, target.lease_generation AS current_gener
 -- no row when it does not match. $14 and $15: what one call counts as
 -- (request_cost, uses_concurrency; NULL: the tenant's). $16: the route's own
 -- response cache (NULL: the tenant's); the proxy reads it from the policy
--- cache, so it rides the policy_version like every other field.
+-- cache, so it rides the policy_version like every other field. $17: how the
+-- route's requests are admitted ('allotted', 'exact'; NULL: the tenant's).
 INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
                                requests_per_minute, request_burst, max_in_flight,
                                lease_seconds, failure_mode, fallback_models, tokens, requests,
-                               output_estimate, request_cost, uses_concurrency, cache)
+                               output_estimate, request_cost, uses_concurrency, cache,
+                               admission)
 SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
        $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb,
-       $14::integer, $15::boolean, $16::jsonb
+       $14::integer, $15::boolean, $16::jsonb, $17::text
  WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
 ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
    SET tokens_per_minute   = excluded.tokens_per_minute,
@@ -109,6 +111,7 @@ ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        request_cost        = excluded.request_cost,
        uses_concurrency    = excluded.uses_concurrency,
        cache               = excluded.cache,
+       admission           = excluded.admission,
        policy_version      = nextval('policy_version_seq'),
        tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                excluded.tokens_per_minute, excluded.token_burst,
@@ -283,7 +286,7 @@ SELECT layer_id FROM gone
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
        prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate,
-       shards, request_cost, uses_concurrency, cache::text AS cache
+       shards, request_cost, uses_concurrency, cache::text AS cache, admission
   FROM limit_layers
  WHERE scope = $1::text AND scope <> 'global'
    AND tenant IS NOT DISTINCT FROM $2::text
@@ -291,7 +294,7 @@ SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
 UNION ALL
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, NULL, '{}'::text[],
-       false, NULL, NULL, shards, NULL::integer, NULL::boolean, NULL::text
+       false, NULL, NULL, shards, NULL::integer, NULL::boolean, NULL::text, NULL::text
   FROM global_layer
  WHERE $1::text = 'global'
 
@@ -571,7 +574,7 @@ WITH version AS (
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
        l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate, l.request_cost,
-       l.uses_concurrency, l.cache, l.fallback_models
+       l.uses_concurrency, l.cache, l.fallback_models, l.admission
   FROM version AS v
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others
@@ -579,7 +582,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
                   g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
                   g.failure_mode, g.policy_version, NULL::text AS output_estimate,
                   NULL::integer AS request_cost, NULL::boolean AS uses_concurrency,
-                  NULL::text AS cache, NULL::text[] AS fallback_models
+                  NULL::text AS cache, NULL::text[] AS fallback_models,
+                  NULL::text AS admission
              FROM global_layer AS g
             WHERE (v.snapshot_version, v.layer_count)
                   IS DISTINCT FROM ($1::bigint, $2::bigint)
@@ -588,7 +592,7 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
                    ll.token_burst, ll.requests_per_minute, ll.request_burst, ll.max_in_flight,
                    ll.lease_seconds, ll.failure_mode, ll.policy_version,
                    ll.output_estimate::text, ll.request_cost, ll.uses_concurrency,
-                   ll.cache::text, ll.fallback_models
+                   ll.cache::text, ll.fallback_models, ll.admission
               FROM limit_layers AS ll
              WHERE ll.scope IN ('tenant', 'route')
                AND (v.snapshot_version, v.layer_count)
@@ -732,3 +736,27 @@ SELECT t.tenant, l.plan,
 -- Delete a tenant unless it has active reservations, in one statement (see
 -- lq_delete_tenant); $2 is the If-Match list (NULL: none).
 SELECT status, active FROM lq_delete_tenant($1::text, $2::text[])
+
+-- allot --
+-- Take a slice of a request's layers' room, or top one up (sql/allotments.sql).
+SELECT * FROM lq_allot($1::uuid, $2::text, $3::text, $4::text, $5::bigint, $6::bigint,
+                       $7::bigint, $8::double precision, $9::bigint, $10::text, $11::integer)
+
+-- allot_journal --
+-- Journal admissions decided from slices: per slice, how many were written.
+SELECT allotment_id, journaled
+  FROM lq_allot_journal($1::uuid[], $2::uuid[], $3::bigint[], $4::boolean[], $5::bigint[],
+                        $6::bigint[], $7::integer[], $8::integer)
+
+-- allot_orphans --
+-- Journal admissions of a slice the sweeper returned (its worker was away).
+SELECT lq_allot_orphans($1::text, $2::text, $3::text, $4::bigint, $5::uuid[], $6::bigint[],
+                        $7::boolean[], $8::bigint[], $9::bigint[], $10::integer[]) AS journaled
+
+-- allot_return --
+-- Give back what slices hold (a worker's own, at once).
+SELECT returned, tokens, requests FROM lq_allot_return($1::uuid[], false)
+
+-- allot_sweep --
+-- Give back slices past their expiry (the sweeper's).
+SELECT returned, tokens, requests FROM lq_allot_sweep($1::integer)

@@ -39,8 +39,8 @@ $$;
 -- export's bookkeeping read only (the REVOKEs take back what earlier
 -- releases granted).
 GRANT USAGE ON SCHEMA public TO llmquota_app;
-GRANT SELECT, INSERT, UPDATE, DELETE ON tenants, limit_layers, reservations, api_keys, plans
-    TO llmquota_app;
+GRANT SELECT, INSERT, UPDATE, DELETE ON tenants, limit_layers, reservations, api_keys, plans,
+    allotments TO llmquota_app;
 GRANT SELECT ON usage_ledger TO llmquota_app;
 -- When each key was last used (noted at most once a minute per key per worker).
 GRANT SELECT, INSERT, UPDATE, DELETE ON api_key_uses TO llmquota_app;

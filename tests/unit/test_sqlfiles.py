@@ -153,6 +153,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     (tmp_path / "reports").mkdir()
     names = (
         "admission.sql",
+        "allotments.sql",
         "plans.sql",
         "global_layer.sql",
         "estimates.sql",
@@ -169,6 +170,7 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
     scripts = repeatable_scripts(tmp_path)
     assert [s.name for s in scripts] == [
         "admission.sql",
+        "allotments.sql",
         "plans.sql",
         "global_layer.sql",
         "estimates.sql",

@@ -115,15 +115,17 @@ class MaintenanceLeader:
             or report.purged
             or report.partitions_created
             or report.cache_entries_expired
+            or report.slices_returned
         ):
             log.info(
                 "maintenance: expired=%d tokens_returned=%d purged=%d partitions_created=%d "
-                "cache_entries_expired=%d",
+                "cache_entries_expired=%d slices_returned=%d",
                 report.expired,
                 report.tokens_returned,
                 report.purged,
                 report.partitions_created,
                 report.cache_entries_expired,
+                report.slices_returned,
             )
 
 

@@ -8,6 +8,7 @@ per run, each statement within its deadline.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from llmquota.config import Settings
@@ -25,6 +26,7 @@ class SweepReport:
     purged: int
     partitions_created: int = 0
     cache_entries_expired: int = 0
+    slices_returned: int = 0
 
 
 class Sweeper:
@@ -41,8 +43,9 @@ class Sweeper:
     async def sweep(
         self, batch_size: int | None = None, max_batches: int | None = None
     ) -> SweepReport:
-        """Keep ledger partitions ahead, expire lapsed reservations in bounded
-        batches, then purge old finished ones and expired response cache entries.
+        """Keep ledger partitions ahead, give back dead workers' slices, expire
+        lapsed reservations in bounded batches, then purge old finished ones and
+        expired response cache entries.
 
         The partitions come first, so that the month a run crosses into
         already has one (a missing one would only send rows to the ledger's
@@ -51,6 +54,7 @@ class Sweeper:
         batch_size = batch_size or self.settings.sweep_batch_size
         max_batches = max_batches or self.settings.sweep_max_batches
         partitions = await self.store.ensure_ledger_partitions(self.settings.ledger_months_ahead)
+        slices = await self._return_slices(batch_size, max_batches)
         expired, tokens, batches = await self._expire(batch_size, max_batches)
         self.metrics.sweeper_reclaims.inc(expired)
         purged = await self._purge(batch_size, max_batches)
@@ -62,6 +66,7 @@ class Sweeper:
             purged=purged,
             partitions_created=sum(status == "created" for status in partitions.values()),
             cache_entries_expired=cache_expired,
+            slices_returned=slices,
         )
 
     async def _expire(self, batch_size: int, max_batches: int) -> tuple[int, int, int]:
@@ -80,25 +85,45 @@ class Sweeper:
 
     async def _purge(self, batch_size: int, max_batches: int) -> int:
         """Delete finished reservations past the retention window; how many."""
-        purged = 0
-        for _ in range(max_batches):
-            deleted = await self.store.purge_finished(
-                self.settings.retention_seconds, batch_size, deadline_seconds=self._deadline_seconds
-            )
-            purged += deleted
-            if deleted < batch_size:
-                break
-        return purged
+        retention = self.settings.retention_seconds
+        return await self._in_batches(
+            lambda n: self.store.purge_finished(
+                retention, n, deadline_seconds=self._deadline_seconds
+            ),
+            batch_size,
+            max_batches,
+        )
 
     async def _expire_cache(self, batch_size: int, max_batches: int) -> int:
         """Delete response cache entries past their expiry (a hit never serves one:
         this only bounds the table); how many."""
-        removed = 0
-        for _ in range(max_batches):
-            deleted = await self.store.response_cache.sweep(
-                batch_size, deadline_seconds=self._deadline_seconds
+        return await self._in_batches(
+            lambda n: self.store.response_cache.sweep(n, deadline_seconds=self._deadline_seconds),
+            batch_size,
+            max_batches,
+        )
+
+    async def _return_slices(self, batch_size: int, max_batches: int) -> int:
+        """Give back the slices of workers that stopped without returning them
+        (admission/allotments.py); how many."""
+
+        async def step(n: int) -> int:
+            returned, _tokens = await self.store.allotments.sweep(
+                n, deadline_seconds=self._deadline_seconds
             )
-            removed += deleted
-            if deleted < batch_size:
+            return returned
+
+        return await self._in_batches(step, batch_size, max_batches)
+
+    @staticmethod
+    async def _in_batches(
+        step: Callable[[int], Awaitable[int]], batch_size: int, max_batches: int
+    ) -> int:
+        """Run `step` on batches until one comes back short; the total it did."""
+        done = 0
+        for _ in range(max_batches):
+            count = await step(batch_size)
+            done += count
+            if count < batch_size:
                 break
-        return removed
+        return done

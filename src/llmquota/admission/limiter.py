@@ -1,23 +1,15 @@
 """The Limiter: the library a Python gateway uses, and what the API wraps.
 
-It validates and counts a request (pure code, domain/admit_request.py),
-hands the decision to the store (one statement), and turns the answer into
-a Reservation or a typed error. While the store answers it holds no
-balances of its own: every figure comes from PostgreSQL.
-
-When the store does not answer within the decision deadline, each layer's
-failure mode decides, from this worker's cached policies: `closed` refuses
-(StoreUnavailable, a 503), `open` admits, `local` admits against a
-worker-local fraction of the layer's limits. What is admitted that way goes
-into the outage journal and is written to the store, exactly once, as soon as
-it answers again; no restart is needed (recovery.py).
-
-Concurrent admissions of one process are coalesced into batch statements
-(batching.py), and so are settlements and releases, which share one batch:
-the SQL decides a batch exactly as one by one in arrival order, so callers
-see the same answers, only sooner. A tenant's repeat requests past its limit
-are refused from memory for a moment (refusals.py); a caller that would rather
-wait passes `max_wait_ms`, and a ladder step may queue what it sheds (waiting.py).
+It validates and counts a request (domain/admit_request.py), has the store
+decide it (one statement per batch: batching.py coalesces concurrent calls,
+decided as one by one in arrival order) and answers a Reservation or a typed
+error. Every figure comes from PostgreSQL, but for a tenant whose policy says
+`allotted`: its plain requests are decided from a slice of its layers' room
+this worker took from them (allotments.py). When the store does not answer in
+time, each layer's failure mode decides from the cached policies (`closed`:
+503, `open`, `local`: a worker-local fraction), journaled and written exactly
+once when it answers again (recovery.py). Repeats past a limit are refused
+from memory for a moment (refusals.py); `max_wait_ms` waits for room (waiting.py).
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from typing import Unpack
 
 from llmquota.admin.sweeper import Sweeper, SweepReport
 from llmquota.admission.accounting import TokenAccounting
+from llmquota.admission.allotments import Allotments
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
 from llmquota.admission.estimates import OutputEstimator
@@ -89,6 +82,7 @@ class Limiter:
         self.refusals = RefusalMemory(settings.refusal_memory_ms / 1000.0)
         self.outage = OutageRecovery(store, settings, self.metrics, self.refusals.forget_all)
         self.policies = self.outage.policies
+        self.allotments = Allotments(store.allotments, settings, self.policies)
         # A suspension (announced, or done on this worker) reloads the policies with it.
         self.outage.changes.watch_tenants(lambda _tenant: self.outage.policies_changed())
         self.journal = self.outage.journal
@@ -158,12 +152,13 @@ class Limiter:
         return limiter
 
     async def close(self) -> None:
-        """Finish gathered batches, record the outage journal if it can, close the pool."""
+        """Finish batches, write what it can (journals), give slices back, close the pool."""
         if self._admissions is not None:
             await self._admissions.close()
         await self.orphans.close()
         if self._finishes is not None:
             await self._finishes.close()
+        await self.allotments.close()
         await self.outage.close()
         await self.estimates.close()
         self.counter.close()
@@ -204,6 +199,7 @@ class Limiter:
         return results
 
     async def _finish_statement(self, requests: list[FinishRequest]) -> list[FinishResult]:
+        await self.allotments.journaled(r.reservation_id for r in requests)
         return await self.store.finish(requests, deadline_seconds=self.deadline_seconds)
 
     async def decide(
@@ -227,7 +223,10 @@ class Limiter:
             self.metrics.refusals_from_memory.inc()
             return Admission(remembered, request.input_tokens, request.input_estimated, None)
         try:
-            if self._admissions is not None:
+            allotted = await self.allotments.decide(request)  # None: decide it exactly
+            if allotted is not None:
+                decision = allotted
+            elif self._admissions is not None:
                 decision = await self._admit_deadlines.watch(self._admissions.enqueue(request))
             else:
                 decision = single(
@@ -312,17 +311,11 @@ class Limiter:
         try:
             yield held
         finally:
-            if not held.finished:
-                try:
-                    await asyncio.shield(self.release(held.reservation_id))
-                except ReservationConflict as exc:
-                    # The lease ran out inside the block: the expiry already
-                    # returned the capacity, so there is nothing left to release.
-                    if exc.state != "expired":
-                        raise
-                held.released = True
+            await held.release_unless_finished()
 
-    async def _finish_one(self, request: FinishRequest, journal: bool = False) -> FinishResult:
+    async def _finish_one(
+        self, request: FinishRequest, journal: bool = False, retried: bool = False
+    ) -> FinishResult:
         """Settle or release one reservation, in a batch shared with concurrent callers
         (`journal`: a settle the store does not answer is journaled, see recovery.py)."""
         if is_outage_id(request.reservation_id):
@@ -346,6 +339,9 @@ class Limiter:
             return self.outage.journal_settlement(request, exc)
         self.outage.store_answered()
         if result.status == "not_found":
+            if not retried:  # admitted from another worker's slice, not journaled yet?
+                await asyncio.sleep(2 * self.allotments.journal_seconds)
+                return await self._finish_one(request, journal, retried=True)
             self.outage.raise_not_found(request.reservation_id)
         return result
 
@@ -425,6 +421,7 @@ class Limiter:
             if offline is not None:
                 return offline
         try:
+            await self.allotments.journaled((reservation_id,))
             result = await self.store.heartbeat(
                 reservation_id,
                 caller,

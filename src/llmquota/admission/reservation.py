@@ -12,6 +12,7 @@ output was relayed (`heartbeat(relayed=True)`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from datetime import datetime
@@ -197,6 +198,18 @@ class Reservation:
     async def release(self) -> None:
         """Give everything back: the provider was never called."""
         await self._limiter.release(self.reservation_id, caller=self.tenant)
+        self.released = True
+
+    async def release_unless_finished(self) -> None:
+        """Release it unless settled or released, shielded (a cancelled caller still
+        returns its capacity); one whose lease ran out was returned by its expiry."""
+        if self.finished:
+            return
+        try:
+            await asyncio.shield(self._limiter.release(self.reservation_id))
+        except ReservationConflict as exc:
+            if exc.state != "expired":
+                raise
         self.released = True
 
     async def heartbeat(

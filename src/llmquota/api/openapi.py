@@ -45,6 +45,7 @@ _POLICY_SCOPES: dict[str, tuple[str, tuple[str, ...]]] = {
             "fallback_models",
             "output_estimate",
             "cache",
+            "admission",
             "unlimited",
             "request_cost",
             "uses_concurrency",

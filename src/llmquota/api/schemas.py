@@ -32,6 +32,7 @@ from llmquota.domain.policy import (
     MAX_IN_FLIGHT,
     MAX_LEASE_SECONDS,
     MAX_REQUEST_COST,
+    AdmissionMode,
     RequestRate,
     TokenRate,
 )
@@ -318,6 +319,14 @@ class PolicyBody(BaseModel):
         f"hit_price_usd (a decimal string, 0 to {MAX_HIT_PRICE_USD}; default: free). A "
         "route's wins over its tenant's, a tenant's over its plan's; null: none",
     )
+    admission: AdmissionMode | None = Field(
+        default=None,
+        description="tenant and route policies: how requests are admitted: exact (the "
+        "default: one statement decides each batch) or allotted (a worker decides from a "
+        "slice of the layers' room it holds, exact again near the limits; requests of "
+        "layers with max_in_flight, weighted calls, prepaid credit, quotas or a provider "
+        "ceiling are always decided exactly). A route's wins over its tenant's",
+    )
     unlimited: StrictBool | None = Field(
         default=None,
         description="tenant and route policies: true to store a policy with no limit and "
@@ -350,6 +359,7 @@ class PolicyResponse(BaseModel):
     request_cost: int | None = None
     uses_concurrency: bool | None = None
     cache: CachePolicy | None = None
+    admission: AdmissionMode | None = None
 
 
 class LayerStatusResponse(BaseModel):

@@ -81,7 +81,8 @@ async def _sweep_loop(sweeper: Sweeper, args: argparse.Namespace) -> None:
             f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
             f"batches={report.batches} purged={report.purged} "
             f"partitions_created={report.partitions_created} "
-            f"cache_entries_expired={report.cache_entries_expired}",
+            f"cache_entries_expired={report.cache_entries_expired} "
+            f"slices_returned={report.slices_returned}",
             flush=True,
         )
         if args.heartbeat_file:

@@ -20,6 +20,7 @@ from typing import Annotated, Self
 from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from llmquota.config.allotment_settings import AllotmentSettings
 from llmquota.config.outbound import OutboundSettings
 from llmquota.config.renames import ENV_PREFIX, renamed, warn_of_renamed_variables
 from llmquota.config.reports import ReportSettings
@@ -46,7 +47,7 @@ DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
-class Settings(OutboundSettings, ReportSettings):
+class Settings(OutboundSettings, ReportSettings, AllotmentSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
     # Errors never echo the values: a provider key must not reach a traceback.

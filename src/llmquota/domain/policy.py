@@ -6,7 +6,7 @@ Pure code. A policy field left out means no limit of that kind at that layer.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, NamedTuple, Self
+from typing import Annotated, Literal, NamedTuple, Self
 
 from pydantic import BaseModel, ConfigDict, StrictBool, model_validator
 
@@ -27,6 +27,8 @@ MAX_REQUEST_COST = 10_000
 # The most rows the global layer's budget may be split over (limit_layers_shard_check).
 MAX_GLOBAL_SHARDS = 64
 DEFAULT_LEASE_SECONDS = 120
+
+AdmissionMode = Literal["exact", "allotted"]
 
 TokenRate = Annotated[int, WholeNumber(ge=1, le=MAX_TOKENS_PER_MINUTE)]
 RequestRate = Annotated[int, WholeNumber(ge=1, le=MAX_REQUESTS_PER_MINUTE)]
@@ -59,6 +61,11 @@ class Policy(BaseModel):
     # None: nothing is cached. Nothing in admission reads it: the proxy asks
     # the policy cache for it (PolicyCache.cache_policy) before admitting.
     cache: CachePolicy | None = None
+    # How this tenant's (route's) requests are decided (tenant and route
+    # policies; a route's own wins): "allotted" from slices of the layers'
+    # room a worker holds (admission/allotments.py, sql/allotments.sql),
+    # "exact" or None by lq_admit, one statement per batch.
+    admission: AdmissionMode | None = None
 
     @property
     def has_limits(self) -> bool:

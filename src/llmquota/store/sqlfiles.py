@@ -68,9 +68,10 @@ def report_scripts() -> list[str]:
 
 
 # The repeatable scripts, in the order they are applied: the admission
-# functions, the plans' and ceilings' (which call lq_refilled), the global
-# layer's shards (lq_put_global and the global_layer view), the learned
-# output estimates' (which lq_finish calls), the ledger's,
+# functions, the allotments' (which call admission's), the plans' and
+# ceilings' (which call lq_refilled), the global layer's shards
+# (lq_put_global and the global_layer view), the learned output estimates'
+# (which lq_finish calls), the ledger's,
 # the reliability functions (which call lq_lock_idempotency_keys of
 # admission.sql), the quota, credit and alert helpers (which admission and
 # settlement call in their own transaction), the keys' revocation, the
@@ -79,6 +80,7 @@ def report_scripts() -> list[str]:
 # every function and view the scripts before them define.
 REPEATABLE_SCRIPTS = (
     "admission.sql",
+    "allotments.sql",
     "plans.sql",
     "global_layer.sql",
     "estimates.sql",

@@ -40,6 +40,7 @@ from llmquota.domain.records import (
 from llmquota.domain.response_cache import parse_cache_policy
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.admit_statement import AdmitStatement
+from llmquota.store.allotments import AllotmentStore
 from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
 from llmquota.store.decisions import (
@@ -78,6 +79,8 @@ class Store:
         self.keys = KeyStore(pool, self._sql)
         # The proxy's response cache (store/response_cache.py).
         self.response_cache = ResponseCacheStore(pool)
+        # Slices of layers' room that workers decide from (store/allotments.py).
+        self.allotments = AllotmentStore(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
         self.dsn: str | None = None  # set by connect: what a listener connects to
         self._admit = AdmitStatement(
@@ -296,6 +299,7 @@ class Store:
             p.request_cost,
             p.uses_concurrency,
             _cache_json(p),
+            p.admission,
             deadline_seconds=deadline_seconds,
         )
         if not rows:
@@ -419,6 +423,7 @@ def _policy_from_row(row: asyncpg.Record) -> Policy:
         request_cost=row.get("request_cost"),
         uses_concurrency=row.get("uses_concurrency"),
         cache=parse_cache_policy(row.get("cache")),
+        admission=row.get("admission"),
     )
 
 

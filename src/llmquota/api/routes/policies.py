@@ -101,6 +101,8 @@ async def put_policy(
         raise InvalidRequest("output_estimate: set it on a plan, a tenant or a route")
     if body.cache is not None and scope == "global":
         raise InvalidRequest("cache: set it on a plan, a tenant or a route")
+    if body.admission is not None and scope == "global":
+        raise InvalidRequest("admission: set it on a tenant or a route")
     if scope == "global" and (body.request_cost is not None or body.uses_concurrency is not None):
         raise InvalidRequest(
             "request_cost, uses_concurrency: set them on a tenant or a route (what its calls "

@@ -1,0 +1,212 @@
+"""Allotted admission against the real PostgreSQL (issue 25).
+
+A tenant whose policy says `"admission": "allotted"` is decided from slices
+of its layers' room that a worker holds (admission/allotments.py,
+sql/allotments.sql). These tests hold the books at every step: what the
+layers hold, plus what the slices hold, plus what the active reservations
+hold, is the capacity (the refill of 1 token a second is kept out of the
+way by a slow rate and a large burst).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from llmquota.admission.limiter import Limiter
+from llmquota.config import Settings
+from llmquota.domain.errors import RateLimited
+from llmquota.domain.policy import Policy
+
+BURST = 1_000_000
+COST = 300 + 2_000  # input + max_tokens of every request here
+
+
+def allotted(**limits: int | str) -> Policy:
+    fields: dict[str, object] = {"tokens_per_minute": 60, "token_burst": BURST}
+    fields.update(limits)
+    fields.setdefault("admission", "allotted")
+    return Policy.model_validate(fields)
+
+
+async def admit(limiter: Limiter, tenant: str = "acme", **extra: object) -> uuid.UUID:
+    held = await limiter.admit(
+        tenant=tenant, model="gpt-4o", input_tokens=300, max_tokens=2_000, **extra
+    )
+    return held.reservation_id
+
+
+async def books(db: asyncpg.Connection, tenant: str = "acme") -> tuple[float, int, int]:
+    """(the tenant layer's balance now, what slices hold, what active reservations hold)."""
+    layer = await db.fetchval(
+        "SELECT lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp())"
+        " FROM limit_layers WHERE scope = 'tenant' AND tenant = $1",
+        tenant,
+    )
+    slices = await db.fetchval(
+        "SELECT coalesce(sum(tokens), 0) FROM allotments WHERE tenant = $1", tenant
+    )
+    active = await db.fetchval(
+        "SELECT coalesce(sum(reserved_tokens), 0) FROM reservations"
+        " WHERE tenant = $1 AND state = 'active'",
+        tenant,
+    )
+    return float(layer), int(slices), int(active)
+
+
+def conserved(figures: tuple[float, int, int], capacity: int = BURST) -> bool:
+    """Layer + slices + active reservations == capacity, up to a few seconds' refill."""
+    layer, slices, active = figures
+    return capacity <= layer + slices + active <= capacity + 30
+
+
+@pytest.fixture
+async def second(app_dsn: str, settings: Settings) -> AsyncIterator[Limiter]:
+    """Another worker on the same database."""
+    other = await Limiter.connect(app_dsn, settings)
+    yield other
+    await other.close()
+
+
+async def test_admissions_come_from_a_slice_and_are_journaled_as_reservations(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.refresh_policies()
+    ids = [await admit(limiter) for _ in range(20)]
+    slices = await db.fetch("SELECT tokens, requests, layer_ids FROM allotments")
+    assert len(slices) == 1
+    await limiter.allotments.write_journal()
+    rows = await db.fetch(
+        "SELECT reservation_id, reserved_tokens, allotment_id, permits FROM reservations"
+    )
+    assert sorted(r["reservation_id"] for r in rows) == sorted(ids)
+    assert all(r["reserved_tokens"] == COST and r["allotment_id"] for r in rows)
+    assert all(r["permits"] == 0 for r in rows)
+    assert conserved(await books(db))
+    # One lq_allot for the first slice and a top-up or two, never one per request.
+    assert await db.fetchval("SELECT count(*) FROM allotments") == 1
+
+
+async def test_a_settle_at_another_worker_finds_an_admission_not_yet_journaled(
+    limiter: Limiter, second: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.refresh_policies()
+    reservation_id = await admit(limiter)
+    assert reservation_id in limiter.allotments._pending_ids  # not written yet
+    settlement = await second.settle(reservation_id, input_tokens=300, output_tokens=100)
+    assert settlement.charged_tokens == 400
+    assert settlement.refunded_tokens == COST - 400
+    ledger = await db.fetchval(
+        "SELECT count(*) FROM usage_ledger WHERE reservation_id = $1", reservation_id
+    )
+    assert ledger == 1
+    assert conserved(await books(db), BURST - 400)
+
+
+async def test_a_settle_at_the_same_worker_journals_first(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.refresh_policies()
+    ids = [await admit(limiter) for _ in range(3)]
+    await limiter.release(ids[0])
+    await limiter.settle(ids[1], input_tokens=300, output_tokens=0)
+    states = dict(await db.fetch("SELECT reservation_id, state FROM reservations"))
+    assert states[ids[0]] == "released" and states[ids[1]] == "settled"
+    await limiter.allotments.write_journal()
+    assert states.get(ids[2]) in (None, "active")
+    assert conserved(await books(db), BURST - 300)
+
+
+async def test_near_the_limit_it_is_exact_again(limiter: Limiter, db: asyncpg.Connection) -> None:
+    # 10 requests' room: a slice may take a tenth of it, less than one request.
+    await limiter.store.put_policy(
+        "tenant", "acme", None, allotted(tokens_per_minute=1, token_burst=10 * COST)
+    )
+    await limiter.refresh_policies()
+    admitted = 0
+    for _ in range(15):
+        try:
+            await admit(limiter)
+            admitted += 1
+        except RateLimited:
+            pass
+    assert admitted == 10  # what the exact path admits, no more, no fewer
+    await limiter.allotments.write_journal()
+    assert await db.fetchval("SELECT count(*) FROM allotments") == 0
+    # A tenth of the whole room is one request: the first comes from a slice,
+    # then a tenth of what is left is less than one, and lq_admit decides.
+    assert await db.fetchval("SELECT count(*) FROM reservations WHERE allotment_id IS NULL") == 9
+
+
+async def test_layers_with_concurrency_limits_are_decided_exactly(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted(max_in_flight=5))
+    await limiter.refresh_policies()
+    for _ in range(5):
+        await admit(limiter)
+    with pytest.raises(RateLimited):
+        await admit(limiter)
+    assert await db.fetchval("SELECT count(*) FROM allotments") == 0
+    assert await db.fetchval("SELECT count(*) FROM reservations WHERE allotment_id IS NULL") == 5
+
+
+async def test_a_stopping_worker_gives_its_slices_back(
+    app_dsn: str, settings: Settings, db: asyncpg.Connection
+) -> None:
+    worker = await Limiter.connect(app_dsn, settings)
+    await worker.store.put_policy("tenant", "acme", None, allotted())
+    await worker.refresh_policies()
+    for _ in range(7):
+        await admit(worker)
+    await worker.close()
+    assert await db.fetchval("SELECT count(*) FROM allotments") == 0
+    assert await db.fetchval("SELECT count(*) FROM reservations") == 7
+    assert conserved(await books(db))
+
+
+async def test_a_dead_workers_slice_comes_back_through_the_sweeper(
+    limiter: Limiter, second: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.refresh_policies()
+    for _ in range(4):
+        await admit(limiter)
+    await limiter.allotments.write_journal()
+    held = await db.fetchval("SELECT tokens FROM allotments")
+    assert held > 0
+    # The worker dies: nothing of it runs again; its slice outlives it.
+    limiter.allotments.slices.clear()
+    await db.execute("UPDATE allotments SET expires_at = clock_timestamp() - interval '1 second'")
+    report = await second.sweep()
+    assert report.slices_returned == 1
+    assert await db.fetchval("SELECT count(*) FROM allotments") == 0
+    assert conserved(await books(db))
+
+
+async def test_admissions_of_a_swept_slice_are_journaled_and_debited_again(
+    limiter: Limiter, second: Limiter, db: asyncpg.Connection
+) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.refresh_policies()
+    await admit(limiter)
+    await limiter.allotments.write_journal()
+    # The worker stalls past its slice's expiry, the sweeper returns it, then
+    # the worker (awake again) journals what it admitted meanwhile.
+    late = [await admit(limiter) for _ in range(3)]
+    await db.execute("UPDATE allotments SET expires_at = clock_timestamp() - interval '1 second'")
+    assert (await second.sweep()).slices_returned == 1
+    await limiter.allotments.write_journal()
+    rows = await db.fetch(
+        "SELECT reservation_id FROM reservations WHERE reservation_id = ANY ($1::uuid[])", late
+    )
+    assert len(rows) == 3
+    assert conserved(await books(db))
+    await asyncio.sleep(0)
