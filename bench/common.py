@@ -98,16 +98,20 @@ async def seed_tenants(
     return [f"{prefix}{i}" for i in range(count)]
 
 
-async def reset_state(dsn: str) -> None:
-    """Forget reservations and refill every bucket, so each point starts alike.
+async def reset_state(dsn: str, *, admission: str | None = None) -> None:
+    """Forget reservations and slices and refill every bucket, so each point
+    starts alike; every tenant's admission is `admission` (None: exact).
 
     The ledger is append-only and keeps its rows.
     """
     connection = await asyncpg.connect(dsn)
     try:
-        await connection.execute("TRUNCATE reservations")
+        await connection.execute("TRUNCATE reservations, allotments")
         await connection.execute(
-            "UPDATE limit_layers SET tokens = token_burst, requests = request_burst, in_flight = 0"
+            "UPDATE limit_layers SET tokens = token_burst, requests = request_burst, in_flight = 0,"
+            " admission = CASE WHEN scope = 'tenant' THEN $1::text END,"
+            " policy_version = nextval('policy_version_seq')",
+            admission,
         )
         await connection.execute("VACUUM ANALYZE limit_layers")
     finally:

@@ -38,7 +38,8 @@
 --   stale     the slice was taken under other layers or policies: return
 --             it and take a new one
 -- room_tokens and room_requests are the tightest layer's balances after the
--- grant (NULL: no such limit); the tenant_* columns are its tenant layer's.
+-- grant (NULL: no such limit); the tenant_* columns and plan are its tenant
+-- layer's.
 CREATE OR REPLACE FUNCTION lq_allot(
     p_allotment_id uuid,
     p_tenant       text,
@@ -64,6 +65,7 @@ CREATE OR REPLACE FUNCTION lq_allot(
     tenant_requests_per_minute bigint,
     tenant_request_burst       bigint,
     tenant_requests            double precision,
+    plan                       text,
     now_ts                     timestamptz
 )
 LANGUAGE plpgsql
@@ -167,7 +169,7 @@ BEGIN
     RETURN QUERY
     SELECT v_status, v_grant_t, v_grant_r, v_lease, v_room_t, v_room_r,
            t.tokens_per_minute, t.token_burst, t.tokens,
-           t.requests_per_minute, t.request_burst, t.requests, v_now;
+           t.requests_per_minute, t.request_burst, t.requests, t.plan, v_now;
 END
 $$;
 

@@ -46,6 +46,11 @@ IDLE_SECONDS = 5.0
 # The first slice asks for this many requests' worth; each top-up doubles it,
 # up to allotment_max_requests.
 FIRST_REQUESTS = 8
+# A key without a slice is decided exactly until it has asked this many times
+# within WARM_SECONDS: a tenant seen once in a while never costs a statement
+# of its own (its requests share lq_admit's batches).
+WARM_REQUESTS = 8
+WARM_SECONDS = 1.0
 # Past this many unjournaled admissions the journal is written at once.
 JOURNAL_BATCH = 2_048
 
@@ -103,6 +108,8 @@ class Allotments:
         self.max_requests = settings.allotment_max_requests
         self.slices: dict[SliceKey, Slice] = {}
         self.exact_until: dict[SliceKey, float] = {}
+        self.seen: dict[SliceKey, int] = {}  # requests without a slice, this WARM_SECONDS
+        self._seen_since = time.monotonic()
         self.pending: list[tuple[Slice, SliceAdmission]] = []
         self._pending_ids: set[uuid.UUID] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -139,13 +146,18 @@ class Allotments:
             return None
         cost = request.reserved_tokens
         held = self.slices.get(key)
-        if held is None or not held.take(cost):
-            held = await self._top_up(key, cost)
-            if held is None or not held.take(cost):
-                return None
-        elif held.tokens * 2 < held.granted and held.topping is None:
-            self._spawn(self._top_up(key, cost))  # half used: grow it before it runs dry
-        return self._admitted(held, request, cost)
+        if held is not None and held.take(cost):
+            if held.tokens * 2 < held.granted and held.topping is None:
+                self._spawn(self._top_up(key, cost))  # half used: grow it before it runs dry
+            return self._admitted(held, request, cost)
+        # No slice with room: this one is decided exactly, and a slice is taken
+        # meanwhile for a key that keeps asking (never a round trip of its own).
+        if now - self._seen_since > WARM_SECONDS:
+            self.seen, self._seen_since = {}, now
+        seen = self.seen[key] = self.seen.get(key, 0) + 1
+        if seen >= WARM_REQUESTS and (held is None or held.topping is None):
+            self._spawn(self._top_up(key, cost))
+        return None
 
     def _admitted(self, held: Slice, request: AdmitRequest, cost: int) -> AdmitDecision:
         """Journal the admission (soon) and answer it."""
@@ -167,27 +179,27 @@ class Allotments:
         # the database's clock as of the grant, moved on by this worker's
         expires = datetime.fromtimestamp(time.monotonic() + held.clock_offset + lease, UTC)
         return AdmitDecision(
-            status="admitted",
-            reservation_id=admission.reservation_id,
-            reserved_tokens=cost,
-            lease_expires_at=expires,
-            lease_generation=1,
-            limit_kind=None,
-            limit_scope=None,
-            retry_after_ms=None,
-            capacity=None,
-            remaining_tokens=_remaining(grant.room_tokens, held.tokens),
-            remaining_requests=_remaining(grant.room_requests, held.requests),
-            remaining_in_flight=None,
-            tenant=grant.tenant,
-            model=request.model,
-            input_tokens=request.input_tokens,
+            "admitted",
+            admission.reservation_id,
+            cost,
+            expires,
+            1,  # lease_generation
+            None,  # limit_kind
+            None,  # limit_scope
+            None,  # retry_after_ms
+            None,  # capacity
+            _remaining(grant.room_tokens, held.tokens),
+            _remaining(grant.room_requests, held.requests),
+            None,  # remaining_in_flight
+            grant.tenant,
+            request.model,
+            request.input_tokens,
+            plan=grant.plan,
         )
 
     # -- slices --------------------------------------------------------------
-    async def _top_up(self, key: SliceKey, cost: int) -> Slice | None:
-        """Grow the key's slice by one statement (callers of one key share it);
-        None when the key is to be decided exactly."""
+    async def _top_up(self, key: SliceKey, cost: int) -> None:
+        """Grow the key's slice by one statement (one at a time per slice)."""
         held = self.slices.get(key)
         if held is None:
             held = self.slices[key] = Slice(key)
@@ -195,7 +207,6 @@ class Allotments:
             held.topping = asyncio.ensure_future(self._allot(held, cost))
             held.topping.add_done_callback(lambda _f: setattr(held, "topping", None))
         await asyncio.shield(held.topping)
-        return self.slices.get(key)
 
     async def _allot(self, held: Slice, cost: int) -> None:
         ask = held.ask
@@ -315,12 +326,16 @@ class Allotments:
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_log_failure)
 
+    async def background_done(self) -> None:
+        """Wait for the top-ups and give-backs under way (and those they start)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def close(self) -> None:
         """Journal everything and give every slice back (a stopping worker)."""
         if self._timer is not None:
             self._timer.cancel()
-        while self._tasks:  # a top-up under way lands in its slice first
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.background_done()  # a top-up under way lands in its slice first
         slices, self.slices = list(self.slices.values()), {}
         try:
             await self._give_back(slices)

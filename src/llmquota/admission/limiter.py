@@ -226,6 +226,7 @@ class Limiter:
             allotted = await self.allotments.decide(request)  # None: decide it exactly
             if allotted is not None:
                 decision = allotted
+                self.accounting.decided((allotted,))
             elif self._admissions is not None:
                 decision = await self._admit_deadlines.watch(self._admissions.enqueue(request))
             else:

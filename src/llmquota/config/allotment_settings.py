@@ -40,7 +40,7 @@ class AllotmentSettings(BaseSettings):
         "does, and below one request's worth the layer is decided exactly again",
     )
     allotment_max_requests: int = Field(
-        default=256,
+        default=1_024,
         ge=1,
         le=100_000,
         description="the most requests one slice is topped up by at a time",

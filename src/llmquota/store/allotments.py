@@ -41,12 +41,13 @@ class Grant:
     room_tokens: float | None
     room_requests: float | None
     tenant: TenantFigures
+    plan: str | None
     now: datetime
 
 
-@dataclass(frozen=True, slots=True)
-class SliceAdmission:
-    """One admission decided from a slice, to journal as a reservation."""
+class SliceAdmission(NamedTuple):
+    """One admission decided from a slice, to journal as a reservation (a
+    tuple: one is built per admission, and a frozen dataclass costs a call per field)."""
 
     allotment_id: uuid.UUID
     reservation_id: uuid.UUID
@@ -113,6 +114,7 @@ class AllotmentStore:
                 row["tenant_request_burst"],
                 row["tenant_requests"],
             ),
+            plan=row["plan"],
             now=row["now_ts"],
         )
 
