@@ -100,6 +100,7 @@ async def test_policy_round_trip_and_defaults(
         "request_cost": None,
         "uses_concurrency": None,
         "cache": None,
+        "admission": None,
     }
     route = await client.put(
         "/v1/tenants/acme/routes/chat/policy",

@@ -145,6 +145,7 @@ def test_empty_policy_means_no_limits_and_the_default_lease() -> None:
         "request_cost": None,
         "uses_concurrency": None,
         "cache": None,
+        "admission": None,
     }
     assert DEFAULT_LEASE_SECONDS == 120
     assert policy.resolved() == policy

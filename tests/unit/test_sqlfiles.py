@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from llmquota.resources import sql_dir
-from llmquota.store import admit_statement, catalog, estimates, keys, outage, store, tenants
+from llmquota.store import (
+    admit_statement,
+    allotments,
+    catalog,
+    estimates,
+    keys,
+    outage,
+    store,
+    tenants,
+)
 from llmquota.store.sqlfiles import parse_queries, queries, repeatable_scripts, script
 
 
@@ -42,7 +51,7 @@ def _names_the_store_runs() -> set[str]:
 
 
 def _sources() -> str:
-    modules = (store, admit_statement, catalog, estimates, outage, keys, tenants)
+    modules = (store, admit_statement, allotments, catalog, estimates, outage, keys, tenants)
     return "\n".join(inspect.getsource(module) for module in modules)
 
 
@@ -183,5 +192,5 @@ def test_repeatable_scripts_of_another_root(tmp_path: Path) -> None:
         "reports/10_b.sql",
         "roles.sql",
     ]
-    assert scripts[9].text == "SELECT 1;\n"
-    assert scripts[9].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()
+    assert scripts[10].text == "SELECT 1;\n"
+    assert scripts[10].checksum == hashlib.sha256(b"SELECT 1;\n").hexdigest()

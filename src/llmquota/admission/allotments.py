@@ -67,6 +67,7 @@ class Slice:
         "key",
         "lease_seconds",
         "requests",
+        "retry_at",
         "tokens",
         "topping",
         "used_at",
@@ -84,6 +85,11 @@ class Slice:
         self.clock_offset = 0.0  # database time minus monotonic time, at the last grant
         self.used_at = time.monotonic()
         self.topping: asyncio.Future[None] | None = None
+        self.retry_at = 0.0  # no top-up before (the store did not answer the last)
+
+    def may_grow(self, now: float) -> bool:
+        """Whether a top-up may start now: none under way, none failed just now."""
+        return self.topping is None and now >= self.retry_at
 
     def take(self, cost: int) -> bool:
         """Take one request of `cost` tokens off the slice, if it holds them."""
@@ -134,8 +140,9 @@ class Allotments:
                 return layer.policy.admission == "allotted"
         return False
 
-    async def decide(self, request: AdmitRequest) -> AdmitDecision | None:
-        """An admission from a slice, or None: decide it exactly (lq_admit)."""
+    def decide(self, request: AdmitRequest) -> AdmitDecision | None:
+        """An admission from a slice, or None: decide it exactly (lq_admit). No
+        round trip and no await: what needs the store runs in the background."""
         if not self.applies(request):
             return None
         now = time.monotonic()
@@ -147,7 +154,7 @@ class Allotments:
         cost = request.reserved_tokens
         held = self.slices.get(key)
         if held is not None and held.take(cost):
-            if held.tokens * 2 < held.granted and held.topping is None:
+            if held.tokens * 2 < held.granted and held.may_grow(now):
                 self._spawn(self._top_up(key, cost))  # half used: grow it before it runs dry
             return self._admitted(held, request, cost)
         # No slice with room: this one is decided exactly, and a slice is taken
@@ -155,7 +162,7 @@ class Allotments:
         if now - self._seen_since > WARM_SECONDS:
             self.seen, self._seen_since = {}, now
         seen = self.seen[key] = self.seen.get(key, 0) + 1
-        if seen >= WARM_REQUESTS and (held is None or held.topping is None):
+        if seen >= WARM_REQUESTS and (held is None or held.may_grow(now)):
             self._spawn(self._top_up(key, cost))
         return None
 
@@ -223,8 +230,9 @@ class Allotments:
                 deadline_seconds=self.hold_seconds / 4,
             )
         except StoreUnavailable:
-            log.warning("no slice for %s: deciding it exactly", held.key, exc_info=True)
-            self._decide_exactly(held, EXACT_SECONDS)
+            # What the slice holds is still a real debit: it keeps deciding.
+            log.warning("slice of %s not grown: the store did not answer", held.key)
+            held.retry_at = time.monotonic() + EXACT_SECONDS
             return
         if grant.status == "allotted":
             held.tokens += grant.tokens

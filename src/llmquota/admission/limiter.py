@@ -223,7 +223,7 @@ class Limiter:
             self.metrics.refusals_from_memory.inc()
             return Admission(remembered, request.input_tokens, request.input_estimated, None)
         try:
-            allotted = await self.allotments.decide(request)  # None: decide it exactly
+            allotted = self.allotments.decide(request)  # None: decide it exactly
             if allotted is not None:
                 decision = allotted
                 self.accounting.decided((allotted,))

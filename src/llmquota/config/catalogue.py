@@ -71,6 +71,15 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
+        "Allotments",
+        (
+            "allotment_journal_ms",
+            "allotment_hold_seconds",
+            "allotment_share",
+            "allotment_max_requests",
+        ),
+    ),
+    (
         "Refusals and waiting",
         (
             "concurrency_retry_ms",

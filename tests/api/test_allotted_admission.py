@@ -1,0 +1,91 @@
+"""`"admission": "allotted"` through the REST API (issue 25).
+
+The policy field is stored with the tenant's (or route's) policy, shown by
+GET, refused on the global policy and for values other than exact and
+allotted; `/v1/admit` of an allotted tenant decides its plain requests from
+slices, and `/settle` bills each exactly once, as for any admission.
+"""
+
+from __future__ import annotations
+
+import asyncpg
+import httpx
+
+from llmquota.admission.allotments import WARM_REQUESTS
+from tests.api.conftest import make_tenant
+
+BODY = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 100, "max_tokens": 400}
+
+
+async def test_the_policy_field_is_stored_shown_and_checked(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    put = await client.put(
+        "/v1/tenants/acme/policy",
+        json={"tokens_per_minute": 1000, "admission": "allotted"},
+        headers=admin,
+    )
+    assert put.status_code == 200, put.text
+    assert put.json()["admission"] == "allotted"
+    assert (await client.get("/v1/tenants/acme/policy", headers=admin)).json()[
+        "admission"
+    ] == "allotted"
+    route = await client.put(
+        "/v1/tenants/acme/routes/chat/policy",
+        json={"unlimited": True, "admission": "exact"},
+        headers=admin,
+    )
+    assert route.status_code == 200, route.text
+    assert route.json()["admission"] == "exact"
+    stored = dict(await db.fetch("SELECT coalesce(route, ''), admission FROM limit_layers"))
+    assert stored == {"": "allotted", "chat": "exact"}
+
+    before = await db.fetchval("SELECT max(policy_version) FROM limit_layers")
+    bad = await client.put(
+        "/v1/tenants/acme/policy",
+        json={"tokens_per_minute": 1000, "admission": "fast"},
+        headers=admin,
+    )
+    assert bad.status_code == 422
+    assert "admission" in bad.text
+    global_one = await client.put(
+        "/v1/policies/global", json={"admission": "allotted"}, headers=admin
+    )
+    assert global_one.status_code == 422
+    assert "admission" in global_one.json()["error"]["message"]
+    assert await db.fetchval("SELECT max(policy_version) FROM limit_layers") == before
+
+
+async def test_rest_admissions_come_from_slices_and_settle_once_each(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    key = await make_tenant(client, admin, "acme", tokens_per_minute=1_000_000)
+    put = await client.put(
+        "/v1/tenants/acme/policy",
+        json={"tokens_per_minute": 1_000_000, "admission": "allotted"},
+        headers=admin,
+    )
+    assert put.status_code == 200, put.text
+    ids = []
+    for _ in range(WARM_REQUESTS + 20):
+        held = await client.post("/v1/admit", json=BODY, headers=key)
+        assert held.status_code == 201, held.text
+        ids.append(held.json()["reservation_id"])
+    for reservation_id in ids:
+        settled = await client.post(
+            f"/v1/reservations/{reservation_id}/settle",
+            json={"input_tokens": 100, "output_tokens": 50},
+            headers=key,
+        )
+        assert settled.status_code == 200, settled.text
+        assert settled.json()["charged_tokens"] == 150
+    from_slices = await db.fetchval(
+        "SELECT count(*) FROM reservations WHERE allotment_id IS NOT NULL"
+    )
+    assert from_slices >= 10, f"{from_slices} of {len(ids)} admissions from slices"
+    ledger = await db.fetch(
+        "SELECT reservation_id::text AS id, input_tokens + output_tokens AS tokens"
+        " FROM usage_ledger"
+    )
+    assert sorted(r["id"] for r in ledger) == sorted(ids)
+    assert {r["tokens"] for r in ledger} == {150}
