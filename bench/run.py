@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
 from bench import (  # noqa: E402
+    allotment_slack,
     burst,
     charts,
     common,
@@ -944,8 +945,8 @@ def parse_args() -> argparse.Namespace:
         "--only",
         type=int,
         nargs="*",
-        choices=range(1, 12),
-        help="run only these comparisons (1-11)",
+        choices=range(1, 13),
+        help="run only these comparisons (1-12)",
     )
     return parser.parse_args()
 
@@ -960,7 +961,7 @@ def main() -> int:
     else:
         (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
         report = Report(ROOT / "docs" / "bench", ROOT / "BENCHMARKS.md")
-    wanted = set(args.only or range(1, 12))
+    wanted = set(args.only or range(1, 13))
     servers.ensure_tools()
     started = time.monotonic()
     load = common.machine_load()
@@ -981,7 +982,7 @@ def main() -> int:
             if 1 not in wanted:
                 asyncio.run(_library_database(pg))
             compare_sql_ceiling(pg, "bench_library", plan, report, service_10k_64)
-        run_sections_4_to_11(pg, wanted, plan, report)
+        run_sections_4_to_12(pg, wanted, plan, report)
     elapsed = time.monotonic() - started
     footer = f"Run time: {elapsed:.0f} s."
     text = "\n\n".join([header(plan, pg, redis, load), *report.sections, footer]) + "\n"
@@ -993,7 +994,7 @@ def main() -> int:
     return 0
 
 
-def run_sections_4_to_11(
+def run_sections_4_to_12(
     pg: servers.Postgres, wanted: set[int], plan: Plan, report: Report
 ) -> None:
     """The comparisons that need no Redis and no result of another."""
@@ -1014,6 +1015,9 @@ def run_sections_4_to_11(
         compare_shards(pg, plan, report)
     if 11 in wanted:
         response_cache.section(pg.dsn, plan.quick, report)
+    if 12 in wanted:
+        fresh = functools.partial(common.fresh_database, pg.dsn)
+        asyncio.run(allotment_slack.section(fresh, plan.quick, report))
 
 
 MARKER = "<!-- Everything below this line is written by bench/run.py. -->"
