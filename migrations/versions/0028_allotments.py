@@ -65,10 +65,12 @@ DELETE FROM schema_repeatables
  WHERE name IN ('admission.sql', 'plans.sql', 'queries.sql', 'allotments.sql');
 DROP FUNCTION IF EXISTS lq_allot(uuid, text, text, text, bigint, bigint, bigint,
                                  double precision, bigint, text, integer);
-DROP FUNCTION IF EXISTS lq_allot_journal(uuid[], uuid[], text[], bigint[], boolean[],
-                                         bigint[], bigint[], integer[]);
-DROP FUNCTION IF EXISTS lq_allot_return(uuid[], boolean);
+DROP FUNCTION IF EXISTS lq_allot_journal(uuid[], uuid[], bigint[], boolean[], bigint[],
+                                         bigint[], integer[], integer);
+DROP FUNCTION IF EXISTS lq_allot_orphans(text, text, text, bigint, uuid[], bigint[],
+                                         boolean[], bigint[], bigint[], integer[]);
 DROP FUNCTION IF EXISTS lq_allot_sweep(integer);
+DROP FUNCTION IF EXISTS lq_allot_return(uuid[], boolean);
 ALTER TABLE reservations DROP COLUMN allotment_id;
 DROP TABLE allotments;
 ALTER TABLE limit_layers

@@ -23,6 +23,7 @@ from tests.migration.tables import frozen_tables, schema_snapshot, table_snapsho
 
 REPEATABLES = [
     "admission.sql",
+    "allotments.sql",
     "plans.sql",
     "global_layer.sql",
     "estimates.sql",
