@@ -35,8 +35,10 @@
 --             the layers are near their limits, decide exactly
 --   exact     the request's layers are not decided from slices (see above)
 --   unknown   the tenant has no policy
---   stale     the slice was taken under other layers or policies: return
---             it and take a new one
+--   stale     the slice was taken under other layers or policies, or it is
+--             a top-up of a slice that is gone (the sweeper returned it
+--             while its worker was away: what the worker thinks it holds
+--             went back to the layers): return it and take a new one
 -- room_tokens and room_requests are the tightest layer's balances after the
 -- grant (NULL: no such limit); the tenant_* columns and plan are its tenant
 -- layer's.
@@ -51,7 +53,8 @@ CREATE OR REPLACE FUNCTION lq_allot(
     p_share        double precision,
     p_min_tokens   bigint,
     p_holder       text,
-    p_hold_seconds integer
+    p_hold_seconds integer,
+    p_top_up       boolean   -- the worker holds this slice already (it was granted)
 ) RETURNS TABLE (
     status                     text,
     granted_tokens             bigint,
@@ -122,7 +125,9 @@ BEGIN
           FROM limit_layers AS l WHERE l.layer_id = ANY (ids);
         IF EXISTS (SELECT 1 FROM allotments AS a
                     WHERE a.allotment_id = p_allotment_id
-                      AND (a.layer_ids <> ids OR a.policy_version <> v_version)) THEN
+                      AND (a.layer_ids <> ids OR a.policy_version <> v_version))
+           OR (p_top_up AND NOT EXISTS (SELECT 1 FROM allotments AS a
+                                         WHERE a.allotment_id = p_allotment_id)) THEN
             v_status := 'stale';
         END IF;
     END IF;

@@ -740,7 +740,8 @@ SELECT status, active FROM lq_delete_tenant($1::text, $2::text[])
 -- allot --
 -- Take a slice of a request's layers' room, or top one up (sql/allotments.sql).
 SELECT * FROM lq_allot($1::uuid, $2::text, $3::text, $4::text, $5::bigint, $6::bigint,
-                       $7::bigint, $8::double precision, $9::bigint, $10::text, $11::integer)
+                       $7::bigint, $8::double precision, $9::bigint, $10::text, $11::integer,
+                       $12::boolean)
 
 -- allot_journal --
 -- Journal admissions decided from slices: per slice, how many were written.

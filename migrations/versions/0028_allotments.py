@@ -64,7 +64,7 @@ DOWNGRADE = r"""
 DELETE FROM schema_repeatables
  WHERE name IN ('admission.sql', 'plans.sql', 'queries.sql', 'allotments.sql');
 DROP FUNCTION IF EXISTS lq_allot(uuid, text, text, text, bigint, bigint, bigint,
-                                 double precision, bigint, text, integer);
+                                 double precision, bigint, text, integer, boolean);
 DROP FUNCTION IF EXISTS lq_allot_journal(uuid[], uuid[], bigint[], boolean[], bigint[],
                                          bigint[], integer[], integer);
 DROP FUNCTION IF EXISTS lq_allot_orphans(text, text, text, bigint, uuid[], bigint[],

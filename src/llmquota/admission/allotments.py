@@ -227,6 +227,7 @@ class Allotments:
                 min_tokens=cost,
                 holder=self.holder,
                 hold_seconds=self.hold_seconds,
+                top_up=held.grant is not None,
                 deadline_seconds=self.hold_seconds / 4,
             )
         except StoreUnavailable:
@@ -283,8 +284,10 @@ class Allotments:
             self._timer = loop.call_later(self.journal_seconds, self._start_writing)
 
     def _start_writing(self) -> None:
-        self._timer = None
-        if self._writing is None or self._writing.done():
+        if self._timer is not None:
+            self._timer.cancel()  # (when called before it fires)
+            self._timer = None
+        if self.pending and (self._writing is None or self._writing.done()):
             self._writing = asyncio.ensure_future(self._write())
             self._writing.add_done_callback(_log_failure)
 
@@ -341,14 +344,15 @@ class Allotments:
 
     async def close(self) -> None:
         """Journal everything and give every slice back (a stopping worker)."""
-        if self._timer is not None:
-            self._timer.cancel()
         await self.background_done()  # a top-up under way lands in its slice first
         slices, self.slices = list(self.slices.values()), {}
         try:
             await self._give_back(slices)
         except StoreUnavailable:
             log.warning("slices not given back: the sweeper returns them", exc_info=True)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _remaining(room: float | None, held: int) -> int | None:

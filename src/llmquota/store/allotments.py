@@ -79,9 +79,11 @@ class AllotmentStore:
         min_tokens: int,
         holder: str,
         hold_seconds: int,
+        top_up: bool,
         deadline_seconds: float | None = None,
     ) -> Grant:
-        """Take or top up a slice (one statement: the layers, then the slice)."""
+        """Take or top up a slice (one statement: the layers, then the slice);
+        `top_up`: the worker holds it already (a slice gone meanwhile is stale)."""
         row = (
             await self._fetch(
                 "allot",
@@ -96,6 +98,7 @@ class AllotmentStore:
                 min_tokens,
                 holder,
                 hold_seconds,
+                top_up,
                 deadline_seconds=deadline_seconds,
             )
         )[0]
