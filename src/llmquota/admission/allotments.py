@@ -26,7 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -104,9 +104,19 @@ class Slice:
 class Allotments:
     """One worker's slices, their journal, and the decisions taken from them."""
 
-    def __init__(self, store: AllotmentStore, settings: Settings, policies: PolicyCache) -> None:
+    def __init__(
+        self,
+        store: AllotmentStore,
+        settings: Settings,
+        policies: PolicyCache,
+        count: Callable[[Sequence[AdmitDecision]], None],
+    ) -> None:
         self.store = store
         self.policies = policies
+        # The metrics of decisions (accounting.py), given a journal's worth at a
+        # time: one increment per batch, as the store's decisions are counted.
+        self.count = count
+        self._uncounted: list[AdmitDecision] = []
         self.holder = f"worker-{uuid.uuid4().hex[:12]}"
         self.journal_seconds = settings.allotment_journal_ms / 1000.0
         self.hold_seconds = settings.allotment_hold_seconds
@@ -185,7 +195,7 @@ class Allotments:
         lease = request.lease_seconds or held.lease_seconds
         # the database's clock as of the grant, moved on by this worker's
         expires = datetime.fromtimestamp(time.monotonic() + held.clock_offset + lease, UTC)
-        return AdmitDecision(
+        decision = AdmitDecision(
             "admitted",
             admission.reservation_id,
             cost,
@@ -203,6 +213,8 @@ class Allotments:
             request.input_tokens,
             plan=grant.plan,
         )
+        self._uncounted.append(decision)
+        return decision
 
     # -- slices --------------------------------------------------------------
     async def _top_up(self, key: SliceKey, cost: int) -> None:
@@ -284,6 +296,9 @@ class Allotments:
             self._timer = loop.call_later(self.journal_seconds, self._start_writing)
 
     def _start_writing(self) -> None:
+        if self._uncounted:
+            uncounted, self._uncounted = self._uncounted, []
+            self.count(uncounted)
         if self._timer is not None:
             self._timer.cancel()  # (when called before it fires)
             self._timer = None

@@ -82,7 +82,6 @@ class Limiter:
         self.refusals = RefusalMemory(settings.refusal_memory_ms / 1000.0)
         self.outage = OutageRecovery(store, settings, self.metrics, self.refusals.forget_all)
         self.policies = self.outage.policies
-        self.allotments = Allotments(store.allotments, settings, self.policies)
         # A suspension (announced, or done on this worker) reloads the policies with it.
         self.outage.changes.watch_tenants(lambda _tenant: self.outage.policies_changed())
         self.journal = self.outage.journal
@@ -91,6 +90,9 @@ class Limiter:
         self._sweeper = Sweeper(store, settings, self.metrics)
         self.counter = TokenCounter(settings, server_key=lambda: self.fallback.id_key)
         self.accounting = TokenAccounting(self.metrics)
+        self.allotments = Allotments(
+            store.allotments, settings, self.policies, self.accounting.decided
+        )
         # Releases of admissions whose caller was cancelled or left.
         self.orphans = BackgroundReleases(self.release)
         self.waiting = WaitQueue(
@@ -226,7 +228,6 @@ class Limiter:
             allotted = self.allotments.decide(request)  # None: decide it exactly
             if allotted is not None:
                 decision = allotted
-                self.accounting.decided((allotted,))
             elif self._admissions is not None:
                 decision = await self._admit_deadlines.watch(self._admissions.enqueue(request))
             else:
