@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import asyncpg
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +38,8 @@ from bench import common, http_admission, servers  # noqa: E402
 from llmquota import Limiter, Settings  # noqa: E402
 
 TENANTS = 10_000
+# The tenants of the allotted admit run.
+ALLOTTED_TENANTS = 10
 CONNECTIONS = 64
 # Lines of each py-spy table printed.
 TOP_FRAMES = 30
@@ -144,9 +147,17 @@ def measure(args: argparse.Namespace, dsn: str) -> None:
         lua = SETTLE_SCRIPT.format(key=http_admission.ADMIN_KEY, ids=ids)
         settle, settle_us = cpu_per_request(workers, port, args.seconds, "settle", lua)
         ids.unlink()
+        allotted, allotted_us = cpu_per_request(
+            workers, port, args.seconds, "admit, allotted", tenants=ALLOTTED_TENANTS
+        )
     finally:
         http_admission.stop(process)
-    for name, result, us in (("admit", admit, admit_us), ("settle", settle, settle_us)):
+    runs = (
+        ("admit", admit, admit_us),
+        ("settle", settle, settle_us),
+        (f"admit, {ALLOTTED_TENANTS} allotted tenants", allotted, allotted_us),
+    )
+    for name, result, us in runs:
         print(
             f"{name}: {result.per_second:.0f}/s, p50 {result.p50_ms:.1f} ms, "
             f"p99 {result.p99_ms:.1f} ms, non-2xx {result.non_2xx}; "
@@ -156,6 +167,7 @@ def measure(args: argparse.Namespace, dsn: str) -> None:
         f"http cpu per request: admit {admit_us:.0f} us, settle {settle_us:.0f} us, "
         f"bare asgi {bare_us:.0f} us ({args.workers} workers, {common.machine_load()})"
     )
+    print(f"http cpu per allotted admit: {allotted_us:.0f} us ({ALLOTTED_TENANTS} tenants)")
     if args.py_spy is not None:
         summarize(args.py_spy)
 
@@ -174,7 +186,13 @@ def measure_bare(args: argparse.Namespace) -> float:
 
 
 def cpu_per_request(
-    workers: list[psutil.Process], port: int, seconds: float, system: str, lua: str | None = None
+    workers: list[psutil.Process],
+    port: int,
+    seconds: float,
+    system: str,
+    lua: str | None = None,
+    *,
+    tenants: int = TENANTS,
 ) -> tuple[http_admission.HttpResult, float]:
     """One wrk run against the server; its result and the workers' CPU per request in us."""
     cpu_before = cpu_seconds(workers)
@@ -182,7 +200,7 @@ def cpu_per_request(
         port,
         system=system,
         workload="10k",
-        tenants=TENANTS,
+        tenants=tenants,
         connections=CONNECTIONS,
         seconds=seconds,
         lua=lua,
@@ -230,8 +248,20 @@ async def reservations(dsn: str, count: int) -> Path:
 
 
 async def prepare(server_dsn: str) -> str:
+    """10,000 tenants; the first ALLOTTED_TENANTS say "admission": "allotted" (the
+    admit run touches them a thousandth of the time; the allotted run only them)."""
     dsn = await common.fresh_database(server_dsn, "bench_http_profile")
     await common.seed_tenants(dsn, TENANTS)
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute(
+            "UPDATE limit_layers SET admission = 'allotted',"
+            " policy_version = nextval('policy_version_seq')"
+            " WHERE scope = 'tenant' AND tenant = ANY ($1::text[])",
+            [f"t{i}" for i in range(ALLOTTED_TENANTS)],
+        )
+    finally:
+        await connection.close()
     return dsn
 
 

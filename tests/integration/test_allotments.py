@@ -232,3 +232,24 @@ async def test_admissions_of_a_swept_slice_are_journaled_and_debited_again(
     assert len(rows) == 3
     assert conserved(await books(db))
     await asyncio.sleep(0)
+
+
+async def test_which_requests_a_slice_may_decide(limiter: Limiter) -> None:
+    await limiter.store.put_policy("tenant", "acme", None, allotted())
+    await limiter.store.put_policy("tenant", "other", None, allotted(admission="exact"))
+    await limiter.refresh_policies()
+
+    def applies(tenant: str = "acme", **extra: object) -> bool:
+        request = limiter.prepare(
+            tenant=tenant, model="gpt-4o", input_tokens=300, max_tokens=2_000, **extra
+        )
+        return limiter.allotments.applies(request)
+
+    assert applies()
+    # An admin's request may raise its priority; one that does not is plain.
+    assert applies(priority_any=True)
+    assert not applies(priority="high")
+    assert not applies(idempotency_key="once")
+    assert not applies(fallback_models=["gpt-4o-mini"])
+    assert not applies("other")
+    assert not applies("unknown")

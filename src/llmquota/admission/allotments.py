@@ -138,8 +138,7 @@ class Allotments:
         tenant (route) whose policy says allotted, as the policy cache has it."""
         if (
             request.idempotency_key is not None
-            or request.priority is not None
-            or request.priority_any
+            or request.priority is not None  # (priority_any alone asks for nothing)
             or request.fallbacks
             or request.deployments
             or request.serving_path is not None
