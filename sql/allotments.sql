@@ -41,7 +41,8 @@
 --             went back to the layers): return it and take a new one
 -- room_tokens and room_requests are the tightest layer's balances after the
 -- grant (NULL: no such limit); the tenant_* columns and plan are its tenant
--- layer's.
+-- layer's, the binding_* ones those of its token layer with the least left
+-- (as lq_admit answers them for the X-TokenLimit-* headers).
 CREATE OR REPLACE FUNCTION lq_allot(
     p_allotment_id uuid,
     p_tenant       text,
@@ -69,6 +70,9 @@ CREATE OR REPLACE FUNCTION lq_allot(
     tenant_request_burst       bigint,
     tenant_requests            double precision,
     plan                       text,
+    binding_tokens_per_minute  bigint,   -- the token layer with the least left
+    binding_token_burst        bigint,
+    binding_tokens             double precision,
     now_ts                     timestamptz
 )
 LANGUAGE plpgsql
@@ -86,6 +90,7 @@ DECLARE
     v_grant_t  bigint := 0;
     v_grant_r  bigint := 0;
     t          limit_layers%ROWTYPE;
+    bl         limit_layers%ROWTYPE;
 BEGIN
     SELECT array_agg(b.id ORDER BY b.id) INTO ids
       FROM lq_batch_layers(ARRAY[p_tenant], ARRAY[p_route], false, ARRAY[p_key_id]) AS b(id);
@@ -169,12 +174,16 @@ BEGIN
         v_room_t := v_room_t - v_grant_t;
         v_room_r := v_room_r - v_grant_r;
         SELECT * INTO t FROM limit_layers AS l WHERE l.layer_id = t.layer_id;
+        SELECT * INTO bl FROM limit_layers AS l
+         WHERE l.layer_id = ANY (ids) AND l.tokens_per_minute IS NOT NULL
+         ORDER BY l.tokens, l.layer_id LIMIT 1;
     END IF;
 
     RETURN QUERY
     SELECT v_status, v_grant_t, v_grant_r, v_lease, v_room_t, v_room_r,
            t.tokens_per_minute, t.token_burst, t.tokens,
-           t.requests_per_minute, t.request_burst, t.requests, t.plan, v_now;
+           t.requests_per_minute, t.request_burst, t.requests, t.plan,
+           bl.tokens_per_minute, bl.token_burst, bl.tokens, v_now;
 END
 $$;
 

@@ -71,6 +71,13 @@ async def test_rest_admissions_come_from_slices_and_settle_once_each(
         held = await client.post("/v1/admit", json=BODY, headers=key)
         assert held.status_code == 201, held.text
         ids.append(held.json()["reservation_id"])
+    # An answer from a slice has the headers an exact one has: the tenant's
+    # limit and what is left of it (the layer as the slice's last top-up
+    # left it, plus what the slice still holds), and the binding layer's.
+    assert held.headers["x-ratelimit-limit-tokens"] == "1000000"
+    assert 0 < int(held.headers["x-ratelimit-remaining-tokens"]) < 1_000_000
+    assert held.headers["X-TokenLimit-Limit"] == "1000000"
+    assert "RateLimit" in held.headers
     for reservation_id in ids:
         settled = await client.post(
             f"/v1/reservations/{reservation_id}/settle",

@@ -33,7 +33,7 @@ from typing import Any
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.config import Settings
 from llmquota.domain.errors import StoreUnavailable
-from llmquota.domain.records import AdmitDecision, AdmitRequest
+from llmquota.domain.records import AdmitDecision, AdmitRequest, TenantFigures
 from llmquota.store.allotments import AllotmentStore, Grant, SliceAdmission, SliceKey
 
 log = logging.getLogger(__name__)
@@ -207,10 +207,13 @@ class Allotments:
             _remaining(grant.room_tokens, held.tokens),
             _remaining(grant.room_requests, held.requests),
             None,  # remaining_in_flight
-            grant.tenant,
+            _with_slice(grant.tenant, held),
             request.model,
             request.input_tokens,
             plan=grant.plan,
+            binding=None
+            if grant.binding is None
+            else grant.binding._replace(tokens=_plus(grant.binding.tokens, held.tokens)),
         )
         self._uncounted.append(decision)
         return decision
@@ -367,6 +370,17 @@ class Allotments:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _with_slice(tenant: TenantFigures, held: Slice) -> TenantFigures:
+    """The tenant layer as the last grant left it, plus what this slice holds."""
+    return tenant._replace(
+        tokens=_plus(tenant.tokens, held.tokens), requests=_plus(tenant.requests, held.requests)
+    )
+
+
+def _plus(balance: float | None, held: int) -> float | None:
+    return None if balance is None else balance + held
 
 
 def _remaining(room: float | None, held: int) -> int | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal, NamedTuple
 
-from llmquota.domain.records import TenantFigures
+from llmquota.domain.records import TenantFigures, TokenLayerFigures
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
 
@@ -42,6 +42,7 @@ class Grant:
     room_requests: float | None
     tenant: TenantFigures
     plan: str | None
+    binding: TokenLayerFigures | None
     now: datetime
 
 
@@ -118,6 +119,13 @@ class AllotmentStore:
                 row["tenant_requests"],
             ),
             plan=row["plan"],
+            binding=None
+            if row["binding_tokens_per_minute"] is None
+            else TokenLayerFigures(
+                row["binding_tokens_per_minute"],
+                row["binding_token_burst"],
+                row["binding_tokens"],
+            ),
             now=row["now_ts"],
         )
 
