@@ -48,7 +48,7 @@ os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
 
 # The suites whose every test ends with the audit (RELIABILITY.md), and the
 # fixtures that give a test a database of its own.
-AUDITED_SUITES = frozenset({"api", "integration", "faults", "console"})
+AUDITED_SUITES = frozenset({"api", "integration", "faults", "console", "citus"})
 AUDITED_DATABASES = ("database_dsn", "twin_dsn")
 
 
