@@ -50,6 +50,9 @@ os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
 # fixtures that give a test a database of its own.
 AUDITED_SUITES = frozenset({"api", "integration", "faults", "console", "citus"})
 AUDITED_DATABASES = ("database_dsn", "twin_dsn")
+# A Citus node's own sessions can race a DROP DATABASE: tries, and the pause between them.
+CITUS_DROP_ATTEMPTS = 5
+CITUS_DROP_RETRY_SECONDS = 0.5
 
 
 def dsn_with_database(dsn: str, database: str) -> str:
@@ -109,9 +112,32 @@ async def _create_database(
 
 async def _drop_database(server_dsn: str, nodes: CitusNodes | None, name: str) -> None:
     drop = f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'
-    await _admin(server_dsn, drop)
-    for worker in nodes.worker_dsns if nodes else ():
-        await _admin(worker, drop)
+    if nodes is None:
+        await _admin(server_dsn, drop)
+        return
+    # The coordinator first: dropping stops its maintenance daemon, whose
+    # connections to the workers' copy would otherwise come back.
+    for dsn in (server_dsn, *nodes.worker_dsns):
+        await _drop_on_a_citus_node(dsn, drop)
+
+
+async def _drop_on_a_citus_node(dsn: str, drop: str) -> None:
+    """DROP DATABASE ... WITH (FORCE), again while Citus's sessions come and go.
+
+    FORCE terminates the database's sessions, but a Citus node has sessions
+    of its own that reconnect on their schedule (a worker's maintenance
+    daemon, a coordinator's connection for recovery or deadlock detection):
+    one that arrives between the termination and the drop fails it with
+    "being accessed by other users" (1 drop in some 250 here).
+    """
+    for attempt in range(CITUS_DROP_ATTEMPTS):
+        try:
+            await _admin(dsn, drop)
+            return
+        except asyncpg.exceptions.ObjectInUseError:
+            if attempt == CITUS_DROP_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(CITUS_DROP_RETRY_SECONDS)
 
 
 @pytest.fixture(scope="session")

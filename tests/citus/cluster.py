@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,18 +111,15 @@ def _start_node(installation: Installation, node: Node) -> None:
     }
     with (node.data / "postgresql.conf").open("a") as conf:
         conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
-    _run_as_owner(
-        installation,
-        "pg_ctl",
-        "-D",
-        str(node.data),
-        "-l",
-        str(node.data / "log"),
-        "-w",
-        "-t",
-        str(START_TIMEOUT_SECONDS),
-        "start",
-    )
+    log = node.data / "log"
+    try:
+        _run_as_owner(
+            installation, "pg_ctl", "-D", str(node.data), "-l", str(log), "-w",
+            "-t", str(START_TIMEOUT_SECONDS), "start",
+        )  # fmt: skip
+    except RuntimeError as error:
+        server_log = log.read_text() if log.exists() else "(no log)"
+        raise RuntimeError(f"the Citus {node.name} did not start: {error}\n{server_log}") from error
 
 
 def _stop_node(installation: Installation, node: Node) -> None:
@@ -177,6 +175,9 @@ def main(command: list[str]) -> int:
     if not command:
         print("usage: python -m tests.citus.cluster COMMAND...", file=sys.stderr)
         return 2
+    # CI stops a leg with SIGINT, then SIGTERM: either must stop the nodes
+    # (the finally blocks), which SIGTERM's default action would skip.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     root = Path(tempfile.mkdtemp(prefix="llmquota-citus-"))
     try:
         with citus_cluster(root) as cluster:
