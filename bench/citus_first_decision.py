@@ -104,7 +104,10 @@ def main() -> None:
     if url:
         asyncio.run(measure(url))
         return
-    with open_database(data_dir=Path(tempfile.mkdtemp(prefix="lq-bench-")) / "data") as handle:
+    with (
+        tempfile.TemporaryDirectory(prefix="lq-bench-", ignore_cleanup_errors=True) as root,
+        open_database(data_dir=Path(root) / "data") as handle,
+    ):
         asyncio.run(measure(handle.dsn))
 
 
