@@ -35,6 +35,7 @@ from llmquota.config import Settings
 from llmquota.store import migrate
 from llmquota.store.database import open_database
 from llmquota.store.store import Store
+from tests.citus.nodes import CitusNodes, citus_nodes_of
 from tests.support import APP_ROLE, REPORTING_ROLE, dsn_as
 
 _counter = itertools.count()
@@ -47,8 +48,11 @@ os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
 
 # The suites whose every test ends with the audit (RELIABILITY.md), and the
 # fixtures that give a test a database of its own.
-AUDITED_SUITES = frozenset({"api", "integration", "faults", "console"})
+AUDITED_SUITES = frozenset({"api", "integration", "faults", "console", "citus"})
 AUDITED_DATABASES = ("database_dsn", "twin_dsn")
+# A Citus node's own sessions can race a DROP DATABASE: tries, and the pause between them.
+CITUS_DROP_ATTEMPTS = 5
+CITUS_DROP_RETRY_SECONDS = 0.5
 
 
 def dsn_with_database(dsn: str, database: str) -> str:
@@ -87,24 +91,79 @@ def server_dsn() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def template_database(server_dsn: str) -> Iterator[str]:
+def citus_nodes(server_dsn: str) -> CitusNodes | None:
+    """The Citus cluster the server coordinates (CI's Citus leg), or None."""
+    return asyncio.run(citus_nodes_of(server_dsn))
+
+
+async def _create_database(
+    server_dsn: str, nodes: CitusNodes | None, name: str, template: str | None = None
+) -> None:
+    """CREATE DATABASE on the server, and on a Citus coordinator's workers too.
+
+    Citus propagates CREATE DATABASE only from template1: each node makes its
+    own copy of the template, and the copies agree (metadata and all).
+    """
+    create = f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")
+    for worker in nodes.worker_dsns if nodes else ():
+        await _admin(worker, create)
+    await _admin(server_dsn, create)
+
+
+async def _drop_database(server_dsn: str, nodes: CitusNodes | None, name: str) -> None:
+    drop = f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'
+    if nodes is None:
+        await _admin(server_dsn, drop)
+        return
+    # The coordinator first: dropping stops its maintenance daemon, whose
+    # connections to the workers' copy would otherwise come back.
+    for dsn in (server_dsn, *nodes.worker_dsns):
+        await _drop_on_a_citus_node(dsn, drop)
+
+
+async def _drop_on_a_citus_node(dsn: str, drop: str) -> None:
+    """DROP DATABASE ... WITH (FORCE), again while Citus's sessions come and go.
+
+    FORCE terminates the database's sessions, but a Citus node has sessions
+    of its own that reconnect on their schedule (a worker's maintenance
+    daemon, a coordinator's connection for recovery or deadlock detection):
+    one that arrives between the termination and the drop fails it with
+    "being accessed by other users" (1 drop in some 250 here).
+    """
+    for attempt in range(CITUS_DROP_ATTEMPTS):
+        try:
+            await _admin(dsn, drop)
+            return
+        except asyncpg.exceptions.ObjectInUseError:
+            if attempt == CITUS_DROP_ATTEMPTS - 1:
+                raise
+            await asyncio.sleep(CITUS_DROP_RETRY_SECONDS)
+
+
+@pytest.fixture(scope="session")
+def template_database(server_dsn: str, citus_nodes: CitusNodes | None) -> Iterator[str]:
     """Name of a database migrated to head, used as the template for each test."""
     name = f"llmquota_template_{os.getpid()}"
-    asyncio.run(
-        _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}"', f'CREATE DATABASE "{name}"')
-    )
+    asyncio.run(_drop_database(server_dsn, citus_nodes, name))
+    asyncio.run(_create_database(server_dsn, citus_nodes, name))
+    if citus_nodes:
+        asyncio.run(citus_nodes.join(dsn_with_database(server_dsn, name)))
     migrate.upgrade(dsn_with_database(server_dsn, name))
+    if citus_nodes:
+        asyncio.run(citus_nodes.freeze(name, server_dsn))
     yield name
-    asyncio.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(_drop_database(server_dsn, citus_nodes, name))
 
 
 @pytest.fixture
-async def database_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
+async def database_dsn(
+    server_dsn: str, template_database: str, citus_nodes: CitusNodes | None
+) -> AsyncIterator[str]:
     """A fresh, migrated database for one test."""
     name = f"llmquota_test_{os.getpid()}_{next(_counter)}_{uuid.uuid4().hex[:6]}"
-    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    await _create_database(server_dsn, citus_nodes, name, template_database)
     yield dsn_with_database(server_dsn, name)
-    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await _drop_database(server_dsn, citus_nodes, name)
 
 
 @pytest.fixture
@@ -129,12 +188,14 @@ def reporting_dsn(database_dsn: str) -> str:
 
 
 @pytest.fixture
-async def twin_dsn(server_dsn: str, template_database: str) -> AsyncIterator[str]:
+async def twin_dsn(
+    server_dsn: str, template_database: str, citus_nodes: CitusNodes | None
+) -> AsyncIterator[str]:
     """A second fresh database from the same template (batched vs one-by-one tests)."""
     name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
-    await _admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    await _create_database(server_dsn, citus_nodes, name, template_database)
     yield dsn_with_database(server_dsn, name)
-    await _admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await _drop_database(server_dsn, citus_nodes, name)
 
 
 @pytest.fixture

@@ -7,8 +7,12 @@ import uuid
 
 import asyncpg
 import httpx
+import pytest
 
 from tests.api.conftest import make_tenant
+
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
 
 MESSAGES = [{"role": "user", "content": "Summarise the attached contract."}]
 

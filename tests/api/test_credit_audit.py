@@ -20,6 +20,9 @@ import pytest
 from llmquota.finance.ledger import LedgerStore
 from tests.support import run_cli
 
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
 
 @pytest.mark.constructs_drift  # a backdated price is the drift the audit must name
 async def test_audit_flags_credits_charged_against_a_backdated_invoice(

@@ -12,11 +12,15 @@ from typing import Any
 
 import asyncpg
 import httpx
+import pytest
 
 from llmquota.admin.ceiling_alerts import CeilingAlertDetector
 from llmquota.store.alerts import AlertStore
 from llmquota.store.store import Store
 from tests.api.conftest import make_tenant
+
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
 
 SLOW = 1  # tokens per minute: refill is negligible during a test
 

@@ -10,6 +10,9 @@ import pytest
 
 from tests.api.conftest import make_tenant
 
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
 SECRET = "whsec_0123456789abcdef"
 
 

@@ -27,6 +27,9 @@ from llmquota.domain.tokens import get_encoding
 
 from .support import Clock, attempt, count, put, raw_layer, shift_refill, status, tokens
 
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
 N = 60
 K = 7
 COST = 1_000  # input 100 + max_tokens 900

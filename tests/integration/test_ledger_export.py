@@ -5,9 +5,13 @@ from __future__ import annotations
 import uuid
 
 import asyncpg
+import pytest
 
 from llmquota.admission.limiter import Limiter
 from llmquota.finance.ledger import LedgerEntry, LedgerStore
+
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
 
 SETTLE = (
     "SELECT status FROM lq_finish(ARRAY[$1::uuid], ARRAY['settle'], ARRAY[NULL::text],"

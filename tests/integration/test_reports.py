@@ -16,6 +16,9 @@ import pytest
 from tests import finance_fixture as fx
 from tests.support import REPORTING_ROLE, dsn_as
 
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
 
 @pytest.fixture
 async def finance(database_dsn: str, db: asyncpg.Connection) -> AsyncIterator[asyncpg.Connection]:

@@ -14,6 +14,9 @@ from llmquota.config import Settings
 
 from .support import count, expire_leases, put, raw_layer
 
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
 COST = 1_000
 BURST = 1_000_000
 

@@ -80,6 +80,19 @@ def unavailable(exc: BaseException) -> StoreUnavailable:
     return StoreUnavailable(f"database unavailable: {exc.__class__.__name__}: {exc}")
 
 
+# Citus (docs/scaling.md) hides its shards from every query that reads
+# pg_class, by a filter that calls relation_is_a_known_shard() on each row.
+# asyncpg's type introspection, run once per connection for the composite and
+# array types of our statements, reads pg_class in correlated subqueries: with
+# the filter it took 0.5 to 0.8 s on a coordinator with no shard at all (2 ms
+# without), so a new connection's first decision passed the 250 ms deadline,
+# was cancelled with its connection, and the next one started cold again:
+# every request a 503 (issue 26). Our sessions never list tables, so hiding
+# buys them nothing. Elsewhere it is an unused placeholder setting. Behind a
+# transaction pooler it is the role's to carry (docs/operations.md).
+CITUS_SESSION_SETTINGS = {"citus.override_table_visibility": "off"}
+
+
 def session_options(
     *,
     statement_timeout_ms: int,
@@ -112,6 +125,7 @@ def session_options(
             "statement_timeout": str(statement_timeout_ms),
             "lock_timeout": str(lock_timeout_ms),
             "application_name": application_name,
+            **CITUS_SESSION_SETTINGS,
             **(extra or {}),
         }
     }

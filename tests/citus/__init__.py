@@ -1,0 +1,1 @@
+"""Citus: the build cache, a coordinator with two workers, and the tests only Citus can run."""
