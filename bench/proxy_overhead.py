@@ -123,13 +123,16 @@ def fake_provider(*, semantic_embeddings: bool = False) -> Iterator[str]:
 
 
 @contextmanager
-def llmquota(fake_url: str) -> Iterator[str]:
-    """llmquota in proxy mode on its own database; yields a tenant's key@base URL."""
+def llmquota(fake_url: str, *, allotted: bool = False) -> Iterator[str]:
+    """llmquota in proxy mode on its own database; yields a tenant's key@base URL.
+    `allotted`: the tenant's policy says "admission": "allotted" (and has no
+    max_in_flight, which is always decided exactly)."""
     data_dir = Path(tempfile.mkdtemp(prefix="llmquota-bench-")) / "pg"
+    policy: dict[str, Any] = {"max_in_flight": None, "admission": "allotted"} if allotted else {}
     with open_database(os.environ.get("LLMQUOTA_DATABASE_URL"), data_dir) as db:
         migrate.upgrade(db.dsn)
         with proxy_server(db.dsn, fake_url) as base:
-            yield f"{tenant_key(base)}@{base}/v1"
+            yield f"{tenant_key(base, **policy)}@{base}/v1"
 
 
 @contextmanager
@@ -350,6 +353,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
         targets = {
             "direct": f"{PROVIDER_KEY}@{fake_url}",
             "llmquota": stack.enter_context(llmquota(fake_url)),
+            "allotted": stack.enter_context(llmquota(fake_url, allotted=True)),
         }
         if executable:
             try:
@@ -381,6 +385,7 @@ def main() -> None:
         added(report, "litellm") if "litellm" in report else f"n/a (litellm: {litellm_missing})"
     )
     print(f"proxy overhead: {added(report, 'llmquota')} vs {theirs}")
+    print(f"proxy overhead, an allotted tenant: {added(report, 'allotted')}")
     overhead_us = (report["llmquota"]["latency_p50_ms"] - report["direct"]["latency_p50_ms"]) * 1e3
     print(
         f"key scrubbing: {scrubbing['answer_us']:.1f} us per answer "
