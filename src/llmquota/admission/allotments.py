@@ -91,13 +91,13 @@ class Slice:
         """Whether a top-up may start now: none under way, none failed just now."""
         return self.topping is None and now >= self.retry_at
 
-    def take(self, cost: int) -> bool:
+    def take(self, cost: int, now: float) -> bool:
         """Take one request of `cost` tokens off the slice, if it holds them."""
         if self.tokens < cost or self.requests < 1:
             return False
         self.tokens -= cost
         self.requests -= 1
-        self.used_at = time.monotonic()
+        self.used_at = now
         return True
 
 
@@ -130,7 +130,7 @@ class Allotments:
         self._pending_ids: set[uuid.UUID] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._writing: asyncio.Task[None] | None = None
-        self._tasks: set[asyncio.Task[object]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._idle_check_at = time.monotonic() + IDLE_SECONDS
 
     def applies(self, request: AdmitRequest) -> bool:
@@ -162,9 +162,9 @@ class Allotments:
             return None
         cost = request.reserved_tokens
         held = self.slices.get(key)
-        if held is not None and held.take(cost):
+        if held is not None and held.take(cost, now):
             if held.tokens * 2 < held.granted and held.may_grow(now):
-                self._spawn(self._top_up(key, cost))  # half used: grow it before it runs dry
+                self._grow(key, cost)  # half used: grow it before it runs dry
             return self._admitted(held, request, cost)
         # No slice with room: this one is decided exactly, and a slice is taken
         # meanwhile for a key that keeps asking (never a round trip of its own).
@@ -172,7 +172,7 @@ class Allotments:
             self.seen, self._seen_since = {}, now
         seen = self.seen[key] = self.seen.get(key, 0) + 1
         if seen >= WARM_REQUESTS and (held is None or held.may_grow(now)):
-            self._spawn(self._top_up(key, cost))
+            self._grow(key, cost)
         return None
 
     def _admitted(self, held: Slice, request: AdmitRequest, cost: int) -> AdmitDecision:
@@ -219,15 +219,15 @@ class Allotments:
         return decision
 
     # -- slices --------------------------------------------------------------
-    async def _top_up(self, key: SliceKey, cost: int) -> None:
-        """Grow the key's slice by one statement (one at a time per slice)."""
+    def _grow(self, key: SliceKey, cost: int) -> None:
+        """Take or top up the key's slice in the background (one statement at a
+        time per slice)."""
         held = self.slices.get(key)
         if held is None:
             held = self.slices[key] = Slice(key)
         if held.topping is None:
-            held.topping = asyncio.ensure_future(self._allot(held, cost))
+            held.topping = self._spawn(self._allot(held, cost))
             held.topping.add_done_callback(lambda _f: setattr(held, "topping", None))
-        await asyncio.shield(held.topping)
 
     async def _allot(self, held: Slice, cost: int) -> None:
         ask = held.ask
@@ -348,11 +348,12 @@ class Allotments:
             if self.pending:
                 self._schedule_journal()
 
-    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(_log_failure)
+        return task
 
     async def background_done(self) -> None:
         """Wait for the top-ups and give-backs under way (and those they start)."""
