@@ -204,6 +204,7 @@ CREATE OR REPLACE FUNCTION lq_allot_journal(
     p_max_tokens      bigint[],
     p_reserved        bigint[],
     p_lease_seconds   integer[],  -- NULL entries: the slice's
+    p_upstreams       text[],     -- the deployment each goes to (NULL: none named)
     p_hold_seconds    integer
 ) RETURNS TABLE (allotment_id uuid, journaled integer)
 LANGUAGE sql
@@ -213,8 +214,8 @@ AS $$
         -- not journaled again)
         SELECT u.*
           FROM unnest(p_allotment_ids, p_reservation_ids, p_input_tokens, p_input_estimated,
-                      p_max_tokens, p_reserved, p_lease_seconds)
-               AS u(aid, rid, input, estimated, max_tokens, reserved, lease)
+                      p_max_tokens, p_reserved, p_lease_seconds, p_upstreams)
+               AS u(aid, rid, input, estimated, max_tokens, reserved, lease, upstream)
          WHERE NOT EXISTS (SELECT 1 FROM reservations AS r WHERE r.reservation_id = u.rid)
     ), moved AS (
         UPDATE allotments AS a
@@ -231,12 +232,12 @@ AS $$
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids, input_tokens,
                                   input_estimated, max_tokens, reserved_tokens, policy_version,
                                   created_at, lease_seconds, lease_expires_at, request_cost,
-                                  permits, allotment_id)
+                                  permits, allotment_id, upstream)
         SELECT e.rid, m.tenant, m.route, m.model, m.layer_ids, e.input, e.estimated,
                e.max_tokens, e.reserved, m.policy_version, clock_timestamp(),
                coalesce(e.lease, m.lease_seconds),
                clock_timestamp() + make_interval(secs => coalesce(e.lease, m.lease_seconds)),
-               1, 0, m.allotment_id
+               1, 0, m.allotment_id, e.upstream
           FROM entry AS e JOIN moved AS m ON m.allotment_id = e.aid
         RETURNING reservations.allotment_id
     )
@@ -263,7 +264,8 @@ CREATE OR REPLACE FUNCTION lq_allot_orphans(
     p_input_estimated boolean[],
     p_max_tokens      bigint[],
     p_reserved        bigint[],
-    p_lease_seconds   integer[]
+    p_lease_seconds   integer[],
+    p_upstreams       text[]
 ) RETURNS integer
 LANGUAGE plpgsql
 AS $$
@@ -286,14 +288,15 @@ BEGIN
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids, input_tokens,
                                   input_estimated, max_tokens, reserved_tokens, policy_version,
                                   created_at, lease_seconds, lease_expires_at, request_cost,
-                                  permits)
+                                  permits, upstream)
         SELECT u.rid, p_tenant, p_route, p_model, coalesce(ids, '{}'), u.input, u.estimated,
                u.max_tokens, u.reserved, v_version, clock_timestamp(),
                coalesce(u.lease, v_lease),
-               clock_timestamp() + make_interval(secs => coalesce(u.lease, v_lease)), 1, 0
+               clock_timestamp() + make_interval(secs => coalesce(u.lease, v_lease)), 1, 0,
+               u.upstream
           FROM unnest(p_reservation_ids, p_input_tokens, p_input_estimated, p_max_tokens,
-                      p_reserved, p_lease_seconds)
-               AS u(rid, input, estimated, max_tokens, reserved, lease)
+                      p_reserved, p_lease_seconds, p_upstreams)
+               AS u(rid, input, estimated, max_tokens, reserved, lease, upstream)
         ON CONFLICT (reservation_id) DO NOTHING
         RETURNING reserved_tokens
     )

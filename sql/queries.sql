@@ -747,12 +747,13 @@ SELECT * FROM lq_allot($1::uuid, $2::text, $3::text, $4::text, $5::bigint, $6::b
 -- Journal admissions decided from slices: per slice, how many were written.
 SELECT allotment_id, journaled
   FROM lq_allot_journal($1::uuid[], $2::uuid[], $3::bigint[], $4::boolean[], $5::bigint[],
-                        $6::bigint[], $7::integer[], $8::integer)
+                        $6::bigint[], $7::integer[], $8::text[], $9::integer)
 
 -- allot_orphans --
 -- Journal admissions of a slice the sweeper returned (its worker was away).
 SELECT lq_allot_orphans($1::text, $2::text, $3::text, $4::bigint, $5::uuid[], $6::bigint[],
-                        $7::boolean[], $8::bigint[], $9::bigint[], $10::integer[]) AS journaled
+                        $7::boolean[], $8::bigint[], $9::bigint[], $10::integer[],
+                        $11::text[]) AS journaled
 
 -- allot_return --
 -- Give back what slices hold (a worker's own, at once).

@@ -66,9 +66,9 @@ DELETE FROM schema_repeatables
 DROP FUNCTION IF EXISTS lq_allot(uuid, text, text, text, bigint, bigint, bigint,
                                  double precision, bigint, text, integer, boolean);
 DROP FUNCTION IF EXISTS lq_allot_journal(uuid[], uuid[], bigint[], boolean[], bigint[],
-                                         bigint[], integer[], integer);
+                                         bigint[], integer[], text[], integer);
 DROP FUNCTION IF EXISTS lq_allot_orphans(text, text, text, bigint, uuid[], bigint[],
-                                         boolean[], bigint[], bigint[], integer[]);
+                                         boolean[], bigint[], bigint[], integer[], text[]);
 DROP FUNCTION IF EXISTS lq_allot_sweep(integer);
 DROP FUNCTION IF EXISTS lq_allot_return(uuid[], boolean);
 ALTER TABLE reservations DROP COLUMN allotment_id;

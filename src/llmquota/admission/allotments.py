@@ -135,13 +135,16 @@ class Allotments:
 
     def applies(self, request: AdmitRequest) -> bool:
         """Whether a request may be decided from a slice: a plain one, of a
-        tenant (route) whose policy says allotted, as the policy cache has it."""
+        tenant (route) whose policy says allotted, as the policy cache has it.
+        Deployments named (the proxy names them always) are fine: with no
+        provider ceiling on the model (lq_allot's condition) lq_admit sends a
+        request to its model's first deployment, and so does a slice."""
         if (
             request.idempotency_key is not None
             or request.priority is not None  # (priority_any alone asks for nothing)
             or request.fallbacks
-            or request.deployments
             or request.serving_path is not None
+            or (request.deployments and _deployment(request) is None)
         ):
             return False
         for layer in self.policies.own_layers(request.tenant, request.route):
@@ -185,6 +188,7 @@ class Allotments:
             request.max_tokens,
             cost,
             request.lease_seconds,
+            _deployment(request),
         )
         self.pending.append((held, admission))
         self._pending_ids.add(admission.reservation_id)
@@ -214,6 +218,7 @@ class Allotments:
             binding=None
             if grant.binding is None
             else grant.binding._replace(tokens=_plus(grant.binding.tokens, held.tokens)),
+            upstream=admission.upstream,
         )
         self._uncounted.append(decision)
         return decision
@@ -371,6 +376,11 @@ class Allotments:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _deployment(request: AdmitRequest) -> str | None:
+    """The deployment a request admitted as asked goes to: its model's first."""
+    return next((d.upstream for d in request.deployments if d.model == request.model), None)
 
 
 def _with_slice(tenant: TenantFigures, held: Slice) -> TenantFigures:

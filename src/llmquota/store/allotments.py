@@ -57,6 +57,7 @@ class SliceAdmission(NamedTuple):
     max_tokens: int
     reserved_tokens: int
     lease_seconds: int | None
+    upstream: str | None  # the deployment it goes to (None: none named)
 
 
 class AllotmentStore:
@@ -189,6 +190,7 @@ def _columns(admissions: Sequence[SliceAdmission], *, with_slice: bool) -> list[
         [a.max_tokens for a in admissions],
         [a.reserved_tokens for a in admissions],
         [a.lease_seconds for a in admissions],
+        [a.upstream for a in admissions],
     ]
     if with_slice:
         columns.insert(0, [a.allotment_id for a in admissions])

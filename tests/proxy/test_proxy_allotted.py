@@ -1,0 +1,45 @@
+"""Allotted admission on the proxy, through the official SDK (issue 25): a
+tenant whose policy says `"admission": "allotted"` has its completions
+admitted from slices, and each is settled with the provider's usage and
+billed exactly once, as `/v1/admit`'s are."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+
+from llmquota.admission.allotments import WARM_REQUESTS
+from tests.proxy.conftest import Stack, settled
+
+MESSAGES = [{"role": "user", "content": "hello"}]
+CALLS = WARM_REQUESTS + 16
+
+
+async def test_completions_of_an_allotted_tenant_come_from_slices_and_bill_once(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    policy = {"tokens_per_minute": 10_000_000, "admission": "allotted"}
+    assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    client = stack.openai()
+    for _ in range(WARM_REQUESTS):
+        await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+    await asyncio.sleep(0.2)  # the slice, taken in the background
+    for _ in range(CALLS - WARM_REQUESTS):
+        done = await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+        assert done.choices[0].message.content
+    rows = await settled(db, CALLS)
+    assert len(rows) == CALLS
+    assert len({r["reservation_id"] for r in rows}) == CALLS  # one ledger row each
+    assert all(r["outcome"] == "ok" and r["output_tokens"] > 0 for r in rows)
+    from_slices = await db.fetchval(
+        "SELECT count(*) FROM reservations WHERE allotment_id IS NOT NULL"
+    )
+    assert from_slices >= CALLS - WARM_REQUESTS - 4, f"{from_slices} of {CALLS} from slices"
+    # Each journaled with the deployment it went to, as lq_admit journals it.
+    upstreams = await db.fetch(
+        "SELECT DISTINCT upstream, allotment_id IS NOT NULL AS sliced FROM reservations"
+    )
+    assert {r["sliced"] for r in upstreams} == {True, False}
+    (upstream,) = {r["upstream"] for r in upstreams}
+    assert upstream is not None, upstreams
