@@ -114,3 +114,28 @@ def test_a_resync_makes_every_known_key_refresh_at_its_next_use() -> None:
     assert cache.known(known, now=1.0) == KeyOwner(key_id=1, tenant="acme")
     assert cache.claim_refresh(known, now=1.0)
     assert not cache.refused(refused, now=1.0)
+
+
+def test_a_key_whose_row_changed_keeps_its_tenants_lane_until_looked_up_again() -> None:
+    """A busy tenant's key is not a stranger after an announcement: its burst queues in
+    the tenant's lane, not in the unknown keys' small one (whose overflow is 429)."""
+    cache = KeyCache(refresh_seconds=30, max_stale_seconds=3_600, negative_seconds=5)
+    acme, beta, never = b"a" * 32, b"b" * 32, b"n" * 32
+    cache.confirm(acme, ACME, now=0.0)
+    cache.confirm(beta, KeyOwner(key_id=2, tenant="beta"), now=0.0)
+    cache.drop(acme)  # the key's row changed
+    cache.drop_tenant("beta")  # the tenant was resumed
+    cache.drop(never)  # announced, but never known here
+    assert cache.known(acme, 1.0) is None
+    assert (cache.former_tenant(acme), cache.former_tenant(beta)) == ("acme", "beta")
+    assert cache.former_tenant(never) is None
+    # A lookup that began before the change cannot confirm the key, but keeps its lane.
+    since = cache.generation
+    cache.drop(acme)
+    cache.confirm(acme, ACME, now=2.0, since=since - 1)
+    assert cache.known(acme, 2.0) is None and cache.former_tenant(acme) == "acme"
+    # Looked up again: known (or refused), and no longer rechecking.
+    cache.confirm(acme, ACME, now=3.0, since=cache.generation)
+    cache.refuse(beta, now=3.0, since=cache.generation)
+    assert cache.known(acme, 3.0) == ACME
+    assert (cache.former_tenant(acme), cache.former_tenant(beta)) == (None, None)

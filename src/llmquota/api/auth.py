@@ -203,7 +203,9 @@ class Authenticator:
         refusal = self._refusal_from_memory(digest, client, now)
         if refusal is not None:
             return Triage(refusal=refusal)
-        return Triage(lane=UNKNOWN_KEYS_LANE)
+        # A key known here until its row changed is looked up again in its tenant's lane.
+        former = self._keys.former_tenant(digest) if digest is not None else None
+        return Triage(lane=former or UNKNOWN_KEYS_LANE)
 
     async def caller(self, authorization: str | None, client: str) -> Caller:
         """The caller for a header, or AuthenticationFailed (401),
@@ -226,17 +228,21 @@ class Authenticator:
         # The lookup may fail, so it is paid for first and paid back if the key
         # exists; a lookup the store does not answer stays paid, so that a flood
         # of new keys during an outage cannot keep the pool waiting on the deadline.
-        retry_after_ms = self._failures.spend(client, now)
-        if retry_after_ms is not None:
-            self._metrics.count_auth_refusal("throttled")
-            raise TooManyFailedAuthentications(retry_after_ms)
+        # A request joining a lookup of its key already under way costs none.
+        pays = digest not in self._first_lookups
+        if pays:
+            retry_after_ms = self._failures.spend(client, now)
+            if retry_after_ms is not None:
+                self._metrics.count_auth_refusal("throttled")
+                raise TooManyFailedAuthentications(retry_after_ms)
         owner, since = await self._first_lookup(digest)
         now = time.monotonic()
         if owner is None:
             self._keys.refuse(digest, now, since)
             self._metrics.count_auth_refusal("unknown_key")
             raise AuthenticationFailed
-        self._failures.refund(client, now)
+        if pays:
+            self._failures.refund(client, now)
         self._keys.confirm(digest, owner, now, since)
         self._uses.used(owner.key_id, now)
         return _caller_of(owner)

@@ -9,7 +9,8 @@ past `max_waiting` they are refused at once with 429, before their body is
 read. Other tenants' requests never wait behind that queue.
 
 The lane is known before anything is parsed, from the authenticator's
-memory (Authenticator.triage, no I/O): a known key's tenant; the one lane of
+memory (Authenticator.triage, no I/O): a known key's tenant (also while a key
+it knew is looked up again after its row changed, keycache.py); the one lane of
 keys this worker does not know yet, each of which costs a database lookup,
 with its own small limits (`unknown_max_in_progress`, `unknown_max_waiting`),
 so that a flood of invalid keys holds at most that many pooled connections

@@ -27,7 +27,13 @@ revoked key back.
 A key found not to exist is remembered too, by digest, for
 `negative_seconds`, so that repeating a wrong key costs no lookup.
 
-Pure bookkeeping: the caller passes the time in and runs the lookups. Both
+A key whose row changed while this worker knew it (or while a lookup was
+confirming it) is not a stranger: until looked up again it is remembered as
+its tenant's (`former_tenant`), so that its requests queue in that tenant's
+lane (api/fairness.py) rather than overflowing the small lane of unknown keys
+with 429s. The lookup still decides whether it is served.
+
+Pure bookkeeping: the caller passes the time in and runs the lookups. The
 maps are bounded; the entry dropped first is the one confirmed longest ago.
 """
 
@@ -73,6 +79,11 @@ class KeyCache:
         self.generation = 0
         self._changed: dict[bytes | int | str, int] = {}
         self._all_changed = -1
+        # digest -> tenant of a key this worker knew (or was confirming) when its row
+        # changed, until it is looked up again: its requests meanwhile queue in that
+        # tenant's lane (Authenticator.triage), not in the small lane of keys nobody
+        # vouches for, where a busy tenant's burst would overflow into 429s.
+        self._rechecking: dict[bytes, str] = {}
 
     def known(self, digest: bytes, now: float) -> KeyOwner | None:
         """The owner of a key confirmed within the stale window; None otherwise."""
@@ -123,8 +134,10 @@ class KeyCache:
         """The store says the key exists: remember it, fresh (unless the lookup that
         says so started at `since` and the key changed after)."""
         if since is not None and self.changed_since(digest, owner, since):
+            self._recheck(digest, owner)
             return
         self._refused.pop(digest, None)
+        self._rechecking.pop(digest, None)
         # Re-inserted at the end, so the map stays in order of confirmation.
         self._known.pop(digest, None)
         if len(self._known) >= self.max_entries:
@@ -135,11 +148,14 @@ class KeyCache:
     def forget(self, digest: bytes) -> None:
         """The store says the key is gone: stop vouching for it."""
         self._known.pop(digest, None)
+        self._rechecking.pop(digest, None)
 
     def drop(self, digest: bytes) -> None:
         """The key's row changed: remember nothing of it, found or refused."""
         self._mark(digest)
-        self._known.pop(digest, None)
+        entry = self._known.pop(digest, None)
+        if entry is not None:
+            self._recheck(digest, entry.owner)
         self._refused.pop(digest, None)
 
     def drop_key_id(self, key_id: int) -> None:
@@ -147,13 +163,25 @@ class KeyCache:
         every secret of it."""
         self._mark(key_id)
         for digest in [d for d, entry in self._known.items() if entry.owner.key_id == key_id]:
-            del self._known[digest]
+            self._recheck(digest, self._known.pop(digest).owner)
 
     def drop_tenant(self, tenant: str) -> None:
         """The tenant's state changed (suspended, resumed): forget its keys."""
         self._mark(tenant)
         for digest in [d for d, entry in self._known.items() if entry.owner.tenant == tenant]:
-            del self._known[digest]
+            self._recheck(digest, self._known.pop(digest).owner)
+
+    def former_tenant(self, digest: bytes) -> str | None:
+        """The tenant of a key this worker knew until its row changed, not looked up since."""
+        return self._rechecking.get(digest)
+
+    def _recheck(self, digest: bytes, owner: KeyOwner) -> None:
+        if owner.tenant is None:
+            return
+        self._rechecking.pop(digest, None)
+        if len(self._rechecking) >= self.max_entries:
+            del self._rechecking[next(iter(self._rechecking))]
+        self._rechecking[digest] = owner.tenant
 
     def refresh_all(self) -> None:
         """Any key may have changed: each known key's next use claims a lookup
@@ -170,6 +198,7 @@ class KeyCache:
         if since is not None and self.changed_since(digest, None, since):
             return
         self._known.pop(digest, None)
+        self._rechecking.pop(digest, None)
         if self.negative_seconds <= 0:
             return
         self._refused.pop(digest, None)
