@@ -2120,31 +2120,12 @@ DECLARE
     k         integer;
     charged   bigint;
     cap       bigint;
-    -- credits to every layer of reservation res[c_res[x]]; shared (global)
-    -- layers get c_shared, which never takes more than the cap
-    c_res     integer[] := '{}';
-    c_tokens  double precision[] := '{}';
-    c_shared  double precision[] := '{}';
-    c_reqs    double precision[] := '{}';
-    c_permits integer[] := '{}';
-    -- ledger rows to append, for reservation res[g_res[x]]
-    g_res     integer[] := '{}';
-    g_kind    text[] := '{}';
-    g_in      bigint[] := '{}';
-    g_out     bigint[] := '{}';
-    g_held    bigint[] := '{}';
-    g_outcome text[] := '{}';
-    g_excess  bigint[] := '{}';
-    g_source  text[] := '{}';
-    g_rep_in  numeric[] := '{}';
-    g_rep_out numeric[] := '{}';
-    g_path    text[] := '{}';
-    -- quotas and credits to give back or charge, for reservation res[u_res[x]]:
-    -- u_mode settle | late | release | expire
-    u_res     integer[] := '{}';
-    u_mode    text[] := '{}';
-    u_in      bigint[] := '{}';
-    u_out     bigint[] := '{}';
+    -- What (2) and (3) decide, applied by (4) to (7), each entry naming its
+    -- reservation by its place in res (migration 0029 declares the types):
+    credits   lq_layer_credit[] := '{}';    -- to every layer it debited
+    entries   lq_ledger_entry[] := '{}';    -- ledger rows to append
+    changes   lq_budget_change[] := '{}';   -- its quotas and prepaid credit
+    entry     lq_ledger_entry;
     -- (4) one entry per credit and layer, and what shared layers forgave
     -- (lq_shared_forgiven), summed per reservation by scope and at most
     e_res     integer[];
@@ -2208,18 +2189,13 @@ BEGIN
 
         -- (2) A lease that ran out is expired before anything else happens.
         IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
-            c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
-            c_shared := c_shared || rec.reserved_tokens::double precision;
-            c_reqs := c_reqs || 0::double precision; c_permits := c_permits || rec.permits::integer;
-            g_res := g_res || i; g_kind := g_kind || 'usage'::text;
-            g_in := g_in || 0::bigint; g_out := g_out || 0::bigint;
-            g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || 'expired'::text;
-            g_excess := g_excess || 0::bigint;
-            g_source := g_source || NULL::text;
-            g_rep_in := g_rep_in || NULL::numeric; g_rep_out := g_rep_out || NULL::numeric;
-            g_path := g_path || coalesce(rec.serving_path, 'primary');
-            u_res := u_res || i; u_mode := u_mode || 'expire'::text;
-            u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
+            -- everything held goes back; the ledger says it expired, unused
+            credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens, 0,
+                                      rec.permits)::lq_layer_credit;
+            entries := entries || ROW(i, 'usage', 0, 0, rec.reserved_tokens, 'expired', 0,
+                                      NULL, NULL, NULL,
+                                      coalesce(rec.serving_path, 'primary'))::lq_ledger_entry;
+            changes := changes || ROW(i, 'expire', 0, 0)::lq_budget_change;
             rec.state := 'expired';
             rec.finished_at := now_ts;
             changed[i] := true;
@@ -2235,24 +2211,22 @@ BEGIN
         IF p_actions[k] = 'settle' THEN
             charged := p_input_tokens[k] + p_output_tokens[k];
             cap := lq_shared_charge_cap(rec.input_tokens, rec.max_tokens);
+            -- the settlement's ledger row, if it is one (on time, or late below)
+            entry := ROW(i, 'usage', p_input_tokens[k], p_output_tokens[k],
+                         rec.reserved_tokens, p_outcomes[k], greatest(charged - cap, 0),
+                         coalesce(p_usage_sources[k], 'reported'),
+                         p_reported_input[k], p_reported_output[k],
+                         coalesce(p_serving_paths[k], rec.serving_path, 'primary'));
             IF rec.state = 'active' THEN
                 -- Refund what was reserved and not used, or debit the excess
                 -- (shared layers at most up to the cap); lq_credit_layers
                 -- clamps at capacity.
-                c_res := c_res || i; c_tokens := c_tokens || (rec.reserved_tokens - charged)::double precision;
-                c_shared := c_shared || (rec.reserved_tokens - least(charged, cap))::double precision;
-                c_reqs := c_reqs || 0::double precision;
-                c_permits := c_permits || rec.permits::integer;
-                g_res := g_res || i; g_kind := g_kind || 'usage'::text;
-                g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
-                g_held := g_held || rec.reserved_tokens; g_outcome := g_outcome || p_outcomes[k];
-                g_excess := g_excess || greatest(charged - cap, 0);
-                g_source := g_source || coalesce(p_usage_sources[k], 'reported');
-                g_rep_in := g_rep_in || p_reported_input[k];
-                g_rep_out := g_rep_out || p_reported_output[k];
-                g_path := g_path || coalesce(p_serving_paths[k], rec.serving_path, 'primary');
-                u_res := u_res || i; u_mode := u_mode || 'settle'::text;
-                u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
+                credits := credits || ROW(i, rec.reserved_tokens - charged,
+                                          rec.reserved_tokens - least(charged, cap), 0,
+                                          rec.permits)::lq_layer_credit;
+                entries := entries || entry;
+                changes := changes || ROW(i, 'settle', p_input_tokens[k],
+                                          p_output_tokens[k])::lq_budget_change;
                 rec.state := 'settled';
                 rec.finished_at := now_ts;
                 rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
@@ -2261,19 +2235,14 @@ BEGIN
             ELSIF rec.state = 'expired' AND rec.charged_tokens IS NULL THEN
                 -- Late: the expiry gave the whole reservation back, so what
                 -- was really used is debited now. The permit is already free.
-                c_res := c_res || i; c_tokens := c_tokens || (-charged)::double precision;
-                c_shared := c_shared || (-least(charged, cap))::double precision;
-                c_reqs := c_reqs || 0::double precision; c_permits := c_permits || 0;
-                g_res := g_res || i; g_kind := g_kind || 'late'::text;
-                g_in := g_in || p_input_tokens[k]; g_out := g_out || p_output_tokens[k];
-                g_held := g_held || 0::bigint; g_outcome := g_outcome || 'late'::text;
-                g_excess := g_excess || greatest(charged - cap, 0);
-                g_source := g_source || coalesce(p_usage_sources[k], 'reported');
-                g_rep_in := g_rep_in || p_reported_input[k];
-                g_rep_out := g_rep_out || p_reported_output[k];
-                g_path := g_path || coalesce(p_serving_paths[k], rec.serving_path, 'primary');
-                u_res := u_res || i; u_mode := u_mode || 'late'::text;
-                u_in := u_in || p_input_tokens[k]; u_out := u_out || p_output_tokens[k];
+                credits := credits || ROW(i, -charged, -least(charged, cap), 0,
+                                          0)::lq_layer_credit;
+                entry.entry_kind := 'late';
+                entry.reserved_tokens := 0;
+                entry.outcome := 'late';
+                entries := entries || entry;
+                changes := changes || ROW(i, 'late', p_input_tokens[k],
+                                          p_output_tokens[k])::lq_budget_change;
                 rec.refunded_tokens := 0;
                 rec.late := true;
                 r_status[k] := 'settled';
@@ -2297,13 +2266,10 @@ BEGIN
             END IF;
         ELSIF p_actions[k] = 'release' THEN
             IF rec.state = 'active' THEN
-                c_res := c_res || i; c_tokens := c_tokens || rec.reserved_tokens::double precision;
-                c_shared := c_shared || rec.reserved_tokens::double precision;
                 -- the provider was never called: its requests go back too
-                c_reqs := c_reqs || rec.request_cost::double precision;
-                c_permits := c_permits || rec.permits::integer;
-                u_res := u_res || i; u_mode := u_mode || 'release'::text;
-                u_in := u_in || 0::bigint; u_out := u_out || 0::bigint;
+                credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens,
+                                          rec.request_cost, rec.permits)::lq_layer_credit;
+                changes := changes || ROW(i, 'release', 0, 0)::lq_budget_change;
                 rec.state := 'released';
                 rec.finished_at := now_ts;
                 changed[i] := true;
@@ -2339,8 +2305,7 @@ BEGIN
            -- the tenant layer's plan, read from the row this join reads anyway
            array_agg(ll.plan ORDER BY c.o, l.o)
       INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits, e_plan
-      FROM unnest(c_res, c_tokens, c_shared, c_reqs, c_permits)
-           WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
+      FROM unnest(credits) WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
            CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) WITH ORDINALITY AS l(layer_id, o)
            JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
     e_forgive := lq_shared_forgiven(e_layer, e_tokens);
@@ -2383,8 +2348,7 @@ BEGIN
     -- outage counts at the moment its journal says it happened (usage_at,
     -- set by lq_finish_outage in reliability.sql), not at the replay.
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok, q.qid
-               FROM unnest(u_res, u_mode, u_in, u_out) WITH ORDINALITY
-                    AS u(i, mode, in_tok, out_tok, o),
+               FROM unnest(changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o),
                     unnest((res[u.i]).quota_ids) AS q(qid)
               ORDER BY q.qid, (res[u.i]).created_at, u.o LOOP
         rec := res[b.i];
@@ -2403,8 +2367,7 @@ BEGIN
         END IF;
     END LOOP;
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok
-               FROM unnest(u_res, u_mode, u_in, u_out) WITH ORDINALITY
-                    AS u(i, mode, in_tok, out_tok, o)
+               FROM unnest(changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
               WHERE (res[u.i]).credit_reserved IS NOT NULL
               ORDER BY (res[u.i]).tenant, u.o LOOP
         rec := res[b.i];
@@ -2436,7 +2399,7 @@ BEGIN
 
     -- (6) Append the ledger rows, stamped with now_ts (the month partition is
     -- picked from it; the DEFAULT partition takes a month with none), each
-    -- with how its request was served (g_path, from (2) and (3)). The
+    -- with how its request was served (its serving_path, from (2) and (3)). The
     -- ledger's receipt trigger writes (reservation_id, entry_kind) into
     -- ledger_receipts in this same statement, and its primary key makes a
     -- second row for the same event impossible, not merely unlikely: the
@@ -2453,17 +2416,17 @@ BEGIN
            -- to the expiry's (which credits, never debits)
            CASE WHEN g.outcome = 'expired' THEN 0 ELSE round(f_most[g.i])::bigint END,
            now_ts, g.source, g.rep_in, g.rep_out, g.path
-      FROM unnest(g_res, g_kind, g_in, g_out, g_held, g_outcome, g_excess,
-                  g_source, g_rep_in, g_rep_out, g_path)
+      FROM unnest(entries)
            AS g(i, kind, input_tokens, output_tokens, held, outcome, excess,
                 source, rep_in, rep_out, path);
 
     -- (7) Completions settled on time and 'ok' feed the learned output
     -- estimates (estimates.sql), whose rows are locked last, in key order.
-    PERFORM lq_record_output_samples(array_agg((res[g.i]).tenant), array_agg((res[g.i]).route),
-                                     array_agg((res[g.i]).model), array_agg(g.output_tokens))
-       FROM unnest(g_res, g_kind, g_out, g_outcome) AS g(i, kind, output_tokens, outcome)
-      WHERE g.kind = 'usage' AND g.outcome = 'ok';
+    PERFORM lq_record_output_samples(array_agg((res[g.place]).tenant),
+                                     array_agg((res[g.place]).route),
+                                     array_agg((res[g.place]).model), array_agg(g.output_tokens))
+       FROM unnest(entries) AS g
+      WHERE g.entry_kind = 'usage' AND g.outcome = 'ok';
 
     RETURN QUERY
     SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
