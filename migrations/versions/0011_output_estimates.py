@@ -67,6 +67,7 @@ def downgrade() -> None:
         DROP FUNCTION IF EXISTS lq_output_merge(double precision[], double precision,
             double precision[]);
         DROP FUNCTION IF EXISTS lq_output_bucket_counts(integer[]);
+        DROP FUNCTION IF EXISTS lq_output_decay(double precision);
         DROP FUNCTION IF EXISTS lq_output_bucket_bounds();
         DROP FUNCTION IF EXISTS lq_output_half_life_seconds();
         -- lq_finish and lq_materialize_layers read them too: today's bodies
