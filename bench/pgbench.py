@@ -68,6 +68,23 @@ UPDATE limit_layers AS l
  WHERE l.layer_id = locked.layer_id;
 """
 
+# BATCH requests admitted and then settled in one statement (each with 250
+# input and 900 output tokens, the outcome given): its CPU less BATCHED's is
+# what lq_finish costs for a batch. An 'ok' settlement also feeds the learned
+# output estimates (estimates.sql); an 'error' one does not.
+ADMITTED_AND_SETTLED = """SELECT count(*) FROM lq_finish(
+    ARRAY(SELECT a.reservation_id FROM ({admit}) AS a WHERE a.reservation_id IS NOT NULL),
+    array_fill('settle'::text, ARRAY[{batch}]), array_fill(NULL::text, ARRAY[{batch}]),
+    array_fill(250::bigint, ARRAY[{batch}]), array_fill(900::bigint, ARRAY[{batch}]),
+    array_fill('{outcome}'::text, ARRAY[{batch}]));
+"""
+
+
+def settle_script(tenants: int, batch: int, *, outcome: str) -> str:
+    """BATCHED for random tenants, settled in the same statement with `outcome`."""
+    admit = script(tenants, batch).strip().removeprefix("SELECT * FROM ").rstrip(";")
+    return ADMITTED_AND_SETTLED.format(admit=f"SELECT * FROM {admit}", batch=batch, outcome=outcome)
+
 
 @dataclass(frozen=True)
 class PgbenchResult:

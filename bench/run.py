@@ -546,6 +546,20 @@ def compare_sql_ceiling(
         f"plain update {plain_cpu:.2f} ms (ratio {ratio(plain_cpu, admit_cpu):.2f})"
     )
     report.line(cpu_line, summary=True)
+    settled_ok, settled_error = (
+        pgbench.statement_cpu_ms(
+            dsn,
+            pgbench.settle_script(TENANTS, pgbench.BATCH, outcome=outcome),
+            statements=statements,
+            rounds=3,
+        )
+        for outcome in ("ok", "error")
+    )
+    settle_line = (
+        f"sql cpu per {pgbench.BATCH}-request settle: lq_finish {settled_ok - admit_cpu:.2f} ms "
+        f"(learned-estimate samples {settled_ok - settled_error:.2f} ms of it)"
+    )
+    report.line(settle_line, summary=True)
     line = (
         f"sql ceiling (pgbench lq_admit, decisions/s): one per statement hot {single_hot:.0f} "
         f"/ 10k {single_10k:.0f}; {pgbench.BATCH} per statement hot {batch_hot:.0f} / 10k "
@@ -585,6 +599,13 @@ def compare_sql_ceiling(
                 f"rounds of {statements} statements, 10,000 tenants):",
                 "",
                 f"`{cpu_line}`",
+                "",
+                f"Settling a batch: the same {pgbench.BATCH} requests admitted and settled in",
+                "one statement (`bench/pgbench.py`, ADMITTED_AND_SETTLED), less the",
+                "admission alone; 'ok' settlements feed the learned output estimates,",
+                "'error' ones do not, and the difference is what the estimates cost:",
+                "",
+                f"`{settle_line}`",
             ]
         )
     )

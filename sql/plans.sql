@@ -86,8 +86,8 @@ BEGIN
                    -- A JSON null counts as unset: limit_layers_cache_mode refuses a
                    -- cache without a mode, and null is no cache at all.
                    coalesce(nullif(own -> 'cache', 'null'::jsonb), p.cache) AS cache,
-                   -- how its requests are admitted (allotments): the tenant's own only
-                   own ->> 'admission' AS admission
+                   -- how its requests are admitted (allotments): own else plan's
+                   coalesce(own ->> 'admission', p.admission) AS admission
               FROM limit_layers AS x
                    CROSS JOIN LATERAL (SELECT coalesce(x.own_policy, '{}'::jsonb) AS own) AS o
                    LEFT JOIN plans AS p ON p.plan = x.plan
@@ -137,13 +137,16 @@ $$;
 -- tenant on it: a plan change reaches all its tenants at once, each with a
 -- new policy_version. Returns how many tenants were changed.
 -- p_output_estimate was added (learned output reservations), then p_cache
--- (migration 0026: the response cache its tenants take where they set none).
+-- (migration 0026: the response cache its tenants take where they set none),
+-- then p_admission (migration 0030: allotted or exact admission).
 -- The older signatures are dropped: beside the new one, a call with fewer
 -- arguments would be ambiguous.
 DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
                                     integer, text, text[]);
 DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
                                     integer, text, text[], boolean, jsonb);
+DROP FUNCTION IF EXISTS lq_put_plan(text, smallint, bigint, bigint, bigint, bigint, integer,
+                                    integer, text, text[], boolean, jsonb, jsonb);
 CREATE OR REPLACE FUNCTION lq_put_plan(
     p_plan            text,
     p_priority        smallint,
@@ -157,7 +160,8 @@ CREATE OR REPLACE FUNCTION lq_put_plan(
     p_fallback_models text[],
     p_prepaid         boolean,
     p_output_estimate jsonb DEFAULT NULL,  -- NULL: max_tokens
-    p_cache           jsonb DEFAULT NULL   -- NULL: no response cache
+    p_cache           jsonb DEFAULT NULL,  -- NULL: no response cache
+    p_admission       text DEFAULT NULL    -- NULL: exact
 ) RETURNS integer
 LANGUAGE plpgsql
 AS $$
@@ -166,10 +170,10 @@ DECLARE
 BEGIN
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
-                            fallback_models, prepaid, output_estimate, cache)
+                            fallback_models, prepaid, output_estimate, cache, admission)
     VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
             p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid, p_output_estimate,
-            p_cache)
+            p_cache, p_admission)
     ON CONFLICT (plan) DO UPDATE
        SET priority = excluded.priority,
            tokens_per_minute = excluded.tokens_per_minute,
@@ -183,6 +187,7 @@ BEGIN
            prepaid = excluded.prepaid,
            output_estimate = excluded.output_estimate,
            cache = excluded.cache,
+           admission = excluded.admission,
            updated_at = clock_timestamp();
     -- A new statement: it sees every tenant that joined the plan and committed
     -- while this transaction waited for the plan row.

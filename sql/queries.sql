@@ -150,11 +150,12 @@ SELECT CASE WHEN g.ok THEN lq_put_tenant_policy($1::text, $2::text, $3::jsonb) E
 -- transaction; how many tenants changed (see lq_put_plan). $13 is the If-Match
 -- list (NULL: none; see lq_named_precondition): precondition_met false and
 -- nothing written when it does not match. $14: the plan's response cache
--- (NULL: none), which its tenants take where they set none.
+-- (NULL: none), $15 its admission (NULL: exact), which its tenants take where
+-- they set none.
 SELECT CASE WHEN g.ok THEN
             lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
                         $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
-                        $12::jsonb, $14::jsonb) END AS tenants,
+                        $12::jsonb, $14::jsonb, $15::text) END AS tenants,
        g.ok AS precondition_met
   FROM (SELECT lq_named_precondition('plan', $1::text, $13::text[]) AS ok OFFSET 0) AS g
 
@@ -163,7 +164,7 @@ SELECT CASE WHEN g.ok THEN
 SELECT p.plan, p.priority, p.tokens_per_minute, p.token_burst, p.requests_per_minute,
        p.request_burst, p.max_in_flight, p.lease_seconds, p.failure_mode, p.fallback_models,
        p.prepaid, p.output_estimate::text AS output_estimate, p.cache::text AS cache,
-       lq_plan_version(p.updated_at) AS version,
+       p.admission, lq_plan_version(p.updated_at) AS version,
        (SELECT count(*) FROM limit_layers AS l WHERE l.plan = p.plan)::bigint AS tenants
   FROM plans AS p
  WHERE $1::text IS NULL OR p.plan = $1::text

@@ -3,7 +3,8 @@
 The policy field is stored with the tenant's (or route's) policy, shown by
 GET, refused on the global policy and for values other than exact and
 allotted; `/v1/admit` of an allotted tenant decides its plain requests from
-slices, and `/settle` bills each exactly once, as for any admission.
+slices, and `/settle` bills each exactly once, as for any admission. A
+plan carries the field too: its tenants take it where they set none.
 """
 
 from __future__ import annotations
@@ -54,6 +55,43 @@ async def test_the_policy_field_is_stored_shown_and_checked(
     assert global_one.status_code == 422
     assert "admission" in global_one.json()["error"]["message"]
     assert await db.fetchval("SELECT max(policy_version) FROM limit_layers") == before
+
+
+async def test_a_plan_carries_admission_to_the_tenants_that_set_none(
+    client: httpx.AsyncClient, admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    plan = await client.put(
+        "/v1/plans/fast", json={"tokens_per_minute": 5000, "admission": "allotted"}, headers=admin
+    )
+    assert plan.status_code == 200, plan.text
+    assert plan.json()["admission"] == "allotted"
+    for tenant, own in (("acme", {}), ("beta", {"admission": "exact"})):
+        put = await client.put(
+            f"/v1/tenants/{tenant}/policy", json={"plan": "fast", **own}, headers=admin
+        )
+        assert put.status_code == 200, put.text
+    layers = dict(await db.fetch("SELECT tenant, admission FROM limit_layers"))
+    assert layers == {"acme": "allotted", "beta": "exact"}
+    # A plan change reaches its tenants at once; a plan's null is exact.
+    patched = await client.patch(
+        "/v1/plans/fast",
+        json={"admission": None},
+        headers={**admin, "Content-Type": "application/merge-patch+json"},
+    )
+    assert patched.status_code == 200, patched.text
+    assert patched.json()["admission"] is None
+    layers = dict(await db.fetch("SELECT tenant, admission FROM limit_layers"))
+    assert layers == {"acme": None, "beta": "exact"}
+
+    # What one call counts as is never a plan's: refused, and nothing changes.
+    before = await db.fetchval("SELECT updated_at FROM plans WHERE plan = 'fast'")
+    for field, value in (("request_cost", 3), ("uses_concurrency", False), ("admission", "x")):
+        bad = await client.put(
+            "/v1/plans/fast", json={"tokens_per_minute": 5000, field: value}, headers=admin
+        )
+        assert bad.status_code == 422, bad.text
+        assert field in bad.text
+    assert await db.fetchval("SELECT updated_at FROM plans WHERE plan = 'fast'") == before
 
 
 async def test_rest_admissions_come_from_slices_and_settle_once_each(

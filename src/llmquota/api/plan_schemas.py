@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 
 from llmquota.domain.output_estimates import OutputEstimate
 from llmquota.domain.plans import ShedStep
+from llmquota.domain.policy import AdmissionMode
 from llmquota.domain.response_cache import CachePolicy
 from llmquota.domain.vocabulary import FailureMode, OversubscriptionVerdict, Priority
 
@@ -34,6 +35,11 @@ class PlanResponse(BaseModel):
     output_estimate: OutputEstimate | None = None
     cache: CachePolicy | None = Field(
         default=None, description="the response cache its tenants take where they set none"
+    )
+    admission: AdmissionMode | None = Field(
+        default=None,
+        description="how its tenants' requests are decided where they set none: exact "
+        "(null too) or allotted",
     )
     tenants: int = Field(description="tenants on this plan")
 

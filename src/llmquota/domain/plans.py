@@ -80,6 +80,17 @@ class Plan(Policy):
         check_model_list("fallback_models", self.fallback_models)
         return self
 
+    @model_validator(mode="after")
+    def _no_call_weights(self) -> Self:
+        # What one call counts as is a tenant's or a route's, never a plan's
+        # (lq_materialize_layers reads it from the tenant's own policy only):
+        # refused, not silently dropped.
+        if self.request_cost is not None or self.uses_concurrency is not None:
+            raise ValueError(
+                "request_cost, uses_concurrency: set them on a tenant or a route, not a plan"
+            )
+        return self
+
 
 class ShedStep(BaseModel):
     """One step of a ceiling's ladder: above `above`, only `admit` (or small requests) pass.

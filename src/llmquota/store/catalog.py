@@ -125,6 +125,7 @@ class Catalog:
             None if plan.output_estimate is None else plan.output_estimate.model_dump_json(),
             _etags(if_match),
             None if plan.cache is None else plan.cache.model_dump_json(),
+            plan.admission,
             deadline_seconds=deadline_seconds,
         )
         if not rows[0]["precondition_met"]:
@@ -152,6 +153,7 @@ class Catalog:
                     prepaid=row["prepaid"],
                     output_estimate=parse_output_estimate(row["output_estimate"]),
                     cache=parse_cache_policy(row["cache"]),
+                    admission=row["admission"],
                 ),
                 tenants=int(row["tenants"]),
                 version=int(row["version"]),

@@ -59,6 +59,7 @@ def _plan_response(stored: StoredPlan) -> PlanResponse:
         prepaid=plan.prepaid,
         output_estimate=plan.output_estimate,
         cache=plan.cache,
+        admission=plan.admission,
         tenants=stored.tenants,
     )
 
