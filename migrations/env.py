@@ -1,7 +1,11 @@
 """Alembic environment: runs migrations over SQLAlchemy's asyncpg driver.
 
 The URL comes from the config (set by `llmquota migrate`) or, for a plain
-`alembic` call from a checkout, from LLMQUOTA_DATABASE_URL.
+`alembic` call from a checkout, from LLMQUOTA_DATABASE_URL. asyncpg itself
+connects to it, as the service does, so the same libpq-style URLs work for
+both: several hosts with `target_session_attrs=read-write` (a primary and its
+standbys, the first that takes writes is used), and the embedded server's
+`?host=/socket/dir`. SQLAlchemy's URL parser reads neither of the first two.
 
 What a versioned migration may contain, and what belongs to the repeatable
 scripts of sql/ instead, is in README.md next to this file. In short: the
@@ -20,24 +24,24 @@ from __future__ import annotations
 import asyncio
 import os
 
+import asyncpg
 from alembic import context
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from llmquota.store.database import sqlalchemy_url
-from llmquota.store.migrate import MIGRATION_LOCK
+from llmquota.store.migrate import DSN_OPTION, MIGRATION_LOCK
 
 
-def _url() -> str:
-    configured = context.config.get_main_option("sqlalchemy.url")
+def _dsn() -> str:
+    configured = context.config.get_main_option(DSN_OPTION)
     if configured:
         return configured
     dsn = os.environ.get("LLMQUOTA_DATABASE_URL")
     if not dsn:
         raise RuntimeError("set LLMQUOTA_DATABASE_URL or use `llmquota migrate`")
-    return sqlalchemy_url(dsn)
+    return dsn
 
 
 def _run(connection: Connection) -> None:
@@ -53,7 +57,12 @@ def _run(connection: Connection) -> None:
 
 
 async def _main() -> None:
-    engine = create_async_engine(_url(), poolclass=NullPool)
+    dsn = _dsn()
+
+    async def connect() -> asyncpg.Connection:
+        return await asyncpg.connect(dsn)
+
+    engine = create_async_engine("postgresql+asyncpg://", poolclass=NullPool, async_creator=connect)
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_run)

@@ -60,7 +60,10 @@ class Settings(OutboundSettings, ReportSettings, AllotmentSettings):
     _routing: tuple[RoutingRule, ...] = PrivateAttr(default=())
 
     database_url: str | None = Field(
-        default=None, description="PostgreSQL DSN; unset runs an embedded PostgreSQL"
+        default=None,
+        description="PostgreSQL DSN, a libpq URL (several hosts with "
+        "target_session_attrs=read-write: a primary and its standbys); unset runs an embedded "
+        "PostgreSQL",
     )
     data_dir: str | None = Field(
         default=None, description="embedded PostgreSQL data directory (default: user data dir)"

@@ -31,7 +31,6 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 from llmquota.resources import migrations_dir
-from llmquota.store.database import sqlalchemy_url
 from llmquota.store.sqlfiles import RepeatableScript, repeatable_scripts
 
 __all__ = [
@@ -50,6 +49,9 @@ _logger = logging.getLogger(__name__)
 # Advisory locks belong to one database, so migrating another database on the
 # same server does not wait for it.
 MIGRATION_LOCK = "llmquota.migrate"
+# The alembic config option migrations/env.py connects by: the DSN as asyncpg
+# takes it (several hosts, target_session_attrs, a socket directory).
+DSN_OPTION = "llmquota.dsn"
 
 _T = TypeVar("_T")
 
@@ -81,7 +83,7 @@ def alembic_config(dsn: str) -> Config:
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     # ConfigParser interpolation: a literal % in a password must be doubled.
-    config.set_main_option("sqlalchemy.url", sqlalchemy_url(dsn).replace("%", "%%"))
+    config.set_main_option(DSN_OPTION, dsn.replace("%", "%%"))
     return config
 
 
