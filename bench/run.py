@@ -532,13 +532,12 @@ def compare_sql_ceiling(
     sql_line = f"sql ratio lq_admit/plain-update: {ratio(batch_10k, plain_10k):.2f}"
     dsn = common.with_database(pg.dsn, library_dsn_name)
     statements = 100 if plan.quick else 300
+
+    def cpu_ms(sql: str) -> float:
+        return pgbench.statement_cpu_ms(dsn, sql, statements=statements, rounds=3)
+
     admit_cpu, plain_cpu = (
-        pgbench.statement_cpu_ms(
-            dsn,
-            pgbench.script(TENANTS, pgbench.BATCH, plain_update=plain),
-            statements=statements,
-            rounds=3,
-        )
+        cpu_ms(pgbench.script(TENANTS, pgbench.BATCH, plain_update=plain))
         for plain in (False, True)
     )
     cpu_line = (
@@ -547,12 +546,7 @@ def compare_sql_ceiling(
     )
     report.line(cpu_line, summary=True)
     settled_ok, settled_error = (
-        pgbench.statement_cpu_ms(
-            dsn,
-            pgbench.settle_script(TENANTS, pgbench.BATCH, outcome=outcome),
-            statements=statements,
-            rounds=3,
-        )
+        cpu_ms(pgbench.settle_script(TENANTS, pgbench.BATCH, outcome=outcome))
         for outcome in ("ok", "error")
     )
     settle_line = (

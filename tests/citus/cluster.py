@@ -111,15 +111,20 @@ def _start_node(installation: Installation, node: Node) -> None:
     }
     with (node.data / "postgresql.conf").open("a") as conf:
         conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
-    log = node.data / "log"
+    start_server(installation, node.data, node.data / "log", f"the Citus {node.name}")
+
+
+def start_server(installation: Installation, data: Path, log: Path, name: str) -> None:
+    """`pg_ctl start` on an initialized data directory, waiting until it accepts
+    connections; RuntimeError with the server's log when it does not."""
     try:
         _run_as_owner(
-            installation, "pg_ctl", "-D", str(node.data), "-l", str(log), "-w",
+            installation, "pg_ctl", "-D", str(data), "-l", str(log), "-w",
             "-t", str(START_TIMEOUT_SECONDS), "start",
         )  # fmt: skip
     except RuntimeError as error:
         server_log = log.read_text() if log.exists() else "(no log)"
-        raise RuntimeError(f"the Citus {node.name} did not start: {error}\n{server_log}") from error
+        raise RuntimeError(f"{name} did not start: {error}\n{server_log}") from error
 
 
 def _stop_node(installation: Installation, node: Node) -> None:

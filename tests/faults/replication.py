@@ -24,7 +24,7 @@ from pathlib import Path
 
 import asyncpg
 
-from tests.citus.cluster import _prepare_root, _run_as_owner
+from tests.citus.cluster import _prepare_root, _run_as_owner, start_server
 from tests.citus.install import Installation, embedded_installation
 from tests.ports import reserved_port
 
@@ -76,14 +76,7 @@ def _configure(server: Server) -> None:
 
 def _start(installation: Installation, server: Server) -> None:
     log = server.data.parent / f"{server.name}.log"
-    try:
-        _run_as_owner(
-            installation, "pg_ctl", "-D", str(server.data), "-l", str(log), "-w",
-            "-t", str(START_TIMEOUT_SECONDS), "start",
-        )  # fmt: skip
-    except RuntimeError as error:
-        server_log = log.read_text() if log.exists() else "(no log)"
-        raise RuntimeError(f"the {server.name} did not start: {error}\n{server_log}") from error
+    start_server(installation, server.data, log, f"the {server.name}")
 
 
 def _stop(installation: Installation, server: Server) -> None:
