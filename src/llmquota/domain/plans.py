@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic.config import JsonDict
 
 from llmquota.domain.json_numbers import WholeNumber
-from llmquota.domain.json_schemas import BURST_RULES, DISTINCT, present
+from llmquota.domain.json_schemas import BURST_RULES, BURSTS_NEED_RATES, DISTINCT, present
 from llmquota.domain.names import ModelGlob, ModelName, UpstreamName
 from llmquota.domain.policy import MAX_IN_FLIGHT, Policy, RequestRate, TokenRate
 from llmquota.domain.vocabulary import DEFAULT_PRIORITY, PRIORITIES, Priority, priority_rank
@@ -63,8 +63,24 @@ def check_model_list(field: str, models: list[str], *, requested: str | None = N
         seen.add(model)
 
 
+# What one call counts as: a tenant's or a route's, never a plan's
+# (lq_materialize_layers reads it from the tenant's own policy only).
+CALL_WEIGHTS = ("request_cost", "uses_concurrency")
+
+
+def _plan_schema(schema: JsonDict) -> None:
+    """A plan's JSON Schema: a policy's, without the call weights it refuses."""
+    schema.update(BURSTS_NEED_RATES)
+    properties = schema.get("properties")
+    if isinstance(properties, dict):
+        for name in CALL_WEIGHTS:
+            properties.pop(name, None)
+
+
 class Plan(Policy):
     """A tier: limits, a priority, and the fallback models its tenants degrade to."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_plan_schema)
 
     priority: Priority = DEFAULT_PRIORITY
     # Tenants on it pay from a prepaid balance: admission reserves a request's
@@ -82,9 +98,7 @@ class Plan(Policy):
 
     @model_validator(mode="after")
     def _no_call_weights(self) -> Self:
-        # What one call counts as is a tenant's or a route's, never a plan's
-        # (lq_materialize_layers reads it from the tenant's own policy only):
-        # refused, not silently dropped.
+        # Refused, not silently dropped (the schema leaves them out: _plan_schema).
         if self.request_cost is not None or self.uses_concurrency is not None:
             raise ValueError(
                 "request_cost, uses_concurrency: set them on a tenant or a route, not a plan"
