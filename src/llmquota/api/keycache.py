@@ -151,7 +151,8 @@ class KeyCache:
         self._rechecking.pop(digest, None)
 
     def drop(self, digest: bytes) -> None:
-        """The key's row changed: remember nothing of it, found or refused."""
+        """The key's row changed: forget whether it was found or refused (a known
+        key's tenant is kept for its lane until it is looked up again)."""
         self._mark(digest)
         entry = self._known.pop(digest, None)
         if entry is not None:

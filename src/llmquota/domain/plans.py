@@ -99,9 +99,9 @@ class Plan(Policy):
     @model_validator(mode="after")
     def _no_call_weights(self) -> Self:
         # Refused, not silently dropped (the schema leaves them out: _plan_schema).
-        if self.request_cost is not None or self.uses_concurrency is not None:
+        if any(getattr(self, name) is not None for name in CALL_WEIGHTS):
             raise ValueError(
-                "request_cost, uses_concurrency: set them on a tenant or a route, not a plan"
+                f"{', '.join(CALL_WEIGHTS)}: set them on a tenant or a route, not a plan"
             )
         return self
 
