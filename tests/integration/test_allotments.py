@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 import pytest
@@ -20,8 +20,10 @@ import pytest
 from llmquota.admission.allotments import WARM_REQUESTS
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
-from llmquota.domain.errors import RateLimited
+from llmquota.domain.errors import RateLimited, ReservationNotFound
 from llmquota.domain.policy import Policy
+from llmquota.domain.records import FinishRequest
+from llmquota.domain.slice_ids import SLICE_ID_VERSION
 
 BURST = 1_000_000
 COST = 300 + 2_000  # input + max_tokens of every request here
@@ -122,6 +124,39 @@ async def test_a_settle_at_another_worker_finds_an_admission_not_yet_journaled(
     )
     assert ledger == 1
     assert conserved(await books(db), BURST - 400)
+
+
+async def test_only_an_id_of_a_slices_form_is_looked_up_twice(
+    app_dsn: str, settings: Settings, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A settle that finds no row looks again after the journal interval only for
+    a version-7 id (one a slice made, perhaps not journaled yet); an id of any
+    other form is not found at once, with a journal interval of 2 s to wait out."""
+    slow = settings.model_copy(update={"allotment_journal_ms": 1_000})
+    worker = await Limiter.connect(app_dsn, slow)
+    try:
+        await worker.store.put_policy("tenant", "acme", None, allotted())
+        await worker.refresh_policies()
+        exact = await warm(worker)
+        from_slice = await admit(worker)
+        assert [i.version for i in exact] == [4] * WARM_REQUESTS
+        assert from_slice.version == SLICE_ID_VERSION
+        lookups: list[int] = []
+        finish = worker.store.finish
+
+        async def counted(requests: Sequence[FinishRequest], **kw: float | None) -> object:
+            lookups.append(len(requests))
+            return await finish(requests, **kw)
+
+        monkeypatch.setattr(worker.store, "finish", counted)
+        nobodys = [uuid.uuid4(), uuid.UUID(int=uuid.uuid4().int & ~(0xF << 76) | 7 << 76)]
+        for unknown, expected in zip(nobodys, ([1], [1, 1]), strict=True):
+            lookups.clear()
+            with pytest.raises(ReservationNotFound):
+                await worker.settle(unknown, input_tokens=300, output_tokens=0)
+            assert lookups == expected, unknown
+    finally:
+        await worker.close()
 
 
 async def test_a_settle_at_the_same_worker_journals_first(

@@ -33,7 +33,13 @@ from typing import Any
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.config import Settings
 from llmquota.domain.errors import StoreUnavailable
-from llmquota.domain.records import AdmitDecision, AdmitRequest, TenantFigures
+from llmquota.domain.records import (
+    AdmitDecision,
+    AdmitRequest,
+    TenantFigures,
+    TokenLayerFigures,
+)
+from llmquota.domain.slice_ids import SliceIds
 from llmquota.store.allotments import AllotmentStore, Grant, SliceAdmission, SliceKey
 
 log = logging.getLogger(__name__)
@@ -118,6 +124,7 @@ class Allotments:
         self.count = count
         self._uncounted: list[AdmitDecision] = []
         self.holder = f"worker-{uuid.uuid4().hex[:12]}"
+        self.ids = SliceIds()
         self.journal_seconds = settings.allotment_journal_ms / 1000.0
         self.hold_seconds = settings.allotment_hold_seconds
         self.share = settings.allotment_share
@@ -182,7 +189,7 @@ class Allotments:
         """Journal the admission (soon) and answer it."""
         admission = SliceAdmission(
             held.allotment_id,
-            uuid.uuid4(),
+            self.ids.new(),
             request.input_tokens,
             request.input_estimated,
             request.max_tokens,
@@ -215,9 +222,7 @@ class Allotments:
             request.model,
             request.input_tokens,
             plan=grant.plan,
-            binding=None
-            if grant.binding is None
-            else grant.binding._replace(tokens=_plus(grant.binding.tokens, held.tokens)),
+            binding=None if grant.binding is None else _binding_with_slice(grant.binding, held),
             upstream=admission.upstream,
         )
         self._uncounted.append(decision)
@@ -380,13 +385,29 @@ class Allotments:
 
 def _deployment(request: AdmitRequest) -> str | None:
     """The deployment a request admitted as asked goes to: its model's first."""
+    if not request.deployments:
+        return None
     return next((d.upstream for d in request.deployments if d.model == request.model), None)
 
 
 def _with_slice(tenant: TenantFigures, held: Slice) -> TenantFigures:
-    """The tenant layer as the last grant left it, plus what this slice holds."""
-    return tenant._replace(
-        tokens=_plus(tenant.tokens, held.tokens), requests=_plus(tenant.requests, held.requests)
+    """The tenant layer as the last grant left it, plus what this slice holds.
+    (Built field by field: NamedTuple._replace costs several times as much, once
+    per admission.)"""
+    return TenantFigures(
+        tenant.tokens_per_minute,
+        tenant.token_burst,
+        _plus(tenant.tokens, held.tokens),
+        tenant.requests_per_minute,
+        tenant.request_burst,
+        _plus(tenant.requests, held.requests),
+    )
+
+
+def _binding_with_slice(binding: TokenLayerFigures, held: Slice) -> TokenLayerFigures:
+    """The binding token layer as the last grant left it, plus what this slice holds."""
+    return TokenLayerFigures(
+        binding.tokens_per_minute, binding.token_burst, _plus(binding.tokens, held.tokens)
     )
 
 
