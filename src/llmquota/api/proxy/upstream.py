@@ -30,6 +30,7 @@ from pydantic import SecretStr
 from llmquota.api.proxy.cooldown import DeploymentCooldowns
 from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.pool import ConnectionShares
+from llmquota.api.proxy.sharded_pool import ShardedTransport
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
 from llmquota.config.upstreams import deployments, routing_rule
@@ -270,15 +271,13 @@ class Proxy:
 
 
 def _pooled_client(settings: Settings) -> httpx.AsyncClient:
-    """One upstream's client: its pool as large as the slots its shares count."""
+    """One upstream's client: its pools together as large as the slots its shares
+    count, in pools small enough to walk cheaply (sharded_pool.py)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(
             settings.proxy_read_timeout_seconds, connect=settings.proxy_connect_timeout_seconds
         ),
-        limits=httpx.Limits(
-            max_connections=settings.proxy_max_connections,
-            max_keepalive_connections=settings.proxy_max_connections,
-        ),
+        transport=ShardedTransport(settings.proxy_max_connections),
         trust_env=False,
         follow_redirects=False,
     )
