@@ -21,6 +21,22 @@ async def test_completions_of_an_allotted_tenant_come_from_slices_and_bill_once(
 ) -> None:
     policy = {"tokens_per_minute": 10_000_000, "admission": "allotted"}
     assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    await completions_come_from_slices_and_bill_once(stack, db)
+
+
+async def test_a_plans_allotted_admission_reaches_its_tenants_completions(
+    stack: Stack, db: asyncpg.Connection
+) -> None:
+    plan = {"tokens_per_minute": 10_000_000, "admission": "allotted"}
+    assert (await stack.admin.put("/v1/plans/fast", json=plan)).is_success
+    put = await stack.admin.put("/v1/tenants/acme/policy", json={"plan": "fast"})
+    assert put.status_code == 200, put.text
+    await completions_come_from_slices_and_bill_once(stack, db)
+
+
+async def completions_come_from_slices_and_bill_once(stack: Stack, db: asyncpg.Connection) -> None:
+    """CALLS completions of acme through the SDK: those after the warm-up come from
+    slices, each is settled with the provider's usage and has one ledger row."""
     client = stack.openai()
     for _ in range(WARM_REQUESTS):
         await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)

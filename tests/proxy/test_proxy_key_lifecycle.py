@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import httpx
+import openai
 
+from llmquota.domain.keys import key_digest
 from tests.proxy.conftest import Stack
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -49,3 +52,27 @@ async def test_suspension_scopes_and_revocation_on_the_proxy(stack: Stack) -> No
     assert (await stack.admin.delete(f"/v1/tenants/acme/keys/{listed[0]['id']}")).status_code == 204
     await until(stack, stack.key, 401)
     assert len(stack.fake.requests) == calls + 1
+
+
+async def test_a_burst_after_the_keys_row_changed_is_proxied_in_its_tenants_lane(
+    stack: Stack,
+) -> None:
+    """The proxy's sibling of tests/api/test_key_lane.py: a key the worker knew,
+    whose row changed (the database announced it), is looked up again in its
+    tenant's fair-share lane (32 in progress, 256 queued), not in the unknown
+    keys' lane (4 and 64), so a burst of 100 completions is served whole."""
+    policy = {"tokens_per_minute": 10_000_000, "token_burst": 5_000_000}
+    assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    client = stack.openai()
+    await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+    stack.app.state.authenticator.key_changed(key_digest(stack.key))
+
+    async def status() -> int:
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+        except openai.APIStatusError as refused:
+            return refused.status_code
+        return 200
+
+    statuses = Counter(await asyncio.gather(*(status() for _ in range(100))))
+    assert statuses == {200: 100}, statuses
