@@ -324,6 +324,21 @@ AS $$
 $$;
 
 
+-- A request's effective priority: its tenant's (its plan's), lowered by the
+-- request if it asks for less, or set by it when an admin asked (p_any).
+-- Ranks as domain/vocabulary.py stores them: low 0 .. critical 3, so a
+-- request lowers its tenant's with least(). The fast path (3a) and step (5)
+-- of lq_admit_decide both answer it.
+CREATE OR REPLACE FUNCTION lq_priority(p_requested smallint, p_any boolean, p_tenants smallint)
+RETURNS smallint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN p_requested IS NULL THEN p_tenants
+                WHEN coalesce(p_any, false) THEN p_requested
+                ELSE least(p_requested, p_tenants) END
+$$;
+
+
 -- The layers a batch touches, ceilings apart: the global layer (of a sharded
 -- one, the shards of the batch's tenants, or all of them with p_all_shards),
 -- each request's tenant layer and its route's when that has a policy. Index
@@ -477,73 +492,17 @@ DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint
                                         integer[], text[], text[], integer, smallint[], boolean[],
                                         boolean[], integer[], text[], bigint[], bigint[], boolean,
                                         uuid[], bigint[], bigint[], text[]);
+-- The batch became one lq_admit_batch and the result lq_admit_result
+-- (migration 0031): the positional signature goes.
+DROP FUNCTION IF EXISTS lq_admit_decide(text[], text[], text[], bigint[], bigint[], boolean[],
+                                        integer[], text[], text[], integer, smallint[], boolean[],
+                                        boolean[], integer[], text[], bigint[], bigint[], boolean,
+                                        uuid[], bigint[], bigint[], text[], integer[], text[],
+                                        text[], text[]);
 CREATE OR REPLACE FUNCTION lq_admit_decide(
-    p_tenants          text[],
-    p_routes           text[],
-    p_models           text[],
-    p_input_tokens     bigint[],
-    p_max_tokens       bigint[],
-    p_input_estimated  boolean[],
-    p_lease_seconds    integer[],
-    p_idempotency_keys text[],
-    p_request_hashes   text[],
-    p_concurrency_retry_ms integer DEFAULT 1000,
-    p_priorities       smallint[] DEFAULT NULL,  -- requested rank, NULL: the tenant's
-    p_priority_any     boolean[] DEFAULT NULL,   -- true: may raise it (admin)
-    p_degrade          boolean[] DEFAULT NULL,   -- false: never degrade
-    p_alt_ord          integer[] DEFAULT NULL,   -- explicit fallbacks: request position,
-    p_alt_models       text[] DEFAULT NULL,      -- model, in order,
-    p_alt_inputs       bigint[] DEFAULT NULL,    -- and its input count
-    p_output_reserve   bigint[] DEFAULT NULL,    -- output tokens to reserve, NULL: max_tokens
-    p_pool             boolean DEFAULT false,    -- lock every global shard and pool them
-    p_reservation_ids  uuid[] DEFAULT NULL,      -- the id each admission gets, NULL: a new one
-    p_key_ids          bigint[] DEFAULT NULL,    -- the API key that asked, NULL: none
-    p_alt_outputs      bigint[] DEFAULT NULL,    -- each explicit fallback's output reserve
-                                                 -- (as p_alt_inputs), NULL: max_tokens
-    p_serving_paths    text[] DEFAULT NULL,      -- 'queued': it waited for room; NULL: as asked
-    p_up_ord           integer[] DEFAULT NULL,   -- deployments: request position,
-    p_up_models        text[] DEFAULT NULL,      -- the candidate model they serve,
-    p_up_names         text[] DEFAULT NULL,      -- the deployment, in the caller's order,
-    p_up_rules         text[] DEFAULT NULL       -- and the model's rule ('least_utilized')
-) RETURNS TABLE (
-    ord                        integer,
-    status                     text,
-    reservation_id             uuid,
-    reserved_tokens            bigint,
-    lease_expires_at           timestamptz,
-    lease_generation           integer,
-    limit_kind                 text,
-    limit_scope                text,
-    retry_after_ms             bigint,
-    capacity                   bigint,
-    remaining_tokens           bigint,
-    remaining_requests         bigint,
-    remaining_in_flight        integer,
-    tenant_tokens_per_minute   bigint,
-    tenant_token_burst         bigint,
-    tenant_tokens              double precision,
-    tenant_requests_per_minute bigint,
-    tenant_request_burst       bigint,
-    tenant_requests            double precision,
-    model                      text,
-    input_tokens               bigint,
-    degraded                   boolean,
-    reason                     text,
-    ceiling                    text,
-    utilization                double precision,
-    priority                   smallint,
-    plan                       text,
-    alt_max_tokens             bigint,
-    alt_models                 text[],
-    quota                      text,
-    resets_at                  timestamptz,
-    quota_timezone             text,       -- the zone resets_at is shown in
-    credit_balance             numeric,
-    binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
-    binding_token_burst        bigint,
-    binding_tokens             double precision,
-    upstream                   text        -- the deployment admitted (NULL: none named)
-)
+    p_batch lq_admit_batch,  -- the requests, one array per field
+    p_pool  boolean          -- lock every global shard and pool them
+) RETURNS SETOF lq_admit_result
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
 -- indexes whatever the batch size. (Custom plans were re-planned on every call,
@@ -552,6 +511,33 @@ LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    -- The batch's fields, by the names the steps below use (p_batch.x reads
+    -- the composite again on every use; a local array is read in place).
+    p_tenants              text[] := p_batch.tenants;
+    p_routes               text[] := p_batch.routes;
+    p_models               text[] := p_batch.models;
+    p_input_tokens         bigint[] := p_batch.input_tokens;
+    p_max_tokens           bigint[] := p_batch.max_tokens;
+    p_input_estimated      boolean[] := p_batch.input_estimated;
+    p_lease_seconds        integer[] := p_batch.lease_seconds;
+    p_idempotency_keys     text[] := p_batch.idempotency_keys;
+    p_request_hashes       text[] := p_batch.request_hashes;
+    p_concurrency_retry_ms integer := p_batch.concurrency_retry_ms;
+    p_priorities           smallint[] := p_batch.priorities;
+    p_priority_any         boolean[] := p_batch.priority_any;
+    p_degrade              boolean[] := p_batch.degrade;
+    p_alt_ord              integer[] := p_batch.alt_ord;
+    p_alt_models           text[] := p_batch.alt_models;
+    p_alt_inputs           bigint[] := p_batch.alt_inputs;
+    p_output_reserve       bigint[] := p_batch.output_reserve;
+    p_reservation_ids      uuid[] := p_batch.reservation_ids;
+    p_key_ids              bigint[] := p_batch.key_ids;
+    p_alt_outputs          bigint[] := p_batch.alt_outputs;
+    p_serving_paths        text[] := p_batch.serving_paths;
+    p_up_ord               integer[] := p_batch.up_ord;
+    p_up_models            text[] := p_batch.up_models;
+    p_up_names             text[] := p_batch.up_names;
+    p_up_rules             text[] := p_batch.up_rules;
     n            integer := coalesce(cardinality(p_tenants), 0);
     now_ts       timestamptz;
     -- Every model a candidate of this batch may name, and the ceilings each matches.
@@ -964,9 +950,7 @@ BEGIN
                d.t_tpm, d.t_tburst, d.t_tokens, d.t_rpm, d.t_rburst, d.t_requests,
                p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
                NULL::double precision,
-               CASE WHEN p_priorities[d.k] IS NULL THEN d.t_priority
-                    WHEN coalesce(p_priority_any[d.k], false) THEN p_priorities[d.k]
-                    ELSE least(p_priorities[d.k], d.t_priority) END,
+               lq_priority(p_priorities[d.k], p_priority_any[d.k], d.t_priority),
                d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
                NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens, u.name
           FROM decided AS d LEFT JOIN ups AS u USING (k)
@@ -1292,11 +1276,7 @@ BEGIN
         r_plan[k] := l_plan[ti];
         r_model[k] := p_models[k];
         r_input[k] := p_input_tokens[k];
-        -- The effective priority: the plan's, lowered (or, by an admin, set) by the request.
-        prio := CASE
-            WHEN p_priorities[k] IS NULL THEN l_priority[ti]
-            WHEN coalesce(p_priority_any[k], false) THEN p_priorities[k]
-            ELSE least(p_priorities[k], l_priority[ti]) END;
+        prio := lq_priority(p_priorities[k], p_priority_any[k], l_priority[ti]);
         r_priority[k] := prio;
 
         -- Idempotency: a key admitted before (committed, or earlier in this batch).
@@ -1879,6 +1859,14 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  integer[], text[], text[], integer, smallint[], boolean[],
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
                                  uuid[], bigint[], bigint[], text[]);
+-- The result became lq_admit_result (migration 0031). The arguments are
+-- those of the function created below, so it is dropped and created again
+-- each time this file is applied.
+DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
+                                 integer[], text[], text[], integer, smallint[], boolean[],
+                                 boolean[], integer[], text[], bigint[], bigint[], timestamptz,
+                                 uuid[], bigint[], bigint[], text[], integer[], text[], text[],
+                                 text[]);
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],
@@ -1907,76 +1895,30 @@ CREATE OR REPLACE FUNCTION lq_admit(
     p_up_models        text[] DEFAULT NULL,      -- the candidate model they serve,
     p_up_names         text[] DEFAULT NULL,      -- the deployment, in the caller's order,
     p_up_rules         text[] DEFAULT NULL       -- and the model's rule ('least_utilized')
-) RETURNS TABLE (
-    ord                        integer,
-    status                     text,
-    reservation_id             uuid,
-    reserved_tokens            bigint,
-    lease_expires_at           timestamptz,
-    lease_generation           integer,
-    limit_kind                 text,
-    limit_scope                text,
-    retry_after_ms             bigint,
-    capacity                   bigint,
-    remaining_tokens           bigint,
-    remaining_requests         bigint,
-    remaining_in_flight        integer,
-    tenant_tokens_per_minute   bigint,
-    tenant_token_burst         bigint,
-    tenant_tokens              double precision,
-    tenant_requests_per_minute bigint,
-    tenant_request_burst       bigint,
-    tenant_requests            double precision,
-    model                      text,
-    input_tokens               bigint,
-    degraded                   boolean,
-    reason                     text,
-    ceiling                    text,
-    utilization                double precision,
-    priority                   smallint,
-    plan                       text,
-    alt_max_tokens             bigint,
-    alt_models                 text[],
-    quota                      text,
-    resets_at                  timestamptz,
-    quota_timezone             text,       -- the zone resets_at is shown in
-    credit_balance             numeric,
-    binding_tokens_per_minute  bigint,     -- the binding token layer (see r_b_tpm)
-    binding_token_burst        bigint,
-    binding_tokens             double precision,
-    upstream                   text        -- the deployment admitted (NULL: none named)
-)
+) RETURNS SETOF lq_admit_result
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    batch lq_admit_batch := ROW(
+        p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
+        p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
+        p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
+        p_output_reserve, p_reservation_ids, p_key_ids, p_alt_outputs, p_serving_paths,
+        p_up_ord, p_up_models, p_up_names, p_up_rules);
 BEGIN
     PERFORM lq_admit_in_time(p_deadline, 'started');
     IF NOT EXISTS (SELECT 1 FROM limit_layers AS g
                     WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL
                       AND g.ceiling IS NULL AND g.shard = 1) THEN
-        RETURN QUERY SELECT * FROM lq_admit_decide(
-            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
-            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
-            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
-        PERFORM lq_admit_in_time(p_deadline, 'ran');
-        RETURN;
+        -- one shard (or none): no subtransaction, see above
+        RETURN QUERY SELECT * FROM lq_admit_decide(batch, true);
+    ELSE
+        BEGIN
+            RETURN QUERY SELECT * FROM lq_admit_decide(batch, false);
+        EXCEPTION WHEN SQLSTATE 'LQ001' THEN
+            RETURN QUERY SELECT * FROM lq_admit_decide(batch, true);
+        END;
     END IF;
-    BEGIN
-        RETURN QUERY SELECT * FROM lq_admit_decide(
-            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
-            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
-            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, false, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
-    EXCEPTION WHEN SQLSTATE 'LQ001' THEN
-        RETURN QUERY SELECT * FROM lq_admit_decide(
-            p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens, p_input_estimated,
-            p_lease_seconds, p_idempotency_keys, p_request_hashes, p_concurrency_retry_ms,
-            p_priorities, p_priority_any, p_degrade, p_alt_ord, p_alt_models, p_alt_inputs,
-            p_output_reserve, true, p_reservation_ids, p_key_ids, p_alt_outputs,
-            p_serving_paths, p_up_ord, p_up_models, p_up_names, p_up_rules);
-    END;
     PERFORM lq_admit_in_time(p_deadline, 'ran');
 END
 $$;
