@@ -37,6 +37,7 @@ from bench import (  # noqa: E402
     growth,
     http_admission,
     library,
+    library_open_loop,
     oversubscription,
     pgbench,
     redis_lua,
@@ -191,6 +192,20 @@ async def compare_library(
             )
 
     crash_rows = await measure_crashes(plan, report)
+    open_loop = await library_open_loop.measure(
+        dsn,
+        redis.host,
+        redis.port,
+        redis_lua.CLIENTS_BY_NAME["valkey-glide"],
+        tenants,
+        seconds=plan.library_s,
+    )
+    for result in open_loop:
+        report.line(
+            f"  {result.system} open loop {result.rate}/s: p50 {ms(result.p50_ms)} ms  "
+            f"p99 {ms(result.p99_ms)} ms ({result.answered} of {result.sent} measured)"
+        )
+    open_line = library_open_loop.summary(open_loop)
 
     ended_load = common.machine_load()
 
@@ -263,12 +278,18 @@ async def compare_library(
                 "64 callers; the Redis client spending the least per call, among redis-py",
                 "with hiredis at each pool size and valkey-glide, whose own Rust threads",
                 "count in its process too).",
+                "",
+                f"`{open_line}` (`bench/library_open_loop.py`: arrivals at a fixed rate from",
+                "a process of their own, each for one of 100 tenants at random, latency from",
+                "the moment each was due; llmquota exact, then every tenant allotted, then",
+                "the Redis + Lua bucket on valkey-glide).",
             ]
         )
     )
     report.line(last, summary=True)
     report.line(allotted, summary=True)
     report.line(cpu, summary=True)
+    report.line(open_line, summary=True)
     return ours.result.per_second, redis_lua.CLIENTS_BY_NAME[client_name]
 
 
