@@ -113,6 +113,19 @@ async def llmquota_point(
     return Point(variant.name, workload, callers, result)
 
 
+async def unlimited_bucket(client: redis_lua.Client, host: str, port: int) -> redis_lua.TokenBucket:
+    """The Redis + Lua bucket on `client`, emptied, with limits nothing reaches."""
+    limits = redis_lua.Limits(
+        tenant_capacity=UNLIMITED_TOKENS_PER_MINUTE,
+        tenant_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
+        global_capacity=UNLIMITED_TOKENS_PER_MINUTE,
+        global_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
+    )
+    bucket = await redis_lua.connect(client, host, port, limits)
+    await bucket.flush()
+    return bucket
+
+
 async def redis_point(
     host: str,
     port: int,
@@ -123,14 +136,7 @@ async def redis_point(
     callers: int,
     seconds: float,
 ) -> Point:
-    limits = redis_lua.Limits(
-        tenant_capacity=UNLIMITED_TOKENS_PER_MINUTE,
-        tenant_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
-        global_capacity=UNLIMITED_TOKENS_PER_MINUTE,
-        global_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
-    )
-    bucket = await redis_lua.connect(client, host, port, limits)
-    await bucket.flush()
+    bucket = await unlimited_bucket(client, host, port)
     picks = [tenant_picker(workload, tenants, seed) for seed in range(callers)]
     counters = [0] * callers
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing
 import os
 import random
@@ -33,8 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import redis_lua
-from bench.common import UNLIMITED_TOKENS_PER_MINUTE, percentile, reset_state
-from bench.library import ALLOTTED, INPUT_TOKENS, LLMQUOTA, MAX_TOKENS, Variant
+from bench.common import percentile, reset_state
+from bench.library import (
+    ALLOTTED,
+    INPUT_TOKENS,
+    LLMQUOTA,
+    MAX_TOKENS,
+    Variant,
+    unlimited_bucket,
+)
 from llmquota import Limiter, RateLimited
 
 RATE = 5_000
@@ -56,10 +64,13 @@ class OpenLoopResult:
     p99_ms: float
 
 
-def _send_arrivals(path: str, rate: int, seconds: float, start: float) -> None:
-    """The arrival process: every 1/rate s from `start` for `seconds`, its due time."""
+def _send_arrivals(path: str, rate: int, seconds: float) -> None:
+    """The arrival process: once connected, every 1/rate s for `seconds`, its due
+    time. (The schedule starts here, not at a time chosen before this process
+    started: a slow start would otherwise send a burst of arrivals already late.)"""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.connect(path)
+        start = time.monotonic() + 0.1
         interval = 1.0 / rate
         total = int(seconds * rate)
         sent = 0
@@ -78,11 +89,11 @@ async def open_loop(
     call: Callable[[], Awaitable[object]], rate: int, seconds: float, warmup_s: float
 ) -> tuple[int, list[float]]:
     """Arrivals from the sender process for warmup_s + seconds; each one's latency
-    in milliseconds, from its due time, for those due after the warm-up."""
+    in milliseconds, from its due time, for those due after the warm-up (counted
+    from the first arrival's due time)."""
     latencies: list[float] = []
     tasks: set[asyncio.Task[None]] = set()
-    start = time.monotonic() + 0.5
-    measured_from = start + warmup_s
+    measured_from = math.inf
     sent = 0
 
     async def answer(due: float) -> None:
@@ -91,12 +102,14 @@ async def open_loop(
             latencies.append((time.monotonic() - due) * 1000)
 
     async def arrivals(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
-        nonlocal sent
+        nonlocal sent, measured_from
         while chunk := await reader.read(_DUE.size * 1024):
             buffered = chunk
             while len(buffered) % _DUE.size:
                 buffered += await reader.readexactly(_DUE.size - len(buffered) % _DUE.size)
             for (due,) in _DUE.iter_unpack(buffered):
+                if measured_from == math.inf:
+                    measured_from = due + warmup_s
                 sent += due >= measured_from
                 task = asyncio.ensure_future(answer(due))
                 tasks.add(task)
@@ -107,7 +120,7 @@ async def open_loop(
     path = str(Path(tempfile.mkdtemp(prefix="llmquota-open-loop-")) / "arrivals")
     server = await asyncio.start_unix_server(arrivals, path)
     sender = multiprocessing.get_context("spawn").Process(
-        target=_send_arrivals, args=(path, rate, warmup_s + seconds, start), daemon=True
+        target=_send_arrivals, args=(path, rate, warmup_s + seconds), daemon=True
     )
     sender.start()
     try:
@@ -155,14 +168,7 @@ async def llmquota_open_loop(
 async def redis_open_loop(
     host: str, port: int, client: redis_lua.Client, tenants: list[str], *, rate: int, seconds: float
 ) -> OpenLoopResult:
-    limits = redis_lua.Limits(
-        tenant_capacity=UNLIMITED_TOKENS_PER_MINUTE,
-        tenant_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
-        global_capacity=UNLIMITED_TOKENS_PER_MINUTE,
-        global_tokens_per_minute=UNLIMITED_TOKENS_PER_MINUTE,
-    )
-    bucket = await redis_lua.connect(client, host, port, limits)
-    await bucket.flush()
+    bucket = await unlimited_bucket(client, host, port)
     pick = random.Random(7)
 
     async def call() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import asyncpg
@@ -60,9 +60,8 @@ async def test_a_killed_primary_loses_no_acknowledged_admission_or_ledger_row(pa
         admitted: set[uuid.UUID] = set()
         settled: set[uuid.UUID] = set()
         failures = 0
-        stop = asyncio.Event()
 
-        async def caller() -> None:
+        async def caller(stop: asyncio.Event) -> None:
             nonlocal failures
             while not stop.is_set():
                 try:
@@ -76,16 +75,7 @@ async def test_a_killed_primary_loses_no_acknowledged_admission_or_ledger_row(pa
                     failures += 1
                     await asyncio.sleep(0.05)
 
-        callers = [asyncio.create_task(caller()) for _ in range(CALLERS)]
-        await _until(lambda: len(settled) >= BEFORE_KILL, "the load never got going")
-        before_kill = len(settled)
-        await asyncio.to_thread(pair.fail_over)
-        await _until(
-            lambda: len(settled) >= before_kill + AFTER_FAILOVER,
-            "the library never served from the promoted standby",
-        )
-        stop.set()
-        await asyncio.gather(*callers)
+        await through_failover(pair, caller, settled, "the library")
         # A settlement the store could not take was journaled and answered:
         # it is recorded once the store answers again.
         await _until(lambda: len(limiter.journal) == 0, "the outage journal never drained")
@@ -121,9 +111,8 @@ async def test_the_rest_service_serves_from_the_promoted_standby_and_loses_nothi
         key = (await client.post("/v1/tenants/acme/keys", headers=admin)).json()["key"]
         headers = {"Authorization": f"Bearer {key}"}
         body = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 10, "max_tokens": 20}
-        stop = asyncio.Event()
 
-        async def caller() -> None:
+        async def caller(stop: asyncio.Event) -> None:
             while not stop.is_set():
                 try:
                     held = await client.post("/v1/admit", json=body, headers=headers)
@@ -146,16 +135,7 @@ async def test_the_rest_service_serves_from_the_promoted_standby_and_loses_nothi
                     refused.append(0)
                     await asyncio.sleep(0.05)
 
-        callers = [asyncio.create_task(caller()) for _ in range(CALLERS)]
-        await _until(lambda: len(settled) >= BEFORE_KILL, "the load never got going")
-        before_kill = len(settled)
-        await asyncio.to_thread(pair.fail_over)
-        await _until(
-            lambda: len(settled) >= before_kill + AFTER_FAILOVER,
-            "the service never served from the promoted standby",
-        )
-        stop.set()
-        await asyncio.gather(*callers)
+        await through_failover(pair, caller, settled, "the service")
 
     stored, ledger = await on_the_new_primary(pair)
     assert admitted - stored == set(), "admissions answered 201 lost"
@@ -166,6 +146,27 @@ async def test_the_rest_service_serves_from_the_promoted_standby_and_loses_nothi
         f"FIGURE failover over REST: {len(admitted)} admitted (201) and {len(settled)} "
         f"settled (200), 0 lost; {len(refused)} answers 503 meanwhile"
     )
+
+
+async def through_failover(
+    pair: Pair,
+    caller: Callable[[asyncio.Event], Awaitable[None]],
+    settled: set[uuid.UUID],
+    who: str,
+) -> None:
+    """CALLERS callers under load until BEFORE_KILL settled, the primary killed and
+    the standby promoted, then load until AFTER_FAILOVER more settled."""
+    stop = asyncio.Event()
+    callers = [asyncio.create_task(caller(stop)) for _ in range(CALLERS)]
+    await _until(lambda: len(settled) >= BEFORE_KILL, "the load never got going")
+    before_kill = len(settled)
+    await asyncio.to_thread(pair.fail_over)
+    await _until(
+        lambda: len(settled) >= before_kill + AFTER_FAILOVER,
+        f"{who} never served from the promoted standby",
+    )
+    stop.set()
+    await asyncio.gather(*callers)
 
 
 async def on_the_new_primary(pair: Pair) -> tuple[set[uuid.UUID], set[uuid.UUID]]:
