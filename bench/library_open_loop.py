@@ -23,8 +23,8 @@ import asyncio
 import contextlib
 import math
 import multiprocessing
-import os
 import random
+import shutil
 import socket
 import struct
 import tempfile
@@ -97,7 +97,7 @@ async def open_loop(
     sent = 0
 
     async def answer(due: float) -> None:
-        await call()
+        await call()  # an exception: not answered, left out of `latencies`
         if due >= measured_from:
             latencies.append((time.monotonic() - due) * 1000)
 
@@ -124,14 +124,20 @@ async def open_loop(
     )
     sender.start()
     try:
-        await finished.wait()
+        while not finished.is_set():
+            if not sender.is_alive() and sender.exitcode:
+                raise RuntimeError(f"the arrival process failed (exit code {sender.exitcode})")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), 1.0)
         if tasks:
             await asyncio.wait(set(tasks), timeout=30)
     finally:
+        for task in tasks:  # unanswered after 30 s: cancelled, counted as not answered
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         server.close()
         sender.join(timeout=10)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
     return sent, latencies
 
 
@@ -150,7 +156,7 @@ async def llmquota_open_loop(
     pick = random.Random(7)
 
     async def call() -> None:
-        with contextlib.suppress(RateLimited):
+        with contextlib.suppress(RateLimited):  # a refusal is an answer too
             await limiter.admit(
                 tenant=pick.choice(tenants),
                 model="gpt-4o",
@@ -202,5 +208,9 @@ async def measure(
 
 def summary(results: list[OpenLoopResult]) -> str:
     """The summary line: each system's p50 and p99 at the rate."""
-    parts = [f"{r.system} p50 {r.p50_ms:.2f} ms, p99 {r.p99_ms:.2f} ms" for r in results]
+    parts = [
+        f"{r.system} p50 {r.p50_ms:.2f} ms, p99 {r.p99_ms:.2f} ms"
+        + ("" if r.answered == r.sent else f" ({r.sent - r.answered} unanswered)")
+        for r in results
+    ]
     return f"library open-loop {results[0].rate}/s: " + "; ".join(parts)

@@ -1860,13 +1860,22 @@ DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boo
                                  boolean[], integer[], text[], bigint[], bigint[], timestamptz,
                                  uuid[], bigint[], bigint[], text[]);
 -- The result became lq_admit_result (migration 0031). The arguments are
--- those of the function created below, so it is dropped and created again
--- each time this file is applied.
-DROP FUNCTION IF EXISTS lq_admit(text[], text[], text[], bigint[], bigint[], boolean[],
-                                 integer[], text[], text[], integer, smallint[], boolean[],
-                                 boolean[], integer[], text[], bigint[], bigint[], timestamptz,
-                                 uuid[], bigint[], bigint[], text[], integer[], text[], text[],
-                                 text[]);
+-- those of the function created below, so the old one goes only while it
+-- still returns the old columns (once; a later apply replaces it in place,
+-- keeping its grants).
+DO $$
+DECLARE
+    admit regprocedure := to_regprocedure(
+        'lq_admit(text[], text[], text[], bigint[], bigint[], boolean[], integer[], text[],'
+        ' text[], integer, smallint[], boolean[], boolean[], integer[], text[], bigint[],'
+        ' bigint[], timestamptz, uuid[], bigint[], bigint[], text[], integer[], text[],'
+        ' text[], text[])');
+BEGIN
+    IF admit IS NOT NULL AND pg_get_function_result(admit) <> 'SETOF lq_admit_result' THEN
+        EXECUTE format('DROP FUNCTION %s', admit);
+    END IF;
+END
+$$;
 CREATE OR REPLACE FUNCTION lq_admit(
     p_tenants          text[],
     p_routes           text[],

@@ -60,11 +60,16 @@ async def test_a_burst_after_the_keys_row_changed_is_proxied_in_its_tenants_lane
     """The proxy's sibling of tests/api/test_key_lane.py: a key the worker knew,
     whose row changed (the database announced it), is looked up again in its
     tenant's fair-share lane (32 in progress, 256 queued), not in the unknown
-    keys' lane (4 and 64), so a burst of 100 completions is served whole."""
+    keys' lane (4 and 64), so a burst of 90 completions is served whole, with one
+    lookup. (90: the lane's bound is 68; the tenant's share of the upstream's
+    connections is 100.)"""
     policy = {"tokens_per_minute": 10_000_000, "token_burst": 5_000_000}
     assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
     client = stack.openai()
     await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+    registry = stack.app.state.limiter.metrics.registry
+    lookups = {"purpose": "first", "result": "found"}
+    before = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
     stack.app.state.authenticator.key_changed(key_digest(stack.key))
 
     async def status() -> int:
@@ -74,5 +79,7 @@ async def test_a_burst_after_the_keys_row_changed_is_proxied_in_its_tenants_lane
             return refused.status_code
         return 200
 
-    statuses = Counter(await asyncio.gather(*(status() for _ in range(100))))
-    assert statuses == {200: 100}, statuses
+    statuses = Counter(await asyncio.gather(*(status() for _ in range(90))))
+    assert statuses == {200: 90}, statuses
+    after = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
+    assert after - before == 1  # one lookup for the whole burst

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -38,13 +39,10 @@ def connections(transport: ShardedTransport) -> list[int]:
     return [len(pool._pool.connections) for pool in transport.pools]
 
 
-# Each open stream's iterator, kept: an abandoned one is finalized by the
-# garbage collector, which closes its connection under the pool.
-READING: list[AsyncIterator[bytes]] = []
-
-
 async def open_stream(client: httpx.AsyncClient) -> httpx.Response:
-    """A stream of the hanging model, its first bytes read; left open."""
+    """A stream of the hanging model, its first bytes read; left open. Its reading
+    iterator is kept on the response: an abandoned one is finalized by the
+    garbage collector, which closes its connection under the pool."""
     request = client.build_request(
         "POST",
         "/v1/chat/completions",
@@ -54,7 +52,7 @@ async def open_stream(client: httpx.AsyncClient) -> httpx.Response:
     response = await client.send(request, stream=True)
     assert response.status_code == 200
     reading = response.aiter_raw()
-    READING.append(reading)
+    response.extensions["test_reading"] = reading
     await anext(reading)
     return response
 
@@ -95,7 +93,10 @@ async def test_a_closed_answer_counts_once_and_a_failed_send_not_at_all() -> Non
             assert answer.status_code == 200
         assert transport.open == [0, 0, 0]
         assert sum(connections(transport)) == 1
-    refused = httpx.AsyncClient(base_url="http://127.0.0.1:9", transport=transport)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    refused = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", transport=transport)
     async with refused:
         for _ in range(3):
             with contextlib.suppress(httpx.ConnectError):

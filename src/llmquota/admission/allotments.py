@@ -39,7 +39,7 @@ from llmquota.domain.records import (
     TenantFigures,
     TokenLayerFigures,
 )
-from llmquota.domain.slice_ids import SliceIds
+from llmquota.domain.slice_ids import SliceIds, may_be_journaled_later
 from llmquota.store.allotments import AllotmentStore, Grant, SliceAdmission, SliceKey
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,13 @@ class Allotments:
         self._writing: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle_check_at = time.monotonic() + IDLE_SECONDS
+
+    def may_journal_later(self, reservation_id: uuid.UUID) -> bool:
+        """Whether an id the store does not know may be a slice's admission that
+        some worker has not journaled yet (worth a look after the interval): one
+        of a slice's form, or any while some policy is allotted (a worker of an
+        earlier release gave its slices' admissions version-4 ids)."""
+        return may_be_journaled_later(reservation_id) or self.policies.any_allotted
 
     def applies(self, request: AdmitRequest) -> bool:
         """Whether a request may be decided from a slice: a plain one, of a

@@ -55,7 +55,6 @@ from llmquota.domain.records import (
     HeartbeatResult,
 )
 from llmquota.domain.response_cache import CachePolicy
-from llmquota.domain.slice_ids import may_be_journaled_later
 from llmquota.domain.upstream_usage import UpstreamUsage
 from llmquota.domain.validation import (
     check_lease_generation,
@@ -342,7 +341,7 @@ class Limiter:
             return self.outage.journal_settlement(request, exc)
         self.outage.store_answered()
         if result.status == "not_found":
-            if not retried and may_be_journaled_later(request.reservation_id):  # from a slice?
+            if not retried and self.allotments.may_journal_later(request.reservation_id):
                 await asyncio.sleep(2 * self.allotments.journal_seconds)
                 return await self._finish_one(request, journal, retried=True)
             self.outage.raise_not_found(request.reservation_id)

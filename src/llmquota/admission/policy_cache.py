@@ -44,12 +44,19 @@ class PolicyCache:
         # The suspended tenants, loaded with every refresh: none of their
         # admissions is decided, whatever key (or library caller) asks.
         self.suspended: frozenset[str] = frozenset()
+        # Whether some layer may be decided from slices (or the copy is not
+        # whole, so it cannot tell): a reservation id not found may then be
+        # one a worker admitted and has not journaled yet.
+        self.any_allotted = False
 
     def replace(self, version: tuple[int, int], layers: Sequence[CachedLayer], now: float) -> None:
         """Take a fresh snapshot (complete when it holds every layer the version counts)."""
         self._layers = {(layer.scope, layer.tenant, layer.route): layer for layer in layers}
         self.version = version
         self.complete = len(layers) >= version[1]
+        self.any_allotted = not self.complete or any(
+            layer.policy.admission == "allotted" for layer in layers
+        )
         self._loaded_at = now
 
     def replace_budgets(self, budgets: OutageBudgets) -> None:

@@ -12,7 +12,10 @@ ids also land at the right-hand end of the reservations primary key, in the
 order the journal writes them.
 
 The random bits come from the OS in blocks (one `os.urandom` per 256 ids),
-so an id costs no system call on the admission path.
+so an id costs no system call on the admission path. A process forked from
+one that holds a block draws a block of its own before its first id (else
+parent and child would make the same ids within a millisecond). One event
+loop's use: SliceIds is not for several threads at once.
 """
 
 from __future__ import annotations
@@ -30,17 +33,18 @@ _LOW_62 = (1 << 62) - 1
 class SliceIds:
     """Makes version-7 reservation ids, drawing randomness a block at a time."""
 
-    __slots__ = ("_at", "_random")
+    __slots__ = ("_at", "_pid", "_random")
 
     def __init__(self) -> None:
         self._random = b""
         self._at = 0
+        self._pid = os.getpid()
 
     def new(self) -> uuid.UUID:
         """A fresh id: the time now in milliseconds, then 74 random bits."""
         at = self._at
-        if at + _RANDOM_BYTES > len(self._random):
-            self._random, at = os.urandom(_BLOCK), 0
+        if at + _RANDOM_BYTES > len(self._random) or self._pid != os.getpid():
+            self._random, at, self._pid = os.urandom(_BLOCK), 0, os.getpid()
         self._at = at + _RANDOM_BYTES
         bits = int.from_bytes(self._random[at : at + _RANDOM_BYTES])
         millis = time.time_ns() // 1_000_000

@@ -16,7 +16,8 @@ together never hold more than the capacity: the upstream's ConnectionShares
 only after its answer is closed, and choosing the least-busy pool keeps each
 one at or below ceil(capacity / pools) <= POOL_CONNECTIONS answers open, so
 no request waits inside httpcore for a connection while another pool has
-one free.
+one free. (Idle connections kept alive may reach pools x their size, a few
+over the setting when it is not a multiple of the pool count.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         each = math.ceil(capacity / count)
         limits = httpx.Limits(max_connections=each, max_keepalive_connections=each)
         # One TLS context for all: building one loads the CA bundle (20 ms each).
-        tls = httpx.create_ssl_context()
+        # Not from SSL_CERT_FILE / SSL_CERT_DIR: the client trusts no environment.
+        tls = httpx.create_ssl_context(trust_env=False)
         self.pools = [httpx.AsyncHTTPTransport(verify=tls, limits=limits) for _ in range(count)]
         # Answers open per pool: sent and not yet closed.
         self.open = [0] * count
