@@ -815,8 +815,7 @@ async def test_a_slice_swept_while_its_worker_was_away_is_not_topped_up_under_it
                 )
             except RateLimited:
                 return None
-            while worker.allotments._tasks:  # a top-up or give-back it started lands first
-                await asyncio.gather(*worker.allotments._tasks, return_exceptions=True)
+            await worker.allotments.background_done()  # a top-up or give-back lands first
             rid: uuid.UUID = held.reservation_id
             return rid
 

@@ -373,9 +373,13 @@ class Allotments:
         return task
 
     async def background_done(self) -> None:
-        """Wait for the top-ups and give-backs under way (and those they start)."""
+        """Wait for the top-ups and give-backs under way (and those they start).
+        asyncio.wait, not gather: a finished task leaves the set by a callback of
+        the next loop turn, and on Python 3.12+ awaiting gather() of finished
+        tasks does not yield to the loop, so `while tasks: await gather(...)`
+        spun for ever (CI's Python 3.13 leg timed out in it)."""
         while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.wait(set(self._tasks))
 
     async def close(self) -> None:
         """Journal everything and give every slice back (a stopping worker)."""
