@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -12,14 +13,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
+
 from llmquota.domain.response_cache import unit
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
     from llmquota.admission.limiter import Limiter
 
 APP_ROLE = "llmquota_app"
 REPORTING_ROLE = "llmquota_reporting"
 CLI_TIMEOUT_SECONDS = 60
+ANNOUNCEMENT_TIMEOUT_SECONDS = 10
 
 
 def dsn_as(dsn: str, user: str) -> str:
@@ -69,3 +75,34 @@ def vector_at_cosine(vector: list[float], cos: float, rng: random.Random) -> lis
     orthogonal = unit([n - dot * v for n, v in zip(noise, vector, strict=True)])
     sin = math.sqrt(1.0 - cos * cos)
     return [cos * v + sin * o for v, o in zip(vector, orthogonal, strict=True)]
+
+
+async def announcements_applied(app: FastAPI, dsn: str) -> None:
+    """Wait until the app's worker has applied every change announced before now.
+
+    The announcement of a key's creation may reach the worker after the key's
+    first use and make it look the key up again at its next one; a test that
+    counts lookups, or whose client may not afford one, waits for it first.
+    PostgreSQL delivers notifications in commit order, so a marker announced now
+    arrives after them; it names a digest no key has. Sent again every half
+    second, in case the worker's listener has not connected yet.
+    """
+    marker = os.urandom(32)
+    heard = asyncio.Event()
+
+    def watch(digest: bytes | None) -> None:
+        if digest == marker:
+            heard.set()
+
+    app.state.limiter.outage.changes.watch_keys(watch)
+    db = await asyncpg.connect(dsn)
+    try:
+        async with asyncio.timeout(ANNOUNCEMENT_TIMEOUT_SECONDS):
+            while not heard.is_set():
+                await db.execute(
+                    "SELECT pg_notify('llmquota_changes', $1)", "api_keys:" + marker.hex()
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(heard.wait(), 0.5)
+    finally:
+        await db.close()

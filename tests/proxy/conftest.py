@@ -22,6 +22,7 @@ from starlette.types import ASGIApp
 from llmquota.api.app import create_app
 from llmquota.config import Settings
 from tests.proxy.fake_provider import PROVIDER_KEY, FakeProvider
+from tests.support import announcements_applied
 
 ADMIN_KEY = "lq_proxy_admin_key_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -112,6 +113,9 @@ async def stack_for(
     async with serving(app) as url, httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
         assert (await admin.put("/v1/tenants/acme/policy", json=policy)).is_success
         key = (await admin.post("/v1/tenants/acme/keys")).json()["key"]
+        # The key's creation is announced before its first use, as it would be
+        # for a key handed to a client: a late announcement costs a lookup.
+        await announcements_applied(app, database_dsn)
         stack = Stack(provider, url, key, admin, app)
         try:
             yield stack
