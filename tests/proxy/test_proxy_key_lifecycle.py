@@ -83,3 +83,28 @@ async def test_a_burst_after_the_keys_row_changed_is_proxied_in_its_tenants_lane
     assert statuses == {200: 90}, statuses
     after = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
     assert after - before == 1  # one lookup for the whole burst
+
+
+async def test_a_new_keys_first_burst_on_a_cold_worker_is_proxied_whole(stack: Stack) -> None:
+    """The proxy's sibling of tests/api/test_key_lane.py's cold worker: the
+    stack's worker has never seen its tenant's key, and 150 completions sent
+    at once with it are all answered, with one lookup (the lane of unknown
+    keys, 4 served and 64 queued, once refused the rest of such a burst)."""
+    policy = {"tokens_per_minute": 10_000_000, "token_burst": 5_000_000}
+    assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    client = stack.openai()
+    registry = stack.app.state.limiter.metrics.registry
+    lookups = {"purpose": "first", "result": "found"}
+    before = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
+
+    async def status() -> int:
+        try:
+            await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
+        except openai.APIStatusError as refused:
+            return refused.status_code
+        return 200
+
+    statuses = Counter(await asyncio.gather(*(status() for _ in range(150))))
+    assert statuses == {200: 150}, statuses
+    after = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
+    assert after - before == 1

@@ -127,10 +127,13 @@ class Triage:
     """Where a request waits before it is served, or why it is refused at once.
 
     `lane` None: not gated (admin keys, endpoints that take no API key).
+    `key`: the digest of a key this worker does not know, which its first
+    request looks up (the fair share holds the others with it behind that one).
     """
 
     lane: str | None = None
     refusal: AuthenticationFailed | TooManyFailedAuthentications | None = None
+    key: bytes | None = None
 
 
 def _caller_of(owner: KeyOwner) -> Caller:
@@ -204,8 +207,9 @@ class Authenticator:
         if refusal is not None:
             return Triage(refusal=refusal)
         # A key known here until its row changed is looked up again in its tenant's lane.
-        former = self._keys.former_tenant(digest) if digest is not None else None
-        return Triage(lane=former or UNKNOWN_KEYS_LANE)
+        assert digest is not None  # a missing key is refused from memory
+        former = self._keys.former_tenant(digest)
+        return Triage(lane=former or UNKNOWN_KEYS_LANE, key=digest)
 
     async def caller(self, authorization: str | None, client: str) -> Caller:
         """The caller for a header, or AuthenticationFailed (401),

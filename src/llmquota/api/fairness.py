@@ -15,7 +15,13 @@ keys this worker does not know yet, each of which costs a database lookup,
 with its own small limits (`unknown_max_in_progress`, `unknown_max_waiting`),
 so that a flood of invalid keys holds at most that many pooled connections
 and queues behind itself only; or no lane (admin keys, endpoints that take
-no API key). A request without a key, with a key the worker knows is wrong,
+no API key). In the lane of unknown keys, a place is taken per key, not
+per request: the first request with a key takes it, and the key's other
+requests wait for that one to be through its lookup (at most `max_waiting`
+of them), then are triaged again, now into the key's tenant's lane. A
+worker that has just started, or a key just made, would otherwise meet a
+tenant's first burst with the lane's 4 + 64 places and refuse the rest
+with 429. A request without a key, with a key the worker knows is wrong,
 or from a client address out of its failed-authentication budget is refused
 here, before its body is read; the last one's 429 is held for its retry
 hint (at most MAX_HOLD_SECONDS), so that a client hammering with wrong keys
@@ -55,6 +61,14 @@ RELEASE_EARLY = "llmquota.fair_share.release"
 
 
 @dataclass
+class _FirstUse:
+    """The requests with one key this worker does not know, behind the first of them."""
+
+    through: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: int = 0
+
+
+@dataclass
 class _Gate:
     """One lane's share of this worker."""
 
@@ -83,6 +97,8 @@ class TenantFairShare:
         self.unknown_max_in_progress = unknown_max_in_progress
         self.unknown_max_waiting = unknown_max_waiting
         self._gates: dict[str, _Gate] = {}
+        # Per digest of an unknown key, its first request's lookup to wait for.
+        self._first_uses: dict[bytes, _FirstUse] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         triage = self.triage(scope) if scope["type"] == "http" else Triage()
@@ -97,6 +113,36 @@ class TenantFairShare:
         if lane is None:
             await self.app(scope, receive, send)
             return
+        key = triage.key
+        if lane != UNKNOWN_KEYS_LANE or key is None:
+            await self._in_lane(lane, scope, receive, send)
+            return
+        first = self._first_uses.get(key)
+        if first is not None:
+            await self._after_first_use(first, scope, receive, send)
+            return
+        first = self._first_uses[key] = _FirstUse()
+
+        def through() -> None:
+            if self._first_uses.get(key) is first:
+                del self._first_uses[key]
+            first.through.set()
+
+        try:
+            await self._in_lane(lane, scope, receive, send, through)
+        finally:
+            through()
+
+    async def _in_lane(
+        self,
+        lane: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve the request once its lane has a permit for it; 429 if its queue is full.
+        `on_release` is called as the permit is given back (early on a proxy path)."""
         unknown = lane == UNKNOWN_KEYS_LANE
         max_waiting = self.unknown_max_waiting if unknown else self.max_waiting
         gate = self._gates.get(lane)
@@ -115,6 +161,8 @@ class TenantFairShare:
             if held:
                 held = False
                 gate.permits.release()
+                if on_release is not None:
+                    on_release()
 
         try:
             await gate.permits.acquire()
@@ -128,6 +176,22 @@ class TenantFairShare:
             if gate.users == 0:
                 # Idle lanes take no memory: the map holds only busy ones.
                 self._gates.pop(lane, None)
+
+    async def _after_first_use(
+        self, first: _FirstUse, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Wait until the first request with the same unknown key is through its
+        lookup, then be triaged again: into the tenant's lane if the key was
+        found, refused from memory if not, back here if the store could not say."""
+        if first.waiting >= self.max_waiting:
+            await _refuse(send, proxy_kind(scope), self.max_waiting, unknown=True)
+            return
+        first.waiting += 1
+        try:
+            await first.through.wait()
+        finally:
+            first.waiting -= 1
+        await self(scope, receive, send)
 
     def waiting(self, lane: str) -> int:
         gate = self._gates.get(lane)

@@ -297,14 +297,16 @@ class Settings(OutboundSettings, ReportSettings, AllotmentSettings):
         default=4,
         ge=1,
         le=10_000,
-        description="requests with keys a worker does not know yet (each needing a database "
-        "lookup) it serves at once, all clients together; the rest queue",
+        description="keys a worker does not know yet that it looks up at once (each a "
+        "database lookup, all clients together); the rest queue, and a key's further "
+        "requests wait for its first",
     )
     unknown_key_max_waiting: int = Field(
         default=64,
         ge=0,
         le=1_000_000,
-        description="requests with keys a worker does not know yet queued per worker before 429",
+        description="keys a worker does not know yet queued for a lookup per worker before "
+        "429 (a key's further requests wait for its first, up to TENANT_MAX_QUEUED)",
     )
     batching: bool = Field(
         default=True,
