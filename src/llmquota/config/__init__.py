@@ -6,6 +6,11 @@ reads or writes the environment.
 """
 
 from llmquota.config.commands import COMMAND_DEFAULTS, CommandDefault, command_default
+from llmquota.config.group_admission import (
+    MAX_BATCH_SIZE,
+    MAX_BATCH_WINDOW_SECONDS,
+    MAX_BATCHES_IN_FLIGHT,
+)
 from llmquota.config.outbound import (
     MAX_DEPLOYMENT_COOLDOWN_FAILURES,
     MAX_DEPLOYMENT_COOLDOWN_SECONDS,
@@ -14,9 +19,6 @@ from llmquota.config.renames import ENV_PREFIX
 from llmquota.config.settings import (
     DATA_DIR_ENV,
     DATABASE_URL_ENV,
-    MAX_BATCH_SIZE,
-    MAX_BATCH_WINDOW_SECONDS,
-    MAX_BATCHES_IN_FLIGHT,
     Settings,
     environment_value,
     export_for_workers,

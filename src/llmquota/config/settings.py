@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmquota.config.allotment_settings import AllotmentSettings
+from llmquota.config.group_admission import GroupAdmissionSettings
 from llmquota.config.outbound import OutboundSettings
 from llmquota.config.renames import ENV_PREFIX, renamed, warn_of_renamed_variables
 from llmquota.config.reports import ReportSettings
@@ -33,13 +34,6 @@ from llmquota.config.upstreams import (
 )
 from llmquota.domain.validation import MAX_ESTIMATE_FACTOR
 
-# Bounds on the batching settings, so a typo cannot make a batch unbounded or
-# a window a minute long (the Coalescer checks them too).
-MAX_BATCH_SIZE = 10_000
-MAX_BATCH_WINDOW_SECONDS = 1.0
-MAX_BATCHES_IN_FLIGHT = 1_000
-
-
 DATABASE_URL_ENV = f"{ENV_PREFIX}DATABASE_URL"
 DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 
@@ -47,7 +41,7 @@ DATA_DIR_ENV = f"{ENV_PREFIX}DATA_DIR"
 EstimateFactor = Annotated[float, Field(gt=0, le=MAX_ESTIMATE_FACTOR, allow_inf_nan=False)]
 
 
-class Settings(OutboundSettings, ReportSettings, AllotmentSettings):
+class Settings(OutboundSettings, ReportSettings, AllotmentSettings, GroupAdmissionSettings):
     """Service configuration; each field is LLMQUOTA_<FIELD> in the environment."""
 
     # Errors never echo the values: a provider key must not reach a traceback.
@@ -307,35 +301,6 @@ class Settings(OutboundSettings, ReportSettings, AllotmentSettings):
         le=1_000_000,
         description="keys a worker does not know yet queued for a lookup per worker before "
         "429 (a key's further requests wait for its first, up to TENANT_MAX_QUEUED)",
-    )
-    batching: bool = Field(
-        default=True,
-        description="coalesce concurrent admissions (and settlements) of one process into "
-        "one statement per batch; false: one statement per request",
-    )
-    batch_max_size: int = Field(
-        default=256, ge=1, le=MAX_BATCH_SIZE, description="requests decided by one statement"
-    )
-    batch_window_ms: float = Field(
-        default=1.0,
-        ge=0,
-        le=MAX_BATCH_WINDOW_SECONDS * 1_000,
-        description="how long a request may wait for others while a batch is already in "
-        "flight; a request arriving when nothing is in flight goes at once",
-    )
-    batch_max_running: int = Field(
-        default=2,
-        ge=1,
-        le=MAX_BATCHES_IN_FLIGHT,
-        validation_alias=renamed("batch_max_running"),
-        description="batch statements of each kind (admit, finish) running at once; each "
-        "holds a pooled connection; was BATCH_MAX_IN_FLIGHT",
-    )
-    admission_synchronous_commit: bool = Field(
-        default=True,
-        description="false: admission statements commit without waiting for the WAL flush "
-        "(settlement and the ledger always wait); a crash may then forget the admissions "
-        "of its last few hundred milliseconds, see BENCHMARKS.md",
     )
     refusal_memory_ms: int = Field(
         default=100,
