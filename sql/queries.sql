@@ -575,7 +575,10 @@ WITH version AS (
 SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_per_minute,
        l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight,
        l.lease_seconds, l.failure_mode, l.policy_version, l.output_estimate, l.request_cost,
-       l.uses_concurrency, l.cache, l.fallback_models, l.admission
+       l.uses_concurrency, l.cache, l.admission,
+       -- last: a worker keeps a layer whose other columns are unchanged by
+       -- their slice (store/policy_rows.py), and this one is an array
+       l.fallback_models
   FROM version AS v
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others

@@ -17,17 +17,13 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-import asyncpg
-
 from llmquota.domain.errors import PreconditionFailed
-from llmquota.domain.output_estimates import parse_output_estimate
 from llmquota.domain.policy import Policy
 from llmquota.domain.records import (
     AdmitDecision,
     AdmitRequest,
     AuditFinding,
     AuditSummary,
-    CachedLayer,
     FinishRequest,
     FinishResult,
     HeartbeatResult,
@@ -37,7 +33,6 @@ from llmquota.domain.records import (
     StoredPolicy,
     UsageTotals,
 )
-from llmquota.domain.response_cache import parse_cache_policy
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.admit_statement import AdmitStatement
 from llmquota.store.allotments import AllotmentStore
@@ -50,6 +45,7 @@ from llmquota.store.decisions import (
 from llmquota.store.estimates import EstimateStore
 from llmquota.store.keys import KeyStore
 from llmquota.store.outage import OutageStore
+from llmquota.store.policy_rows import SnapshotLayers, policy_from_row
 from llmquota.store.pool import DeadlinePool
 from llmquota.store.response_cache import ResponseCacheStore
 from llmquota.store.sqlfiles import queries
@@ -82,6 +78,8 @@ class Store:
         # Slices of layers' room that workers decide from (store/allotments.py).
         self.allotments = AllotmentStore(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
+        # The last policy snapshot's layers, kept where unchanged (store/policy_rows.py).
+        self._snapshot_layers = SnapshotLayers()
         self.dsn: str | None = None  # set by connect: what a listener connects to
         self._admit = AdmitStatement(
             pool, self._sql, concurrency_retry_ms, admission_synchronous_commit
@@ -212,18 +210,7 @@ class Store:
         version = (int(rows[0]["snapshot_version"]), int(rows[0]["layer_count"]))
         if rows[0]["scope"] is None:
             return PolicySnapshotRows(version=version, layers=None if version == known else [])
-        layers = [
-            CachedLayer(
-                scope=row["scope"],
-                tenant=row["tenant"],
-                route=row["route"],
-                policy=_policy_from_row(row),
-                policy_version=int(row["policy_version"]),
-                fallback_models=tuple(row["fallback_models"] or ()),
-            )
-            for row in rows
-        ]
-        return PolicySnapshotRows(version=version, layers=layers)
+        return PolicySnapshotRows(version=version, layers=self._snapshot_layers.layers(rows))
 
     async def audit(self, *, deadline_seconds: float | None = None) -> list[AuditFinding]:
         """Every drift between counters and journal; empty when the books agree."""
@@ -322,7 +309,7 @@ class Store:
             return None
         row = rows[0]
         return StoredPolicy(
-            policy=_policy_from_row(row),
+            policy=policy_from_row(row),
             policy_version=int(row["policy_version"]),
             plan=row["plan"],
             fallback_models=tuple(row["fallback_models"]),
@@ -349,7 +336,7 @@ class Store:
                 scope=row["scope"],
                 tenant=row["tenant"],
                 route=row["route"],
-                policy=_policy_from_row(row),
+                policy=policy_from_row(row),
                 policy_version=int(row["policy_version"]),
                 tokens=row["tokens"],
                 requests=row["requests"],
@@ -408,23 +395,6 @@ class Store:
             "purge_finished", retention_seconds, limit, deadline_seconds=deadline_seconds
         )
         return int(rows[0]["purged"])
-
-
-def _policy_from_row(row: asyncpg.Record) -> Policy:
-    return Policy(
-        tokens_per_minute=row["tokens_per_minute"],
-        token_burst=row["token_burst"],
-        requests_per_minute=row["requests_per_minute"],
-        request_burst=row["request_burst"],
-        max_in_flight=row["max_in_flight"],
-        lease_seconds=row["lease_seconds"],
-        failure_mode=row["failure_mode"],
-        output_estimate=parse_output_estimate(row.get("output_estimate")),
-        request_cost=row.get("request_cost"),
-        uses_concurrency=row.get("uses_concurrency"),
-        cache=parse_cache_policy(row.get("cache")),
-        admission=row.get("admission"),
-    )
 
 
 def _estimate_json(policy: Policy) -> str | None:
