@@ -41,9 +41,26 @@ asyncio.run(main())
 """
 
 
-def probe(dsn: str, **environment: str) -> dict[str, float]:
+# The service's worker: the app's start-up connects its limiter.
+SERVICE_PROBE = """
+import asyncio, gc, json, sys
+from llmquota.api.app import create_app
+from llmquota.config import Settings
+
+async def main():
+    app = create_app(Settings(_env_file=None), dsn=sys.argv[1])
+    before = gc.get_freeze_count()
+    async with app.router.lifespan_context(app):
+        started = gc.get_freeze_count()
+    print(json.dumps({"before": before, "started": started}))
+
+asyncio.run(main())
+"""
+
+
+def probe(dsn: str, code: str = PROBE, **environment: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, dsn],
+        [sys.executable, "-c", code, dsn],
         env={**os.environ, **environment},
         capture_output=True,
         text=True,
@@ -69,3 +86,9 @@ def test_the_first_limiter_of_a_process_freezes_its_heap_once(app_dsn: str) -> N
 def test_a_host_that_says_no_keeps_its_collector_as_it_is(app_dsn: str) -> None:
     seen = probe(app_dsn, LLMQUOTA_GC_FREEZE_AT_START="false")
     assert seen["first"] == seen["second"] == 0
+
+
+def test_a_service_worker_freezes_its_heap_as_it_starts(app_dsn: str) -> None:
+    seen = probe(app_dsn, SERVICE_PROBE)
+    # The app's own objects (FastAPI, its routes, the proxy's) with the rest.
+    assert seen["before"] == 0 and seen["started"] > 50_000, seen

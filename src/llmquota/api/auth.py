@@ -26,6 +26,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from starlette.types import Scope
+
 from llmquota.api.failures import FailureBudget
 from llmquota.api.keycache import KeyCache
 from llmquota.api.keyuses import KeyUse, UseNotes
@@ -44,6 +46,10 @@ KeyLookup = Callable[[bytes], Awaitable[KeyOwner | None]]
 # The fair-share lane of requests whose key this worker does not know yet; no
 # tenant can have this name (tenant names match NAME_PATTERN, without spaces).
 UNKNOWN_KEYS_LANE = " unknown keys"
+# Scope key of a callable the fair share gives the first request with a key this
+# worker does not know: `caller` calls it once the key's lookup is over, so that
+# the key's other requests, waiting for it, go on (api/fairness.py).
+KEY_LOOKED_UP = "llmquota.fair_share.key_looked_up"
 
 
 class AuthenticationFailed(Exception):
@@ -211,9 +217,20 @@ class Authenticator:
         former = self._keys.former_tenant(digest)
         return Triage(lane=former or UNKNOWN_KEYS_LANE, key=digest)
 
-    async def caller(self, authorization: str | None, client: str) -> Caller:
+    async def caller(
+        self, authorization: str | None, client: str, scope: Scope | None = None
+    ) -> Caller:
         """The caller for a header, or AuthenticationFailed (401),
-        TooManyFailedAuthentications (429) or StoreUnavailable (503)."""
+        TooManyFailedAuthentications (429) or StoreUnavailable (503); then the
+        request's KEY_LOOKED_UP, if its `scope` has one."""
+        try:
+            return await self._caller(authorization, client)
+        finally:
+            looked_up = scope.get(KEY_LOOKED_UP) if scope is not None else None
+            if looked_up is not None:
+                looked_up()
+
+    async def _caller(self, authorization: str | None, client: str) -> Caller:
         now = time.monotonic()
         digest = _digest(authorization)
         if digest is not None:

@@ -65,7 +65,9 @@ async def get_caller(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> Caller:
     client = request.client.host if request.client else ""
-    caller: Caller = await request.app.state.authenticator.caller(authorization, client)
+    caller: Caller = await request.app.state.authenticator.caller(
+        authorization, client, request.scope
+    )
     return caller
 
 

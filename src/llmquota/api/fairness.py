@@ -17,12 +17,17 @@ so that a flood of invalid keys holds at most that many pooled connections
 and queues behind itself only; or no lane (admin keys, endpoints that take
 no API key). In the lane of unknown keys, a place is taken per key, not
 per request: the first request with a key takes it, and the key's other
-requests wait for that one to be through its lookup (at most `max_waiting`
-of them), then are triaged again, now into the key's tenant's lane. A
-worker that has just started, or a key just made, would otherwise meet a
-tenant's first burst with the lane's 4 + 64 places and refuse the rest
-with 429. A request without a key, with a key the worker knows is wrong,
-or from a client address out of its failed-authentication budget is refused
+requests wait until that one is through the key's lookup (as many as the
+tenant's lane would take at once, its permits and its queue), then are
+triaged once more and take the lane they are in: the tenant's if the key was
+found, a 401 from memory if not, and the lane of unknown keys itself if the
+store could not say (so that during an outage they share lookups there, 4 at
+a time, as before). A worker that has just started, or a key just made,
+would otherwise meet a tenant's first burst with the lane's 4 + 64 places and
+refuse the rest with 429. (A wrong key's waiting requests are answered 401
+from memory once its lookup is over, each spending its address's failure
+budget.) A request without a key, with a key the worker knows is wrong, or
+from a client address out of its failed-authentication budget is refused
 here, before its body is read; the last one's 429 is held for its retry
 hint (at most MAX_HOLD_SECONDS), so that a client hammering with wrong keys
 gets about one answer per hint per connection instead of as many as the
@@ -40,6 +45,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmquota.api.auth import (
+    KEY_LOOKED_UP,
     UNKNOWN_KEYS_LANE,
     AuthenticationFailed,
     TooManyFailedAuthentications,
@@ -101,26 +107,38 @@ class TenantFairShare:
         self._first_uses: dict[bytes, _FirstUse] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        triage = self.triage(scope) if scope["type"] == "http" else Triage()
-        if triage.refusal is not None:
-            if isinstance(triage.refusal, TooManyFailedAuthentications):
-                # Held for its retry hint (a sleeping coroutine, no CPU): a client
-                # that retries at once cannot spin the worker on refusals.
-                await asyncio.sleep(min(triage.refusal.retry_after_ms / 1000, MAX_HOLD_SECONDS))
-            await _refuse_auth(send, proxy_kind(scope), triage.refusal)
-            return
-        lane = triage.lane
-        if lane is None:
-            await self.app(scope, receive, send)
-            return
-        key = triage.key
-        if lane != UNKNOWN_KEYS_LANE or key is None:
-            await self._in_lane(lane, scope, receive, send)
-            return
-        first = self._first_uses.get(key)
-        if first is not None:
-            await self._after_first_use(first, scope, receive, send)
-            return
+        # Triaged once, or twice for a request that waited for its key's first
+        # request: then it takes whichever lane it is in, without waiting again.
+        followed = False
+        while True:
+            triage = self.triage(scope) if scope["type"] == "http" else Triage()
+            if triage.refusal is not None:
+                if isinstance(triage.refusal, TooManyFailedAuthentications):
+                    # Held for its retry hint (a sleeping coroutine, no CPU): a client
+                    # that retries at once cannot spin the worker on refusals.
+                    hold = min(triage.refusal.retry_after_ms / 1000, MAX_HOLD_SECONDS)
+                    await asyncio.sleep(hold)
+                await _refuse_auth(send, proxy_kind(scope), triage.refusal)
+                return
+            lane, key = triage.lane, triage.key
+            if lane is None:
+                await self.app(scope, receive, send)
+                return
+            if lane != UNKNOWN_KEYS_LANE or key is None or followed:
+                await self._in_lane(lane, scope, receive, send)
+                return
+            first = self._first_uses.get(key)
+            if first is None:
+                await self._first_use(key, scope, receive, send)
+                return
+            if not await self._followed(first, scope, send):
+                return
+            followed = True
+
+    async def _first_use(self, key: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+        """The first request with a key this worker does not know: the key's others
+        wait until it is through the key's lookup (KEY_LOOKED_UP, called by the
+        authenticator) or gives its place back, whichever comes first."""
         first = self._first_uses[key] = _FirstUse()
 
         def through() -> None:
@@ -128,8 +146,9 @@ class TenantFairShare:
                 del self._first_uses[key]
             first.through.set()
 
+        scope[KEY_LOOKED_UP] = through
         try:
-            await self._in_lane(lane, scope, receive, send, through)
+            await self._in_lane(UNKNOWN_KEYS_LANE, scope, receive, send, through)
         finally:
             through()
 
@@ -150,7 +169,7 @@ class TenantFairShare:
             permits = self.unknown_max_in_progress if unknown else self.max_in_progress
             gate = self._gates[lane] = _Gate(asyncio.Semaphore(permits))
         if gate.permits.locked() and gate.waiting >= max_waiting:
-            await _refuse(send, proxy_kind(scope), max_waiting, unknown)
+            await _refuse(send, proxy_kind(scope), *_queue_full(max_waiting, unknown))
             return
         gate.users += 1
         gate.waiting += 1
@@ -177,21 +196,24 @@ class TenantFairShare:
                 # Idle lanes take no memory: the map holds only busy ones.
                 self._gates.pop(lane, None)
 
-    async def _after_first_use(
-        self, first: _FirstUse, scope: Scope, receive: Receive, send: Send
-    ) -> None:
-        """Wait until the first request with the same unknown key is through its
-        lookup, then be triaged again: into the tenant's lane if the key was
-        found, refused from memory if not, back here if the store could not say."""
-        if first.waiting >= self.max_waiting:
-            await _refuse(send, proxy_kind(scope), self.max_waiting, unknown=True)
-            return
+    async def _followed(self, first: _FirstUse, scope: Scope, send: Send) -> bool:
+        """Wait for the first request with the same key to be through its lookup;
+        False (and 429) when as many of the key's requests wait already as its
+        tenant's lane would take at once (its permits and its queue)."""
+        bound = self.max_in_progress + self.max_waiting - 1
+        if first.waiting >= bound:
+            message = (
+                f"{bound} requests with this key are already waiting for its first lookup "
+                "on this worker; retry shortly"
+            )
+            await _refuse(send, proxy_kind(scope), message, "unknown_keys")
+            return False
         first.waiting += 1
         try:
             await first.through.wait()
         finally:
             first.waiting -= 1
-        await self(scope, receive, send)
+        return True
 
     def waiting(self, lane: str) -> int:
         gate = self._gates.get(lane)
@@ -214,18 +236,21 @@ async def _refuse_auth(
         await send_provider_error(send, kind, 401, message)
 
 
-async def _refuse(send: Send, kind: Kind | None, max_waiting: int, unknown: bool) -> None:
+def _queue_full(max_waiting: int, unknown: bool) -> tuple[str, str]:
+    """The message and scope of a 429 for a lane's full queue."""
     if unknown:
-        scope = "unknown_keys"
-        message = (
+        return (
             f"{max_waiting} requests with keys this worker has not seen yet are already "
-            "queued; retry shortly"
+            "queued; retry shortly",
+            "unknown_keys",
         )
-    else:
-        scope = "tenant"
-        message = (
-            f"this tenant already has {max_waiting} requests queued on this worker; retry shortly"
-        )
+    return (
+        f"this tenant already has {max_waiting} requests queued on this worker; retry shortly",
+        "tenant",
+    )
+
+
+async def _refuse(send: Send, kind: Kind | None, message: str, scope: str) -> None:
     headers = [
         (b"retry-after", b"1"),
         (b"retry-after-ms", str(QUEUE_FULL_RETRY_MS).encode()),

@@ -148,7 +148,7 @@ async def _caller(app: FastAPI, scope: Scope) -> Caller:
             break
     client = scope.get("client")
     caller: Caller = await app.state.authenticator.caller(
-        authorization, client[0] if client else ""
+        authorization, client[0] if client else "", scope
     )
     return caller
 

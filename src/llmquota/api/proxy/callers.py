@@ -32,7 +32,7 @@ async def proxy_caller(kind: Kind, request: Request) -> Caller | Response:
     authenticator: Authenticator = request.app.state.authenticator
     client = request.client.host if request.client else ""
     try:
-        caller = await authenticator.caller(authorization, client)
+        caller = await authenticator.caller(authorization, client, request.scope)
     except AuthenticationFailed:
         return error_response(kind, 401, "missing or invalid llmquota API key")
     except TooManyFailedAuthentications as exc:
