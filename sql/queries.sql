@@ -488,22 +488,49 @@ RETURNING tenant, suspended_at
 -- The global layer (summed over its shards) and every layer of one tenant,
 -- refilled to now (read only), with the effective fallback models (the layer's
 -- own, else its plan's), as admission uses them, and the effective response
--- cache (the console shows which layer serves answers again).
-SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
-       request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
-       tokens, requests, '{}'::text[] AS fallback_models, false AS prepaid, shards,
-       NULL::integer AS request_cost, NULL::boolean AS uses_concurrency, NULL::text AS cache
-  FROM global_layer
+-- cache (the console shows which layer serves answers again). Room workers
+-- hold in live slices of a layer (allotted admission, allotments.sql) is room
+-- left too, debited from the row but not yet any request's: `tokens` and
+-- `requests` count it, and `allotted_tokens` and `allotted_requests` say how
+-- much of them it is. (An expired slice's room comes back to the row when the
+-- sweeper returns it.)
+SELECT g.scope, g.tenant, g.route, g.plan, g.tokens_per_minute, g.token_burst,
+       g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
+       g.failure_mode, g.policy_version, g.in_flight,
+       g.tokens + s.tokens AS tokens, g.requests + s.requests AS requests,
+       '{}'::text[] AS fallback_models, false AS prepaid, g.shards,
+       NULL::integer AS request_cost, NULL::boolean AS uses_concurrency, NULL::text AS cache,
+       s.tokens::bigint AS allotted_tokens, s.requests::bigint AS allotted_requests
+  FROM global_layer AS g
+       CROSS JOIN LATERAL (
+           SELECT coalesce(sum(a.tokens), 0)::double precision AS tokens,
+                  coalesce(sum(a.requests), 0)::double precision AS requests
+             FROM allotments AS a
+            WHERE a.expires_at > clock_timestamp()
+              AND EXISTS (SELECT 1 FROM limit_layers AS shard
+                           WHERE shard.scope = 'global' AND shard.layer_id = ANY (a.layer_ids))
+       ) AS s
 UNION ALL
-(SELECT scope, tenant, route, plan, tokens_per_minute, token_burst, requests_per_minute,
-        request_burst, max_in_flight, lease_seconds, failure_mode, policy_version, in_flight,
-        lq_refilled(tokens, tokens_per_minute, token_burst, refilled_at, clock_timestamp()),
-        lq_refilled(requests, requests_per_minute, request_burst, refilled_at,
-                    clock_timestamp()),
-        fallback_models, prepaid, shards, request_cost, uses_concurrency, cache::text
-   FROM limit_layers
-  WHERE scope IN ('tenant', 'route') AND tenant = $1::text
-  ORDER BY layer_id)
+(SELECT l.scope, l.tenant, l.route, l.plan, l.tokens_per_minute, l.token_burst,
+        l.requests_per_minute, l.request_burst, l.max_in_flight, l.lease_seconds,
+        l.failure_mode, l.policy_version, l.in_flight,
+        lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                    clock_timestamp()) + s.tokens,
+        lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at,
+                    clock_timestamp()) + s.requests,
+        l.fallback_models, l.prepaid, l.shards, l.request_cost, l.uses_concurrency,
+        l.cache::text, s.tokens::bigint, s.requests::bigint
+   FROM limit_layers AS l
+        CROSS JOIN LATERAL (
+            SELECT coalesce(sum(a.tokens), 0)::double precision AS tokens,
+                   coalesce(sum(a.requests), 0)::double precision AS requests
+              FROM allotments AS a
+             WHERE a.tenant = $1::text
+               AND l.layer_id = ANY (a.layer_ids)
+               AND a.expires_at > clock_timestamp()
+        ) AS s
+  WHERE l.scope IN ('tenant', 'route') AND l.tenant = $1::text
+  ORDER BY l.layer_id)
 
 -- tenant_usage --
 -- Ledger totals for one tenant over [from, to): requests are reservations

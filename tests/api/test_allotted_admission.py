@@ -9,8 +9,11 @@ plan carries the field too: its tenants take it where they set none.
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import httpx
+from fastapi import FastAPI
 
 from llmquota.admission.allotments import WARM_REQUESTS
 from tests.api.conftest import make_tenant
@@ -134,3 +137,39 @@ async def test_rest_admissions_come_from_slices_and_settle_once_each(
     )
     assert sorted(r["id"] for r in ledger) == sorted(ids)
     assert {r["tokens"] for r in ledger} == {150}
+
+
+async def test_status_counts_the_room_workers_hold_in_slices_as_room_left(
+    served: tuple[httpx.AsyncClient, FastAPI], admin: dict[str, str], db: asyncpg.Connection
+) -> None:
+    """A slice is debited from its layers: without it in the figures, an allotted
+    tenant's status showed a balance short by all its slices held, and could say
+    `binding` while its requests were being admitted from them."""
+    client, app = served
+    # One token a second of refill: the figures stand still while the test reads them.
+    policy = {"tokens_per_minute": 60, "token_burst": 1_000_000, "admission": "allotted"}
+    key = await make_tenant(client, admin, "acme", **policy)
+    admitted = WARM_REQUESTS + 20
+    for _ in range(admitted):
+        held = await client.post("/v1/admit", json=BODY, headers=key)
+        assert held.status_code == 201, held.text
+    await asyncio.sleep(0.2)  # the slice's journal is written every 20 ms
+    reserved = await db.fetchval(
+        "SELECT sum(reserved_tokens) FROM reservations WHERE state = 'active'"
+    )
+    in_slices = await db.fetchval("SELECT sum(tokens) FROM allotments WHERE tenant = 'acme'")
+    assert reserved == admitted * 500 and in_slices > 0
+
+    for who in (admin, key):
+        status = await client.get("/v1/tenants/acme/status", headers=who)
+        assert status.status_code == 200, status.text
+        (layer,) = status.json()["layers"]
+        assert layer["allotted_tokens"] == in_slices
+        assert layer["allotted_requests"] > 0
+        # All of the burst but what the admitted requests reserved (and a few
+        # seconds of refill, capped at the burst).
+        left = 1_000_000 - reserved
+        assert left <= layer["remaining_tokens"] <= left + 10, (layer, in_slices)
+        assert layer["binding"] is False
+    # The console's page reads the same store call.
+    assert (await app.state.admin.tenant_status("acme"))[0].allotted_tokens == in_slices

@@ -368,7 +368,8 @@ class LayerStatusResponse(BaseModel):
     A tenant key sees its own layers in full; of a layer it shares with other
     tenants (global) only whether it binds now and the retry hint: its limits,
     balances and in-flight count (other customers' traffic) are null. The
-    admin key sees every figure.
+    admin key sees every figure. The remaining figures count the room workers
+    hold in live slices of the layer (allotted admission); `allotted_*` say how much.
     """
 
     scope: Scope
@@ -378,6 +379,8 @@ class LayerStatusResponse(BaseModel):
     )
     remaining_tokens: int | None
     remaining_requests: int | None
+    allotted_tokens: int | None = None
+    allotted_requests: int | None = None
     in_flight: int | None = Field(description="null for a shared layer seen with a tenant key")
     tokens_full_in_seconds: float | None
     requests_full_in_seconds: float | None

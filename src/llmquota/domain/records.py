@@ -328,6 +328,8 @@ class LayerStatus:
     route: str | None
     policy: Policy
     policy_version: int
+    # Room left, counting what workers hold in live slices of the layer
+    # (allotted admission), which `allotted_*` says; None: no such limit.
     tokens: float | None
     requests: float | None
     in_flight: int
@@ -335,6 +337,8 @@ class LayerStatus:
     fallback_models: tuple[str, ...] = ()  # the layer's own, else its plan's
     prepaid: bool = False
     shards: int = 1
+    allotted_tokens: int = 0
+    allotted_requests: int = 0
 
 
 @dataclass(frozen=True, slots=True)

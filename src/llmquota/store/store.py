@@ -329,7 +329,8 @@ class Store:
     async def layer_status(
         self, tenant: str, *, deadline_seconds: float | None = None
     ) -> list[LayerStatus]:
-        """The global layer and the tenant's layers, refilled to now."""
+        """The global layer and the tenant's layers, refilled to now, with the room
+        workers hold in slices of them."""
         rows = await self._fetch("layer_status", tenant, deadline_seconds=deadline_seconds)
         return [
             LayerStatus(
@@ -345,6 +346,8 @@ class Store:
                 fallback_models=tuple(row["fallback_models"]),
                 prepaid=bool(row["prepaid"]),
                 shards=int(row["shards"]),
+                allotted_tokens=int(row["allotted_tokens"]),
+                allotted_requests=int(row["allotted_requests"]),
             )
             for row in rows
         ]

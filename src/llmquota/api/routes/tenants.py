@@ -89,6 +89,8 @@ def _layer_status(layer: LayerStatus, caller: Caller, retry_ms: int) -> LayerSta
         ),
         remaining_tokens=None if layer.tokens is None else math.floor(layer.tokens),
         remaining_requests=None if layer.requests is None else math.floor(layer.requests),
+        allotted_tokens=layer.allotted_tokens,
+        allotted_requests=layer.allotted_requests,
         in_flight=layer.in_flight,
         tokens_full_in_seconds=seconds_until_full(
             layer.tokens, layer.policy.token_burst, layer.policy.tokens_per_minute
