@@ -5,6 +5,7 @@ every tenant inside its token, request and concurrency limits.
 """
 
 from llmquota.admin.sweeper import SweepReport
+from llmquota.admission.heap import settle_after_startup
 from llmquota.admission.limiter import Limiter
 from llmquota.admission.reservation import Reservation, Settlement
 from llmquota.config import Settings
@@ -45,4 +46,5 @@ __all__ = [
     "TenantSuspended",
     "UnknownTenant",
     "UnpricedModel",
+    "settle_after_startup",
 ]

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from llmquota.api.worker_heap import YOUNG_COLLECTION_ALLOCATIONS
+from llmquota.admission.heap import YOUNG_COLLECTION_ALLOCATIONS
 
 SCRIPT = """
 import asyncio, gc, json, sys

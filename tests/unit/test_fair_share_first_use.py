@@ -204,3 +204,58 @@ async def test_a_first_request_that_leaves_before_its_lookup_hands_its_place_on(
     assert 1 <= app.serving <= 4  # looking the key up, in the lane of unknown keys
     app.may_end.set()
     assert statuses(await asyncio.gather(*rest)) == {200: 10}
+
+
+async def test_all_keys_together_wait_no_more_than_the_lanes_of_keys_looked_up_at_once() -> None:
+    # A flood of wrong keys, each with many requests, may not park more requests
+    # than the tenant lanes of the keys looked up at once would take: here 1 key
+    # at a time, a lane of 2 + 1, so 3 in all (and 2 per key).
+    never = asyncio.Event()
+
+    def triage(scope: Scope) -> Triage:
+        return Triage(lane=UNKNOWN_KEYS_LANE, key=scope["key"])
+
+    async def looks_up_for_ever(scope: Scope, receive: Receive, send: Send) -> None:
+        await never.wait()
+
+    middleware = TenantFairShare(
+        looks_up_for_ever,
+        triage=triage,
+        max_in_progress=2,
+        max_waiting=1,
+        unknown_max_in_progress=1,
+        unknown_max_waiting=3,
+    )
+    refusals: list[str] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            refusals.append(json.loads(message["body"])["error"]["message"])
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    def arrive(key: bytes) -> asyncio.Future[None]:
+        scope: Scope = {"type": "http", "path": "/v1/admit", "headers": [], "key": key}
+        return asyncio.ensure_future(middleware(scope, receive, send))
+
+    parked = [arrive(key) for key in (b"a", b"b", b"c", b"d")]  # 1 looking up, 3 queued
+    parked += [arrive(b"a"), arrive(b"a")]  # the per-key bound: 2
+    await asyncio.sleep(0.01)
+    arrive(b"a")
+    parked.append(arrive(b"b"))  # 3 in all
+    await asyncio.sleep(0.01)
+    arrive(b"b")
+    arrive(b"e")  # a fifth key: the lane of unknown keys is full
+    await asyncio.sleep(0.01)
+    assert refusals == [
+        "2 requests with this key are already waiting for its first lookup on this worker; "
+        "retry shortly",
+        "3 requests with keys this worker has not seen yet are already waiting for their "
+        "lookups; retry shortly",
+        "3 requests with keys this worker has not seen yet are already queued; retry shortly",
+    ]
+    assert not any(task.done() for task in parked)
+    for task in parked:
+        task.cancel()
+    await asyncio.gather(*parked, return_exceptions=True)

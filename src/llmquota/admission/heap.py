@@ -1,44 +1,48 @@
-"""A started worker's heap, frozen out of Python's cyclic garbage collector.
+"""A process's heap once it has started: frozen, and collected less often.
 
-The collector's full collections walk every container object the process
-has: a worker that has imported its libraries (SQLAlchemy, FastAPI,
-pydantic, asyncpg) and loaded the policies of 10,000 tenants has about
-160,000, and walking them stops the event loop, and every request waiting
-on it, for 60 to 120 ms on this project's 2-core machine. At 5,000 admissions
-a second such a collection came every few seconds and was the whole of the
-library's p99 (BENCHMARKS.md, "Issue 25, fifth part").
+Measured on a server worker under load (BENCHMARKS.md, "the garbage
+collector"), CPython's cyclic garbage collector took about 43 us of the
+~220 us of CPU each admit request cost: every collection of an older
+generation walks every object the process holds (modules, the app and its
+routes, pydantic's validators, the policy snapshot: some 200,000 objects),
+and the default young-generation threshold (700 allocations) starts a
+collection every few requests. The full collections are also the library's
+tail: under an open loop of 5,000 admissions a second, one came every few
+seconds and stopped the event loop, and every decision waiting on it, for
+60 to 120 ms (BENCHMARKS.md, "Issue 25, fifth part").
 
-Nearly all of those objects live as long as the process: modules, classes,
-functions, the policy cache. `gc.freeze()` moves every object alive now to a
-permanent generation that collections skip (the approach Instagram described
-for its Django workers, and the one the `gc` module documents). Frozen
-objects are still freed when their last reference goes; only a reference
-cycle among them that becomes garbage later is never reclaimed, so the
-collector first collects what is garbage already, and the freeze is done once
-per process, when its first limiter has connected: start-up, not a moment in
-the middle of traffic. A host application that would rather keep its own
-collector as it is sets LLMQUOTA_GC_FREEZE_AT_START=false.
+What exists once a process has started lives as long as the process, so
+`gc.freeze()` takes it out of the collector's sight for good; a request
+allocates a few hundred short-lived objects that reference counting frees,
+so collecting the young generation every 10,000 allocations instead of 700
+keeps a little cyclic garbage a little longer and spends about a
+microsecond per request on collection instead of tens.
+
+`llmquota serve`'s workers do this once started
+(llmquota.api.app.create_app_from_env). The library never does it on its
+own: a frozen object that is later part of a reference cycle is never
+reclaimed, nor is anything it refers to, so freezing is for a moment the
+process's owner chooses, after start-up and before traffic (a process
+that builds many limiters or apps, as the tests do, would keep what it froze
+of each). A latency-sensitive application that embeds the library calls
+`llmquota.settle_after_startup()` itself, once its first limiter has
+connected (README, "The library").
 """
 
 from __future__ import annotations
 
 import gc
-import logging
-import os
 
-log = logging.getLogger(__name__)
-
-# The processes whose start-up heap was frozen (a forked child freezes its own once).
-_FROZEN_IN: set[int] = set()
+YOUNG_COLLECTION_ALLOCATIONS = 10_000
+"""Net allocations of container objects between two young-generation collections."""
 
 
-def freeze_startup_heap(*, enabled: bool = True) -> bool:
-    """Collect, then freeze every object alive, once per process (if `enabled`,
-    LLMQUOTA_GC_FREEZE_AT_START); whether it did now."""
-    if not enabled or os.getpid() in _FROZEN_IN:
-        return False
-    _FROZEN_IN.add(os.getpid())
+def settle_after_startup() -> None:
+    """Collect what start-up left behind, freeze the rest, and collect young objects less often.
+
+    Process-wide: call it once, when the process has started (its limiter
+    connected, its own caches loaded) and before it serves traffic."""
     gc.collect()
     gc.freeze()
-    log.debug("froze %d start-up objects out of the cyclic collector", gc.get_freeze_count())
-    return True
+    _young, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_ALLOCATIONS, middle, old)

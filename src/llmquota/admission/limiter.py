@@ -29,7 +29,6 @@ from llmquota.admission.allotments import Allotments
 from llmquota.admission.batching import Coalescer, isolating, single
 from llmquota.admission.counting import TokenCounter
 from llmquota.admission.estimates import OutputEstimator
-from llmquota.admission.heap import freeze_startup_heap
 from llmquota.admission.outage import FlushReport
 from llmquota.admission.recovery import OutageRecovery
 from llmquota.admission.refusals import RefusalMemory
@@ -115,17 +114,18 @@ class Limiter:
         self._admit_deadlines = DeadlineQueue(self.deadline_seconds, self._admit_timed_out)
         self._finish_deadlines = DeadlineQueue(self.deadline_seconds, self._finish_timed_out)
         if settings.batching:
+            window_seconds = settings.batch_window_ms / 1_000.0
             self._admissions = Coalescer(
                 self._admit_batch,
                 max_batch_size=settings.batch_max_size,
-                window_seconds=settings.batch_window_ms / 1_000.0,
+                window_seconds=window_seconds,
                 max_in_flight=settings.batch_max_running,
                 on_orphan=self.orphans.orphan,
             )
             self._finishes = Coalescer(
                 self._finish_batch,
                 max_batch_size=settings.batch_max_size,
-                window_seconds=settings.batch_window_ms / 1_000.0,
+                window_seconds=window_seconds,
                 max_in_flight=settings.batch_max_running,
             )
 
@@ -151,7 +151,6 @@ class Limiter:
             log.warning("could not load the policy cache at start; will retry", exc_info=True)
         if len(limiter.journal):
             limiter.outage.ensure_recovery()  # entries adopted from a stopped worker's spool
-        freeze_startup_heap(enabled=settings.gc_freeze_at_start)
         return limiter
 
     async def close(self) -> None:

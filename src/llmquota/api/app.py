@@ -33,8 +33,8 @@ from llmquota.admin.decision_flush import decision_counts_flushing
 from llmquota.admin.gauges import UtilizationGauges
 from llmquota.admin.running import maintenance_running
 from llmquota.admin.service import AdminService
+from llmquota.admission.heap import settle_after_startup
 from llmquota.admission.limiter import Limiter
-from llmquota.api import worker_heap
 from llmquota.api.application import Application
 from llmquota.api.auth import Authenticator, Triage
 from llmquota.api.bodylimit import RequestLimits
@@ -146,7 +146,7 @@ def create_app(
         app.state.authenticator = authenticator
         _attach_services(app, limiter, settings)
         if server_worker:
-            worker_heap.settle_after_startup()
+            settle_after_startup()
         try:
             async with _background_tasks(app, limiter, admin, settings, database):
                 yield {HEAD_LIMITS_STATE_KEY: HeadLimits.from_settings(settings)}

@@ -18,7 +18,8 @@ and queues behind itself only; or no lane (admin keys, endpoints that take
 no API key). In the lane of unknown keys, a place is taken per key, not
 per request: the first request with a key takes it, and the key's other
 requests wait until that one is through the key's lookup (as many as the
-tenant's lane would take at once, its permits and its queue), then are
+tenant's lane would take at once, its permits and its queue; all keys
+together, as many as the lanes of the keys looked up at once), then are
 triaged once more and take the lane they are in: the tenant's if the key was
 found, a 401 from memory if not, and the lane of unknown keys itself if the
 store could not say (so that during an outage they share lookups there, 4 at
@@ -103,8 +104,10 @@ class TenantFairShare:
         self.unknown_max_in_progress = unknown_max_in_progress
         self.unknown_max_waiting = unknown_max_waiting
         self._gates: dict[str, _Gate] = {}
-        # Per digest of an unknown key, its first request's lookup to wait for.
+        # Per digest of an unknown key, its first request's lookup to wait for;
+        # and how many requests wait so, all keys together.
         self._first_uses: dict[bytes, _FirstUse] = {}
+        self._following = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Triaged once, or twice for a request that waited for its key's first
@@ -199,20 +202,28 @@ class TenantFairShare:
     async def _followed(self, first: _FirstUse, scope: Scope, send: Send) -> bool:
         """Wait for the first request with the same key to be through its lookup;
         False (and 429) when as many of the key's requests wait already as its
-        tenant's lane would take at once (its permits and its queue)."""
-        bound = self.max_in_progress + self.max_waiting - 1
-        if first.waiting >= bound:
+        tenant's lane would take at once (its permits and its queue), or as many
+        of all keys' as the lanes of the keys looked up at once would take (so
+        that a flood of wrong keys parks no more than that)."""
+        per_key = self.max_in_progress + self.max_waiting - 1
+        in_all = self.unknown_max_in_progress * (self.max_in_progress + self.max_waiting)
+        if first.waiting >= per_key or self._following >= in_all:
             message = (
-                f"{bound} requests with this key are already waiting for its first lookup "
+                f"{per_key} requests with this key are already waiting for its first lookup "
                 "on this worker; retry shortly"
+                if first.waiting >= per_key
+                else f"{in_all} requests with keys this worker has not seen yet are already "
+                "waiting for their lookups; retry shortly"
             )
             await _refuse(send, proxy_kind(scope), message, "unknown_keys")
             return False
         first.waiting += 1
+        self._following += 1
         try:
             await first.through.wait()
         finally:
             first.waiting -= 1
+            self._following -= 1
         return True
 
     def waiting(self, lane: str) -> int:

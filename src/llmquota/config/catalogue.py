@@ -68,7 +68,6 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "batch_window_ms",
             "batch_max_running",
             "admission_synchronous_commit",
-            "gc_freeze_at_start",
         ),
     ),
     (

@@ -3,9 +3,8 @@
 A part of `Settings` (settings.py), which inherits these fields and reads
 them from LLMQUOTA_* variables like every other; kept apart only so that
 each module stays one page of one topic. Never built on its own. What they
-tune is admission/batching.py's Coalescer, the admission statements' commit,
-and the process's garbage collector (admission/heap.py): the three things a
-decision's latency waits on besides the database.
+tune is admission/batching.py's Coalescer and the admission statements'
+commit.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ MAX_BATCHES_IN_FLIGHT = 1_000
 
 
 class GroupAdmissionSettings(BaseSettings):
-    """Batches of admissions and settlements, their commit, and the collector's pauses."""
+    """Batches of admissions and settlements, and their commit."""
 
     batching: bool = Field(
         default=True,
@@ -53,11 +52,4 @@ class GroupAdmissionSettings(BaseSettings):
         description="false: admission statements commit without waiting for the WAL flush "
         "(settlement and the ledger always wait); a crash may then forget the admissions "
         "of its last few hundred milliseconds, see BENCHMARKS.md",
-    )
-    gc_freeze_at_start: bool = Field(
-        default=True,
-        description="when a process's first limiter has connected, move every object alive "
-        "then out of Python's cyclic garbage collector (gc.freeze), so that a full "
-        "collection no longer pauses a started worker for 60-120 ms every few seconds under "
-        "load; false leaves a host application's collector as it is",
     )

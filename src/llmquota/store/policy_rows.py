@@ -57,7 +57,8 @@ class SnapshotLayers:
         layers = []
         if rows:
             columns = list(rows[0].keys())
-            assert columns[_FIRST_LAYER_COLUMN] == "scope" and columns[-1] == "fallback_models"
+            if columns[_FIRST_LAYER_COLUMN] != "scope" or columns[-1] != "fallback_models":
+                raise RuntimeError(f"policy_snapshot's columns are not as expected: {columns}")
         for row in rows:
             # A slice of the record: 0.1 us a row where naming 16 columns took 1.3.
             fallback_models = tuple(row[-1] or ())
