@@ -149,6 +149,8 @@ async def test_status_counts_the_room_workers_hold_in_slices_as_room_left(
     # One token a second of refill: the figures stand still while the test reads them.
     policy = {"tokens_per_minute": 60, "token_burst": 1_000_000, "admission": "allotted"}
     key = await make_tenant(client, admin, "acme", **policy)
+    shared = {"tokens_per_minute": 60, "token_burst": 5_000_000}
+    assert (await client.put("/v1/policies/global", json=shared, headers=admin)).is_success
     admitted = WARM_REQUESTS + 20
     for _ in range(admitted):
         held = await client.post("/v1/admit", json=BODY, headers=key)
@@ -163,7 +165,7 @@ async def test_status_counts_the_room_workers_hold_in_slices_as_room_left(
     for who in (admin, key):
         status = await client.get("/v1/tenants/acme/status", headers=who)
         assert status.status_code == 200, status.text
-        (layer,) = status.json()["layers"]
+        shared_layer, layer = status.json()["layers"]
         assert layer["allotted_tokens"] == in_slices
         assert layer["allotted_requests"] > 0
         # All of the burst but what the admitted requests reserved (and a few
@@ -171,5 +173,13 @@ async def test_status_counts_the_room_workers_hold_in_slices_as_room_left(
         left = 1_000_000 - reserved
         assert left <= layer["remaining_tokens"] <= left + 10, (layer, in_slices)
         assert layer["binding"] is False
+        if who is admin:
+            # The global layer's slices are the same ones (a slice debits every layer).
+            assert shared_layer["allotted_tokens"] == in_slices
+            left = 5_000_000 - reserved
+            assert left <= shared_layer["remaining_tokens"] <= left + 10, shared_layer
+        else:
+            assert shared_layer["allotted_tokens"] is None  # other tenants' traffic
     # The console's page reads the same store call.
-    assert (await app.state.admin.tenant_status("acme"))[0].allotted_tokens == in_slices
+    console = await app.state.admin.tenant_status("acme")
+    assert [layer.allotted_tokens for layer in console] == [in_slices, in_slices]
