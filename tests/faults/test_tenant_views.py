@@ -26,6 +26,8 @@ FIGURES = (
     "limits",
     "remaining_tokens",
     "remaining_requests",
+    "allotted_tokens",
+    "allotted_requests",
     "in_flight",
     "tokens_full_in_seconds",
     "requests_full_in_seconds",
