@@ -67,22 +67,10 @@ async def test_a_burst_after_the_keys_row_changed_is_proxied_in_its_tenants_lane
     assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
     client = stack.openai()
     await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
-    registry = stack.app.state.limiter.metrics.registry
-    lookups = {"purpose": "first", "result": "found"}
-    before = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
     stack.app.state.authenticator.key_changed(key_digest(stack.key))
-
-    async def status() -> int:
-        try:
-            await client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=5)
-        except openai.APIStatusError as refused:
-            return refused.status_code
-        return 200
-
-    statuses = Counter(await asyncio.gather(*(status() for _ in range(90))))
+    statuses, lookups = await burst(stack, 90)
     assert statuses == {200: 90}, statuses
-    after = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
-    assert after - before == 1  # one lookup for the whole burst
+    assert lookups == 1  # one lookup for the whole burst
 
 
 async def test_a_new_keys_first_burst_on_a_cold_worker_is_proxied_whole(stack: Stack) -> None:
@@ -92,10 +80,18 @@ async def test_a_new_keys_first_burst_on_a_cold_worker_is_proxied_whole(stack: S
     keys, 4 served and 64 queued, once refused the rest of such a burst)."""
     policy = {"tokens_per_minute": 10_000_000, "token_burst": 5_000_000}
     assert (await stack.admin.put("/v1/tenants/acme/policy", json=policy)).is_success
+    statuses, lookups = await burst(stack, 150)
+    assert statuses == {200: 150}, statuses
+    assert lookups == 1
+
+
+async def burst(stack: Stack, completions: int) -> tuple[Counter[int], float]:
+    """`completions` chat completions at once with the stack's key: the status of
+    each answer, and the key lookups the worker made meanwhile."""
     client = stack.openai()
     registry = stack.app.state.limiter.metrics.registry
-    lookups = {"purpose": "first", "result": "found"}
-    before = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
+    found = {"purpose": "first", "result": "found"}
+    before = registry.get_sample_value("llmquota_key_lookups_total", found) or 0.0
 
     async def status() -> int:
         try:
@@ -104,7 +100,6 @@ async def test_a_new_keys_first_burst_on_a_cold_worker_is_proxied_whole(stack: S
             return refused.status_code
         return 200
 
-    statuses = Counter(await asyncio.gather(*(status() for _ in range(150))))
-    assert statuses == {200: 150}, statuses
-    after = registry.get_sample_value("llmquota_key_lookups_total", lookups) or 0.0
-    assert after - before == 1
+    statuses = Counter(await asyncio.gather(*(status() for _ in range(completions))))
+    after = registry.get_sample_value("llmquota_key_lookups_total", found) or 0.0
+    return statuses, after - before
