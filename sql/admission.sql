@@ -346,9 +346,9 @@ $$;
 -- into the statements that lock them. Plus the layers of the requests' API
 -- keys (p_key_ids: the key that asked, per request; NULL: none, or the admin),
 -- probed by the key (a key without limits has no layer).
--- lq_admit_decide's fast path (3a) locks this set, or more, by a WHERE of
--- its own, and its step (3) counts on that (it then waits for no layer):
--- a layer added here is added there.
+-- lq_admit_at_once (the fast path, 3a) locks this set, or more, by a WHERE
+-- of its own, and lq_lock_layers (3) counts on that (it then waits for no
+-- layer): a layer added here is added there.
 -- p_key_ids was added (limits per API key): the old signature goes.
 DROP FUNCTION IF EXISTS lq_batch_layers(text[], text[], boolean);
 CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
@@ -504,240 +504,64 @@ CREATE OR REPLACE FUNCTION lq_admit_decide(
     p_pool  boolean          -- lock every global shard and pool them
 ) RETURNS SETOF lq_admit_result
 LANGUAGE plpgsql
--- Generic plans: each statement inside is planned once per session and probes
--- indexes whatever the batch size. (Custom plans were re-planned on every call,
--- and for a batch of many distinct tenants chose a hash join over a sequential
--- scan of limit_layers: twice the time of the whole statement.)
+-- Generic plans: each statement inside (and inside its steps) is planned once
+-- per session and probes indexes whatever the batch size. (Custom plans were
+-- re-planned on every call, and for a batch of many distinct tenants chose a
+-- hash join over a sequential scan of limit_layers: twice the time of the
+-- whole statement.)
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    -- The batch's fields, by the names the steps below use (p_batch.x reads
-    -- the composite again on every use; a local array is read in place).
-    p_tenants              text[] := p_batch.tenants;
-    p_routes               text[] := p_batch.routes;
-    p_models               text[] := p_batch.models;
-    p_input_tokens         bigint[] := p_batch.input_tokens;
-    p_max_tokens           bigint[] := p_batch.max_tokens;
-    p_input_estimated      boolean[] := p_batch.input_estimated;
-    p_lease_seconds        integer[] := p_batch.lease_seconds;
-    p_idempotency_keys     text[] := p_batch.idempotency_keys;
-    p_request_hashes       text[] := p_batch.request_hashes;
-    p_concurrency_retry_ms integer := p_batch.concurrency_retry_ms;
-    p_priorities           smallint[] := p_batch.priorities;
-    p_priority_any         boolean[] := p_batch.priority_any;
-    p_degrade              boolean[] := p_batch.degrade;
-    p_alt_ord              integer[] := p_batch.alt_ord;
-    p_alt_models           text[] := p_batch.alt_models;
-    p_alt_inputs           bigint[] := p_batch.alt_inputs;
-    p_output_reserve       bigint[] := p_batch.output_reserve;
-    p_reservation_ids      uuid[] := p_batch.reservation_ids;
-    p_key_ids              bigint[] := p_batch.key_ids;
-    p_alt_outputs          bigint[] := p_batch.alt_outputs;
-    p_serving_paths        text[] := p_batch.serving_paths;
-    p_up_ord               integer[] := p_batch.up_ord;
-    p_up_models            text[] := p_batch.up_models;
-    p_up_names             text[] := p_batch.up_names;
-    p_up_rules             text[] := p_batch.up_rules;
-    n            integer := coalesce(cardinality(p_tenants), 0);
-    now_ts       timestamptz;
-    -- Every model a candidate of this batch may name, and the ceilings each matches.
-    m_all        text[];
-    mc_model     text[];
-    mc_layer     bigint[];
-    mc_upstream  text[];     -- the deployment the ceiling is scoped to (NULL: every one)
-    -- The locked layers, in layer_id order. Position i describes one layer;
-    -- l_key is 'g/<shard>', 't/<tenant>', 'r/<tenant>/<route>' or 'c/<ceiling>'.
-    l_id         bigint[];
-    l_key        text[];
-    l_scope      text[];
-    l_name       text[];
-    l_tpm        bigint[];
-    l_tburst     bigint[];
-    l_rpm        bigint[];
-    l_rburst     bigint[];
-    l_max_if     integer[];
-    l_lease      integer[];
-    l_version    bigint[];
-    l_tokens     double precision[];
-    l_requests   double precision[];
-    l_in_flight  integer[];
-    l_refilled   timestamptz[];
-    l_priority   smallint[];
-    l_plan       text[];
-    l_fallback   text[];     -- each layer's default list, as array text '{a,b}'
-    l_allowed    text[];     -- a key layer's allowed models (LIKE patterns), as array text
-    l_ladder     boolean[];  -- a ceiling with a shedding ladder
-    l_rcost      integer[];  -- a tenant's or route's request_cost (NULL: not set)
-    l_uconc      boolean[];  -- and uses_concurrency
-    -- Ladder steps of every locked ceiling, flattened: step x belongs to layer s_pos[x].
-    s_pos        integer[];
-    s_above      double precision[];
-    s_admit      smallint[];
-    s_small      bigint[];
-    -- Each request's global (shard), tenant and route layer: positions in l_*.
-    x_gi         integer[];
-    x_ti         integer[];
-    x_ri         integer[];
-    x_ki         integer[];  -- and its API key's layer (NULL: none)
-    -- What each request counts as: requests on the request rates, and
-    -- permits (1 or 0): its route's, else its tenant's, else one of each.
-    x_rc         integer[];
-    x_pm         integer[];
-    -- The global layer's shard count, and when pooled (p_pool and more than
-    -- one shard): the positions of its rows, their own bursts, and the
-    -- permits held on the rows other than the first (which stands for all).
-    g_shards     smallint;
-    pooled       boolean := false;
-    g_pos        integer[];
-    g_tburst     bigint[];
-    g_rburst     bigint[];
-    g_other_if   integer;
-    ids          bigint[];
-    -- Explicit fallbacks of request k: p_alt_*[x_first[k] .. x_first[k] + x_count[k] - 1].
-    x_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
-    x_count      integer[] := array_fill(0, ARRAY[n]);
-    -- Deployments of request k: p_up_*[u_first[k] .. u_first[k] + u_count[k] - 1].
-    u_first      integer[] := array_fill(NULL::integer, ARRAY[n]);
-    u_count      integer[] := array_fill(0, ARRAY[n]);
-    -- Per-request results, indexed by request position.
-    r_status     text[] := array_fill(NULL::text, ARRAY[n]);
-    r_id         uuid[] := array_fill(NULL::uuid, ARRAY[n]);
-    r_reserved   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_expires    timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
-    r_generation integer[] := array_fill(NULL::integer, ARRAY[n]);
-    r_kind       text[] := array_fill(NULL::text, ARRAY[n]);
-    r_scope      text[] := array_fill(NULL::text, ARRAY[n]);
-    r_wait       bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_capacity   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_rem_tok    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_rem_req    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_rem_if     integer[] := array_fill(NULL::integer, ARRAY[n]);
-    r_t_tpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_t_tburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_t_tokens   double precision[] := array_fill(NULL::double precision, ARRAY[n]);
-    r_t_rpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_t_rburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_t_requests double precision[] := array_fill(NULL::double precision, ARRAY[n]);
-    -- The binding token layer (X-TokenLimit-* headers): the token layer that
-    -- refused, else the one with the least left, after the decision.
-    r_b_tpm      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_b_tburst   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_b_tokens   double precision[] := array_fill(NULL::double precision, ARRAY[n]);
-    r_model      text[] := array_fill(NULL::text, ARRAY[n]);
-    r_input      bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_degraded   boolean[] := array_fill(false, ARRAY[n]);
-    r_reason     text[] := array_fill(NULL::text, ARRAY[n]);
-    r_ceiling    text[] := array_fill(NULL::text, ARRAY[n]);
-    r_util       double precision[] := array_fill(NULL::double precision, ARRAY[n]);
-    r_priority   smallint[] := array_fill(NULL::smallint, ARRAY[n]);
-    r_plan       text[] := array_fill(NULL::text, ARRAY[n]);
-    r_alt_max    bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_alt_models text[] := array_fill('{}'::text, ARRAY[n]);  -- array text, as l_fallback
-    r_quota      text[] := array_fill(NULL::text, ARRAY[n]);
-    r_resets     timestamptz[] := array_fill(NULL::timestamptz, ARRAY[n]);
-    r_zone       text[] := array_fill(NULL::text, ARRAY[n]);
-    r_credit     numeric[] := array_fill(NULL::numeric, ARRAY[n]);
-    r_upstream   text[] := array_fill(NULL::text, ARRAY[n]);
-    r_path       text[] := array_fill(NULL::text, ARRAY[n]);  -- the serving path journaled
-    -- Calendar quotas of the batch's tenants, their current windows locked
-    -- (step 4b): running usage (reserved + charged) and what this batch adds.
-    has_quotas   boolean := false;
-    -- The fast path (3a) ran, did not fit, and holds the batch's layers.
-    fast_held    boolean := false;
-    q_id         bigint[];
-    q_name       text[];
-    q_tenant     text[];
-    q_route      text[];
-    q_key        bigint[];   -- a key's quota: that key's id (NULL: the tenant's or route's)
-    q_patterns   text[];     -- as array text, as l_fallback
-    q_tokens     bigint[];
-    q_cost       numeric[];
-    q_block      boolean[];
-    q_end        timestamptz[];
-    q_zone       text[];
-    q_used_tok   numeric[];
-    q_used_cost  numeric[];
-    q_add_tok    bigint[];
-    q_add_cost   numeric[];
-    -- Prices in force of the candidate models (USD per million tokens).
-    pr_model     text[];
-    pr_in        numeric[];
-    pr_out       numeric[];
-    -- Prepaid balances of the batch's tenants (locked), running.
-    l_prepaid    boolean[];
-    l_start      double precision[];  -- balances before this batch (unchanged rows are not written)
-    l_requests_start double precision[];  -- and request balances and permits before it:
-    l_in_flight_start integer[];          -- (6) writes only the layers the batch changed
+    n          integer := coalesce(cardinality(p_batch.tenants), 0);
+    now_ts     timestamptz;
+    models     text[];               -- (2) every model a candidate may name
+    ceilings   lq_model_ceiling[];   -- (2) and the ceilings each matches
+    fast_held  boolean := false;     -- (3a) ran, did not fit, holds the batch's layers
+    layers     lq_locked_layer[];    -- (3) the locked layers, in layer_id order; running
+    refilled   lq_locked_layer[];    -- (4) as refilled, before pooling and debits
+    layer_ids  bigint[];
+    shards     smallint;             -- the global layer's shard count
+    pooled     boolean;
+    prepaid    boolean;              -- some tenant of the batch is prepaid
+    requests   lq_admit_request[];
+    has_quotas boolean;
+    quotas     lq_quota_hold[];      -- (4b) with their running usage
+    prices     lq_model_price[];
+    credits    lq_credit_hold[];
+    results    lq_admit_result[] := '{}';   -- per request, in order
+    journal    reservations[] := '{}';      -- (7) the admitted ones' rows
+    -- Idempotency keys admitted earlier in this batch ('tenant/key'), and by which request.
+    b_key      text[] := '{}';
+    b_ord      integer[] := '{}';
     -- Nothing written by this transaction before this statement: a batch that
     -- admits nothing may then commit without waiting for a WAL flush (6).
-    fresh_xact   boolean := pg_current_xact_id_if_assigned() IS NULL
-                            AND transaction_timestamp() = statement_timestamp();
-    cr_tenant    text[];
-    cr_avail     numeric[];
-    cr_add       numeric[];
-    -- Admitted requests, for the single INSERT at the end.
-    a_ord        integer[] := '{}';
-    a_layers     text[] := '{}';     -- layer ids as '{1,2,3}' text; parsed in the INSERT
-    a_version    bigint[] := '{}';
-    a_lease      integer[] := '{}';
-    a_quotas     text[] := '{}';     -- quota ids as '{1,2}' text
-    a_cost       numeric[] := '{}';
-    a_credit     numeric[] := '{}';
-    -- Idempotency keys admitted earlier in this same batch.
-    b_key        text[] := '{}';
-    b_ord        integer[] := '{}';
-    -- The candidates of one request: [1] the requested model, then its fallbacks.
-    c_models     text[];
-    c_inputs     bigint[];
-    c_outputs    bigint[];   -- output to reserve, NULL: max_tokens
-    c_ups        text[];     -- the deployment tried (NULL: none named)
-    c_fb         boolean[];  -- a fallback model (not the requested one)
-    c            integer;
-    fits         text[];
-    k            integer;
-    j            integer;
-    x            integer;
-    gi           integer;
-    ti           integer;
-    ri           integer;
-    prio         smallint;
-    layers       integer[];
-    refused_layers integer[];
-    budget       text;       -- a quota or credit refusal of the candidate
-    q_hit        integer;
-    qs           integer[];
-    qid          bigint;
-    money        numeric;
-    avail        numeric;
-    cost         bigint;
-    wait_ms      bigint;
-    floor_tokens double precision;
-    room         double precision;
-    best_room    double precision;
-    blocked      boolean;
-    too_cap      bigint;
-    too_scope    text;
-    too_name     text;
-    too_j        integer;    -- the layer of too_cap
-    rq_too_j     integer;    -- a layer whose request_burst is below the request's cost
-    tok_wait     bigint;     -- the longest wait for tokens, and its layer
-    tok_j        integer;
-    refused_j    integer;    -- the token layer that refused the requested model
-    bind_j       integer;
-    best_wait    bigint;
-    best_kind    text;
-    best_scope   text;
-    best_reason  text;
-    best_name    text;
-    best_util    double precision;
-    rem_tok      double precision;
-    rem_req      double precision;
-    rem_if       integer;
-    version      bigint;
-    prior        record;
-    -- A balance within this of the cost counts as enough: refill arithmetic is
-    -- floating point and must not refuse a request for a billionth of a token.
-    epsilon      constant double precision := 1e-6;
+    fresh_xact boolean := pg_current_xact_id_if_assigned() IS NULL
+                          AND transaction_timestamp() = statement_timestamp();
+    -- (5) one request at a time
+    rq         lq_admit_request;
+    res        lq_admit_result;
+    ten        lq_locked_layer;      -- its tenant layer
+    prio       smallint;
+    prior      record;               -- a reservation of its idempotency key
+    cands      lq_admit_candidate[];
+    cand       lq_admit_candidate;
+    at         integer[];            -- a candidate's layers: places in `layers`
+    cost       bigint;
+    cap        lq_capacity_verdict;
+    bud        lq_budget_verdict;
+    lease      integer;
+    fits       text[];               -- fallbacks that would fit (not degrading)
+    refused_at integer[];            -- the requested model's layers, refused,
+    refused_j  integer;              -- and the token layer that refused it
+    rs         reservations;
+    rem_tok    double precision;
+    rem_req    double precision;
+    rem_if     integer;
+    bind_j     integer;
+    k          integer;
+    c          integer;
+    j          integer;
+    x          integer;
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -745,1050 +569,1287 @@ BEGIN
 
     -- (1) Serialize requests that share an idempotency key, so that the
     -- second one sees the first one's committed reservation below.
-    IF cardinality(array_remove(p_idempotency_keys, NULL)) > 0 THEN
-        PERFORM lq_lock_idempotency_keys(p_tenants, p_idempotency_keys);
+    IF cardinality(array_remove(p_batch.idempotency_keys, NULL)) > 0 THEN
+        PERFORM lq_lock_idempotency_keys(p_batch.tenants, p_batch.idempotency_keys);
     END IF;
 
-    -- (2) Every model a candidate may name: requested, explicit fallbacks, and
-    -- the default lists of the batch's tenants and routes. Those lists are
-    -- policy, read here without a lock; a default model added after this
-    -- read is not tried in this statement (step 5 skips it), so the set of
-    -- ceilings locked below covers every candidate that is tried. Without
-    -- any ceiling there is nothing to find: the step is skipped (a ceiling
-    -- created meanwhile applies from the next statement on).
-    IF EXISTS (SELECT 1 FROM limit_layers AS c WHERE c.scope = 'ceiling') THEN
-    SELECT array_agg(DISTINCT m.model)
-      INTO m_all
-      FROM (SELECT unnest(p_models) AS model
-            UNION ALL
-            SELECT unnest(p_alt_models)
-            UNION ALL
-            SELECT unnest(d.fallback_models)
-              FROM unnest(p_tenants, p_routes) AS u(t, r)
-              JOIN limit_layers AS d
-                ON d.scope IN ('tenant', 'route') AND d.tenant = u.t
-               AND d.route IS NOT DISTINCT FROM (CASE WHEN d.scope = 'route' THEN u.r END)
-               AND d.ceiling IS NULL) AS m
-     WHERE m.model IS NOT NULL;
-
-    -- The ceilings each of those models matches (ceilings are few: a scan of
-    -- the partial index over them).
-    SELECT array_agg(m.model ORDER BY c.layer_id), array_agg(c.layer_id ORDER BY c.layer_id),
-           array_agg(c.upstream ORDER BY c.layer_id)
-      INTO mc_model, mc_layer, mc_upstream
-      FROM limit_layers AS c
-      JOIN unnest(m_all) AS m(model) ON m.model LIKE ANY (c.model_patterns)
-     WHERE c.scope = 'ceiling';
+    -- (2) The candidate models and the ceilings they match. Without any
+    -- ceiling there is nothing to find: skipped (a ceiling created meanwhile
+    -- applies from the next statement on).
+    IF EXISTS (SELECT 1 FROM limit_layers AS l WHERE l.scope = 'ceiling') THEN
+        models := lq_batch_models(p_batch, NULL);
+        ceilings := lq_model_ceilings(models);
     END IF;
 
-    -- (3a) The fast path, one statement: when no request of the batch
-    -- touches a provider ceiling or a quota and none has an idempotency key
-    -- (fallbacks do not matter: where every request fits, each is admitted
-    -- as asked, as (5) would), this statement locks the batch's layers (every
-    -- global shard with p_pool; in layer_id order), refills them
-    -- to one clock read once all are locked, and, when every tenant is known,
-    -- none is prepaid, no locked layer weighs its calls (request_cost,
-    -- uses_concurrency: every call here is one request and one permit, the
-    -- journal's defaults) and every layer has room for everything the batch asks
-    -- of it, admits every request in order, as the one-by-one decision of
-    -- (5) would. Each request's figures are then running sums per layer (a
-    -- window over the requests in array order), so debiting the layers,
-    -- journaling the reservations and answering need no loop. `fits` checks
-    -- exactly the conditions of (5) (too large, tokens, requests, permits)
-    -- against those running sums; when any fails, nothing here writes or
-    -- returns, the locks stay held, and (3) onwards decides (never waiting
-    -- for a lock again: see there). The property test of batched == one by
-    -- one covers both paths.
-    has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_tenants));
-    IF NOT has_quotas AND mc_layer IS NULL
-       AND coalesce(cardinality(array_remove(p_idempotency_keys, NULL)), 0) = 0 THEN
-        RETURN QUERY
-        WITH locked AS MATERIALIZED (
-            SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.shard, ll.shards,
-                   ll.tokens_per_minute AS tpm, ll.token_burst AS tburst,
-                   ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
-                   ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
-                   ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
-                   ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id,
-                   ll.request_cost, ll.uses_concurrency
-              FROM limit_layers AS ll
-             -- one bitmap of index scans on the layer key: the global rows (of
-             -- a sharded layer, the batch's shards), the batch's tenants, and
-             -- the routes named (a route of a batch tenant named by another
-             -- request is locked too, and only refilled)
-             WHERE ll.ceiling IS NULL
-               AND ((ll.scope = 'global' AND ll.tenant IS NULL AND ll.route IS NULL
-                     AND (ll.shards = 1 OR p_pool
-                          OR ll.shard = ANY (SELECT lq_tenant_shard(u.t, ll.shards)
-                                               FROM unnest(p_tenants) AS u(t))))
-                    OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
-                    OR (ll.scope = 'route' AND ll.tenant = ANY (p_tenants)
-                        AND ll.route = ANY (p_routes))
-                    OR (ll.api_key_id = ANY (p_key_ids) AND ll.scope = 'key'))
-             ORDER BY ll.layer_id
-               FOR UPDATE
-        ), clock AS (
-            -- read once every row is locked (the aggregate consumes them all)
-            SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS ts,
-                   coalesce(bool_or(l.prepaid), false) AS prepaid,
-                   -- a weighted call (request_cost, uses_concurrency) is left to (5)
-                   coalesce(bool_or(l.request_cost IS NOT NULL OR l.uses_concurrency IS NOT NULL),
-                            false) AS weighted
-              FROM locked AS l
-        ), layer AS (
-            SELECT l.*, c.ts,
-                   lq_refilled(l.tokens, l.tpm, l.tburst, l.refilled_at, c.ts) AS tokens_now,
-                   lq_refilled(l.requests, l.rpm, l.rburst, l.refilled_at, c.ts) AS requests_now
-              FROM locked AS l, clock AS c
-        ), req AS (
-            SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
-              FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
-                   WITH ORDINALITY AS u(t, r, inp, mx, res, o)
-        ), ups AS (
-            -- the deployment each request goes to: the first named for its
-            -- model (no ceiling here to choose by)
-            SELECT d.o AS k, (array_agg(d.name ORDER BY d.i))[1] AS name
-              FROM unnest(p_up_ord, p_up_models, p_up_names) WITH ORDINALITY AS d(o, m, name, i)
-             WHERE d.m = p_models[d.o]
-             GROUP BY d.o
-        ), pairs AS (
-            -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
-            -- 4 its key's
-            SELECT q.k, q.cost, 1 AS pos, l.layer_id
-              FROM req AS q JOIN layer AS l
-                ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
-            UNION ALL
-            SELECT q.k, q.cost, 2, l.layer_id
-              FROM req AS q JOIN layer AS l ON l.scope = 'tenant' AND l.tenant = q.t
-            UNION ALL
-            SELECT q.k, q.cost, 3, l.layer_id
-              FROM req AS q JOIN layer AS l
-                ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
-            UNION ALL
-            SELECT q.k, q.cost, 4, l.layer_id
-              FROM req AS q JOIN layer AS l
-                ON l.scope = 'key' AND l.api_key_id = p_key_ids[q.k]
-        ), running AS (
-            SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
-                   l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
-                   l.requests_now, sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
-              FROM pairs AS p JOIN layer AS l USING (layer_id)
-            WINDOW w AS (PARTITION BY p.layer_id ORDER BY p.k)
-        ), fits AS (
-            SELECT coalesce(bool_and(
-                       (r.tpm IS NULL
-                        OR (r.cost <= r.tburst AND r.tokens_now - r.tok_used + epsilon >= 0))
-                       AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
-                       AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
-                   AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
-                   -- every request has its global shard, unless there is no global
-                   -- layer (a shard count changed meanwhile leaves one unlocked)
-                   AND (count(*) FILTER (WHERE r.pos = 1) = n
-                        OR NOT EXISTS (SELECT 1 FROM limit_layers AS g WHERE g.scope = 'global'))
-                   AND NOT (SELECT c.prepaid OR c.weighted FROM clock AS c) AS ok
-              FROM running AS r
-        ), decided AS (
-            SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
-                   coalesce(p_reservation_ids[r.k], gen_random_uuid()) AS id,
-                   coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
-                            min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
-                   array_agg(r.layer_id ORDER BY r.pos) AS ids,
-                   max(r.version) AS version,
-                   min(r.tokens_now - r.tok_used) AS rem_tok,
-                   min(r.requests_now - r.req_used) AS rem_req,
-                   min(r.max_if - r.in_flight - r.req_used) AS rem_if,
-                   min(r.tpm) FILTER (WHERE r.pos = 2) AS t_tpm,
-                   min(r.tburst) FILTER (WHERE r.pos = 2) AS t_tburst,
-                   min(r.tokens_now - r.tok_used) FILTER (WHERE r.pos = 2) AS t_tokens,
-                   min(r.rpm) FILTER (WHERE r.pos = 2) AS t_rpm,
-                   min(r.rburst) FILTER (WHERE r.pos = 2) AS t_rburst,
-                   min(r.requests_now - r.req_used) FILTER (WHERE r.pos = 2) AS t_requests,
-                   min(r.priority) FILTER (WHERE r.pos = 2) AS t_priority,
-                   min(r.plan) FILTER (WHERE r.pos = 2) AS t_plan,
-                   -- the binding token layer: the least left, the first in
-                   -- layer order on a tie, as (5) finds it
-                   (array_agg(r.tpm ORDER BY r.tokens_now - r.tok_used, r.pos)
-                        FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tpm,
-                   (array_agg(r.tburst ORDER BY r.tokens_now - r.tok_used, r.pos)
-                        FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tburst,
-                   min(r.tokens_now - r.tok_used) FILTER (WHERE r.tpm IS NOT NULL) AS b_tokens
-              FROM running AS r, fits
-             WHERE fits.ok
-             GROUP BY r.k
-        ), debited AS (
-            -- every locked layer: its refill state, less what the batch takes
-            UPDATE limit_layers AS ll
-               SET tokens = l.tokens_now - CASE WHEN l.tpm IS NULL THEN 0
-                                                ELSE coalesce(d.tokens, 0) END,
-                   requests = l.requests_now - CASE WHEN l.rpm IS NULL THEN 0
-                                                    ELSE coalesce(d.requests, 0) END,
-                   in_flight = l.in_flight + coalesce(d.requests, 0)::integer,
-                   refilled_at = l.ts
-              FROM fits, layer AS l
-                   LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, count(*) AS requests
-                                FROM pairs AS p GROUP BY p.layer_id) AS d USING (layer_id)
-             -- by key, not by the locked version's ctid: that version may be
-             -- newer than this statement's snapshot (committed while we waited
-             -- for its lock), and the UPDATE finds it from the visible one
-             WHERE fits.ok AND ll.layer_id = l.layer_id
-        ), journal AS (
-            -- the requested model only (this path never degrades): its
-            -- serving path is the caller's (queued), NULL for primary
-            INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
-                                      input_tokens, input_estimated, max_tokens, reserved_tokens,
-                                      policy_version, created_at, lease_seconds, lease_expires_at,
-                                      idempotency_key, request_hash, serving_path, upstream)
-            SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
-                   p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
-                   d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
-                   NULL, p_request_hashes[d.k], p_serving_paths[d.k], u.name
-              FROM decided AS d LEFT JOIN ups AS u USING (k)
-        )
-        SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
-               NULL::text, NULL::text, NULL::bigint, NULL::bigint,
-               floor(d.rem_tok)::bigint, floor(d.rem_req)::bigint, d.rem_if::integer,
-               d.t_tpm, d.t_tburst, d.t_tokens, d.t_rpm, d.t_rburst, d.t_requests,
-               p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
-               NULL::double precision,
-               lq_priority(p_priorities[d.k], p_priority_any[d.k], d.t_priority),
-               d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
-               NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens, u.name
-          FROM decided AS d LEFT JOIN ups AS u USING (k)
-         ORDER BY d.k;
+    -- (3a) No ceiling, quota or idempotency key: the fast path, when it fits.
+    has_quotas := EXISTS (SELECT 1 FROM quotas AS q WHERE q.tenant = ANY (p_batch.tenants));
+    IF NOT has_quotas AND ceilings IS NULL
+       AND coalesce(cardinality(array_remove(p_batch.idempotency_keys, NULL)), 0) = 0 THEN
+        RETURN QUERY SELECT * FROM lq_admit_at_once(p_batch, p_pool);
         IF FOUND THEN
             RETURN;
         END IF;
         fast_held := true;
     END IF;
 
-    -- (3) Lock every layer any request touches, in layer_id order. FOR UPDATE
-    -- re-reads a row changed by a transaction we waited for, so the balances
-    -- below are the latest committed ones. The arrays come from one pass over
-    -- the locked rows, so position i of each describes the same layer.
-    --
-    -- After the fast path (fast_held) this statement locks SKIP LOCKED and
-    -- never waits. That path did not fit and still holds its layers, and
-    -- this statement's snapshot is newer than its: a layer committed in
-    -- between (a new tenant, route or key layer, the global shard a new
-    -- shard count gives a tenant, a layer whose layer_id was drawn before
-    -- another's but committed after it) may sort below one it holds.
-    -- Waiting for that layer would wait for a lower layer_id while holding
-    -- a higher one, out of the order above, and a transaction locking in
-    -- order could deadlock with this one (PostgreSQL fails one of them).
-    -- Not waiting loses nothing the fast path saw: it locked every layer of
-    -- this set that its snapshot saw (the set, lq_batch_layers', is within
-    -- its WHERE, whose routes are a superset; and it runs only without
-    -- ceilings), and a lock of our own never blocks us. A layer it did not
-    -- see is locked if free; one another transaction holds is left out, and
-    -- the batch is decided as if that layer had been created just after it
-    -- (it was committed after the batch began; linearizable, the batch
-    -- first): a tenant's layer left out makes its requests unknown_tenant, a
-    -- route or key layer left out does not bind, and a global shard left
-    -- out is not counted (unpooled, its requests lack their shard: LQ001,
-    -- and lq_admit decides again pooled once the subtransaction's rollback
-    -- released these locks; pooled, the batch pools the shards it holds).
-    -- A lock taken without waiting cannot close a cycle.
-    -- Written twice, so that no path pays for it: releasing the fast path's
-    -- locks to lock again in order would need a subtransaction around it on
-    -- every call; taking its locks in a statement of its own, to know them,
-    -- costs each call another probe of every layer; one statement with both
-    -- lock modes (a UNION ALL) costs each call of this step starting both.
-    IF NOT fast_held THEN
-    SELECT array_agg(x.layer_id),
-           array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
-                                  WHEN 'tenant' THEN 't/' || x.tenant
-                                  WHEN 'ceiling' THEN 'c/' || x.ceiling
-                                  WHEN 'key' THEN 'k/' || x.api_key_id
-                                  ELSE 'r/' || x.tenant || '/' || x.route END),
-           array_agg(x.scope),
-           array_agg(x.ceiling),
-           array_agg(x.tokens_per_minute),
-           array_agg(x.token_burst),
-           array_agg(x.requests_per_minute),
-           array_agg(x.request_burst),
-           array_agg(x.max_in_flight),
-           array_agg(x.lease_seconds),
-           array_agg(x.policy_version),
-           array_agg(x.tokens),
-           array_agg(x.requests),
-           array_agg(x.in_flight),
-           array_agg(x.refilled_at),
-           array_agg(x.priority),
-           array_agg(x.plan),
-           array_agg(x.fallback_models::text),
-           array_agg(x.allowed_models::text),
-           array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
-           array_agg(x.prepaid),
-           array_agg(x.request_cost),
-           array_agg(x.uses_concurrency),
-           max(x.refilled_at),
-           max(x.shards) FILTER (WHERE x.scope = 'global')
-      INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
-           l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_allowed, l_ladder, l_prepaid, l_rcost, l_uconc, now_ts, g_shards
-      FROM (SELECT ll.*
-              FROM limit_layers AS ll
-             WHERE ll.layer_id IN (
-                       SELECT b.layer_id
-                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_ids) AS b(layer_id)
-                       UNION
-                       SELECT unnest(mc_layer))
-             ORDER BY ll.layer_id
-               FOR UPDATE) AS x;
-    ELSE
-    -- The same statement, SKIP LOCKED (tests/unit/test_lock_order_sql.py
-    -- keeps the two alike).
-    SELECT array_agg(x.layer_id),
-           array_agg(CASE x.scope WHEN 'global' THEN 'g/' || x.shard
-                                  WHEN 'tenant' THEN 't/' || x.tenant
-                                  WHEN 'ceiling' THEN 'c/' || x.ceiling
-                                  WHEN 'key' THEN 'k/' || x.api_key_id
-                                  ELSE 'r/' || x.tenant || '/' || x.route END),
-           array_agg(x.scope),
-           array_agg(x.ceiling),
-           array_agg(x.tokens_per_minute),
-           array_agg(x.token_burst),
-           array_agg(x.requests_per_minute),
-           array_agg(x.request_burst),
-           array_agg(x.max_in_flight),
-           array_agg(x.lease_seconds),
-           array_agg(x.policy_version),
-           array_agg(x.tokens),
-           array_agg(x.requests),
-           array_agg(x.in_flight),
-           array_agg(x.refilled_at),
-           array_agg(x.priority),
-           array_agg(x.plan),
-           array_agg(x.fallback_models::text),
-           array_agg(x.allowed_models::text),
-           array_agg(coalesce(cardinality(x.shed_above), 0) > 0),
-           array_agg(x.prepaid),
-           array_agg(x.request_cost),
-           array_agg(x.uses_concurrency),
-           max(x.refilled_at),
-           max(x.shards) FILTER (WHERE x.scope = 'global')
-      INTO l_id, l_key, l_scope, l_name, l_tpm, l_tburst, l_rpm, l_rburst, l_max_if, l_lease,
-           l_version, l_tokens, l_requests, l_in_flight, l_refilled, l_priority, l_plan,
-           l_fallback, l_allowed, l_ladder, l_prepaid, l_rcost, l_uconc, now_ts, g_shards
-      FROM (SELECT ll.*
-              FROM limit_layers AS ll
-             WHERE ll.layer_id IN (
-                       SELECT b.layer_id
-                         FROM lq_batch_layers(p_tenants, p_routes, p_pool, p_key_ids) AS b(layer_id)
-                       UNION
-                       SELECT unnest(mc_layer))
-             ORDER BY ll.layer_id
-               FOR UPDATE SKIP LOCKED) AS x;
-    END IF;
-
-    -- The ladders of the locked ceilings, flattened.
-    IF mc_layer IS NOT NULL THEN
-    SELECT array_agg(array_position(l_id, c.layer_id) ORDER BY c.layer_id, s.o),
-           array_agg(s.above ORDER BY c.layer_id, s.o),
-           array_agg(s.admit ORDER BY c.layer_id, s.o),
-           array_agg(s.small ORDER BY c.layer_id, s.o)
-      INTO s_pos, s_above, s_admit, s_small
-      FROM limit_layers AS c,
-           unnest(c.shed_above, c.shed_admit, c.shed_small) WITH ORDINALITY AS s(above, admit, small, o)
-     WHERE c.layer_id = ANY (mc_layer);
-    END IF;
-
-    -- Where each request's explicit fallbacks are (they come grouped by request).
-    FOR x IN 1 .. coalesce(cardinality(p_alt_ord), 0) LOOP
-        IF x_first[p_alt_ord[x]] IS NULL THEN
-            x_first[p_alt_ord[x]] := x;
-        END IF;
-        x_count[p_alt_ord[x]] := x_count[p_alt_ord[x]] + 1;
-    END LOOP;
-    -- And its deployments (grouped by request too).
-    FOR x IN 1 .. coalesce(cardinality(p_up_ord), 0) LOOP
-        IF u_first[p_up_ord[x]] IS NULL THEN
-            u_first[p_up_ord[x]] := x;
-        END IF;
-        u_count[p_up_ord[x]] := u_count[p_up_ord[x]] + 1;
-    END LOOP;
+    -- (3) Lock every layer any request touches, in layer_id order (after
+    -- the fast path, without waiting: see there).
+    layers := lq_lock_layers(p_batch, p_pool, ceilings, NOT fast_held);
 
     -- (4) The clock, read once the locks are held, never before the latest
-    -- refill (max(refilled_at) above), so elapsed time is never negative.
-    -- Then refill every locked layer to it.
-    now_ts := greatest(clock_timestamp(), now_ts);
-    SELECT array_agg(lq_refilled(u.tokens, u.tpm, u.tburst, u.refilled, now_ts) ORDER BY u.o),
-           array_agg(lq_refilled(u.requests, u.rpm, u.rburst, u.refilled, now_ts) ORDER BY u.o)
-      INTO l_tokens, l_requests
-      FROM unnest(l_tokens, l_tpm, l_tburst, l_requests, l_rpm, l_rburst, l_refilled)
-           WITH ORDINALITY AS u(tokens, tpm, tburst, requests, rpm, rburst, refilled, o);
-
-    l_start := l_tokens;
-    l_requests_start := l_requests;
-    l_in_flight_start := l_in_flight;
-
-    -- The global layer of the batch. Pooled, the first of its locked rows
-    -- stands for all of them, with their figures summed, and is split back
-    -- over them before (6).
-    pooled := p_pool AND g_shards > 1;
+    -- refill, so elapsed time is never negative; every locked layer refilled
+    -- to it. A sharded global layer decided pooled stands as its first row.
+    SELECT greatest(clock_timestamp(), max(l.refilled_at)),
+           max(l.shards) FILTER (WHERE l.scope = 'global'),
+           coalesce(bool_or(l.prepaid), false),
+           array_agg(l.layer_id)
+      INTO now_ts, shards, prepaid, layer_ids
+      FROM unnest(layers) AS l;
+    layers := lq_refill_layers(layers, now_ts);
+    refilled := layers;
+    pooled := coalesce(p_pool AND shards > 1, false);
     IF pooled THEN
-        g_pos := ARRAY(SELECT g.i FROM generate_subscripts(l_id, 1) AS g(i)
-                        WHERE l_scope[g.i] = 'global' ORDER BY g.i);
-        gi := g_pos[1];
-        g_tburst := l_tburst;
-        g_rburst := l_rburst;
-        g_other_if := 0;
-        FOR x IN 2 .. cardinality(g_pos) LOOP
-            j := g_pos[x];
-            l_tokens[gi] := l_tokens[gi] + l_tokens[j];
-            l_tpm[gi] := l_tpm[gi] + l_tpm[j];
-            l_tburst[gi] := l_tburst[gi] + l_tburst[j];
-            l_requests[gi] := l_requests[gi] + l_requests[j];
-            l_rpm[gi] := l_rpm[gi] + l_rpm[j];
-            l_rburst[gi] := l_rburst[gi] + l_rburst[j];
-            l_max_if[gi] := l_max_if[gi] + l_max_if[j];
-            l_in_flight[gi] := l_in_flight[gi] + l_in_flight[j];
-            g_other_if := g_other_if + l_in_flight[j];
-        END LOOP;
-    ELSIF coalesce(g_shards, 1) = 1 THEN
-        gi := array_position(l_key, 'g/0');
+        layers := lq_pool_global(layers);
+    END IF;
+    requests := lq_admit_requests(p_batch, layers, pooled);
+    IF shards > 1 AND NOT pooled THEN
+        IF lq_shard_short(p_batch, layers, requests) THEN
+            RAISE EXCEPTION USING ERRCODE = 'LQ001',
+                  MESSAGE = 'a global shard lacks room for this batch: decide it pooled';
+        END IF;
     END IF;
 
-    -- Each request's global, tenant, route and key layer, found once for the batch.
-    SELECT array_agg(CASE WHEN g_shards > 1 AND NOT pooled
-                          THEN array_position(l_key, 'g/' || lq_tenant_shard(u.t, g_shards))
-                          ELSE gi END ORDER BY u.o),
-           array_agg(array_position(l_key, 't/' || u.t) ORDER BY u.o),
-           array_agg(CASE WHEN u.r IS NULL THEN NULL
-                          ELSE array_position(l_key, 'r/' || u.t || '/' || u.r) END ORDER BY u.o),
-           array_agg(CASE WHEN p_key_ids[u.o] IS NULL THEN NULL
-                          ELSE array_position(l_key, 'k/' || p_key_ids[u.o]) END ORDER BY u.o)
-      INTO x_gi, x_ti, x_ri, x_ki
-      FROM unnest(p_tenants, p_routes) WITH ORDINALITY AS u(t, r, o);
-    SELECT array_agg(coalesce(l_rcost[u.ri], l_rcost[u.ti], 1) ORDER BY u.o),
-           array_agg(CASE WHEN coalesce(l_uconc[u.ri], l_uconc[u.ti], true) THEN 1 ELSE 0 END
-                     ORDER BY u.o)
-      INTO x_rc, x_pm
-      FROM unnest(x_ti, x_ri) WITH ORDINALITY AS u(ti, ri, o);
-
-    -- Sharded, not pooled: every shard must have room for the most its
-    -- requests could take (each at its largest candidate), else nothing is
-    -- decided here and lq_admit decides again, pooled. A shard not locked
-    -- (the shard count changed under this statement) counts as lacking.
-    IF g_shards > 1 AND NOT pooled AND EXISTS (
-        SELECT 1
-          FROM (SELECT u.gi, sum(u.cost) AS tokens, sum(u.rc) AS requests, sum(u.pm) AS permits,
-                       max(u.cost) AS largest
-                  FROM (SELECT v.gi, greatest(v.inp + coalesce(v.res, v.mx), a.cost) AS cost,
-                               v.rc, v.pm
-                          FROM unnest(x_gi, x_ti, p_input_tokens, p_max_tokens, p_output_reserve,
-                                      x_rc, x_pm)
-                               WITH ORDINALITY AS v(gi, ti, inp, mx, res, rc, pm, o)
-                          LEFT JOIN (SELECT w.o,
-                                            max(w.inp + coalesce(w.res, p_max_tokens[w.o])) AS cost
-                                       FROM unnest(p_alt_ord, p_alt_inputs, p_alt_outputs)
-                                            AS w(o, inp, res)
-                                      GROUP BY w.o) AS a ON a.o = v.o
-                         WHERE v.ti IS NOT NULL) AS u
-                 GROUP BY u.gi) AS d
-         WHERE d.gi IS NULL
-            OR (l_tpm[d.gi] IS NOT NULL
-                AND (d.largest > l_tburst[d.gi] OR l_tokens[d.gi] + epsilon < d.tokens))
-            OR (l_rpm[d.gi] IS NOT NULL AND l_requests[d.gi] + epsilon < d.requests)
-            OR (l_max_if[d.gi] IS NOT NULL AND l_in_flight[d.gi] + d.permits > l_max_if[d.gi]))
-    THEN
-        RAISE EXCEPTION USING ERRCODE = 'LQ001',
-              MESSAGE = 'a global shard lacks room for this batch: decide it pooled';
-    END IF;
-
-    -- (4b) Budgets beyond tokens, only for a batch that has any. The quotas
-    -- of the batch's tenants are read FOR SHARE (a quota deleted meanwhile is
-    -- simply not there) and their current windows created if new and locked,
-    -- in quota_id order; then the prices in force of every candidate model;
-    -- then the prepaid balances, locked in tenant order. This is the lock
-    -- order of quotas.sql, after the layers.
+    -- (4b) Budgets beyond tokens, only for a batch that has any: quota
+    -- windows, then prices, then prepaid balances (the lock order of
+    -- quotas.sql, after the layers).
     IF has_quotas THEN
-        FOR qid IN SELECT q.quota_id FROM quotas AS q
-                    WHERE q.tenant = ANY (p_tenants)
-                    ORDER BY q.quota_id
-                      FOR SHARE LOOP
-            PERFORM lq_quota_window_row(qid, now_ts);
-        END LOOP;
-        SELECT array_agg(q.quota_id ORDER BY q.quota_id), array_agg(q.name ORDER BY q.quota_id),
-               array_agg(q.tenant ORDER BY q.quota_id), array_agg(q.route ORDER BY q.quota_id),
-               array_agg(q.api_key_id ORDER BY q.quota_id),
-               array_agg(q.model_patterns::text ORDER BY q.quota_id),
-               array_agg(q.tokens ORDER BY q.quota_id), array_agg(q.cost ORDER BY q.quota_id),
-               array_agg(q.enforce = 'block' ORDER BY q.quota_id),
-               array_agg(w.window_end ORDER BY q.quota_id),
-               array_agg(q.timezone ORDER BY q.quota_id),
-               array_agg(w.reserved_tokens + w.charged_tokens ORDER BY q.quota_id),
-               array_agg(w.reserved_cost + w.charged_cost ORDER BY q.quota_id)
-          INTO q_id, q_name, q_tenant, q_route, q_key, q_patterns, q_tokens, q_cost, q_block, q_end,
-               q_zone, q_used_tok, q_used_cost
-          FROM quotas AS q
-          JOIN quota_windows AS w
-            ON w.quota_id = q.quota_id
-           AND w.window_start = (lq_quota_window(q.period, q.timezone, now_ts)).window_start
-         WHERE q.tenant = ANY (p_tenants);
-        q_add_tok := array_fill(0::bigint, ARRAY[coalesce(cardinality(q_id), 0)]);
-        q_add_cost := array_fill(0::numeric, ARRAY[coalesce(cardinality(q_id), 0)]);
+        quotas := lq_lock_quotas(p_batch.tenants, now_ts);
     END IF;
-    IF (has_quotas OR true = ANY (l_prepaid)) AND m_all IS NULL THEN
-        -- Skipped in (2) for want of ceilings: every model a candidate may
-        -- name, the default lists read from the locked layers.
-        SELECT array_agg(DISTINCT x.m)
-          INTO m_all
-          FROM (SELECT unnest(p_models)
-                UNION ALL
-                SELECT unnest(p_alt_models)
-                UNION ALL
-                SELECT unnest(f::text[]) FROM unnest(l_fallback) AS f) AS x(m)
-         WHERE x.m IS NOT NULL;
+    IF (has_quotas OR prepaid) AND models IS NULL THEN
+        models := lq_batch_models(p_batch, layers);
     END IF;
-    IF has_quotas OR true = ANY (l_prepaid) THEN
-        SELECT array_agg(m.model), array_agg(pr.input_usd_per_million),
-               array_agg(pr.output_usd_per_million)
-          INTO pr_model, pr_in, pr_out
-          FROM unnest(m_all) AS m(model)
-          LEFT JOIN LATERAL lq_price_at(m.model, now_ts) AS pr ON true;
+    IF has_quotas OR prepaid THEN
+        prices := lq_model_prices(models, now_ts);
     END IF;
-    IF true = ANY (l_prepaid) THEN
-        SELECT array_agg(a.tenant ORDER BY a.tenant), array_agg(a.balance - a.reserved ORDER BY a.tenant)
-          INTO cr_tenant, cr_avail
-          FROM (SELECT ca.tenant, ca.balance, ca.reserved
-                  FROM credit_accounts AS ca
-                 WHERE ca.tenant = ANY (p_tenants)
-                 ORDER BY ca.tenant
-                   FOR UPDATE) AS a;
-        cr_add := array_fill(0::numeric, ARRAY[coalesce(cardinality(cr_tenant), 0)]);
+    IF prepaid THEN
+        credits := lq_lock_credits(p_batch.tenants);
     END IF;
 
     -- (5) Decide each request in order against the running balances.
     FOR k IN 1 .. n LOOP
-        ti := x_ti[k];
-        IF ti IS NULL THEN
-            r_status[k] := 'unknown_tenant';
-            CONTINUE;
-        END IF;
-        r_t_tpm[k] := l_tpm[ti];
-        r_t_tburst[k] := l_tburst[ti];
-        -- (a replay or a conflict decides nothing: its binding layer is the tenant's)
-        r_b_tpm[k] := l_tpm[ti];
-        r_b_tburst[k] := l_tburst[ti];
-        r_t_rpm[k] := l_rpm[ti];
-        r_t_rburst[k] := l_rburst[ti];
-        r_plan[k] := l_plan[ti];
-        r_model[k] := p_models[k];
-        r_input[k] := p_input_tokens[k];
-        prio := lq_priority(p_priorities[k], p_priority_any[k], l_priority[ti]);
-        r_priority[k] := prio;
-
-        -- Idempotency: a key admitted before (committed, or earlier in this batch).
-        IF p_idempotency_keys[k] IS NOT NULL THEN
-            j := array_position(b_key, p_tenants[k] || '/' || p_idempotency_keys[k]);
-            IF j IS NOT NULL THEN
-                j := b_ord[j];
-                r_status[k] := CASE WHEN p_request_hashes[k] IS NOT DISTINCT FROM p_request_hashes[j]
-                                    THEN 'replayed' ELSE 'idempotency_conflict' END;
-                IF r_status[k] = 'replayed' THEN
-                    r_id[k] := r_id[j];
-                    r_reserved[k] := r_reserved[j];
-                    r_expires[k] := r_expires[j];
-                    r_generation[k] := r_generation[j];
-                    r_model[k] := r_model[j];
-                    r_input[k] := r_input[j];
-                    r_degraded[k] := r_degraded[j];
-                    r_upstream[k] := r_upstream[j];
-                END IF;
-                r_t_tokens[k] := l_tokens[ti];
-                r_t_requests[k] := l_requests[ti];
-                r_b_tokens[k] := l_tokens[ti];
-                CONTINUE;
+        rq := requests[k];
+        res := NULL;
+        res.ord := k;
+        res.degraded := false;
+        res.alt_models := '{}';
+        <<decide>>
+        BEGIN
+            IF rq.tenant_at IS NULL THEN
+                res.status := 'unknown_tenant';
+                EXIT decide;
             END IF;
-            SELECT rs.reservation_id, rs.reserved_tokens, rs.lease_expires_at,
-                   rs.lease_generation, rs.request_hash, rs.model, rs.input_tokens,
-                   rs.upstream
-              INTO prior
-              FROM reservations AS rs
-             WHERE rs.tenant = p_tenants[k]
-               AND rs.idempotency_key = p_idempotency_keys[k];
-            IF FOUND THEN
-                IF prior.request_hash IS NOT DISTINCT FROM p_request_hashes[k] THEN
-                    r_status[k] := 'replayed';
-                    r_id[k] := prior.reservation_id;
-                    r_reserved[k] := prior.reserved_tokens;
-                    r_expires[k] := prior.lease_expires_at;
-                    r_generation[k] := prior.lease_generation;
-                    r_model[k] := prior.model;
-                    r_input[k] := prior.input_tokens;
-                    r_degraded[k] := prior.model IS DISTINCT FROM p_models[k];
-                    r_upstream[k] := prior.upstream;
+            ten := layers[rq.tenant_at];
+            res.tenant_tokens_per_minute := ten.tokens_per_minute;
+            res.tenant_token_burst := ten.token_burst;
+            res.tenant_requests_per_minute := ten.requests_per_minute;
+            res.tenant_request_burst := ten.request_burst;
+            res.plan := ten.plan;
+            res.model := rq.model;
+            res.input_tokens := rq.input_tokens;
+            prio := lq_priority(rq.priority, rq.priority_any, ten.priority);
+            res.priority := prio;
+
+            -- Idempotency: a key admitted before (committed, or earlier in
+            -- this batch) decides nothing: replayed with the same request,
+            -- else a conflict; its binding layer is the tenant's.
+            IF rq.idempotency_key IS NOT NULL THEN
+                j := b_ord[array_position(b_key, rq.tenant || '/' || rq.idempotency_key)];
+                IF j IS NULL THEN
+                    SELECT b.reservation_id, b.reserved_tokens, b.lease_expires_at,
+                           b.lease_generation, b.request_hash, b.model, b.input_tokens,
+                           b.upstream, b.model IS DISTINCT FROM rq.model AS degraded
+                      INTO prior
+                      FROM reservations AS b
+                     WHERE b.tenant = rq.tenant AND b.idempotency_key = rq.idempotency_key;
                 ELSE
-                    r_status[k] := 'idempotency_conflict';
+                    SELECT r.reservation_id, r.reserved_tokens, r.lease_expires_at,
+                           r.lease_generation, requests[j].request_hash, r.model,
+                           r.input_tokens, r.upstream, r.degraded
+                      INTO prior
+                      FROM (SELECT (results[j]).*) AS r;
                 END IF;
-                r_t_tokens[k] := l_tokens[ti];
-                r_t_requests[k] := l_requests[ti];
-                r_b_tokens[k] := l_tokens[ti];
-                CONTINUE;
+                IF FOUND THEN
+                    IF prior.request_hash IS NOT DISTINCT FROM rq.request_hash THEN
+                        res.status := 'replayed';
+                        res.reservation_id := prior.reservation_id;
+                        res.reserved_tokens := prior.reserved_tokens;
+                        res.lease_expires_at := prior.lease_expires_at;
+                        res.lease_generation := prior.lease_generation;
+                        res.model := prior.model;
+                        res.input_tokens := prior.input_tokens;
+                        res.degraded := prior.degraded;
+                        res.upstream := prior.upstream;
+                    ELSE
+                        res.status := 'idempotency_conflict';
+                    END IF;
+                    res.tenant_tokens := ten.tokens;
+                    res.tenant_requests := ten.requests;
+                    res.binding_tokens_per_minute := ten.tokens_per_minute;
+                    res.binding_token_burst := ten.token_burst;
+                    res.binding_tokens := ten.tokens;
+                    EXIT decide;
+                END IF;
             END IF;
-        END IF;
 
-        ri := x_ri[k];
+            -- Each candidate in turn; the first that fits every layer and
+            -- budget is admitted (a fallback only when degrading).
+            cands := lq_admit_candidates(p_batch, rq, layers, layer_ids, models, ceilings);
+            fits := '{}';
+            refused_j := NULL;
+            FOR c IN 1 .. cardinality(cands) LOOP
+                cand := cands[c];
+                -- A fallback the request's key may not use is never tried (the
+                -- requested model was checked before admission: 403).
+                CONTINUE WHEN cand.fallback AND rq.key_at IS NOT NULL
+                          AND layers[rq.key_at].allowed_models IS NOT NULL
+                          AND NOT cand.model LIKE ANY (layers[rq.key_at].allowed_models);
+                at := lq_candidate_layers(rq, cand, ceilings, layer_ids);
+                -- The output reserved is the policy's estimate for this candidate
+                -- (see admission/estimates.py), at most max_tokens; the reservation
+                -- keeps max_tokens itself for lq_shared_charge_cap.
+                cost := cand.input_tokens + coalesce(cand.output_reserve, rq.max_tokens);
+                cap := lq_capacity_verdict(layers, at, cost, cand.input_tokens, rq, prio,
+                                           p_batch.concurrency_retry_ms);
+                bud := NULL;
+                IF cap.too_large_at IS NULL AND cap.too_many_at IS NULL AND cap.wait_ms < 0
+                   AND (has_quotas OR ten.prepaid) THEN
+                    bud := lq_budget_verdict(rq, cand, cost, ten.prepaid, quotas, prices, credits);
+                END IF;
 
-        -- The candidates: the requested model, then the explicit fallbacks
-        -- (each with its own input count and output reserve: a degraded
-        -- admission reserves what the model it admits is expected to use), or
-        -- else the route's or the tenant's default list (models read in (2)
-        -- only), with the requested model's input and output reserve.
-        c_models := ARRAY[p_models[k]];
-        c_inputs := ARRAY[p_input_tokens[k]];
-        c_outputs := ARRAY[p_output_reserve[k]];
-        IF x_count[k] > 0 THEN
-            c_models := c_models || p_alt_models[x_first[k] : x_first[k] + x_count[k] - 1];
-            c_inputs := c_inputs || p_alt_inputs[x_first[k] : x_first[k] + x_count[k] - 1];
-            -- (a NULL p_alt_outputs adds nothing: every fallback's is then NULL)
-            c_outputs := c_outputs || p_alt_outputs[x_first[k] : x_first[k] + x_count[k] - 1];
-        ELSIF l_fallback[ti] <> '{}' OR (ri IS NOT NULL AND l_fallback[ri] <> '{}') THEN
-            c_models := c_models || coalesce(
-                (SELECT array_agg(d.m ORDER BY d.o)
-                   FROM unnest(coalesce(
-                            nullif((CASE WHEN ri IS NULL THEN '{}' ELSE l_fallback[ri] END)::text[], '{}'),
-                            l_fallback[ti]::text[])) WITH ORDINALITY AS d(m, o)
-                  WHERE (m_all IS NULL OR d.m = ANY (m_all)) AND d.m <> p_models[k]),
-                '{}');
-            c_inputs := c_inputs || array_fill(p_input_tokens[k], ARRAY[cardinality(c_models) - 1]);
-            c_outputs := c_outputs || array_fill(p_output_reserve[k], ARRAY[cardinality(c_models) - 1]);
-        END IF;
-        -- Each candidate model on each of its deployments, in turn (see
-        -- Deployments above): the model's rule orders them, least_utilized by
-        -- the room its scoped token ceilings would have left (a share of the
-        -- burst, the running balances of this batch), none scoped counting as
-        -- the most.
-        -- (plain expressions, no query, for a request naming no deployment)
-        c_ups := array_fill(NULL::text, ARRAY[cardinality(c_models)]);
-        c_fb := array_fill(true, ARRAY[cardinality(c_models)]);
-        c_fb[1] := false;
-        IF u_count[k] > 0 THEN
-            SELECT array_agg(e.model ORDER BY e.c, e.rank), array_agg(e.input ORDER BY e.c, e.rank),
-                   array_agg(e.output ORDER BY e.c, e.rank), array_agg(e.up ORDER BY e.c, e.rank),
-                   array_agg(e.c > 1 ORDER BY e.c, e.rank)
-              INTO c_models, c_inputs, c_outputs, c_ups, c_fb
-              FROM (SELECT m.c, m.model, m.input, m.output, d.up,
-                           row_number() OVER (
-                               PARTITION BY m.c
-                               ORDER BY CASE WHEN d.rule = 'least_utilized' THEN
-                                   (SELECT min((l_tokens[p.j] - m.input
-                                                - coalesce(m.output, p_max_tokens[k])) / l_tburst[p.j])
-                                      FROM unnest(mc_model, mc_upstream, mc_layer) AS s(model, up, id)
-                                           CROSS JOIN LATERAL
-                                           (SELECT array_position(l_id, s.id) AS j) AS p
-                                     WHERE s.model = m.model AND s.up = d.up
-                                       AND l_tpm[p.j] IS NOT NULL) END DESC NULLS FIRST,
-                                        d.i) AS rank
-                      FROM unnest(c_models, c_inputs, c_outputs)
-                           WITH ORDINALITY AS m(model, input, output, c)
-                      LEFT JOIN LATERAL (
-                           SELECT w.up, w.rule, w.i
-                             FROM unnest(p_up_models[u_first[k] : u_first[k] + u_count[k] - 1],
-                                         p_up_names[u_first[k] : u_first[k] + u_count[k] - 1],
-                                         p_up_rules[u_first[k] : u_first[k] + u_count[k] - 1])
-                                  WITH ORDINALITY AS w(model, up, rule, i)
-                            WHERE w.model = m.model) AS d ON true
-                     WHERE m.model IS NOT NULL) AS e;
-        END IF;
-        fits := '{}';
-        refused_j := NULL;
-
-        FOR c IN 1 .. cardinality(c_models) LOOP
-            -- A fallback the request's key may not use is never tried (the
-            -- requested model was checked before admission: 403).
-            CONTINUE WHEN c_fb[c] AND x_ki[k] IS NOT NULL AND l_allowed[x_ki[k]] IS NOT NULL
-                      AND NOT c_models[c] LIKE ANY (l_allowed[x_ki[k]]::text[]);
-            -- The layers of this candidate: global, tenant, route, key, and the
-            -- ceilings matching its model (those scoped to a deployment: only
-            -- on that deployment, or when none is named).
-            layers := array_remove(ARRAY[x_gi[k], ti, ri, x_ki[k]], NULL);
-            FOR x IN 1 .. coalesce(cardinality(mc_model), 0) LOOP
-                IF mc_model[x] = c_models[c]
-                   AND (c_ups[c] IS NULL OR mc_upstream[x] IS NULL OR mc_upstream[x] = c_ups[c]) THEN
-                    layers := layers || array_position(l_id, mc_layer[x]);
+                IF cap.too_large_at IS NULL AND cap.too_many_at IS NULL AND cap.wait_ms < 0
+                   AND bud.refusal IS NULL THEN
+                    IF cand.fallback AND rq.degrade IS NOT DISTINCT FROM false THEN
+                        -- Not degrading: only say that this fallback would fit now.
+                        IF NOT cand.model = ANY (fits) THEN
+                            fits := fits || cand.model;
+                        END IF;
+                        CONTINUE;
+                    END IF;
+                    -- Every layer and budget passes: debit them all, and journal it.
+                    rs := NULL;
+                    rs.layer_ids := '{}';
+                    rs.policy_version := 0;
+                    FOREACH j IN ARRAY at LOOP
+                        IF layers[j].tokens_per_minute IS NOT NULL THEN
+                            layers[j].tokens := layers[j].tokens - cost;
+                        END IF;
+                        IF layers[j].requests_per_minute IS NOT NULL THEN
+                            layers[j].requests := layers[j].requests - rq.request_cost;
+                        END IF;
+                        layers[j].in_flight := layers[j].in_flight + rq.permits;
+                        rs.layer_ids := rs.layer_ids || layer_ids[j];
+                        rs.policy_version := greatest(rs.policy_version, layers[j].policy_version);
+                    END LOOP;
+                    rs.quota_ids := '{}';
+                    FOREACH x IN ARRAY coalesce(bud.quotas, '{}') LOOP
+                        quotas[x].used_tokens := quotas[x].used_tokens + cost;
+                        quotas[x].used_cost := quotas[x].used_cost + coalesce(bud.money, 0);
+                        quotas[x].added_tokens := quotas[x].added_tokens + cost;
+                        quotas[x].added_cost := quotas[x].added_cost + coalesce(bud.money, 0);
+                        rs.quota_ids := rs.quota_ids || quotas[x].quota_id;
+                    END LOOP;
+                    rs.reserved_cost := bud.money;
+                    IF ten.prepaid THEN
+                        -- No credit account yet (never topped up): only a request
+                        -- of cost 0 passes (available 0), and it holds nothing.
+                        -- The hold is still recorded (0), so settlement charges
+                        -- whatever the provider reports, creating the account.
+                        FOR x IN 1 .. coalesce(cardinality(credits), 0) LOOP
+                            IF credits[x].tenant = rq.tenant THEN
+                                credits[x].available := credits[x].available - bud.money;
+                                credits[x].added := credits[x].added + bud.money;
+                            END IF;
+                        END LOOP;
+                        rs.credit_reserved := bud.money;
+                    END IF;
+                    IF NOT cand.fallback AND c > 1 THEN
+                        -- the requested model, admitted: no refusal to report
+                        res := lq_without_refusal(res);
+                    END IF;
+                    res.status := 'admitted';
+                    res.reservation_id := coalesce(rq.reservation_id, gen_random_uuid());
+                    res.reserved_tokens := cost;
+                    res.lease_generation := 1;
+                    res.model := cand.model;
+                    res.input_tokens := cand.input_tokens;
+                    res.degraded := cand.fallback;
+                    res.upstream := cand.upstream;
+                    lease := coalesce(rq.lease_seconds,
+                                      layers[coalesce(rq.route_at, rq.tenant_at)].lease_seconds);
+                    res.lease_expires_at := now_ts + make_interval(secs => lease);
+                    rs := lq_journal_row(rs, rq, res, now_ts, lease,
+                                         CASE WHEN cand.fallback THEN 'fallback_model'
+                                              WHEN c > 1 AND cand.upstream IS NOT NULL
+                                                   AND p_batch.up_rules[rq.up_from]
+                                                       IS DISTINCT FROM 'least_utilized'
+                                              THEN 'second_deployment'
+                                              ELSE rq.serving_path END);
+                    journal[cardinality(journal) + 1] := rs;
+                    IF rq.idempotency_key IS NOT NULL THEN
+                        b_key := b_key || (rq.tenant || '/' || rq.idempotency_key);
+                        b_ord := b_ord || k;
+                    END IF;
+                    EXIT;
+                ELSIF c = 1 OR (NOT cand.fallback AND res.status = 'too_large'
+                                AND cap.too_large_at IS NULL AND cap.too_many_at IS NULL) THEN
+                    -- The requested model's refusal: what a 429 (or a degraded 201)
+                    -- says. On several deployments, its first's, unless that one
+                    -- can never fit it and another only lacks room now.
+                    refused_at := at;
+                    refused_j := coalesce(cap.too_large_at, cap.token_wait_at);
+                    res := lq_refusal(res, cost, rq.max_tokens, cap, bud, layers, quotas, now_ts);
                 END IF;
             END LOOP;
-            -- The output reserved is the policy's estimate for this candidate
-            -- (see admission/estimates.py), at most max_tokens; the reservation
-            -- keeps max_tokens itself for lq_shared_charge_cap.
-            cost := c_inputs[c] + coalesce(c_outputs[c], p_max_tokens[k]);
+            res.alt_models := fits;
+            IF res.status <> 'admitted' THEN
+                at := refused_at;   -- remaining: the requested model's layers
+            END IF;
 
-            too_cap := NULL;
-            too_j := NULL;
-            rq_too_j := NULL;
-            tok_wait := -1;
-            tok_j := NULL;
-            best_wait := -1;
-            best_room := NULL;
-            blocked := false;
-            FOREACH j IN ARRAY layers LOOP
-                IF l_tpm[j] IS NOT NULL THEN
-                    floor_tokens := 0;
-                    IF l_ladder[j] THEN
-                        SELECT lq_shed_floor(l_tburst[j], array_agg(s.above), array_agg(s.admit),
-                                             array_agg(s.small), prio, cost)
-                          INTO floor_tokens
-                          FROM unnest(s_pos, s_above, s_admit, s_small) AS s(pos, above, admit, small)
-                         WHERE s.pos = j;
+            -- What is left after this decision: the tightest layer of each
+            -- kind, over the layers of the model admitted (or of the
+            -- requested model, refused). The binding token layer is the
+            -- tightest one, or on a refusal the token layer that refused (too
+            -- small, or the longest wait for tokens).
+            rem_tok := NULL; rem_req := NULL; rem_if := NULL; bind_j := NULL;
+            FOREACH j IN ARRAY at LOOP
+                IF layers[j].tokens_per_minute IS NOT NULL THEN
+                    IF rem_tok IS NULL OR layers[j].tokens < rem_tok THEN
+                        bind_j := j;
                     END IF;
-                    -- the most output this layer would take now, on top of the input
-                    room := l_tokens[j] - floor_tokens - c_inputs[c];
-                    best_room := least(coalesce(best_room, room), room);
-                    IF cost > l_tburst[j] THEN
-                        -- Can never fit: name the smallest capacity that refuses it.
-                        IF too_cap IS NULL OR l_tburst[j] < too_cap THEN
-                            too_cap := l_tburst[j];
-                            too_j := j;
-                            too_scope := l_scope[j];
-                            too_name := l_name[j];
-                        END IF;
-                    ELSIF l_tokens[j] + epsilon < cost THEN
-                        wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
-                        IF wait_ms > tok_wait THEN
-                            tok_wait := wait_ms; tok_j := j;
-                        END IF;
-                        IF wait_ms > best_wait THEN
-                            best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
-                            best_reason := 'capacity'; best_name := l_name[j];
-                            best_util := CASE WHEN l_scope[j] = 'ceiling'
-                                              THEN 1 - (l_tokens[j] - cost) / l_tburst[j] END;
-                        END IF;
-                    ELSIF l_tokens[j] - cost + epsilon < floor_tokens THEN
-                        -- It would fit, but past the floor this priority may not cross.
-                        wait_ms := greatest(1, ceil((cost + floor_tokens - l_tokens[j]) * 60000.0 / l_tpm[j]));
-                        IF wait_ms > tok_wait THEN
-                            tok_wait := wait_ms; tok_j := j;
-                        END IF;
-                        IF wait_ms > best_wait THEN
-                            best_wait := wait_ms; best_kind := 'tokens'; best_scope := l_scope[j];
-                            best_reason := 'shed'; best_name := l_name[j];
-                            best_util := 1 - (l_tokens[j] - cost) / l_tburst[j];
-                        END IF;
-                    END IF;
+                    rem_tok := least(rem_tok, layers[j].tokens);
                 END IF;
-                IF l_rpm[j] IS NOT NULL AND x_rc[k] > l_rburst[j] THEN
-                    -- Counts as more requests than this layer ever holds.
-                    blocked := true;
-                    IF rq_too_j IS NULL THEN
-                        rq_too_j := j;
-                    END IF;
-                ELSIF l_rpm[j] IS NOT NULL AND x_rc[k] > 0 AND l_requests[j] + epsilon < x_rc[k] THEN
-                    blocked := true;
-                    wait_ms := greatest(1, ceil((x_rc[k] - l_requests[j]) * 60000.0 / l_rpm[j]));
-                    IF wait_ms > best_wait THEN
-                        best_wait := wait_ms; best_kind := 'requests'; best_scope := l_scope[j];
-                        best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
-                    END IF;
+                IF layers[j].requests_per_minute IS NOT NULL THEN
+                    rem_req := least(rem_req, layers[j].requests);
                 END IF;
-                IF x_pm[k] = 1 AND l_max_if[j] IS NOT NULL AND l_in_flight[j] >= l_max_if[j] THEN
-                    blocked := true;
-                    wait_ms := p_concurrency_retry_ms;
-                    IF wait_ms > best_wait THEN
-                        best_wait := wait_ms; best_kind := 'concurrency'; best_scope := l_scope[j];
-                        best_reason := 'capacity'; best_name := l_name[j]; best_util := NULL;
-                    END IF;
+                IF layers[j].max_in_flight IS NOT NULL THEN
+                    rem_if := least(rem_if, layers[j].max_in_flight - layers[j].in_flight);
                 END IF;
             END LOOP;
-
-            -- Calendar quotas and prepaid credits, once every layer passes:
-            -- reserved like tokens, against the running figures of (4b).
-            -- Money is the request's maximum: input and max_tokens, each at
-            -- its price in force.
-            budget := NULL; q_hit := NULL; qs := '{}'; money := NULL; avail := NULL;
-            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0
-               AND (has_quotas OR l_prepaid[ti]) THEN
-                x := array_position(pr_model, c_models[c]);
-                IF x IS NOT NULL AND pr_in[x] IS NOT NULL THEN
-                    money := (c_inputs[c] * pr_in[x] + p_max_tokens[k] * pr_out[x]) / 1000000;
-                END IF;
-                FOR x IN 1 .. coalesce(cardinality(q_id), 0) LOOP
-                    CONTINUE WHEN q_tenant[x] <> p_tenants[k]
-                               OR (q_route[x] IS NOT NULL AND q_route[x] IS DISTINCT FROM p_routes[k])
-                               OR (q_key[x] IS NOT NULL AND q_key[x] IS DISTINCT FROM p_key_ids[k])
-                               OR NOT (q_patterns[x] = '{}'
-                                       OR c_models[c] LIKE ANY (q_patterns[x]::text[]));
-                    qs := qs || x;
-                    IF q_cost[x] IS NOT NULL AND money IS NULL THEN
-                        budget := 'unpriced_model';
-                        EXIT;
-                    END IF;
-                    IF q_block[x] AND q_tokens[x] IS NOT NULL THEN
-                        best_room := least(best_room, q_tokens[x] - q_used_tok[x] - c_inputs[c]);
-                    END IF;
-                    IF q_block[x] AND q_hit IS NULL
-                       AND ((q_tokens[x] IS NOT NULL AND q_used_tok[x] + cost > q_tokens[x])
-                         OR (q_cost[x] IS NOT NULL AND q_used_cost[x] + money > q_cost[x])) THEN
-                        q_hit := x;
-                        budget := 'quota_exceeded';
-                    END IF;
-                END LOOP;
-                IF budget IS NULL AND l_prepaid[ti] THEN
-                    x := array_position(cr_tenant, p_tenants[k]);
-                    avail := CASE WHEN x IS NULL THEN 0 ELSE cr_avail[x] END;
-                    IF money IS NULL THEN
-                        budget := 'unpriced_model';
-                    ELSIF avail < money THEN
-                        budget := 'credits_exhausted';
-                    END IF;
-                END IF;
+            IF res.status <> 'admitted' AND refused_j IS NOT NULL THEN
+                bind_j := refused_j;
             END IF;
-
-            IF too_cap IS NULL AND rq_too_j IS NULL AND best_wait < 0 AND budget IS NULL THEN
-                IF c_fb[c] AND p_degrade[k] IS NOT DISTINCT FROM false THEN
-                    -- Not degrading: only say that this fallback would fit now.
-                    IF NOT c_models[c] = ANY (fits) THEN
-                        fits := fits || c_models[c];
-                    END IF;
-                    CONTINUE;
-                END IF;
-                -- Every layer passes: debit them all.
-                version := 0;
-                FOREACH j IN ARRAY layers LOOP
-                    IF l_tpm[j] IS NOT NULL THEN
-                        l_tokens[j] := l_tokens[j] - cost;
-                    END IF;
-                    IF l_rpm[j] IS NOT NULL THEN
-                        l_requests[j] := l_requests[j] - x_rc[k];
-                    END IF;
-                    l_in_flight[j] := l_in_flight[j] + x_pm[k];
-                    version := greatest(version, l_version[j]);
-                END LOOP;
-                FOREACH x IN ARRAY qs LOOP
-                    q_used_tok[x] := q_used_tok[x] + cost;
-                    q_used_cost[x] := q_used_cost[x] + coalesce(money, 0);
-                    q_add_tok[x] := q_add_tok[x] + cost;
-                    q_add_cost[x] := q_add_cost[x] + coalesce(money, 0);
-                END LOOP;
-                a_quotas := a_quotas || ('{' || coalesce(array_to_string(
-                    (SELECT array_agg(q_id[y]) FROM unnest(qs) AS y), ','), '') || '}');
-                a_cost := a_cost || money;
-                IF l_prepaid[ti] THEN
-                    x := array_position(cr_tenant, p_tenants[k]);
-                    -- No credit account yet (never topped up): only a request
-                    -- of cost 0 passes (available 0), and it holds nothing.
-                    -- The hold is still recorded (0), so settlement charges
-                    -- whatever the provider reports, creating the account.
-                    IF x IS NOT NULL THEN
-                        cr_avail[x] := cr_avail[x] - money;
-                        cr_add[x] := cr_add[x] + money;
-                    END IF;
-                    a_credit := a_credit || money;
-                ELSE
-                    a_credit := a_credit || NULL::numeric;
-                END IF;
-                r_status[k] := 'admitted';
-                r_model[k] := c_models[c];
-                r_input[k] := c_inputs[c];
-                r_degraded[k] := c_fb[c];
-                r_upstream[k] := c_ups[c];
-                r_path[k] := CASE WHEN c_fb[c] THEN 'fallback_model'
-                                  WHEN c > 1 AND c_ups[c] IS NOT NULL
-                                       AND p_up_rules[u_first[k]] IS DISTINCT FROM 'least_utilized'
-                                  THEN 'second_deployment'
-                                  ELSE p_serving_paths[k] END;
-                IF NOT c_fb[c] AND c > 1 THEN
-                    -- the requested model, admitted: no refusal to report
-                    r_kind[k] := NULL; r_scope[k] := NULL; r_wait[k] := NULL;
-                    r_capacity[k] := NULL; r_reason[k] := NULL; r_ceiling[k] := NULL;
-                    r_util[k] := NULL; r_quota[k] := NULL; r_resets[k] := NULL;
-                    r_zone[k] := NULL; r_credit[k] := NULL; r_alt_max[k] := NULL;
-                END IF;
-                r_reserved[k] := cost;
-                r_id[k] := coalesce(p_reservation_ids[k], gen_random_uuid());
-                r_generation[k] := 1;
-                a_lease := a_lease || coalesce(p_lease_seconds[k], l_lease[coalesce(ri, ti)]);
-                r_expires[k] := now_ts + make_interval(secs => a_lease[cardinality(a_lease)]);
-                a_ord := a_ord || k;
-                a_version := a_version || version;
-                ids := '{}';
-                FOREACH j IN ARRAY layers LOOP
-                    ids := ids || l_id[j];
-                END LOOP;
-                a_layers := a_layers || ids::text;
-                IF p_idempotency_keys[k] IS NOT NULL THEN
-                    b_key := b_key || (p_tenants[k] || '/' || p_idempotency_keys[k]);
-                    b_ord := b_ord || k;
-                END IF;
-                EXIT;
-            ELSIF c = 1 OR (NOT c_fb[c] AND r_status[k] = 'too_large'
-                            AND too_cap IS NULL AND rq_too_j IS NULL) THEN
-                -- The requested model's refusal: what a 429 (or a degraded 201)
-                -- says. On several deployments, its first's, unless that one
-                -- can never fit it and another only lacks room now.
-                r_kind[k] := NULL; r_scope[k] := NULL; r_wait[k] := NULL;
-                r_capacity[k] := NULL; r_reason[k] := NULL; r_ceiling[k] := NULL;
-                r_util[k] := NULL; r_quota[k] := NULL; r_resets[k] := NULL;
-                r_zone[k] := NULL; r_credit[k] := NULL; r_alt_max[k] := NULL;
-                refused_layers := layers;
-                refused_j := coalesce(too_j, tok_j);
-                r_reserved[k] := cost;
-                IF too_cap IS NOT NULL THEN
-                    r_status[k] := 'too_large';
-                    r_kind[k] := 'tokens';
-                    r_scope[k] := too_scope;
-                    r_capacity[k] := too_cap;
-                    r_reason[k] := 'capacity';
-                    r_ceiling[k] := too_name;
-                ELSIF rq_too_j IS NOT NULL THEN
-                    -- Its request_cost exceeds a layer's request_burst: never fits.
-                    r_status[k] := 'too_large';
-                    r_kind[k] := 'requests';
-                    r_scope[k] := l_scope[rq_too_j];
-                    r_capacity[k] := l_rburst[rq_too_j];
-                    r_reason[k] := 'capacity';
-                    r_ceiling[k] := l_name[rq_too_j];
-                ELSIF best_wait >= 0 THEN
-                    r_status[k] := 'rate_limited';
-                    r_kind[k] := best_kind;
-                    r_scope[k] := best_scope;
-                    r_wait[k] := best_wait;
-                    r_reason[k] := best_reason;
-                    r_ceiling[k] := best_name;
-                    r_util[k] := best_util;
-                ELSE
-                    -- A quota (retryable when its window resets), the prepaid
-                    -- balance (until a top-up), or a model without a price.
-                    r_status[k] := budget;
-                    r_kind[k] := CASE budget WHEN 'quota_exceeded' THEN 'quota'
-                                             WHEN 'credits_exhausted' THEN 'credits' END;
-                    r_scope[k] := CASE WHEN q_hit IS NULL THEN 'tenant'
-                                       WHEN q_key[q_hit] IS NOT NULL THEN 'key'
-                                       WHEN q_route[q_hit] IS NULL THEN 'tenant' ELSE 'route' END;
-                    IF q_hit IS NOT NULL THEN
-                        r_quota[k] := q_name[q_hit];
-                        r_resets[k] := q_end[q_hit];
-                        r_zone[k] := q_zone[q_hit];
-                        r_wait[k] := greatest(1, ceil(extract(epoch FROM q_end[q_hit] - now_ts) * 1000));
-                    END IF;
-                    r_credit[k] := avail;
-                END IF;
-                -- The largest max_tokens that fits now with the same input and
-                -- priority: none when a request or permit is lacking.
-                IF NOT blocked AND best_room IS NOT NULL AND best_room >= 1 THEN
-                    r_alt_max[k] := least(floor(best_room + epsilon)::bigint, p_max_tokens[k] - 1);
-                    IF r_alt_max[k] < 1 THEN
-                        r_alt_max[k] := NULL;
-                    END IF;
-                END IF;
-            END IF;
-        END LOOP;
-        r_alt_models[k] := fits::text;
-        IF r_status[k] <> 'admitted' THEN
-            layers := refused_layers;   -- remaining: the requested model's layers
-        END IF;
-
-        -- What is left after this decision: the tightest layer of each kind,
-        -- over the layers of the model admitted (or of the requested model, refused).
-        -- The binding token layer is the tightest one, or on a refusal the
-        -- token layer that refused (too small, or the longest wait for tokens).
-        rem_tok := NULL; rem_req := NULL; rem_if := NULL; bind_j := NULL;
-        FOREACH j IN ARRAY layers LOOP
-            IF l_tpm[j] IS NOT NULL THEN
-                IF rem_tok IS NULL OR l_tokens[j] < rem_tok THEN
-                    bind_j := j;
-                END IF;
-                rem_tok := least(coalesce(rem_tok, l_tokens[j]), l_tokens[j]);
-            END IF;
-            IF l_rpm[j] IS NOT NULL THEN
-                rem_req := least(coalesce(rem_req, l_requests[j]), l_requests[j]);
-            END IF;
-            IF l_max_if[j] IS NOT NULL THEN
-                rem_if := least(coalesce(rem_if, l_max_if[j] - l_in_flight[j]),
-                                l_max_if[j] - l_in_flight[j]);
-            END IF;
-        END LOOP;
-        r_rem_tok[k] := floor(rem_tok);
-        r_rem_req[k] := floor(rem_req);
-        r_rem_if[k] := rem_if;
-        r_t_tokens[k] := l_tokens[ti];
-        r_t_requests[k] := l_requests[ti];
-        IF r_status[k] <> 'admitted' AND refused_j IS NOT NULL THEN
-            bind_j := refused_j;
-        END IF;
-        r_b_tpm[k] := l_tpm[bind_j];
-        r_b_tburst[k] := l_tburst[bind_j];
-        r_b_tokens[k] := l_tokens[bind_j];
+            res.remaining_tokens := floor(rem_tok);
+            res.remaining_requests := floor(rem_req);
+            res.remaining_in_flight := rem_if;
+            res.tenant_tokens := layers[rq.tenant_at].tokens;
+            res.tenant_requests := layers[rq.tenant_at].requests;
+            res.binding_tokens_per_minute := layers[bind_j].tokens_per_minute;
+            res.binding_token_burst := layers[bind_j].token_burst;
+            res.binding_tokens := layers[bind_j].tokens;
+        END decide;
+        results[k] := res;
     END LOOP;
 
-    -- Pooled: the balance goes back to the shards in proportion to their own
-    -- burst (never above it), the first row last as it holds the sums; it
-    -- keeps its own permits and the batch's, which its id journals.
+    -- (6) Persist the layers the batch changed (pooled: the balance split
+    -- back over the shards first). A batch that admits nothing, in a
+    -- transaction of its own, writes nothing and commits without waiting
+    -- for the WAL flush (there is nothing to lose).
     IF pooled THEN
-        FOR x IN REVERSE cardinality(g_pos) .. 1 LOOP
-            j := g_pos[x];
-            l_tokens[j] := least(g_tburst[j], l_tokens[gi] * g_tburst[j] / l_tburst[gi]);
-            l_requests[j] := least(g_rburst[j], l_requests[gi] * g_rburst[j] / l_rburst[gi]);
-        END LOOP;
-        l_in_flight[gi] := l_in_flight[gi] - g_other_if;
+        layers := lq_unpool_global(layers, refilled);
     END IF;
-
-    -- (6) Persist the layers the batch changed, with their refill state. A
-    -- layer only refilled is left as it is: refill is a function of the
-    -- clock, and its stored balance and refilled_at give the same balance at
-    -- any later moment. So a refusal writes nothing; its row locks are all
-    -- it leaves, and a batch that admits nothing, in a transaction of its own,
-    -- commits without waiting for the WAL flush (there is nothing to lose).
-    UPDATE limit_layers AS ll
-       SET tokens = u.tokens,
-           requests = u.requests,
-           in_flight = u.in_flight,
-           refilled_at = now_ts
-      FROM unnest(l_id, l_tokens, l_requests, l_in_flight,
-                  l_start, l_requests_start, l_in_flight_start)
-           AS u(layer_id, tokens, requests, in_flight, tokens0, requests0, in_flight0)
-     WHERE ll.layer_id = u.layer_id
-       AND (u.tokens, u.requests, u.in_flight)
-           IS DISTINCT FROM (u.tokens0, u.requests0, u.in_flight0);
-    IF fresh_xact AND coalesce(cardinality(a_ord), 0) = 0 THEN
+    PERFORM lq_persist_layers(layers, refilled, now_ts);
+    IF fresh_xact AND cardinality(journal) = 0 THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
 
     -- (6b) What the batch reserved on each quota window and prepaid balance,
     -- in the lock order of (4b); each crossing of an alert threshold fires
     -- in this transaction (see quotas.sql).
-    FOR x IN 1 .. coalesce(cardinality(q_id), 0) LOOP
-        IF q_add_tok[x] <> 0 OR q_add_cost[x] <> 0 THEN
-            PERFORM lq_quota_apply(q_id[x], now_ts, q_add_tok[x], 0, q_add_cost[x], 0);
+    FOR x IN 1 .. coalesce(cardinality(quotas), 0) LOOP
+        IF quotas[x].added_tokens <> 0 OR quotas[x].added_cost <> 0 THEN
+            PERFORM lq_quota_apply(quotas[x].quota_id, now_ts, quotas[x].added_tokens, 0,
+                                   quotas[x].added_cost, 0);
         END IF;
     END LOOP;
-    FOR x IN 1 .. coalesce(cardinality(cr_tenant), 0) LOOP
-        IF cr_add[x] <> 0 THEN
-            PERFORM lq_credit_apply(cr_tenant[x], NULL, cr_add[x], NULL);
+    FOR x IN 1 .. coalesce(cardinality(credits), 0) LOOP
+        IF credits[x].added <> 0 THEN
+            PERFORM lq_credit_apply(credits[x].tenant, NULL, credits[x].added, NULL);
         END IF;
     END LOOP;
 
     -- (7) Journal the admitted reservations, so a dead worker's can be swept.
-    -- The model and input are the admitted candidate's: a fallback's usage is
-    -- settled and billed as that model, and its ledger row says it was
-    -- served as a fallback (serving_path, which lq_finish writes unless the
-    -- settler names another); a fallback taken after waiting is still a
-    -- fallback, as the proxy's serving-path metric counts it.
-    INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
-                              input_tokens, input_estimated, max_tokens, reserved_tokens,
-                              policy_version, created_at, lease_seconds, lease_expires_at,
-                              idempotency_key, request_hash, quota_ids, reserved_cost,
-                              credit_reserved, request_cost, permits, serving_path, upstream)
-    SELECT r_id[a.k], p_tenants[a.k], p_routes[a.k], r_model[a.k], a.layers::bigint[],
-           r_input[a.k], p_input_estimated[a.k], p_max_tokens[a.k], r_reserved[a.k],
-           a.version, now_ts, a.lease, r_expires[a.k],
-           p_idempotency_keys[a.k], p_request_hashes[a.k], a.quotas::bigint[], a.cost, a.credit,
-           x_rc[a.k], x_pm[a.k], r_path[a.k], r_upstream[a.k]
-      FROM unnest(a_ord, a_layers, a_version, a_lease, a_quotas, a_cost, a_credit)
-           AS a(k, layers, version, lease, quotas, cost, credit);
+    INSERT INTO reservations SELECT * FROM unnest(journal);
 
+    RETURN QUERY SELECT * FROM unnest(results);
+END
+$$;
+
+
+-- (3a) The fast path, one statement: when no request of the batch touches a
+-- provider ceiling or a quota and none has an idempotency key (fallbacks do
+-- not matter: where every request fits, each is admitted as asked, as (5)
+-- would), this statement locks the batch's layers (every global shard with
+-- p_pool; in layer_id order), refills them to one clock read once all are
+-- locked, and, when every tenant is known, none is prepaid, no locked layer
+-- weighs its calls (request_cost, uses_concurrency: every call here is one
+-- request and one permit, the journal's defaults) and every layer has room
+-- for everything the batch asks of it, admits every request in order, as the
+-- one-by-one decision of (5) would. Each request's figures are then running
+-- sums per layer (a window over the requests in array order), so debiting the
+-- layers, journaling the reservations and answering need no loop. `fits`
+-- checks exactly the conditions of (5) (too large, tokens, requests,
+-- permits) against those running sums; when any fails, nothing here writes
+-- or returns, the locks stay held, and lq_admit_decide's (3) onwards decides
+-- (never waiting for a lock again: see lq_lock_layers). The property test of
+-- batched == one by one covers both paths.
+-- This statement locks the set lq_batch_layers names, or more, by a WHERE of
+-- its own, and lq_lock_layers counts on that: a layer added there is added
+-- here.
+CREATE OR REPLACE FUNCTION lq_admit_at_once(p_batch lq_admit_batch, p_pool boolean)
+RETURNS SETOF lq_admit_result
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    -- The batch's fields, by the names the statement uses (p_batch.x reads
+    -- the composite again on every use; a local array is read in place).
+    p_tenants          text[] := p_batch.tenants;
+    p_routes           text[] := p_batch.routes;
+    p_models           text[] := p_batch.models;
+    p_input_tokens     bigint[] := p_batch.input_tokens;
+    p_max_tokens       bigint[] := p_batch.max_tokens;
+    p_input_estimated  boolean[] := p_batch.input_estimated;
+    p_lease_seconds    integer[] := p_batch.lease_seconds;
+    p_request_hashes   text[] := p_batch.request_hashes;
+    p_priorities       smallint[] := p_batch.priorities;
+    p_priority_any     boolean[] := p_batch.priority_any;
+    p_output_reserve   bigint[] := p_batch.output_reserve;
+    p_reservation_ids  uuid[] := p_batch.reservation_ids;
+    p_key_ids          bigint[] := p_batch.key_ids;
+    p_serving_paths    text[] := p_batch.serving_paths;
+    p_up_ord           integer[] := p_batch.up_ord;
+    p_up_models        text[] := p_batch.up_models;
+    p_up_names         text[] := p_batch.up_names;
+    n                  integer := coalesce(cardinality(p_tenants), 0);
+    -- as in lq_capacity_verdict
+    epsilon            constant double precision := 1e-6;
+BEGIN
     RETURN QUERY
-    SELECT o.i::integer, r_status[o.i], r_id[o.i], r_reserved[o.i], r_expires[o.i],
-           r_generation[o.i], r_kind[o.i], r_scope[o.i], r_wait[o.i], r_capacity[o.i],
-           r_rem_tok[o.i], r_rem_req[o.i], r_rem_if[o.i],
-           r_t_tpm[o.i], r_t_tburst[o.i], r_t_tokens[o.i],
-           r_t_rpm[o.i], r_t_rburst[o.i], r_t_requests[o.i],
-           r_model[o.i], r_input[o.i], r_degraded[o.i], r_reason[o.i], r_ceiling[o.i],
-           r_util[o.i], r_priority[o.i], r_plan[o.i], r_alt_max[o.i], r_alt_models[o.i]::text[],
-           r_quota[o.i], r_resets[o.i], r_zone[o.i], r_credit[o.i],
-           r_b_tpm[o.i], r_b_tburst[o.i], r_b_tokens[o.i], r_upstream[o.i]
-      FROM generate_series(1, n) AS o(i);
+    WITH locked AS MATERIALIZED (
+        SELECT ll.layer_id, ll.scope, ll.tenant, ll.route, ll.shard, ll.shards,
+               ll.tokens_per_minute AS tpm, ll.token_burst AS tburst,
+               ll.requests_per_minute AS rpm, ll.request_burst AS rburst,
+               ll.max_in_flight AS max_if, ll.lease_seconds AS lease,
+               ll.policy_version AS version, ll.tokens, ll.requests, ll.in_flight,
+               ll.refilled_at, ll.priority, ll.plan, ll.prepaid, ll.api_key_id,
+               ll.request_cost, ll.uses_concurrency
+          FROM limit_layers AS ll
+         -- one bitmap of index scans on the layer key: the global rows (of
+         -- a sharded layer, the batch's shards), the batch's tenants, and
+         -- the routes named (a route of a batch tenant named by another
+         -- request is locked too, and only refilled)
+         WHERE ll.ceiling IS NULL
+           AND ((ll.scope = 'global' AND ll.tenant IS NULL AND ll.route IS NULL
+                 AND (ll.shards = 1 OR p_pool
+                      OR ll.shard = ANY (SELECT lq_tenant_shard(u.t, ll.shards)
+                                           FROM unnest(p_tenants) AS u(t))))
+                OR (ll.scope = 'tenant' AND ll.tenant = ANY (p_tenants) AND ll.route IS NULL)
+                OR (ll.scope = 'route' AND ll.tenant = ANY (p_tenants)
+                    AND ll.route = ANY (p_routes))
+                OR (ll.api_key_id = ANY (p_key_ids) AND ll.scope = 'key'))
+         ORDER BY ll.layer_id
+           FOR UPDATE
+    ), clock AS (
+        -- read once every row is locked (the aggregate consumes them all)
+        SELECT greatest(clock_timestamp(), max(l.refilled_at)) AS ts,
+               coalesce(bool_or(l.prepaid), false) AS prepaid,
+               -- a weighted call (request_cost, uses_concurrency) is left to (5)
+               coalesce(bool_or(l.request_cost IS NOT NULL OR l.uses_concurrency IS NOT NULL),
+                        false) AS weighted
+          FROM locked AS l
+    ), layer AS (
+        SELECT l.*, c.ts,
+               lq_refilled(l.tokens, l.tpm, l.tburst, l.refilled_at, c.ts) AS tokens_now,
+               lq_refilled(l.requests, l.rpm, l.rburst, l.refilled_at, c.ts) AS requests_now
+          FROM locked AS l, clock AS c
+    ), req AS (
+        SELECT u.o::integer AS k, u.t, u.r, u.inp + coalesce(u.res, u.mx) AS cost
+          FROM unnest(p_tenants, p_routes, p_input_tokens, p_max_tokens, p_output_reserve)
+               WITH ORDINALITY AS u(t, r, inp, mx, res, o)
+    ), ups AS (
+        -- the deployment each request goes to: the first named for its
+        -- model (no ceiling here to choose by)
+        SELECT d.o AS k, (array_agg(d.name ORDER BY d.i))[1] AS name
+          FROM unnest(p_up_ord, p_up_models, p_up_names) WITH ORDINALITY AS d(o, m, name, i)
+         WHERE d.m = p_models[d.o]
+         GROUP BY d.o
+    ), pairs AS (
+        -- each request with each of its layers: pos 1 global, 2 tenant, 3 route,
+        -- 4 its key's
+        SELECT q.k, q.cost, 1 AS pos, l.layer_id
+          FROM req AS q JOIN layer AS l
+            ON l.scope = 'global' AND l.shard = lq_tenant_shard(q.t, l.shards)
+        UNION ALL
+        SELECT q.k, q.cost, 2, l.layer_id
+          FROM req AS q JOIN layer AS l ON l.scope = 'tenant' AND l.tenant = q.t
+        UNION ALL
+        SELECT q.k, q.cost, 3, l.layer_id
+          FROM req AS q JOIN layer AS l
+            ON l.scope = 'route' AND l.tenant = q.t AND l.route = q.r
+        UNION ALL
+        SELECT q.k, q.cost, 4, l.layer_id
+          FROM req AS q JOIN layer AS l
+            ON l.scope = 'key' AND l.api_key_id = p_key_ids[q.k]
+    ), running AS (
+        SELECT p.k, p.pos, p.cost, l.layer_id, l.tpm, l.tburst, l.rpm, l.rburst, l.max_if,
+               l.lease, l.version, l.in_flight, l.priority, l.plan, l.ts, l.tokens_now,
+               l.requests_now, sum(p.cost) OVER w AS tok_used, count(*) OVER w AS req_used
+          FROM pairs AS p JOIN layer AS l USING (layer_id)
+        WINDOW w AS (PARTITION BY p.layer_id ORDER BY p.k)
+    ), fits AS (
+        SELECT coalesce(bool_and(
+                   (r.tpm IS NULL
+                    OR (r.cost <= r.tburst AND r.tokens_now - r.tok_used + epsilon >= 0))
+                   AND (r.rpm IS NULL OR r.requests_now - r.req_used + epsilon >= 0)
+                   AND (r.max_if IS NULL OR r.in_flight + r.req_used <= r.max_if)), false)
+               AND count(*) FILTER (WHERE r.pos = 2) = n   -- every tenant known
+               -- every request has its global shard, unless there is no global
+               -- layer (a shard count changed meanwhile leaves one unlocked)
+               AND (count(*) FILTER (WHERE r.pos = 1) = n
+                    OR NOT EXISTS (SELECT 1 FROM limit_layers AS g WHERE g.scope = 'global'))
+               AND NOT (SELECT c.prepaid OR c.weighted FROM clock AS c) AS ok
+          FROM running AS r
+    ), decided AS (
+        SELECT r.k, min(r.cost) AS cost, min(r.ts) AS ts,
+               coalesce(p_reservation_ids[r.k], gen_random_uuid()) AS id,
+               coalesce(p_lease_seconds[r.k], min(r.lease) FILTER (WHERE r.pos = 3),
+                        min(r.lease) FILTER (WHERE r.pos = 2)) AS lease,
+               array_agg(r.layer_id ORDER BY r.pos) AS ids,
+               max(r.version) AS version,
+               min(r.tokens_now - r.tok_used) AS rem_tok,
+               min(r.requests_now - r.req_used) AS rem_req,
+               min(r.max_if - r.in_flight - r.req_used) AS rem_if,
+               min(r.tpm) FILTER (WHERE r.pos = 2) AS t_tpm,
+               min(r.tburst) FILTER (WHERE r.pos = 2) AS t_tburst,
+               min(r.tokens_now - r.tok_used) FILTER (WHERE r.pos = 2) AS t_tokens,
+               min(r.rpm) FILTER (WHERE r.pos = 2) AS t_rpm,
+               min(r.rburst) FILTER (WHERE r.pos = 2) AS t_rburst,
+               min(r.requests_now - r.req_used) FILTER (WHERE r.pos = 2) AS t_requests,
+               min(r.priority) FILTER (WHERE r.pos = 2) AS t_priority,
+               min(r.plan) FILTER (WHERE r.pos = 2) AS t_plan,
+               -- the binding token layer: the least left, the first in
+               -- layer order on a tie, as (5) finds it
+               (array_agg(r.tpm ORDER BY r.tokens_now - r.tok_used, r.pos)
+                    FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tpm,
+               (array_agg(r.tburst ORDER BY r.tokens_now - r.tok_used, r.pos)
+                    FILTER (WHERE r.tpm IS NOT NULL))[1] AS b_tburst,
+               min(r.tokens_now - r.tok_used) FILTER (WHERE r.tpm IS NOT NULL) AS b_tokens
+          FROM running AS r, fits
+         WHERE fits.ok
+         GROUP BY r.k
+    ), debited AS (
+        -- every locked layer: its refill state, less what the batch takes
+        UPDATE limit_layers AS ll
+           SET tokens = l.tokens_now - CASE WHEN l.tpm IS NULL THEN 0
+                                            ELSE coalesce(d.tokens, 0) END,
+               requests = l.requests_now - CASE WHEN l.rpm IS NULL THEN 0
+                                                ELSE coalesce(d.requests, 0) END,
+               in_flight = l.in_flight + coalesce(d.requests, 0)::integer,
+               refilled_at = l.ts
+          FROM fits, layer AS l
+               LEFT JOIN (SELECT p.layer_id, sum(p.cost) AS tokens, count(*) AS requests
+                            FROM pairs AS p GROUP BY p.layer_id) AS d USING (layer_id)
+         -- by key, not by the locked version's ctid: that version may be
+         -- newer than this statement's snapshot (committed while we waited
+         -- for its lock), and the UPDATE finds it from the visible one
+         WHERE fits.ok AND ll.layer_id = l.layer_id
+    ), journal AS (
+        -- the requested model only (this path never degrades): its
+        -- serving path is the caller's (queued), NULL for primary
+        INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
+                                  input_tokens, input_estimated, max_tokens, reserved_tokens,
+                                  policy_version, created_at, lease_seconds, lease_expires_at,
+                                  idempotency_key, request_hash, serving_path, upstream)
+        SELECT d.id, p_tenants[d.k], p_routes[d.k], p_models[d.k], d.ids,
+               p_input_tokens[d.k], p_input_estimated[d.k], p_max_tokens[d.k], d.cost,
+               d.version, d.ts, d.lease, d.ts + make_interval(secs => d.lease),
+               NULL, p_request_hashes[d.k], p_serving_paths[d.k], u.name
+          FROM decided AS d LEFT JOIN ups AS u USING (k)
+    )
+    SELECT d.k, 'admitted'::text, d.id, d.cost, d.ts + make_interval(secs => d.lease), 1,
+           NULL::text, NULL::text, NULL::bigint, NULL::bigint,
+           floor(d.rem_tok)::bigint, floor(d.rem_req)::bigint, d.rem_if::integer,
+           d.t_tpm, d.t_tburst, d.t_tokens, d.t_rpm, d.t_rburst, d.t_requests,
+           p_models[d.k], p_input_tokens[d.k], false, NULL::text, NULL::text,
+           NULL::double precision,
+           lq_priority(p_priorities[d.k], p_priority_any[d.k], d.t_priority),
+           d.t_plan, NULL::bigint, '{}'::text[], NULL::text, NULL::timestamptz,
+           NULL::text, NULL::numeric, d.b_tpm, d.b_tburst, d.b_tokens, u.name
+      FROM decided AS d LEFT JOIN ups AS u USING (k)
+     ORDER BY d.k;
+END
+$$;
+
+
+-- lq_admit_decide's steps (above, in the order it takes them), each a
+-- function over the rows of migration 0032's types. They run inside its one
+-- statement, with its plan_cache_mode, and lock only what their comment
+-- says. PL/pgSQL, so that each statement inside is planned once per session
+-- (a SQL function with a query is planned again on every call before 18).
+
+-- (2) Every model a candidate of the batch may name: requested, explicit
+-- fallbacks, and the default lists of the batch's tenants and routes. Those
+-- lists are policy, read here without a lock; a default model added after
+-- this read is not tried in this statement (lq_admit_candidates skips it),
+-- so the ceilings locked for these models cover every candidate tried.
+-- p_layers: the locked layers to read the default lists from; NULL: read
+-- them from the table (before the locks).
+CREATE OR REPLACE FUNCTION lq_batch_models(p_batch lq_admit_batch, p_layers lq_locked_layer[])
+RETURNS text[]
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    IF p_layers IS NOT NULL THEN
+        RETURN (SELECT array_agg(DISTINCT x.m)
+                  FROM (SELECT unnest(p_batch.models)
+                        UNION ALL
+                        SELECT unnest(p_batch.alt_models)
+                        UNION ALL
+                        SELECT unnest(l.fallback_models) FROM unnest(p_layers) AS l) AS x(m)
+                 WHERE x.m IS NOT NULL);
+    END IF;
+    RETURN (SELECT array_agg(DISTINCT m.model)
+              FROM (SELECT unnest(p_batch.models) AS model
+                    UNION ALL
+                    SELECT unnest(p_batch.alt_models)
+                    UNION ALL
+                    SELECT unnest(d.fallback_models)
+                      FROM unnest(p_batch.tenants, p_batch.routes) AS u(t, r)
+                      JOIN limit_layers AS d
+                        ON d.scope IN ('tenant', 'route') AND d.tenant = u.t
+                       AND d.route IS NOT DISTINCT FROM (CASE WHEN d.scope = 'route' THEN u.r END)
+                       AND d.ceiling IS NULL) AS m
+             WHERE m.model IS NOT NULL);
+END
+$$;
+
+-- (2) The provider ceilings each of those models matches, in layer_id order
+-- (ceilings are few: a scan of the partial index over them).
+CREATE OR REPLACE FUNCTION lq_model_ceilings(p_models text[])
+RETURNS lq_model_ceiling[]
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN (SELECT array_agg(ROW(m.model, c.layer_id, c.upstream)::lq_model_ceiling
+                             ORDER BY c.layer_id)
+              FROM limit_layers AS c
+              JOIN unnest(p_models) AS m(model) ON m.model LIKE ANY (c.model_patterns)
+             WHERE c.scope = 'ceiling');
+END
+$$;
+
+-- (3) A limit_layers row as the decision keeps it.
+CREATE OR REPLACE FUNCTION lq_locked_layer_of(x limit_layers)
+RETURNS lq_locked_layer
+LANGUAGE sql IMMUTABLE
+AS $$
+    SELECT ROW(x.layer_id,
+               CASE x.scope WHEN 'global' THEN 'g/' || x.shard
+                            WHEN 'tenant' THEN 't/' || x.tenant
+                            WHEN 'ceiling' THEN 'c/' || x.ceiling
+                            WHEN 'key' THEN 'k/' || x.api_key_id
+                            ELSE 'r/' || x.tenant || '/' || x.route END,
+               x.scope, x.ceiling, x.tokens_per_minute, x.token_burst, x.requests_per_minute,
+               x.request_burst, x.max_in_flight, x.lease_seconds, x.policy_version, x.tokens,
+               x.requests, x.in_flight, x.refilled_at, x.shards, x.priority, x.plan,
+               x.fallback_models, x.allowed_models,
+               CASE WHEN x.scope = 'ceiling' THEN x.shed_above END,
+               CASE WHEN x.scope = 'ceiling' THEN x.shed_admit END,
+               CASE WHEN x.scope = 'ceiling' THEN x.shed_small END,
+               x.prepaid, x.request_cost, x.uses_concurrency)::lq_locked_layer
+$$;
+
+-- (3) Lock every layer any request of the batch touches (lq_batch_layers,
+-- and the ceilings of its models), in layer_id order. FOR UPDATE re-reads a
+-- row changed by a transaction we waited for, so the balances are the
+-- latest committed ones.
+--
+-- p_wait false (after the fast path): SKIP LOCKED, never waiting. That path
+-- did not fit and still holds its layers, and this statement's snapshot is
+-- newer than its: a layer committed in between (a new tenant, route or key
+-- layer, the global shard a new shard count gives a tenant, a layer whose
+-- layer_id was drawn before another's but committed after it) may sort below
+-- one it holds. Waiting for that layer would wait for a lower layer_id while
+-- holding a higher one, out of the order above, and a transaction locking in
+-- order could deadlock with this one (PostgreSQL fails one of them). Not
+-- waiting loses nothing the fast path saw: it locked every layer of this set
+-- that its snapshot saw (the set, lq_batch_layers', is within its WHERE,
+-- whose routes are a superset; and it runs only without ceilings), and a
+-- lock of our own never blocks us. A layer it did not see is locked if free;
+-- one another transaction holds is left out, and the batch is decided as if
+-- that layer had been created just after it (it was committed after the
+-- batch began; linearizable, the batch first): a tenant's layer left out
+-- makes its requests unknown_tenant, a route or key layer left out does not
+-- bind, and a global shard left out is not counted (unpooled, its requests
+-- lack their shard: LQ001, and lq_admit decides again pooled once the
+-- subtransaction's rollback released these locks; pooled, the batch pools
+-- the shards it holds). A lock taken without waiting cannot close a cycle.
+-- Written twice, so that no path pays for it: releasing the fast path's
+-- locks to lock again in order would need a subtransaction around it on
+-- every call; one statement with both lock modes (a UNION ALL) costs each
+-- call starting both. (tests/unit/test_lock_order_sql.py keeps the two
+-- alike.)
+CREATE OR REPLACE FUNCTION lq_lock_layers(p_batch lq_admit_batch, p_pool boolean,
+                                          p_ceilings lq_model_ceiling[], p_wait boolean)
+RETURNS lq_locked_layer[]
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF p_wait THEN
+    RETURN (SELECT array_agg(lq_locked_layer_of(x.row))
+              FROM (SELECT ll AS row
+                      FROM limit_layers AS ll
+                     WHERE ll.layer_id IN (
+                               SELECT b.layer_id
+                                 FROM lq_batch_layers(p_batch.tenants, p_batch.routes, p_pool,
+                                                      p_batch.key_ids) AS b(layer_id)
+                               UNION
+                               SELECT c.layer_id FROM unnest(p_ceilings) AS c)
+                     ORDER BY ll.layer_id
+                       FOR UPDATE) AS x);
+    ELSE
+    RETURN (SELECT array_agg(lq_locked_layer_of(x.row))
+              FROM (SELECT ll AS row
+                      FROM limit_layers AS ll
+                     WHERE ll.layer_id IN (
+                               SELECT b.layer_id
+                                 FROM lq_batch_layers(p_batch.tenants, p_batch.routes, p_pool,
+                                                      p_batch.key_ids) AS b(layer_id)
+                               UNION
+                               SELECT c.layer_id FROM unnest(p_ceilings) AS c)
+                     ORDER BY ll.layer_id
+                       FOR UPDATE SKIP LOCKED) AS x);
+    END IF;
+END
+$$;
+
+-- (4) Every locked layer refilled to the statement's clock reading.
+CREATE OR REPLACE FUNCTION lq_refill_layers(p_layers lq_locked_layer[], p_now timestamptz)
+RETURNS lq_locked_layer[]
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    j integer;
+BEGIN
+    FOR j IN 1 .. coalesce(cardinality(p_layers), 0) LOOP
+        p_layers[j].tokens := lq_refilled(p_layers[j].tokens, p_layers[j].tokens_per_minute,
+                                          p_layers[j].token_burst, p_layers[j].refilled_at, p_now);
+        p_layers[j].requests := lq_refilled(p_layers[j].requests, p_layers[j].requests_per_minute,
+                                            p_layers[j].request_burst, p_layers[j].refilled_at,
+                                            p_now);
+    END LOOP;
+    RETURN p_layers;
+END
+$$;
+
+-- (4) A sharded global layer pooled (lq_admit decided it again with every
+-- shard locked): the first of its locked rows stands for all of them, with
+-- their figures summed; lq_unpool_global splits them back.
+CREATE OR REPLACE FUNCTION lq_pool_global(p_layers lq_locked_layer[])
+RETURNS lq_locked_layer[]
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    gi integer;
+    j  integer;
+    g  lq_locked_layer;
+BEGIN
+    FOR j IN 1 .. cardinality(p_layers) LOOP
+        CONTINUE WHEN p_layers[j].scope <> 'global';
+        IF gi IS NULL THEN
+            gi := j;
+            g := p_layers[j];
+            CONTINUE;
+        END IF;
+        g.tokens := g.tokens + p_layers[j].tokens;
+        g.tokens_per_minute := g.tokens_per_minute + p_layers[j].tokens_per_minute;
+        g.token_burst := g.token_burst + p_layers[j].token_burst;
+        g.requests := g.requests + p_layers[j].requests;
+        g.requests_per_minute := g.requests_per_minute + p_layers[j].requests_per_minute;
+        g.request_burst := g.request_burst + p_layers[j].request_burst;
+        g.max_in_flight := g.max_in_flight + p_layers[j].max_in_flight;
+        g.in_flight := g.in_flight + p_layers[j].in_flight;
+    END LOOP;
+    p_layers[gi] := g;
+    RETURN p_layers;
+END
+$$;
+
+-- (6) The pooled global balance back to the shards (p_unpooled: the layers
+-- before pooling), in proportion to each one's own burst and never above
+-- it. The first row keeps its own permits and the batch's, which its id
+-- journals.
+CREATE OR REPLACE FUNCTION lq_unpool_global(p_layers lq_locked_layer[],
+                                            p_unpooled lq_locked_layer[])
+RETURNS lq_locked_layer[]
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    gi integer;
+    j  integer;
+    g  lq_locked_layer;
+    others integer := 0;
+BEGIN
+    FOR j IN 1 .. cardinality(p_layers) LOOP
+        CONTINUE WHEN p_layers[j].scope <> 'global';
+        IF gi IS NULL THEN
+            gi := j;
+            g := p_layers[j];
+        END IF;
+        p_layers[j].tokens := least(p_unpooled[j].token_burst,
+                                    g.tokens * p_unpooled[j].token_burst / g.token_burst);
+        p_layers[j].requests := least(p_unpooled[j].request_burst,
+                                      g.requests * p_unpooled[j].request_burst / g.request_burst);
+        IF j <> gi THEN
+            others := others + p_unpooled[j].in_flight;
+        END IF;
+    END LOOP;
+    p_layers[gi].in_flight := g.in_flight - others;
+    RETURN p_layers;
+END
+$$;
+
+-- (4) The batch's requests, each with the places of its global (shard, or
+-- the pooled first row), tenant, route and key layer among the locked ones,
+-- what it counts as (its route's request_cost and uses_concurrency, else its
+-- tenant's, else one request and one permit), and where its explicit
+-- fallbacks and deployments are in the batch's arrays (grouped by request).
+CREATE OR REPLACE FUNCTION lq_admit_requests(p_batch lq_admit_batch, p_layers lq_locked_layer[],
+                                             p_pooled boolean)
+RETURNS lq_admit_request[]
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    keys   text[] := ARRAY(SELECT l.key FROM unnest(p_layers) AS l);
+    shards smallint := (SELECT max(l.shards) FROM unnest(p_layers) AS l WHERE l.scope = 'global');
+    gi     integer;
+BEGIN
+    IF p_pooled THEN
+        gi := (SELECT min(l.ordinality) FROM unnest(p_layers) WITH ORDINALITY AS l
+                WHERE l.scope = 'global');
+    ELSIF coalesce(shards, 1) = 1 THEN
+        gi := array_position(keys, 'g/0');
+    END IF;
+    RETURN (
+        SELECT array_agg(ROW(u.o, u.t, u.r, u.m, u.inp, u.mx, u.res, u.est, u.lease, u.idem,
+                             u.hash, u.prio, u.prio_any, u.degrade, u.rid, u.kid, u.path,
+                             p.gi, p.ti, p.ri, p.ki,
+                             coalesce(p_layers[p.ri].request_cost, p_layers[p.ti].request_cost, 1),
+                             CASE WHEN coalesce(p_layers[p.ri].uses_concurrency,
+                                                p_layers[p.ti].uses_concurrency, true)
+                                  THEN 1 ELSE 0 END,
+                             a.first, coalesce(a.count, 0), d.first, coalesce(d.count, 0)
+                             )::lq_admit_request ORDER BY u.o)
+          FROM unnest(p_batch.tenants, p_batch.routes, p_batch.models, p_batch.input_tokens,
+                      p_batch.max_tokens, p_batch.output_reserve, p_batch.input_estimated,
+                      p_batch.lease_seconds, p_batch.idempotency_keys, p_batch.request_hashes,
+                      p_batch.priorities, p_batch.priority_any, p_batch.degrade,
+                      p_batch.reservation_ids, p_batch.key_ids, p_batch.serving_paths)
+               WITH ORDINALITY AS u(t, r, m, inp, mx, res, est, lease, idem, hash, prio,
+                                    prio_any, degrade, rid, kid, path, o)
+         CROSS JOIN LATERAL (
+               SELECT CASE WHEN shards > 1 AND NOT p_pooled
+                           THEN array_position(keys, 'g/' || lq_tenant_shard(u.t, shards))
+                           ELSE gi END AS gi,
+                      array_position(keys, 't/' || u.t) AS ti,
+                      CASE WHEN u.r IS NOT NULL
+                           THEN array_position(keys, 'r/' || u.t || '/' || u.r) END AS ri,
+                      CASE WHEN u.kid IS NOT NULL
+                           THEN array_position(keys, 'k/' || u.kid) END AS ki) AS p
+          LEFT JOIN (SELECT f.o, min(f.i)::integer AS first, count(*)::integer AS count
+                       FROM unnest(p_batch.alt_ord) WITH ORDINALITY AS f(o, i)
+                      GROUP BY f.o) AS a ON a.o = u.o
+          LEFT JOIN (SELECT f.o, min(f.i)::integer AS first, count(*)::integer AS count
+                       FROM unnest(p_batch.up_ord) WITH ORDINALITY AS f(o, i)
+                      GROUP BY f.o) AS d ON d.o = u.o);
+END
+$$;
+
+-- (4) Sharded, not pooled: whether some global shard lacks room for the
+-- most its requests could take (each at its largest candidate). Then
+-- nothing is decided and lq_admit decides again, pooled. A shard not locked
+-- (the shard count changed under this statement) counts as lacking.
+CREATE OR REPLACE FUNCTION lq_shard_short(p_batch lq_admit_batch, p_layers lq_locked_layer[],
+                                          p_requests lq_admit_request[])
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    epsilon constant double precision := 1e-6;
+BEGIN
+    RETURN EXISTS (
+        SELECT 1
+          FROM (SELECT q.global_at AS gi, sum(q.cost) AS tokens, sum(q.request_cost) AS requests,
+                       sum(q.permits) AS permits, max(q.cost) AS largest
+                  FROM (SELECT v.global_at, v.request_cost, v.permits,
+                               greatest(v.input_tokens + coalesce(v.output_reserve, v.max_tokens),
+                                        a.cost) AS cost
+                          FROM unnest(p_requests) AS v
+                          LEFT JOIN (SELECT w.o,
+                                            max(w.inp + coalesce(w.res, p_batch.max_tokens[w.o]))
+                                                AS cost
+                                       FROM unnest(p_batch.alt_ord, p_batch.alt_inputs,
+                                                   p_batch.alt_outputs) AS w(o, inp, res)
+                                      GROUP BY w.o) AS a ON a.o = v.ord
+                         WHERE v.tenant_at IS NOT NULL) AS q
+                 GROUP BY q.global_at) AS d
+          LEFT JOIN LATERAL (SELECT (p_layers[d.gi]).*) AS g ON true
+         WHERE d.gi IS NULL
+            OR (g.tokens_per_minute IS NOT NULL
+                AND (d.largest > g.token_burst OR g.tokens + epsilon < d.tokens))
+            OR (g.requests_per_minute IS NOT NULL AND g.requests + epsilon < d.requests)
+            OR (g.max_in_flight IS NOT NULL AND g.in_flight + d.permits > g.max_in_flight));
+END
+$$;
+
+-- (4b) The calendar quotas of the batch's tenants, read FOR SHARE (a quota
+-- deleted meanwhile is simply not there), their current windows created if
+-- new and locked, in quota_id order: the lock order of quotas.sql, after
+-- the layers. Each with its running usage (reserved + charged).
+CREATE OR REPLACE FUNCTION lq_lock_quotas(p_tenants text[], p_now timestamptz)
+RETURNS lq_quota_hold[]
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    qid bigint;
+BEGIN
+    FOR qid IN SELECT q.quota_id FROM quotas AS q
+                WHERE q.tenant = ANY (p_tenants)
+                ORDER BY q.quota_id
+                  FOR SHARE LOOP
+        PERFORM lq_quota_window_row(qid, p_now);
+    END LOOP;
+    RETURN (SELECT array_agg(ROW(q.quota_id, q.name, q.tenant, q.route, q.api_key_id,
+                                 q.model_patterns, q.tokens, q.cost, q.enforce = 'block',
+                                 w.window_end, q.timezone,
+                                 w.reserved_tokens + w.charged_tokens,
+                                 w.reserved_cost + w.charged_cost, 0, 0)::lq_quota_hold
+                             ORDER BY q.quota_id)
+              FROM quotas AS q
+              JOIN quota_windows AS w
+                ON w.quota_id = q.quota_id
+               AND w.window_start = (lq_quota_window(q.period, q.timezone, p_now)).window_start
+             WHERE q.tenant = ANY (p_tenants));
+END
+$$;
+
+-- (4b) The prices in force of the candidate models (NULL: none).
+CREATE OR REPLACE FUNCTION lq_model_prices(p_models text[], p_now timestamptz)
+RETURNS lq_model_price[]
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    RETURN (SELECT array_agg(ROW(m.model, pr.input_usd_per_million,
+                                 pr.output_usd_per_million)::lq_model_price)
+              FROM unnest(p_models) AS m(model)
+              LEFT JOIN LATERAL lq_price_at(m.model, p_now) AS pr ON true);
+END
+$$;
+
+-- (4b) The prepaid balances of the batch's tenants, locked in tenant order
+-- (after the quota windows), each with what is available.
+CREATE OR REPLACE FUNCTION lq_lock_credits(p_tenants text[])
+RETURNS lq_credit_hold[]
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RETURN (SELECT array_agg(ROW(a.tenant, a.balance - a.reserved, 0)::lq_credit_hold
+                             ORDER BY a.tenant)
+              FROM (SELECT ca.tenant, ca.balance, ca.reserved
+                      FROM credit_accounts AS ca
+                     WHERE ca.tenant = ANY (p_tenants)
+                     ORDER BY ca.tenant
+                       FOR UPDATE) AS a);
+END
+$$;
+
+-- (5) The candidates of a request, in the order they are tried: the
+-- requested model, then its explicit fallbacks (each with its own input
+-- count and output reserve: a degraded admission reserves what the model it
+-- admits is expected to use), or else its route's or its tenant's default
+-- list (models read in (2) only: p_models), with the requested model's input
+-- and output reserve. Each candidate model on each of its deployments, in
+-- turn: the model's rule orders them, least_utilized by the room its scoped
+-- token ceilings would have left (a share of the burst, at the running
+-- balances), none scoped counting as the most.
+CREATE OR REPLACE FUNCTION lq_admit_candidates(p_batch lq_admit_batch, rq lq_admit_request,
+                                               p_layers lq_locked_layer[], p_layer_ids bigint[],
+                                               p_models text[], p_ceilings lq_model_ceiling[])
+RETURNS lq_admit_candidate[]
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    c      lq_admit_candidate[] := ARRAY[ROW(rq.model, rq.input_tokens, rq.output_reserve,
+                                             NULL, false)::lq_admit_candidate];
+    last   integer := rq.alt_from + rq.alt_count - 1;
+    upto   integer := rq.up_from + rq.up_count - 1;
+    routes text[] := CASE WHEN rq.route_at IS NOT NULL
+                          THEN p_layers[rq.route_at].fallback_models END;
+BEGIN
+    IF rq.alt_count > 0 THEN
+        c := c || ARRAY(SELECT ROW(a.m, a.inp, a.res, NULL, true)::lq_admit_candidate
+                          FROM unnest(p_batch.alt_models[rq.alt_from : last],
+                                      p_batch.alt_inputs[rq.alt_from : last],
+                                      -- (a NULL alt_outputs: every fallback's is NULL)
+                                      p_batch.alt_outputs[rq.alt_from : last])
+                               WITH ORDINALITY AS a(m, inp, res, o)
+                         ORDER BY a.o);
+    ELSIF routes <> '{}' OR p_layers[rq.tenant_at].fallback_models <> '{}' THEN
+        c := c || ARRAY(SELECT ROW(d.m, rq.input_tokens, rq.output_reserve, NULL,
+                                   true)::lq_admit_candidate
+                          FROM unnest(coalesce(nullif(routes, '{}'),
+                                               p_layers[rq.tenant_at].fallback_models))
+                               WITH ORDINALITY AS d(m, o)
+                         WHERE (p_models IS NULL OR d.m = ANY (p_models)) AND d.m <> rq.model
+                         ORDER BY d.o);
+    END IF;
+    IF rq.up_count = 0 THEN
+        RETURN c;
+    END IF;
+    RETURN ARRAY(
+        SELECT ROW(e.model, e.input_tokens, e.output_reserve, d.up, e.fallback)::lq_admit_candidate
+          FROM unnest(c) WITH ORDINALITY AS e(model, input_tokens, output_reserve, upstream,
+                                              fallback, o)
+          LEFT JOIN LATERAL (
+               SELECT w.up, w.rule, w.i
+                 FROM unnest(p_batch.up_models[rq.up_from : upto],
+                             p_batch.up_names[rq.up_from : upto],
+                             p_batch.up_rules[rq.up_from : upto])
+                      WITH ORDINALITY AS w(model, up, rule, i)
+                WHERE w.model = e.model) AS d ON true
+         WHERE e.model IS NOT NULL
+         ORDER BY e.o,
+                  CASE WHEN d.rule = 'least_utilized' THEN
+                      (SELECT min((l.tokens - e.input_tokens
+                                   - coalesce(e.output_reserve, rq.max_tokens)) / l.token_burst)
+                         FROM unnest(p_ceilings) AS s
+                        CROSS JOIN LATERAL (
+                              SELECT (p_layers[array_position(p_layer_ids, s.layer_id)]).*) AS l
+                        WHERE s.model = e.model AND s.upstream = d.up
+                          AND l.tokens_per_minute IS NOT NULL) END DESC NULLS FIRST,
+                  d.i);
+END
+$$;
+
+-- (5) The layers a candidate touches, as places among the locked layers:
+-- the request's global, tenant, route and key layer, and the ceilings
+-- matching its model (those scoped to a deployment: only on that
+-- deployment, or when none is named).
+CREATE OR REPLACE FUNCTION lq_candidate_layers(rq lq_admit_request, c lq_admit_candidate,
+                                               p_ceilings lq_model_ceiling[],
+                                               p_layer_ids bigint[])
+RETURNS integer[]
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    layers integer[] := array_remove(ARRAY[rq.global_at, rq.tenant_at, rq.route_at, rq.key_at],
+                                     NULL);
+    x      integer;
+BEGIN
+    FOR x IN 1 .. coalesce(cardinality(p_ceilings), 0) LOOP
+        IF p_ceilings[x].model = c.model
+           AND (c.upstream IS NULL OR p_ceilings[x].upstream IS NULL
+                OR p_ceilings[x].upstream = c.upstream) THEN
+            layers := layers || array_position(p_layer_ids, p_ceilings[x].layer_id);
+        END IF;
+    END LOOP;
+    RETURN layers;
+END
+$$;
+
+-- (5) What a candidate's layers say of it, at their running balances: the
+-- smallest token burst below its cost (it can never fit), a request burst
+-- below its request cost, and otherwise the longest wait among the layers
+-- lacking tokens (or whose ladder sheds its priority, p_priority), requests
+-- or a permit; and the most output that fits now on top of its input.
+CREATE OR REPLACE FUNCTION lq_capacity_verdict(p_layers lq_locked_layer[], p_at integer[],
+                                               p_cost bigint, p_input bigint,
+                                               rq lq_admit_request, p_priority smallint,
+                                               p_retry_ms integer)
+RETURNS lq_capacity_verdict
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    -- A balance within this of the cost counts as enough: refill arithmetic is
+    -- floating point and must not refuse a request for a billionth of a token.
+    epsilon constant double precision := 1e-6;
+    v       lq_capacity_verdict;
+    l       lq_locked_layer;
+    j       integer;
+    floor_tokens double precision;
+    wait_ms bigint;
+BEGIN
+    v.token_wait_ms := -1;
+    v.wait_ms := -1;
+    v.blocked := false;
+    FOREACH j IN ARRAY p_at LOOP
+        l := p_layers[j];
+        IF l.tokens_per_minute IS NOT NULL THEN
+            floor_tokens := CASE WHEN l.shed_above IS NULL THEN 0
+                                 ELSE lq_shed_floor(l.token_burst, l.shed_above, l.shed_admit,
+                                                    l.shed_small, p_priority, p_cost) END;
+            v.room := least(coalesce(v.room, l.tokens - floor_tokens - p_input),
+                            l.tokens - floor_tokens - p_input);
+            IF p_cost > l.token_burst THEN
+                IF v.too_large_at IS NULL OR l.token_burst < p_layers[v.too_large_at].token_burst THEN
+                    v.too_large_at := j;
+                END IF;
+            ELSIF l.tokens + epsilon < p_cost OR l.tokens - p_cost + epsilon < floor_tokens THEN
+                -- lacking tokens, or fitting only past the floor this priority may not cross
+                wait_ms := greatest(1, ceil((p_cost + floor_tokens - l.tokens) * 60000.0
+                                            / l.tokens_per_minute));
+                IF wait_ms > v.token_wait_ms THEN
+                    v.token_wait_ms := wait_ms;
+                    v.token_wait_at := j;
+                END IF;
+                IF wait_ms > v.wait_ms THEN
+                    v.wait_ms := wait_ms; v.kind := 'tokens'; v.scope := l.scope;
+                    v.ceiling := l.ceiling;
+                    IF l.tokens + epsilon < p_cost THEN
+                        v.reason := 'capacity';
+                        v.utilization := CASE WHEN l.scope = 'ceiling'
+                                              THEN 1 - (l.tokens - p_cost) / l.token_burst END;
+                    ELSE
+                        v.reason := 'shed';
+                        v.utilization := 1 - (l.tokens - p_cost) / l.token_burst;
+                    END IF;
+                END IF;
+            END IF;
+        END IF;
+        IF l.requests_per_minute IS NOT NULL AND rq.request_cost > l.request_burst THEN
+            -- Counts as more requests than this layer ever holds.
+            v.blocked := true;
+            v.too_many_at := coalesce(v.too_many_at, j);
+        ELSIF l.requests_per_minute IS NOT NULL AND rq.request_cost > 0
+              AND l.requests + epsilon < rq.request_cost THEN
+            v.blocked := true;
+            wait_ms := greatest(1, ceil((rq.request_cost - l.requests) * 60000.0
+                                        / l.requests_per_minute));
+            IF wait_ms > v.wait_ms THEN
+                v.wait_ms := wait_ms; v.kind := 'requests'; v.scope := l.scope;
+                v.reason := 'capacity'; v.ceiling := l.ceiling; v.utilization := NULL;
+            END IF;
+        END IF;
+        IF rq.permits = 1 AND l.max_in_flight IS NOT NULL AND l.in_flight >= l.max_in_flight THEN
+            v.blocked := true;
+            IF p_retry_ms > v.wait_ms THEN
+                v.wait_ms := p_retry_ms; v.kind := 'concurrency'; v.scope := l.scope;
+                v.reason := 'capacity'; v.ceiling := l.ceiling; v.utilization := NULL;
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN v;
+END
+$$;
+
+-- (5) Calendar quotas and prepaid credits of a candidate whose layers all
+-- pass: reserved like tokens, against the running figures of (4b). Money is
+-- the request's maximum: input and max_tokens, each at its price in force.
+CREATE OR REPLACE FUNCTION lq_budget_verdict(rq lq_admit_request, c lq_admit_candidate,
+                                             p_cost bigint, p_prepaid boolean,
+                                             p_quotas lq_quota_hold[],
+                                             p_prices lq_model_price[],
+                                             p_credits lq_credit_hold[])
+RETURNS lq_budget_verdict
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    v lq_budget_verdict;
+    q lq_quota_hold;
+    x integer;
+BEGIN
+    v.quotas := '{}';
+    x := (SELECT min(p.ordinality) FROM unnest(p_prices) WITH ORDINALITY AS p WHERE p.model = c.model);
+    IF x IS NOT NULL AND p_prices[x].input_usd IS NOT NULL THEN
+        v.money := (c.input_tokens * p_prices[x].input_usd
+                    + rq.max_tokens * p_prices[x].output_usd) / 1000000;
+    END IF;
+    FOR x IN 1 .. coalesce(cardinality(p_quotas), 0) LOOP
+        q := p_quotas[x];
+        CONTINUE WHEN q.tenant <> rq.tenant
+                   OR (q.route IS NOT NULL AND q.route IS DISTINCT FROM rq.route)
+                   OR (q.api_key_id IS NOT NULL AND q.api_key_id IS DISTINCT FROM rq.key_id)
+                   OR NOT (q.model_patterns = '{}' OR c.model LIKE ANY (q.model_patterns));
+        v.quotas := v.quotas || x;
+        IF q.cost IS NOT NULL AND v.money IS NULL THEN
+            v.refusal := 'unpriced_model';
+            RETURN v;
+        END IF;
+        IF q.blocks AND q.tokens IS NOT NULL THEN
+            v.room := least(coalesce(v.room, q.tokens - q.used_tokens - c.input_tokens),
+                            q.tokens - q.used_tokens - c.input_tokens);
+        END IF;
+        IF q.blocks AND v.quota_at IS NULL
+           AND ((q.tokens IS NOT NULL AND q.used_tokens + p_cost > q.tokens)
+             OR (q.cost IS NOT NULL AND q.used_cost + v.money > q.cost)) THEN
+            v.quota_at := x;
+            v.refusal := 'quota_exceeded';
+        END IF;
+    END LOOP;
+    IF v.refusal IS NULL AND p_prepaid THEN
+        x := (SELECT min(a.ordinality) FROM unnest(p_credits) WITH ORDINALITY AS a WHERE a.tenant = rq.tenant);
+        v.available := CASE WHEN x IS NULL THEN 0 ELSE p_credits[x].available END;
+        IF v.money IS NULL THEN
+            v.refusal := 'unpriced_model';
+        ELSIF v.available < v.money THEN
+            v.refusal := 'credits_exhausted';
+        END IF;
+    END IF;
+    RETURN v;
+END
+$$;
+
+-- (6) Persist the layers the batch changed, with their refill state. A layer
+-- only refilled is left as it is: refill is a function of the clock, and its
+-- stored balance and refilled_at give the same balance at any later moment.
+-- So a refusal writes nothing; its row locks are all it leaves.
+CREATE OR REPLACE FUNCTION lq_persist_layers(p_layers lq_locked_layer[],
+                                             p_refilled lq_locked_layer[], p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    UPDATE limit_layers AS ll
+       SET tokens = u.tokens,
+           requests = u.requests,
+           in_flight = u.in_flight,
+           refilled_at = p_now
+      FROM unnest(p_layers) WITH ORDINALITY AS u
+      JOIN unnest(p_refilled) WITH ORDINALITY AS b ON b.ordinality = u.ordinality
+     WHERE ll.layer_id = u.layer_id
+       AND (u.tokens, u.requests, u.in_flight) IS DISTINCT FROM (b.tokens, b.requests, b.in_flight);
+END
+$$;
+
+-- (5) A decision's answer without a refusal's figures: the requested model,
+-- refused on one deployment, was admitted on another.
+CREATE OR REPLACE FUNCTION lq_without_refusal(r lq_admit_result)
+RETURNS lq_admit_result
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    r.limit_kind := NULL;
+    r.limit_scope := NULL;
+    r.retry_after_ms := NULL;
+    r.capacity := NULL;
+    r.reason := NULL;
+    r.ceiling := NULL;
+    r.utilization := NULL;
+    r.quota := NULL;
+    r.resets_at := NULL;
+    r.quota_timezone := NULL;
+    r.credit_balance := NULL;
+    r.alt_max_tokens := NULL;
+    RETURN r;
+END
+$$;
+
+-- (5) The requested model's refusal, as a 429 (or a degraded 201) says it:
+-- the layer that can never fit it (the smallest burst), else the longest
+-- wait, else its quota (retryable when the window resets), its prepaid
+-- balance (until a top-up) or a model without a price; and the largest
+-- max_tokens that would fit now with the same input and priority (none when
+-- a request or permit is lacking). On several deployments, its first's,
+-- unless that one can never fit it and another only lacks room now.
+CREATE OR REPLACE FUNCTION lq_refusal(r lq_admit_result, p_cost bigint, p_max_tokens bigint,
+                                      cap lq_capacity_verdict, bud lq_budget_verdict,
+                                      p_layers lq_locked_layer[], p_quotas lq_quota_hold[],
+                                      p_now timestamptz)
+RETURNS lq_admit_result
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    epsilon constant double precision := 1e-6;   -- as in lq_capacity_verdict
+    room    double precision := least(cap.room, bud.room);
+    q       lq_quota_hold := p_quotas[bud.quota_at];
+    j       integer := coalesce(cap.too_large_at, cap.too_many_at);
+BEGIN
+    r := lq_without_refusal(r);
+    r.reserved_tokens := p_cost;
+    IF j IS NOT NULL THEN
+        r.status := 'too_large';
+        r.limit_kind := CASE WHEN cap.too_large_at IS NOT NULL THEN 'tokens' ELSE 'requests' END;
+        r.limit_scope := p_layers[j].scope;
+        r.capacity := CASE WHEN cap.too_large_at IS NOT NULL THEN p_layers[j].token_burst
+                           ELSE p_layers[j].request_burst END;
+        r.reason := 'capacity';
+        r.ceiling := p_layers[j].ceiling;
+    ELSIF cap.wait_ms >= 0 THEN
+        r.status := 'rate_limited';
+        r.limit_kind := cap.kind;
+        r.limit_scope := cap.scope;
+        r.retry_after_ms := cap.wait_ms;
+        r.reason := cap.reason;
+        r.ceiling := cap.ceiling;
+        r.utilization := cap.utilization;
+    ELSE
+        r.status := bud.refusal;
+        r.limit_kind := CASE bud.refusal WHEN 'quota_exceeded' THEN 'quota'
+                                         WHEN 'credits_exhausted' THEN 'credits' END;
+        r.limit_scope := CASE WHEN bud.quota_at IS NULL THEN 'tenant'
+                              WHEN q.api_key_id IS NOT NULL THEN 'key'
+                              WHEN q.route IS NULL THEN 'tenant'
+                              ELSE 'route' END;
+        IF bud.quota_at IS NOT NULL THEN
+            r.quota := q.name;
+            r.resets_at := q.window_end;
+            r.quota_timezone := q.timezone;
+            r.retry_after_ms := greatest(1, ceil(extract(epoch FROM q.window_end - p_now) * 1000));
+        END IF;
+        r.credit_balance := bud.available;
+    END IF;
+    IF NOT cap.blocked AND room >= 1 THEN
+        r.alt_max_tokens := least(floor(room + epsilon)::bigint, p_max_tokens - 1);
+        IF r.alt_max_tokens < 1 THEN
+            r.alt_max_tokens := NULL;
+        END IF;
+    END IF;
+    RETURN r;
+END
+$$;
+
+-- (5) An admitted request's journal row (rs: its layers, quotas and money
+-- already named). The model and input are the admitted candidate's: a
+-- fallback's usage is settled and billed as that model, and its ledger row
+-- says it was served as a fallback (p_path; a fallback taken after waiting
+-- is still a fallback, as the proxy's serving-path metric counts it).
+CREATE OR REPLACE FUNCTION lq_journal_row(rs reservations, rq lq_admit_request,
+                                          r lq_admit_result, p_now timestamptz,
+                                          p_lease integer, p_path text)
+RETURNS reservations
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+BEGIN
+    rs.reservation_id := r.reservation_id;
+    rs.tenant := rq.tenant;
+    rs.route := rq.route;
+    rs.model := r.model;
+    rs.input_tokens := r.input_tokens;
+    rs.input_estimated := rq.input_estimated;
+    rs.max_tokens := rq.max_tokens;
+    rs.reserved_tokens := r.reserved_tokens;
+    rs.state := 'active';
+    rs.lease_generation := 1;
+    rs.lease_seconds := p_lease;
+    rs.created_at := p_now;
+    rs.lease_expires_at := r.lease_expires_at;
+    rs.idempotency_key := rq.idempotency_key;
+    rs.request_hash := rq.request_hash;
+    rs.late := false;
+    rs.request_cost := rq.request_cost;
+    rs.permits := rq.permits;
+    rs.serving_path := p_path;
+    rs.upstream := r.upstream;
+    RETURN rs;
 END
 $$;
 
