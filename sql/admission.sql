@@ -541,11 +541,12 @@ DECLARE
     rq         lq_admit_request;
     res        lq_admit_result;
     ten        lq_locked_layer;      -- its tenant layer
+    layer      lq_locked_layer;
     prio       smallint;
-    prior      record;               -- a reservation of its idempotency key
     cands      lq_admit_candidate[];
     cand       lq_admit_candidate;
-    at         integer[];            -- a candidate's layers: places in `layers`
+    own        integer[];            -- its own layers (global, tenant, route, key): places in `layers`
+    at         integer[];            -- and a candidate's (its own and its ceilings')
     cost       bigint;
     cap        lq_capacity_verdict;
     bud        lq_budget_verdict;
@@ -554,10 +555,6 @@ DECLARE
     refused_at integer[];            -- the requested model's layers, refused,
     refused_j  integer;              -- and the token layer that refused it
     rs         reservations;
-    rem_tok    double precision;
-    rem_req    double precision;
-    rem_if     integer;
-    bind_j     integer;
     k          integer;
     c          integer;
     j          integer;
@@ -660,49 +657,16 @@ BEGIN
             res.priority := prio;
 
             -- Idempotency: a key admitted before (committed, or earlier in
-            -- this batch) decides nothing: replayed with the same request,
-            -- else a conflict; its binding layer is the tenant's.
+            -- this batch) decides nothing.
             IF rq.idempotency_key IS NOT NULL THEN
                 j := b_ord[array_position(b_key, rq.tenant || '/' || rq.idempotency_key)];
-                IF j IS NULL THEN
-                    SELECT b.reservation_id, b.reserved_tokens, b.lease_expires_at,
-                           b.lease_generation, b.request_hash, b.model, b.input_tokens,
-                           b.upstream, b.model IS DISTINCT FROM rq.model AS degraded
-                      INTO prior
-                      FROM reservations AS b
-                     WHERE b.tenant = rq.tenant AND b.idempotency_key = rq.idempotency_key;
-                ELSE
-                    SELECT r.reservation_id, r.reserved_tokens, r.lease_expires_at,
-                           r.lease_generation, requests[j].request_hash, r.model,
-                           r.input_tokens, r.upstream, r.degraded
-                      INTO prior
-                      FROM (SELECT (results[j]).*) AS r;
-                END IF;
-                IF FOUND THEN
-                    IF prior.request_hash IS NOT DISTINCT FROM rq.request_hash THEN
-                        res.status := 'replayed';
-                        res.reservation_id := prior.reservation_id;
-                        res.reserved_tokens := prior.reserved_tokens;
-                        res.lease_expires_at := prior.lease_expires_at;
-                        res.lease_generation := prior.lease_generation;
-                        res.model := prior.model;
-                        res.input_tokens := prior.input_tokens;
-                        res.degraded := prior.degraded;
-                        res.upstream := prior.upstream;
-                    ELSE
-                        res.status := 'idempotency_conflict';
-                    END IF;
-                    res.tenant_tokens := ten.tokens;
-                    res.tenant_requests := ten.requests;
-                    res.binding_tokens_per_minute := ten.tokens_per_minute;
-                    res.binding_token_burst := ten.token_burst;
-                    res.binding_tokens := ten.tokens;
-                    EXIT decide;
-                END IF;
+                res := lq_replay(res, rq, ten, results[j], requests[j].request_hash);
+                EXIT decide WHEN res.status IS NOT NULL;
             END IF;
 
             -- Each candidate in turn; the first that fits every layer and
             -- budget is admitted (a fallback only when degrading).
+            own := array_remove(ARRAY[rq.global_at, rq.tenant_at, rq.route_at, rq.key_at], NULL);
             cands := lq_admit_candidates(p_batch, rq, layers, layer_ids, models, ceilings);
             fits := '{}';
             refused_j := NULL;
@@ -713,13 +677,14 @@ BEGIN
                 CONTINUE WHEN cand.fallback AND rq.key_at IS NOT NULL
                           AND layers[rq.key_at].allowed_models IS NOT NULL
                           AND NOT cand.model LIKE ANY (layers[rq.key_at].allowed_models);
-                at := lq_candidate_layers(rq, cand, ceilings, layer_ids);
+                at := CASE WHEN ceilings IS NULL THEN own
+                           ELSE lq_candidate_layers(own, cand, ceilings, layer_ids) END;
                 -- The output reserved is the policy's estimate for this candidate
                 -- (see admission/estimates.py), at most max_tokens; the reservation
                 -- keeps max_tokens itself for lq_shared_charge_cap.
                 cost := cand.input_tokens + coalesce(cand.output_reserve, rq.max_tokens);
-                cap := lq_capacity_verdict(layers, at, cost, cand.input_tokens, rq, prio,
-                                           p_batch.concurrency_retry_ms);
+                cap := lq_capacity_verdict(layers, at, cost, cand.input_tokens, rq.request_cost,
+                                           rq.permits, prio, p_batch.concurrency_retry_ms);
                 bud := NULL;
                 IF cap.too_large_at IS NULL AND cap.too_many_at IS NULL AND cap.wait_ms < 0
                    AND (has_quotas OR ten.prepaid) THEN
@@ -740,15 +705,17 @@ BEGIN
                     rs.layer_ids := '{}';
                     rs.policy_version := 0;
                     FOREACH j IN ARRAY at LOOP
-                        IF layers[j].tokens_per_minute IS NOT NULL THEN
-                            layers[j].tokens := layers[j].tokens - cost;
+                        layer := layers[j];
+                        IF layer.tokens_per_minute IS NOT NULL THEN
+                            layer.tokens := layer.tokens - cost;
                         END IF;
-                        IF layers[j].requests_per_minute IS NOT NULL THEN
-                            layers[j].requests := layers[j].requests - rq.request_cost;
+                        IF layer.requests_per_minute IS NOT NULL THEN
+                            layer.requests := layer.requests - rq.request_cost;
                         END IF;
-                        layers[j].in_flight := layers[j].in_flight + rq.permits;
-                        rs.layer_ids := rs.layer_ids || layer_ids[j];
-                        rs.policy_version := greatest(rs.policy_version, layers[j].policy_version);
+                        layer.in_flight := layer.in_flight + rq.permits;
+                        layers[j] := layer;
+                        rs.layer_ids := rs.layer_ids || layer.layer_id;
+                        rs.policy_version := greatest(rs.policy_version, layer.policy_version);
                     END LOOP;
                     rs.quota_ids := '{}';
                     FOREACH x IN ARRAY coalesce(bud.quotas, '{}') LOOP
@@ -815,37 +782,8 @@ BEGIN
                 at := refused_at;   -- remaining: the requested model's layers
             END IF;
 
-            -- What is left after this decision: the tightest layer of each
-            -- kind, over the layers of the model admitted (or of the
-            -- requested model, refused). The binding token layer is the
-            -- tightest one, or on a refusal the token layer that refused (too
-            -- small, or the longest wait for tokens).
-            rem_tok := NULL; rem_req := NULL; rem_if := NULL; bind_j := NULL;
-            FOREACH j IN ARRAY at LOOP
-                IF layers[j].tokens_per_minute IS NOT NULL THEN
-                    IF rem_tok IS NULL OR layers[j].tokens < rem_tok THEN
-                        bind_j := j;
-                    END IF;
-                    rem_tok := least(rem_tok, layers[j].tokens);
-                END IF;
-                IF layers[j].requests_per_minute IS NOT NULL THEN
-                    rem_req := least(rem_req, layers[j].requests);
-                END IF;
-                IF layers[j].max_in_flight IS NOT NULL THEN
-                    rem_if := least(rem_if, layers[j].max_in_flight - layers[j].in_flight);
-                END IF;
-            END LOOP;
-            IF res.status <> 'admitted' AND refused_j IS NOT NULL THEN
-                bind_j := refused_j;
-            END IF;
-            res.remaining_tokens := floor(rem_tok);
-            res.remaining_requests := floor(rem_req);
-            res.remaining_in_flight := rem_if;
-            res.tenant_tokens := layers[rq.tenant_at].tokens;
-            res.tenant_requests := layers[rq.tenant_at].requests;
-            res.binding_tokens_per_minute := layers[bind_j].tokens_per_minute;
-            res.binding_token_burst := layers[bind_j].token_burst;
-            res.binding_tokens := layers[bind_j].tokens;
+            res := lq_remaining(res, layers, at, rq.tenant_at,
+                                CASE WHEN res.status <> 'admitted' THEN refused_j END);
         END decide;
         results[k] := res;
     END LOOP;
@@ -1239,13 +1177,14 @@ LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
     j integer;
+    l lq_locked_layer;
 BEGIN
     FOR j IN 1 .. coalesce(cardinality(p_layers), 0) LOOP
-        p_layers[j].tokens := lq_refilled(p_layers[j].tokens, p_layers[j].tokens_per_minute,
-                                          p_layers[j].token_burst, p_layers[j].refilled_at, p_now);
-        p_layers[j].requests := lq_refilled(p_layers[j].requests, p_layers[j].requests_per_minute,
-                                            p_layers[j].request_burst, p_layers[j].refilled_at,
-                                            p_now);
+        l := p_layers[j];
+        l.tokens := lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, p_now);
+        l.requests := lq_refilled(l.requests, l.requests_per_minute, l.request_burst,
+                                  l.refilled_at, p_now);
+        p_layers[j] := l;
     END LOOP;
     RETURN p_layers;
 END
@@ -1330,6 +1269,10 @@ LANGUAGE plpgsql STABLE
 AS $$
 DECLARE
     keys   text[] := ARRAY(SELECT l.key FROM unnest(p_layers) AS l);
+    -- (scalar arrays: a subscript of an array of rows in a query reads it
+    -- from the start)
+    rcost  integer[] := ARRAY(SELECT l.request_cost FROM unnest(p_layers) AS l);
+    uconc  boolean[] := ARRAY(SELECT l.uses_concurrency FROM unnest(p_layers) AS l);
     shards smallint := (SELECT max(l.shards) FROM unnest(p_layers) AS l WHERE l.scope = 'global');
     gi     integer;
 BEGIN
@@ -1343,10 +1286,8 @@ BEGIN
         SELECT array_agg(ROW(u.o, u.t, u.r, u.m, u.inp, u.mx, u.res, u.est, u.lease, u.idem,
                              u.hash, u.prio, u.prio_any, u.degrade, u.rid, u.kid, u.path,
                              p.gi, p.ti, p.ri, p.ki,
-                             coalesce(p_layers[p.ri].request_cost, p_layers[p.ti].request_cost, 1),
-                             CASE WHEN coalesce(p_layers[p.ri].uses_concurrency,
-                                                p_layers[p.ti].uses_concurrency, true)
-                                  THEN 1 ELSE 0 END,
+                             coalesce(rcost[p.ri], rcost[p.ti], 1),
+                             CASE WHEN coalesce(uconc[p.ri], uconc[p.ti], true) THEN 1 ELSE 0 END,
                              a.first, coalesce(a.count, 0), d.first, coalesce(d.count, 0)
                              )::lq_admit_request ORDER BY u.o)
           FROM unnest(p_batch.tenants, p_batch.routes, p_batch.models, p_batch.input_tokens,
@@ -1541,18 +1482,17 @@ END
 $$;
 
 -- (5) The layers a candidate touches, as places among the locked layers:
--- the request's global, tenant, route and key layer, and the ceilings
--- matching its model (those scoped to a deployment: only on that
+-- the request's own (p_layers: global, tenant, route, key), and the
+-- ceilings matching its model (those scoped to a deployment: only on that
 -- deployment, or when none is named).
-CREATE OR REPLACE FUNCTION lq_candidate_layers(rq lq_admit_request, c lq_admit_candidate,
+CREATE OR REPLACE FUNCTION lq_candidate_layers(p_layers integer[], c lq_admit_candidate,
                                                p_ceilings lq_model_ceiling[],
                                                p_layer_ids bigint[])
 RETURNS integer[]
 LANGUAGE plpgsql IMMUTABLE
 AS $$
 DECLARE
-    layers integer[] := array_remove(ARRAY[rq.global_at, rq.tenant_at, rq.route_at, rq.key_at],
-                                     NULL);
+    layers integer[] := p_layers;
     x      integer;
 BEGIN
     FOR x IN 1 .. coalesce(cardinality(p_ceilings), 0) LOOP
@@ -1573,8 +1513,8 @@ $$;
 -- or a permit; and the most output that fits now on top of its input.
 CREATE OR REPLACE FUNCTION lq_capacity_verdict(p_layers lq_locked_layer[], p_at integer[],
                                                p_cost bigint, p_input bigint,
-                                               rq lq_admit_request, p_priority smallint,
-                                               p_retry_ms integer)
+                                               p_request_cost integer, p_permits integer,
+                                               p_priority smallint, p_retry_ms integer)
 RETURNS lq_capacity_verdict
 LANGUAGE plpgsql IMMUTABLE
 AS $$
@@ -1625,21 +1565,21 @@ BEGIN
                 END IF;
             END IF;
         END IF;
-        IF l.requests_per_minute IS NOT NULL AND rq.request_cost > l.request_burst THEN
+        IF l.requests_per_minute IS NOT NULL AND p_request_cost > l.request_burst THEN
             -- Counts as more requests than this layer ever holds.
             v.blocked := true;
             v.too_many_at := coalesce(v.too_many_at, j);
-        ELSIF l.requests_per_minute IS NOT NULL AND rq.request_cost > 0
-              AND l.requests + epsilon < rq.request_cost THEN
+        ELSIF l.requests_per_minute IS NOT NULL AND p_request_cost > 0
+              AND l.requests + epsilon < p_request_cost THEN
             v.blocked := true;
-            wait_ms := greatest(1, ceil((rq.request_cost - l.requests) * 60000.0
+            wait_ms := greatest(1, ceil((p_request_cost - l.requests) * 60000.0
                                         / l.requests_per_minute));
             IF wait_ms > v.wait_ms THEN
                 v.wait_ms := wait_ms; v.kind := 'requests'; v.scope := l.scope;
                 v.reason := 'capacity'; v.ceiling := l.ceiling; v.utilization := NULL;
             END IF;
         END IF;
-        IF rq.permits = 1 AND l.max_in_flight IS NOT NULL AND l.in_flight >= l.max_in_flight THEN
+        IF p_permits = 1 AND l.max_in_flight IS NOT NULL AND l.in_flight >= l.max_in_flight THEN
             v.blocked := true;
             IF p_retry_ms > v.wait_ms THEN
                 v.wait_ms := p_retry_ms; v.kind := 'concurrency'; v.scope := l.scope;
@@ -1717,16 +1657,132 @@ CREATE OR REPLACE FUNCTION lq_persist_layers(p_layers lq_locked_layer[],
 RETURNS void
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    ids       bigint[] := '{}';
+    balances  double precision[] := '{}';
+    rates     double precision[] := '{}';
+    permits   integer[] := '{}';
+    l         lq_locked_layer;
+    b         lq_locked_layer;
+    j         integer;
 BEGIN
+    FOR j IN 1 .. coalesce(cardinality(p_layers), 0) LOOP
+        l := p_layers[j];
+        b := p_refilled[j];
+        CONTINUE WHEN (l.tokens, l.requests, l.in_flight)
+                      IS NOT DISTINCT FROM (b.tokens, b.requests, b.in_flight);
+        ids := ids || l.layer_id;
+        balances := balances || l.tokens;
+        rates := rates || l.requests;
+        permits := permits || l.in_flight;
+    END LOOP;
     UPDATE limit_layers AS ll
        SET tokens = u.tokens,
            requests = u.requests,
            in_flight = u.in_flight,
            refilled_at = p_now
-      FROM unnest(p_layers) WITH ORDINALITY AS u
-      JOIN unnest(p_refilled) WITH ORDINALITY AS b ON b.ordinality = u.ordinality
-     WHERE ll.layer_id = u.layer_id
-       AND (u.tokens, u.requests, u.in_flight) IS DISTINCT FROM (b.tokens, b.requests, b.in_flight);
+      FROM unnest(ids, balances, rates, permits) AS u(layer_id, tokens, requests, in_flight)
+     WHERE ll.layer_id = u.layer_id;
+END
+$$;
+
+-- (5) A request whose idempotency key was admitted before: replayed (the
+-- same request: the first admission's answer) or a conflict (another
+-- request under that key); it decides nothing, and its binding layer is its
+-- tenant's. p_earlier: the admission earlier in this batch, and its request's
+-- hash (NULL: none; then a committed reservation is looked up). r unchanged
+-- (status NULL): the key is new.
+CREATE OR REPLACE FUNCTION lq_replay(r lq_admit_result, rq lq_admit_request,
+                                     p_tenant lq_locked_layer, p_earlier lq_admit_result,
+                                     p_earlier_hash text)
+RETURNS lq_admit_result
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    prior record;
+BEGIN
+    IF p_earlier.ord IS NULL THEN
+        SELECT b.reservation_id, b.reserved_tokens, b.lease_expires_at, b.lease_generation,
+               b.request_hash, b.model, b.input_tokens, b.upstream,
+               b.model IS DISTINCT FROM rq.model AS degraded
+          INTO prior
+          FROM reservations AS b
+         WHERE b.tenant = rq.tenant AND b.idempotency_key = rq.idempotency_key;
+        IF NOT FOUND THEN
+            RETURN r;
+        END IF;
+    ELSE
+        SELECT p_earlier.reservation_id, p_earlier.reserved_tokens, p_earlier.lease_expires_at,
+               p_earlier.lease_generation, p_earlier_hash AS request_hash, p_earlier.model,
+               p_earlier.input_tokens, p_earlier.upstream, p_earlier.degraded
+          INTO prior;
+    END IF;
+    IF prior.request_hash IS NOT DISTINCT FROM rq.request_hash THEN
+        r.status := 'replayed';
+        r.reservation_id := prior.reservation_id;
+        r.reserved_tokens := prior.reserved_tokens;
+        r.lease_expires_at := prior.lease_expires_at;
+        r.lease_generation := prior.lease_generation;
+        r.model := prior.model;
+        r.input_tokens := prior.input_tokens;
+        r.degraded := prior.degraded;
+        r.upstream := prior.upstream;
+    ELSE
+        r.status := 'idempotency_conflict';
+    END IF;
+    r.tenant_tokens := p_tenant.tokens;
+    r.tenant_requests := p_tenant.requests;
+    r.binding_tokens_per_minute := p_tenant.tokens_per_minute;
+    r.binding_token_burst := p_tenant.token_burst;
+    r.binding_tokens := p_tenant.tokens;
+    RETURN r;
+END
+$$;
+
+-- (5) What is left after a decision: the tightest layer of each kind, over
+-- the layers of the model admitted (or of the requested model, refused), and
+-- the tenant layer's balances. The binding token layer is the tightest one,
+-- or on a refusal the token layer that refused (p_refused_at: too small, or
+-- the longest wait for tokens).
+CREATE OR REPLACE FUNCTION lq_remaining(r lq_admit_result, p_layers lq_locked_layer[],
+                                        p_at integer[], p_tenant_at integer,
+                                        p_refused_at integer)
+RETURNS lq_admit_result
+LANGUAGE plpgsql IMMUTABLE
+AS $$
+DECLARE
+    tokens    double precision;
+    requests  double precision;
+    in_flight integer;
+    bind      integer;
+    l         lq_locked_layer;
+    j         integer;
+BEGIN
+    FOREACH j IN ARRAY p_at LOOP
+        l := p_layers[j];
+        IF l.tokens_per_minute IS NOT NULL THEN
+            IF tokens IS NULL OR l.tokens < tokens THEN
+                bind := j;
+            END IF;
+            tokens := least(tokens, l.tokens);
+        END IF;
+        IF l.requests_per_minute IS NOT NULL THEN
+            requests := least(requests, l.requests);
+        END IF;
+        IF l.max_in_flight IS NOT NULL THEN
+            in_flight := least(in_flight, l.max_in_flight - l.in_flight);
+        END IF;
+    END LOOP;
+    bind := coalesce(p_refused_at, bind);
+    r.remaining_tokens := floor(tokens);
+    r.remaining_requests := floor(requests);
+    r.remaining_in_flight := in_flight;
+    r.tenant_tokens := p_layers[p_tenant_at].tokens;
+    r.tenant_requests := p_layers[p_tenant_at].requests;
+    r.binding_tokens_per_minute := p_layers[bind].tokens_per_minute;
+    r.binding_token_burst := p_layers[bind].token_burst;
+    r.binding_tokens := p_layers[bind].tokens;
+    RETURN r;
 END
 $$;
 
