@@ -668,6 +668,9 @@ BEGIN
             -- budget is admitted (a fallback only when degrading).
             own := array_remove(ARRAY[rq.global_at, rq.tenant_at, rq.route_at, rq.key_at], NULL);
             cands := lq_admit_candidates(p_batch, rq, layers, layer_ids, models, ceilings);
+            IF coalesce(cardinality(cands), 0) = 0 THEN
+                RAISE EXCEPTION 'request % names no model', k USING ERRCODE = '22004';
+            END IF;
             fits := '{}';
             refused_j := NULL;
             FOR c IN 1 .. cardinality(cands) LOOP
@@ -1443,6 +1446,7 @@ BEGIN
                                       -- (a NULL alt_outputs: every fallback's is NULL)
                                       p_batch.alt_outputs[rq.alt_from : last])
                                WITH ORDINALITY AS a(m, inp, res, o)
+                         WHERE a.m IS NOT NULL
                          ORDER BY a.o);
     ELSIF routes <> '{}' OR p_layers[rq.tenant_at].fallback_models <> '{}' THEN
         c := c || ARRAY(SELECT ROW(d.m, rq.input_tokens, rq.output_reserve, NULL,
@@ -1874,7 +1878,9 @@ END
 $$;
 
 -- (5) An admitted request's journal row (rs: its layers, quotas and money
--- already named). The model and input are the admitted candidate's: a
+-- already named). Every column is set here, those with a default too (the
+-- row is inserted whole): tests/integration/test_admission_steps.py fails
+-- when reservations gains a column with a default this does not set. The model and input are the admitted candidate's: a
 -- fallback's usage is settled and billed as that model, and its ledger row
 -- says it was served as a fallback (p_path; a fallback taken after waiting
 -- is still a fallback, as the proxy's serving-path metric counts it).
@@ -2194,22 +2200,12 @@ DECLARE
     entries   lq_ledger_entry[] := '{}';    -- ledger rows to append
     changes   lq_budget_change[] := '{}';   -- its quotas and prepaid credit
     entry     lq_ledger_entry;
-    -- (4) one entry per credit and layer, and what shared layers forgave
-    -- (lq_shared_forgiven), summed per reservation by scope and at most
-    e_res     integer[];
-    e_layer   bigint[];
-    e_scope   text[];
-    e_tokens  double precision[];
-    e_reqs    double precision[];
-    e_permits integer[];
-    e_forgive double precision[];
-    e_plan    text[];
-    t_plan    text[];     -- per reservation: its tenant layer's plan
+    -- (4) per reservation: what shared layers forgave (lq_shared_forgiven),
+    -- summed by scope and at most, and its tenant layer's plan
     f_global  double precision[];
     f_ceiling double precision[];
     f_most    double precision[];
-    b         record;
-    money     numeric;
+    t_plan    text[];
     -- results
     r_status  text[] := array_fill(NULL::text, ARRAY[n]);
     r_state   text[] := array_fill(NULL::text, ARRAY[n]);
@@ -2356,47 +2352,11 @@ BEGIN
         r_late[k] := rec.late;
     END LOOP;
 
-    -- (4) Layers: each credit goes to every layer its reservation debited;
-    -- the global layer gets the capped one. A provider ceiling takes the
-    -- full charge: it mirrors what the provider itself counts against the
-    -- account, and refills within its own minute. A layer's scope never
-    -- changes, so reading it unlocked is safe; lq_shared_forgiven and then
-    -- lq_credit_layers lock the layers in layer_id order, after the
-    -- reservations. A debit that would take a shared layer below minus its
-    -- burst is forgiven beyond it (lq_shared_forgiven), counted per
-    -- reservation and scope in the result and flagged in its ledger row.
-    SELECT array_agg(c.i ORDER BY c.o, l.o), array_agg(l.layer_id ORDER BY c.o, l.o),
-           array_agg(ll.scope ORDER BY c.o, l.o),
-           array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END
-                     ORDER BY c.o, l.o),
-           array_agg(c.reqs ORDER BY c.o, l.o), array_agg(c.permits ORDER BY c.o, l.o),
-           -- the tenant layer's plan, read from the row this join reads anyway
-           array_agg(ll.plan ORDER BY c.o, l.o)
-      INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits, e_plan
-      FROM unnest(credits) WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
-           CROSS JOIN LATERAL unnest((res[c.i]).layer_ids) WITH ORDINALITY AS l(layer_id, o)
-           JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
-    e_forgive := lq_shared_forgiven(e_layer, e_tokens);
-    f_global := array_fill(0::double precision, ARRAY[coalesce(cardinality(ids), 0)]);
-    f_ceiling := f_global;
-    f_most := f_global;
-    t_plan := array_fill(NULL::text, ARRAY[coalesce(cardinality(ids), 0)]);
-    FOR k IN 1 .. coalesce(cardinality(e_res), 0) LOOP
-        IF e_scope[k] = 'tenant' THEN
-            t_plan[e_res[k]] := e_plan[k];
-        END IF;
-        IF e_forgive[k] > 0 THEN
-            i := e_res[k];
-            e_tokens[k] := e_tokens[k] + e_forgive[k];
-            IF e_scope[k] = 'global' THEN
-                f_global[i] := f_global[i] + e_forgive[k];
-            ELSE
-                f_ceiling[i] := f_ceiling[i] + e_forgive[k];
-            END IF;
-            f_most[i] := greatest(f_most[i], e_forgive[k]);
-        END IF;
-    END LOOP;
-    PERFORM lq_credit_layers(e_layer, e_tokens, e_reqs, e_permits);
+    -- (4) Layers: each credit to every layer its reservation debited, what
+    -- shared layers forgave, and each reservation's tenant plan.
+    SELECT c.forgiven_global, c.forgiven_ceiling, c.forgiven_most, c.plans
+      INTO f_global, f_ceiling, f_most, t_plan
+      FROM lq_finish_layers(credits, res) AS c;
     FOR k IN 1 .. n LOOP
         IF r_status[k] = 'settled' THEN
             i := array_position(ids, p_ids[k]);
@@ -2406,52 +2366,167 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- (4b) The calendar quotas and the prepaid balance the reservations
-    -- held: each gives back what it reserved, and a settlement charges what
-    -- was used (tokens, and money at the prices in force now) to the window
-    -- it happens in (a window boundary crossed while the reservation was open
-    -- takes the charge in the new window; see lq_quota_settle). In the lock
-    -- order of quotas.sql, after the layers: windows by quota and window,
-    -- then credit accounts by tenant. Usage a worker admitted during an
-    -- outage counts at the moment its journal says it happened (usage_at,
-    -- set by lq_finish_outage in reliability.sql), not at the replay.
+    -- (4b) Quotas and prepaid balances; (5) the reservations that changed;
+    -- (6) the ledger rows.
+    PERFORM lq_finish_budgets(changes, res, now_ts);
+    PERFORM lq_finish_write_back(res, changed);
+    PERFORM lq_finish_ledger(entries, res, f_most, now_ts);
+
+    -- (7) Completions settled on time and 'ok' feed the learned output
+    -- estimates (estimates.sql), whose rows are locked last, in key order.
+    PERFORM lq_record_output_samples(array_agg(r.tenant ORDER BY g.ordinality),
+                                     array_agg(r.route ORDER BY g.ordinality),
+                                     array_agg(r.model ORDER BY g.ordinality),
+                                     array_agg(g.output_tokens ORDER BY g.ordinality))
+       FROM unnest(entries) WITH ORDINALITY AS g
+       JOIN unnest(res) WITH ORDINALITY AS r ON r.ordinality = g.place
+      WHERE g.entry_kind = 'usage' AND g.outcome = 'ok';
+
+    RETURN QUERY
+    SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
+           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i],
+           r_fglobal[o.i], r_fceil[o.i], r_model[o.i], r_plan[o.i]
+      FROM generate_series(1, n) AS o(i);
+END
+$$;
+
+
+-- lq_finish's steps after its loop, in the order it takes them. Each reads
+-- the reservations it finishes as lq_finish locked them (p_res, in id
+-- order) and the entries its loop collected, which name a reservation by
+-- its place in p_res.
+
+-- (4) Layers: each credit goes to every layer its reservation debited; the
+-- global layer gets the capped one. A provider ceiling takes the full
+-- charge: it mirrors what the provider itself counts against the account,
+-- and refills within its own minute. A layer's scope never changes, so
+-- reading it unlocked is safe; lq_shared_forgiven and then lq_credit_layers
+-- lock the layers in layer_id order, after the reservations. A debit that
+-- would take a shared layer below minus its burst is forgiven beyond it
+-- (lq_shared_forgiven), counted per reservation and scope and at most (for
+-- its ledger row). Also each reservation's tenant layer plan, read from the
+-- rows this reads anyway.
+CREATE OR REPLACE FUNCTION lq_finish_layers(p_credits lq_layer_credit[], p_res reservations[],
+                                            OUT forgiven_global double precision[],
+                                            OUT forgiven_ceiling double precision[],
+                                            OUT forgiven_most double precision[],
+                                            OUT plans text[])
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    -- one entry per credit and layer
+    e_res     integer[];
+    e_layer   bigint[];
+    e_scope   text[];
+    e_tokens  double precision[];
+    e_reqs    double precision[];
+    e_permits integer[];
+    e_forgive double precision[];
+    e_plan    text[];
+    places    integer := coalesce(cardinality(p_res), 0);
+    i         integer;
+    k         integer;
+BEGIN
+    SELECT array_agg(c.i ORDER BY c.o, l.o), array_agg(l.layer_id ORDER BY c.o, l.o),
+           array_agg(ll.scope ORDER BY c.o, l.o),
+           array_agg(CASE WHEN ll.scope = 'global' THEN c.shared ELSE c.tokens END
+                     ORDER BY c.o, l.o),
+           array_agg(c.reqs ORDER BY c.o, l.o), array_agg(c.permits ORDER BY c.o, l.o),
+           array_agg(ll.plan ORDER BY c.o, l.o)
+      INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits, e_plan
+      FROM unnest(p_credits) WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
+      JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = c.i
+           CROSS JOIN LATERAL unnest(r.layer_ids) WITH ORDINALITY AS l(layer_id, o)
+           JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
+    e_forgive := lq_shared_forgiven(e_layer, e_tokens);
+    forgiven_global := array_fill(0::double precision, ARRAY[places]);
+    forgiven_ceiling := forgiven_global;
+    forgiven_most := forgiven_global;
+    plans := array_fill(NULL::text, ARRAY[places]);
+    FOR k IN 1 .. coalesce(cardinality(e_res), 0) LOOP
+        IF e_scope[k] = 'tenant' THEN
+            plans[e_res[k]] := e_plan[k];
+        END IF;
+        IF e_forgive[k] > 0 THEN
+            i := e_res[k];
+            e_tokens[k] := e_tokens[k] + e_forgive[k];
+            IF e_scope[k] = 'global' THEN
+                forgiven_global[i] := forgiven_global[i] + e_forgive[k];
+            ELSE
+                forgiven_ceiling[i] := forgiven_ceiling[i] + e_forgive[k];
+            END IF;
+            forgiven_most[i] := greatest(forgiven_most[i], e_forgive[k]);
+        END IF;
+    END LOOP;
+    PERFORM lq_credit_layers(e_layer, e_tokens, e_reqs, e_permits);
+END
+$$;
+
+-- (4b) The calendar quotas and the prepaid balance the reservations held:
+-- each gives back what it reserved, and a settlement charges what was used
+-- (tokens, and money at the prices in force now) to the window it happens
+-- in (a window boundary crossed while the reservation was open takes the
+-- charge in the new window; see lq_quota_settle). In the lock order of
+-- quotas.sql, after the layers: windows by quota and window, then credit
+-- accounts by tenant. Usage a worker admitted during an outage counts at the
+-- moment its journal says it happened (usage_at, set by lq_finish_outage in
+-- reliability.sql), not at the replay.
+CREATE OR REPLACE FUNCTION lq_finish_budgets(p_changes lq_budget_change[], p_res reservations[],
+                                             p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    b     record;
+    rec   reservations;
+    money numeric;
+BEGIN
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok, q.qid
-               FROM unnest(changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o),
-                    unnest((res[u.i]).quota_ids) AS q(qid)
-              ORDER BY q.qid, (res[u.i]).created_at, u.o LOOP
-        rec := res[b.i];
+               FROM unnest(p_changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
+               JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = u.i
+                    CROSS JOIN LATERAL unnest(r.quota_ids) AS q(qid)
+              ORDER BY q.qid, r.created_at, u.o LOOP
+        rec := p_res[b.i];
         money := CASE WHEN b.mode IN ('settle', 'late')
                       THEN coalesce(lq_cost(rec.model, b.in_tok, b.out_tok,
-                                            coalesce(rec.usage_at, now_ts)), 0) ELSE 0 END;
+                                            coalesce(rec.usage_at, p_now)), 0) ELSE 0 END;
         IF b.mode = 'late' THEN
             -- the expiry gave the reservation back already
-            PERFORM lq_quota_apply(b.qid, coalesce(rec.usage_at, now_ts), 0,
+            PERFORM lq_quota_apply(b.qid, coalesce(rec.usage_at, p_now), 0,
                                    b.in_tok + b.out_tok, 0, money);
         ELSE
             PERFORM lq_quota_settle(b.qid, rec.created_at, rec.reserved_tokens,
                                     coalesce(rec.reserved_cost, 0),
-                                    coalesce(rec.usage_at, now_ts),
+                                    coalesce(rec.usage_at, p_now),
                                     b.in_tok + b.out_tok, money);
         END IF;
     END LOOP;
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok
-               FROM unnest(changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
-              WHERE (res[u.i]).credit_reserved IS NOT NULL
-              ORDER BY (res[u.i]).tenant, u.o LOOP
-        rec := res[b.i];
+               FROM unnest(p_changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
+               JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = u.i
+              WHERE r.credit_reserved IS NOT NULL
+              ORDER BY r.tenant, u.o LOOP
+        rec := p_res[b.i];
         money := NULL;
         IF b.mode IN ('settle', 'late') THEN
             -- priced now; a price removed since admission charges what was held
             money := coalesce(lq_cost(rec.model, b.in_tok, b.out_tok,
-                                      coalesce(rec.usage_at, now_ts)),
+                                      coalesce(rec.usage_at, p_now)),
                               rec.credit_reserved);
         END IF;
         PERFORM lq_credit_apply(rec.tenant, rec.reservation_id,
                                 CASE WHEN b.mode = 'late' THEN 0 ELSE -rec.credit_reserved END,
                                 money);
     END LOOP;
+END
+$$;
 
-    -- (5) Write back the reservations that changed.
+-- (5) Write back the reservations that changed (p_changed, by place).
+CREATE OR REPLACE FUNCTION lq_finish_write_back(p_res reservations[], p_changed boolean[])
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
     UPDATE reservations AS rs
        SET state = u.state,
            finished_at = u.finished_at,
@@ -2461,46 +2536,41 @@ BEGIN
            charged_tokens = u.charged_tokens,
            refunded_tokens = u.refunded_tokens,
            late = u.late
-      FROM unnest(res) WITH ORDINALITY AS u
+      FROM unnest(p_res) WITH ORDINALITY AS u
      WHERE rs.reservation_id = u.reservation_id
-       AND changed[u.ordinality::integer];
+       AND p_changed[u.ordinality::integer];
+END
+$$;
 
-    -- (6) Append the ledger rows, stamped with now_ts (the month partition is
-    -- picked from it; the DEFAULT partition takes a month with none), each
-    -- with how its request was served (its serving_path, from (2) and (3)). The
-    -- ledger's receipt trigger writes (reservation_id, entry_kind) into
-    -- ledger_receipts in this same statement, and its primary key makes a
-    -- second row for the same event impossible, not merely unlikely: the
-    -- whole call would fail and roll back (see ledger.sql).
+-- (6) Append the ledger rows, stamped with p_now (the month partition is
+-- picked from it; the DEFAULT partition takes a month with none), each with
+-- how its request was served (its serving_path, from lq_finish's (2) and
+-- (3)). The ledger's receipt trigger writes (reservation_id, entry_kind)
+-- into ledger_receipts in this same statement, and its primary key makes a
+-- second row for the same event impossible, not merely unlikely: the whole
+-- call would fail and roll back (see ledger.sql). What a shared layer
+-- forgave (p_forgiven_most, by place) belongs to the settlement's row, not
+-- to the expiry's (which credits, never debits).
+CREATE OR REPLACE FUNCTION lq_finish_ledger(p_entries lq_ledger_entry[], p_res reservations[],
+                                            p_forgiven_most double precision[],
+                                            p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
     INSERT INTO usage_ledger (reservation_id, entry_kind, tenant, route, model,
                               input_tokens, output_tokens, reserved_tokens, outcome,
                               policy_version, excess_tokens, forgiven_tokens, recorded_at,
                               usage_source, reported_input_tokens, reported_output_tokens,
                               serving_path)
-    SELECT (res[g.i]).reservation_id, g.kind, (res[g.i]).tenant, (res[g.i]).route,
-           (res[g.i]).model, g.input_tokens, g.output_tokens, g.held, g.outcome,
-           (res[g.i]).policy_version, g.excess,
-           -- what a shared layer forgave belongs to the settlement's row, not
-           -- to the expiry's (which credits, never debits)
-           CASE WHEN g.outcome = 'expired' THEN 0 ELSE round(f_most[g.i])::bigint END,
-           now_ts, g.source, g.rep_in, g.rep_out, g.path
-      FROM unnest(entries)
-           AS g(i, kind, input_tokens, output_tokens, held, outcome, excess,
-                source, rep_in, rep_out, path);
-
-    -- (7) Completions settled on time and 'ok' feed the learned output
-    -- estimates (estimates.sql), whose rows are locked last, in key order.
-    PERFORM lq_record_output_samples(array_agg((res[g.place]).tenant),
-                                     array_agg((res[g.place]).route),
-                                     array_agg((res[g.place]).model), array_agg(g.output_tokens))
-       FROM unnest(entries) AS g
-      WHERE g.entry_kind = 'usage' AND g.outcome = 'ok';
-
-    RETURN QUERY
-    SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
-           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i],
-           r_fglobal[o.i], r_fceil[o.i], r_model[o.i], r_plan[o.i]
-      FROM generate_series(1, n) AS o(i);
+    SELECT r.reservation_id, g.entry_kind, r.tenant, r.route, r.model, g.input_tokens,
+           g.output_tokens, g.reserved_tokens, g.outcome, r.policy_version, g.excess_tokens,
+           CASE WHEN g.outcome = 'expired' THEN 0
+                ELSE round(p_forgiven_most[g.place])::bigint END,
+           p_now, g.usage_source, g.reported_input, g.reported_output, g.serving_path
+      FROM unnest(p_entries) WITH ORDINALITY AS g
+      JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = g.place
+     ORDER BY g.ordinality;
 END
 $$;
 

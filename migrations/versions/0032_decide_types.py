@@ -165,9 +165,10 @@ CREATE TYPE lq_budget_verdict AS (
 """
 
 DOWNGRADE = r"""
--- lq_admit_decide and its steps are declared over these types: they go with
--- them, and the next upgrade to head applies admission.sql again
--- (migrations/README.md).
+-- The steps of lq_admit_decide are declared over these types: they go with
+-- them (CASCADE). lq_admit_decide itself uses them only in its body, so it
+-- stays, and fails until 0031's downgrade drops it or the next upgrade to
+-- head applies admission.sql again (migrations/README.md).
 DELETE FROM schema_repeatables WHERE name = 'admission.sql';
 -- Two of the steps are declared over 0031's types only: they go too, so that
 -- 0031's downgrade can drop those.
