@@ -13,11 +13,17 @@
 -- A transaction only ever waits for a lock of a later class, or of the same
 -- class further along the same order, so no cycle can form. That holds
 -- across statements too: a transaction holding layers never waits for one
--- it sees only now (lq_admit_decide (3): SKIP LOCKED, and a lock taken
--- without waiting cannot close a cycle).
+-- it sees only now (lq_lock_layers, lq_admit_decide's (3): SKIP LOCKED, and
+-- a lock taken without waiting cannot close a cycle).
 --
 -- Time comes from the database clock alone: clock_timestamp() read after the
 -- locks are held, never earlier than a layer's last refill.
+--
+-- How the file reads: the small functions both sides share; lq_admit_decide
+-- and then its steps (lq_admit_at_once, the fast path; lq_lock_layers ...
+-- lq_persist_layers), numbered as its body numbers them, each over rows of
+-- migration 0032's types; lq_admit, which calls it; lq_finish and then its
+-- steps; lq_sweep.
 
 -- The balance of a bucket after refilling it for the time since its last refill.
 -- Refill is continuous at per_minute / 60 per second and never passes burst.
