@@ -22,8 +22,8 @@
 -- How the file reads: the small functions both sides share; lq_admit_decide
 -- and then its steps (lq_admit_at_once, the fast path; lq_lock_layers ...
 -- lq_persist_layers), numbered as its body numbers them, each over rows of
--- migration 0032's types; lq_admit, which calls it; lq_finish and then its
--- steps; lq_sweep.
+-- migration 0032's types; lq_admit_in_time and lq_admit, which calls it;
+-- the price functions; lq_finish and then its steps; lq_sweep.
 
 -- The balance of a bucket after refilling it for the time since its last refill.
 -- Refill is continuous at per_minute / 60 per second and never passes burst.
