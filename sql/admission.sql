@@ -569,6 +569,11 @@ BEGIN
     IF n = 0 THEN
         RETURN;
     END IF;
+    -- Every request names a model (the API and the library check it before).
+    IF array_position(p_batch.models, NULL) IS NOT NULL THEN
+        RAISE EXCEPTION 'request % names no model', array_position(p_batch.models, NULL)
+              USING ERRCODE = '22004';
+    END IF;
 
     -- (1) Serialize requests that share an idempotency key, so that the
     -- second one sees the first one's committed reservation below.
@@ -674,9 +679,6 @@ BEGIN
             -- budget is admitted (a fallback only when degrading).
             own := array_remove(ARRAY[rq.global_at, rq.tenant_at, rq.route_at, rq.key_at], NULL);
             cands := lq_admit_candidates(p_batch, rq, layers, layer_ids, models, ceilings);
-            IF coalesce(cardinality(cands), 0) = 0 THEN
-                RAISE EXCEPTION 'request % names no model', k USING ERRCODE = '22004';
-            END IF;
             fits := '{}';
             refused_j := NULL;
             FOR c IN 1 .. cardinality(cands) LOOP
@@ -2380,12 +2382,10 @@ BEGIN
 
     -- (7) Completions settled on time and 'ok' feed the learned output
     -- estimates (estimates.sql), whose rows are locked last, in key order.
-    PERFORM lq_record_output_samples(array_agg(r.tenant ORDER BY g.ordinality),
-                                     array_agg(r.route ORDER BY g.ordinality),
-                                     array_agg(r.model ORDER BY g.ordinality),
-                                     array_agg(g.output_tokens ORDER BY g.ordinality))
-       FROM unnest(entries) WITH ORDINALITY AS g
-       JOIN unnest(res) WITH ORDINALITY AS r ON r.ordinality = g.place
+    PERFORM lq_record_output_samples(array_agg((res[g.place]).tenant),
+                                     array_agg((res[g.place]).route),
+                                     array_agg((res[g.place]).model), array_agg(g.output_tokens))
+       FROM unnest(entries) AS g
       WHERE g.entry_kind = 'usage' AND g.outcome = 'ok';
 
     RETURN QUERY
@@ -2441,8 +2441,7 @@ BEGIN
            array_agg(ll.plan ORDER BY c.o, l.o)
       INTO e_res, e_layer, e_scope, e_tokens, e_reqs, e_permits, e_plan
       FROM unnest(p_credits) WITH ORDINALITY AS c(i, tokens, shared, reqs, permits, o)
-      JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = c.i
-           CROSS JOIN LATERAL unnest(r.layer_ids) WITH ORDINALITY AS l(layer_id, o)
+           CROSS JOIN LATERAL unnest((p_res[c.i]).layer_ids) WITH ORDINALITY AS l(layer_id, o)
            JOIN limit_layers AS ll ON ll.layer_id = l.layer_id;
     e_forgive := lq_shared_forgiven(e_layer, e_tokens);
     forgiven_global := array_fill(0::double precision, ARRAY[places]);
@@ -2488,10 +2487,9 @@ DECLARE
     money numeric;
 BEGIN
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok, q.qid
-               FROM unnest(p_changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
-               JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = u.i
-                    CROSS JOIN LATERAL unnest(r.quota_ids) AS q(qid)
-              ORDER BY q.qid, r.created_at, u.o LOOP
+               FROM unnest(p_changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o),
+                    unnest((p_res[u.i]).quota_ids) AS q(qid)
+              ORDER BY q.qid, (p_res[u.i]).created_at, u.o LOOP
         rec := p_res[b.i];
         money := CASE WHEN b.mode IN ('settle', 'late')
                       THEN coalesce(lq_cost(rec.model, b.in_tok, b.out_tok,
@@ -2509,9 +2507,8 @@ BEGIN
     END LOOP;
     FOR b IN SELECT u.i, u.mode, u.in_tok, u.out_tok
                FROM unnest(p_changes) WITH ORDINALITY AS u(i, mode, in_tok, out_tok, o)
-               JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = u.i
-              WHERE r.credit_reserved IS NOT NULL
-              ORDER BY r.tenant, u.o LOOP
+              WHERE (p_res[u.i]).credit_reserved IS NOT NULL
+              ORDER BY (p_res[u.i]).tenant, u.o LOOP
         rec := p_res[b.i];
         money := NULL;
         IF b.mode IN ('settle', 'late') THEN
@@ -2569,14 +2566,13 @@ BEGIN
                               policy_version, excess_tokens, forgiven_tokens, recorded_at,
                               usage_source, reported_input_tokens, reported_output_tokens,
                               serving_path)
-    SELECT r.reservation_id, g.entry_kind, r.tenant, r.route, r.model, g.input_tokens,
-           g.output_tokens, g.reserved_tokens, g.outcome, r.policy_version, g.excess_tokens,
+    SELECT (p_res[g.place]).reservation_id, g.entry_kind, (p_res[g.place]).tenant,
+           (p_res[g.place]).route, (p_res[g.place]).model, g.input_tokens, g.output_tokens,
+           g.reserved_tokens, g.outcome, (p_res[g.place]).policy_version, g.excess_tokens,
            CASE WHEN g.outcome = 'expired' THEN 0
                 ELSE round(p_forgiven_most[g.place])::bigint END,
            p_now, g.usage_source, g.reported_input, g.reported_output, g.serving_path
-      FROM unnest(p_entries) WITH ORDINALITY AS g
-      JOIN unnest(p_res) WITH ORDINALITY AS r ON r.ordinality = g.place
-     ORDER BY g.ordinality;
+      FROM unnest(p_entries) AS g;
 END
 $$;
 

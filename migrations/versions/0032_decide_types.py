@@ -170,10 +170,15 @@ DOWNGRADE = r"""
 -- stays, and fails until 0031's downgrade drops it or the next upgrade to
 -- head applies admission.sql again (migrations/README.md).
 DELETE FROM schema_repeatables WHERE name = 'admission.sql';
--- Two of the steps are declared over 0031's types only: they go too, so that
--- 0031's downgrade can drop those.
+-- Steps declared over older types only go too, so that the downgrades of
+-- those types' revisions can drop them: two of lq_admit_decide's (0031's
+-- types) and lq_finish's three (0029's).
 DROP FUNCTION IF EXISTS lq_admit_at_once(lq_admit_batch, boolean);
 DROP FUNCTION IF EXISTS lq_without_refusal(lq_admit_result);
+DROP FUNCTION IF EXISTS lq_finish_layers(lq_layer_credit[], reservations[]);
+DROP FUNCTION IF EXISTS lq_finish_budgets(lq_budget_change[], reservations[], timestamptz);
+DROP FUNCTION IF EXISTS lq_finish_ledger(lq_ledger_entry[], reservations[], double precision[],
+                                         timestamptz);
 DROP TYPE lq_budget_verdict CASCADE;
 DROP TYPE lq_model_price CASCADE;
 DROP TYPE lq_credit_hold CASCADE;
