@@ -2148,6 +2148,21 @@ DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], te
 -- result gained model and plan: the nine-argument function goes.
 DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[],
     numeric[], numeric[]);
+-- The result became lq_finish_result (migration 0032). The arguments are
+-- those of the function created below, so the old one goes only while it
+-- still returns a table of its own (once; a later apply replaces it in
+-- place, keeping its grants).
+DO $$
+DECLARE
+    finish regprocedure := to_regprocedure(
+        'lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[], numeric[],'
+        ' numeric[], text[])');
+BEGIN
+    IF finish IS NOT NULL AND pg_get_function_result(finish) <> 'SETOF lq_finish_result' THEN
+        EXECUTE format('DROP FUNCTION %s', finish);
+    END IF;
+END
+$$;
 CREATE OR REPLACE FUNCTION lq_finish(
     p_ids            uuid[],
     p_actions        text[],     -- 'settle' | 'release' | 'expire'
@@ -2165,25 +2180,7 @@ CREATE OR REPLACE FUNCTION lq_finish(
     -- (the proxy's second_deployment); NULL: the reservation's journaled
     -- serving_path (fallback_model, queued), else primary
     p_serving_paths  text[] DEFAULT NULL
-) RETURNS TABLE (
-    ord              integer,
-    status           text,
-    state            text,
-    tenant           text,
-    charged_tokens   bigint,
-    refunded_tokens  bigint,
-    late             boolean,
-    excess_tokens    bigint,     -- settled above lq_shared_charge_cap; 0 otherwise
-    -- not debited from the global layer / from provider ceilings because
-    -- they stood at their floor (lq_shared_forgiven); 0 otherwise
-    forgiven_global_tokens  bigint,
-    forgiven_ceiling_tokens bigint,
-    -- the reservation's model (the one admitted) and its tenant's plan now:
-    -- the settling worker labels its metrics with them, whichever worker
-    -- admitted the reservation
-    model            text,
-    plan             text
-)
+) RETURNS SETOF lq_finish_result   -- one per request, in order (migration 0032)
 LANGUAGE plpgsql
 -- Generic plans: each statement inside is planned once per session and probes
 -- indexes whatever the batch size. (Custom plans were re-planned on every call,
@@ -2214,18 +2211,9 @@ DECLARE
     f_ceiling double precision[];
     f_most    double precision[];
     t_plan    text[];
-    -- results
-    r_status  text[] := array_fill(NULL::text, ARRAY[n]);
-    r_state   text[] := array_fill(NULL::text, ARRAY[n]);
-    r_tenant  text[] := array_fill(NULL::text, ARRAY[n]);
-    r_charged bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_refund  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_late    boolean[] := array_fill(NULL::boolean, ARRAY[n]);
-    r_excess  bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_fglobal bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_fceil   bigint[] := array_fill(NULL::bigint, ARRAY[n]);
-    r_model   text[] := array_fill(NULL::text, ARRAY[n]);
-    r_plan    text[] := array_fill(NULL::text, ARRAY[n]);
+    -- one answer per request, in order
+    results   lq_finish_result[] := '{}';
+    fin       lq_finish_result;
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -2245,119 +2233,125 @@ BEGIN
     now_ts := clock_timestamp();
 
     FOR k IN 1 .. n LOOP
-        i := array_position(ids, p_ids[k]);
-        IF i IS NULL THEN
-            r_status[k] := 'not_found';
-            CONTINUE;
-        END IF;
-        rec := res[i];
-        IF p_callers[k] IS NOT NULL AND p_callers[k] <> rec.tenant THEN
-            -- Another tenant's reservation is indistinguishable from none.
-            r_status[k] := 'not_found';
-            CONTINUE;
-        END IF;
-        r_tenant[k] := rec.tenant;
-        r_model[k] := rec.model;
-
-        -- (2) A lease that ran out is expired before anything else happens.
-        IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
-            -- everything held goes back; the ledger says it expired, unused
-            credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens, 0,
-                                      rec.permits)::lq_layer_credit;
-            entries := entries || ROW(i, 'usage', 0, 0, rec.reserved_tokens, 'expired', 0,
-                                      NULL, NULL, NULL,
-                                      coalesce(rec.serving_path, 'primary'))::lq_ledger_entry;
-            changes := changes || ROW(i, 'expire', 0, 0)::lq_budget_change;
-            rec.state := 'expired';
-            rec.finished_at := now_ts;
-            changed[i] := true;
-            IF p_actions[k] = 'expire' THEN
-                r_status[k] := 'expired';
+        fin := NULL;
+        fin.ord := k;
+        <<finish>>
+        BEGIN
+            i := array_position(ids, p_ids[k]);
+            IF i IS NULL THEN
+                fin.status := 'not_found';
+                EXIT finish;
             END IF;
-        ELSIF p_actions[k] = 'expire' THEN
-            -- A live lease is not due yet; a finished reservation has nothing to expire.
-            r_status[k] := CASE WHEN rec.state = 'active' THEN 'not_due' ELSE 'conflict' END;
-        END IF;
+            rec := res[i];
+            IF p_callers[k] IS NOT NULL AND p_callers[k] <> rec.tenant THEN
+                -- Another tenant's reservation is indistinguishable from none.
+                fin.status := 'not_found';
+                EXIT finish;
+            END IF;
+            fin.tenant := rec.tenant;
+            fin.model := rec.model;
 
-        -- (3) The action itself.
-        IF p_actions[k] = 'settle' THEN
-            charged := p_input_tokens[k] + p_output_tokens[k];
-            cap := lq_shared_charge_cap(rec.input_tokens, rec.max_tokens);
-            -- the settlement's ledger row, if it is one (on time, or late below)
-            entry := ROW(i, 'usage', p_input_tokens[k], p_output_tokens[k],
-                         rec.reserved_tokens, p_outcomes[k], greatest(charged - cap, 0),
-                         coalesce(p_usage_sources[k], 'reported'),
-                         p_reported_input[k], p_reported_output[k],
-                         coalesce(p_serving_paths[k], rec.serving_path, 'primary'));
-            IF rec.state = 'active' THEN
-                -- Refund what was reserved and not used, or debit the excess
-                -- (shared layers at most up to the cap); lq_credit_layers
-                -- clamps at capacity.
-                credits := credits || ROW(i, rec.reserved_tokens - charged,
-                                          rec.reserved_tokens - least(charged, cap), 0,
+            -- (2) A lease that ran out is expired before anything else happens.
+            IF rec.state = 'active' AND rec.lease_expires_at <= now_ts THEN
+                -- everything held goes back; the ledger says it expired, unused
+                credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens, 0,
                                           rec.permits)::lq_layer_credit;
-                entries := entries || entry;
-                changes := changes || ROW(i, 'settle', p_input_tokens[k],
-                                          p_output_tokens[k])::lq_budget_change;
-                rec.state := 'settled';
-                rec.finished_at := now_ts;
-                rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
-                rec.late := false;
-                r_status[k] := 'settled';
-            ELSIF rec.state = 'expired' AND rec.charged_tokens IS NULL THEN
-                -- Late: the expiry gave the whole reservation back, so what
-                -- was really used is debited now. The permit is already free.
-                credits := credits || ROW(i, -charged, -least(charged, cap), 0,
-                                          0)::lq_layer_credit;
-                entry.entry_kind := 'late';
-                entry.reserved_tokens := 0;
-                entry.outcome := 'late';
-                entries := entries || entry;
-                changes := changes || ROW(i, 'late', p_input_tokens[k],
-                                          p_output_tokens[k])::lq_budget_change;
-                rec.refunded_tokens := 0;
-                rec.late := true;
-                r_status[k] := 'settled';
-            ELSIF rec.charged_tokens IS NOT NULL THEN
-                -- Settled before: the same figures get the first answer back.
-                r_status[k] := CASE
-                    WHEN rec.settled_input_tokens = p_input_tokens[k]
-                     AND rec.settled_output_tokens = p_output_tokens[k]
-                     AND rec.outcome = p_outcomes[k]
-                    THEN 'replayed' ELSE 'conflict' END;
-            ELSE
-                r_status[k] := 'conflict';   -- released, or expired and then released
-            END IF;
-            IF r_status[k] = 'settled' THEN
-                r_excess[k] := greatest(charged - cap, 0);
-                rec.settled_input_tokens := p_input_tokens[k];
-                rec.settled_output_tokens := p_output_tokens[k];
-                rec.outcome := p_outcomes[k];
-                rec.charged_tokens := charged;
-                changed[i] := true;
-            END IF;
-        ELSIF p_actions[k] = 'release' THEN
-            IF rec.state = 'active' THEN
-                -- the provider was never called: its requests go back too
-                credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens,
-                                          rec.request_cost, rec.permits)::lq_layer_credit;
-                changes := changes || ROW(i, 'release', 0, 0)::lq_budget_change;
-                rec.state := 'released';
+                entries := entries || ROW(i, 'usage', 0, 0, rec.reserved_tokens, 'expired', 0,
+                                          NULL, NULL, NULL,
+                                          coalesce(rec.serving_path, 'primary'))::lq_ledger_entry;
+                changes := changes || ROW(i, 'expire', 0, 0)::lq_budget_change;
+                rec.state := 'expired';
                 rec.finished_at := now_ts;
                 changed[i] := true;
-                r_status[k] := 'released';
-            ELSIF rec.state = 'released' THEN
-                r_status[k] := 'replayed';
-            ELSE
-                r_status[k] := 'conflict';
+                IF p_actions[k] = 'expire' THEN
+                    fin.status := 'expired';
+                END IF;
+            ELSIF p_actions[k] = 'expire' THEN
+                -- A live lease is not due yet; a finished reservation has nothing to expire.
+                fin.status := CASE WHEN rec.state = 'active' THEN 'not_due' ELSE 'conflict' END;
             END IF;
-        END IF;
 
-        res[i] := rec;
-        r_state[k] := rec.state;
-        r_charged[k] := rec.charged_tokens;
-        r_refund[k] := rec.refunded_tokens;
-        r_late[k] := rec.late;
+            -- (3) The action itself.
+            IF p_actions[k] = 'settle' THEN
+                charged := p_input_tokens[k] + p_output_tokens[k];
+                cap := lq_shared_charge_cap(rec.input_tokens, rec.max_tokens);
+                -- the settlement's ledger row, if it is one (on time, or late below)
+                entry := ROW(i, 'usage', p_input_tokens[k], p_output_tokens[k],
+                             rec.reserved_tokens, p_outcomes[k], greatest(charged - cap, 0),
+                             coalesce(p_usage_sources[k], 'reported'),
+                             p_reported_input[k], p_reported_output[k],
+                             coalesce(p_serving_paths[k], rec.serving_path, 'primary'));
+                IF rec.state = 'active' THEN
+                    -- Refund what was reserved and not used, or debit the excess
+                    -- (shared layers at most up to the cap); lq_credit_layers
+                    -- clamps at capacity.
+                    credits := credits || ROW(i, rec.reserved_tokens - charged,
+                                              rec.reserved_tokens - least(charged, cap), 0,
+                                              rec.permits)::lq_layer_credit;
+                    entries := entries || entry;
+                    changes := changes || ROW(i, 'settle', p_input_tokens[k],
+                                              p_output_tokens[k])::lq_budget_change;
+                    rec.state := 'settled';
+                    rec.finished_at := now_ts;
+                    rec.refunded_tokens := greatest(rec.reserved_tokens - charged, 0);
+                    rec.late := false;
+                    fin.status := 'settled';
+                ELSIF rec.state = 'expired' AND rec.charged_tokens IS NULL THEN
+                    -- Late: the expiry gave the whole reservation back, so what
+                    -- was really used is debited now. The permit is already free.
+                    credits := credits || ROW(i, -charged, -least(charged, cap), 0,
+                                              0)::lq_layer_credit;
+                    entry.entry_kind := 'late';
+                    entry.reserved_tokens := 0;
+                    entry.outcome := 'late';
+                    entries := entries || entry;
+                    changes := changes || ROW(i, 'late', p_input_tokens[k],
+                                              p_output_tokens[k])::lq_budget_change;
+                    rec.refunded_tokens := 0;
+                    rec.late := true;
+                    fin.status := 'settled';
+                ELSIF rec.charged_tokens IS NOT NULL THEN
+                    -- Settled before: the same figures get the first answer back.
+                    fin.status := CASE
+                        WHEN rec.settled_input_tokens = p_input_tokens[k]
+                         AND rec.settled_output_tokens = p_output_tokens[k]
+                         AND rec.outcome = p_outcomes[k]
+                        THEN 'replayed' ELSE 'conflict' END;
+                ELSE
+                    fin.status := 'conflict';   -- released, or expired and then released
+                END IF;
+                IF fin.status = 'settled' THEN
+                    fin.excess_tokens := greatest(charged - cap, 0);
+                    rec.settled_input_tokens := p_input_tokens[k];
+                    rec.settled_output_tokens := p_output_tokens[k];
+                    rec.outcome := p_outcomes[k];
+                    rec.charged_tokens := charged;
+                    changed[i] := true;
+                END IF;
+            ELSIF p_actions[k] = 'release' THEN
+                IF rec.state = 'active' THEN
+                    -- the provider was never called: its requests go back too
+                    credits := credits || ROW(i, rec.reserved_tokens, rec.reserved_tokens,
+                                              rec.request_cost, rec.permits)::lq_layer_credit;
+                    changes := changes || ROW(i, 'release', 0, 0)::lq_budget_change;
+                    rec.state := 'released';
+                    rec.finished_at := now_ts;
+                    changed[i] := true;
+                    fin.status := 'released';
+                ELSIF rec.state = 'released' THEN
+                    fin.status := 'replayed';
+                ELSE
+                    fin.status := 'conflict';
+                END IF;
+            END IF;
+
+            res[i] := rec;
+            fin.state := rec.state;
+            fin.charged_tokens := rec.charged_tokens;
+            fin.refunded_tokens := rec.refunded_tokens;
+            fin.late := rec.late;
+        END finish;
+        results[k] := fin;
     END LOOP;
 
     -- (4) Layers: each credit to every layer its reservation debited, what
@@ -2366,11 +2360,11 @@ BEGIN
       INTO f_global, f_ceiling, f_most, t_plan
       FROM lq_finish_layers(credits, res) AS c;
     FOR k IN 1 .. n LOOP
-        IF r_status[k] = 'settled' THEN
+        IF results[k].status = 'settled' THEN
             i := array_position(ids, p_ids[k]);
-            r_fglobal[k] := round(f_global[i])::bigint;
-            r_fceil[k] := round(f_ceiling[i])::bigint;
-            r_plan[k] := t_plan[i];
+            results[k].forgiven_global_tokens := round(f_global[i])::bigint;
+            results[k].forgiven_ceiling_tokens := round(f_ceiling[i])::bigint;
+            results[k].plan := t_plan[i];
         END IF;
     END LOOP;
 
@@ -2388,11 +2382,7 @@ BEGIN
        FROM unnest(entries) AS g
       WHERE g.entry_kind = 'usage' AND g.outcome = 'ok';
 
-    RETURN QUERY
-    SELECT o.i::integer, r_status[o.i], r_state[o.i], r_tenant[o.i],
-           r_charged[o.i], r_refund[o.i], r_late[o.i], r_excess[o.i],
-           r_fglobal[o.i], r_fceil[o.i], r_model[o.i], r_plan[o.i]
-      FROM generate_series(1, n) AS o(i);
+    RETURN QUERY SELECT * FROM unnest(results);
 END
 $$;
 

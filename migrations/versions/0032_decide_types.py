@@ -17,6 +17,9 @@ page that names what it reads:
 - `lq_quota_hold`, `lq_credit_hold`, `lq_model_price`: the calendar quotas,
   prepaid balances and prices a batch reserves money against.
 - `lq_budget_verdict`: what its quotas and prepaid balance say.
+- `lq_finish_result`: what lq_finish answers per request (the columns it
+  returned as a table before), so that it keeps one row per request instead
+  of 11 parallel arrays.
 
 The result per request is lq_admit_result (migration 0031); an admitted
 request's journal row is a `reservations` row.
@@ -154,6 +157,26 @@ CREATE TYPE lq_model_price AS (
     output_usd  numeric
 );
 
+CREATE TYPE lq_finish_result AS (
+    ord                      integer,
+    status                   text,
+    state                    text,
+    tenant                   text,
+    charged_tokens           bigint,
+    refunded_tokens          bigint,
+    late                     boolean,
+    excess_tokens            bigint,   -- settled above lq_shared_charge_cap; 0 otherwise
+    -- not debited from the global layer / from provider ceilings because
+    -- they stood at their floor (lq_shared_forgiven); 0 otherwise
+    forgiven_global_tokens   bigint,
+    forgiven_ceiling_tokens  bigint,
+    -- the reservation's model (the one admitted) and its tenant's plan now:
+    -- the settling worker labels its metrics with them, whichever worker
+    -- admitted the reservation
+    model                    text,
+    plan                     text
+);
+
 CREATE TYPE lq_budget_verdict AS (
     refusal     text,           -- quota_exceeded | credits_exhausted | unpriced_model
     quota_at    integer,        -- the quota that refused
@@ -179,6 +202,11 @@ DROP FUNCTION IF EXISTS lq_finish_layers(lq_layer_credit[], reservations[]);
 DROP FUNCTION IF EXISTS lq_finish_budgets(lq_budget_change[], reservations[], timestamptz);
 DROP FUNCTION IF EXISTS lq_finish_ledger(lq_ledger_entry[], reservations[], double precision[],
                                          timestamptz);
+-- lq_finish returns lq_finish_result: it goes first (the next upgrade to
+-- head creates both again).
+DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[],
+                                  numeric[], numeric[], text[]);
+DROP TYPE lq_finish_result;
 DROP TYPE lq_budget_verdict CASCADE;
 DROP TYPE lq_model_price CASCADE;
 DROP TYPE lq_credit_hold CASCADE;
