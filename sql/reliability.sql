@@ -211,8 +211,7 @@ $$;
 -- active; lq_finish answers 'replayed'). The reservations are locked in id
 -- order first, as lq_finish locks them, so this adds no lock of its own.
 --
--- The result is lq_finish's, column for column (a change of those columns
--- drops this one first).
+-- The result is lq_finish's: lq_finish_result rows (migration 0032).
 --
 -- Serving path: the ledger rows get lq_finish's rule, the reservation's
 -- journaled path else primary. A failure mode admits only the requested
@@ -230,20 +229,7 @@ CREATE OR REPLACE FUNCTION lq_finish_outage(
     p_output_tokens bigint[],
     p_outcomes      text[],
     p_used_at       timestamptz[]
-) RETURNS TABLE (
-    ord              integer,
-    status           text,
-    state            text,
-    tenant           text,
-    charged_tokens   bigint,
-    refunded_tokens  bigint,
-    late             boolean,
-    excess_tokens    bigint,
-    forgiven_global_tokens  bigint,
-    forgiven_ceiling_tokens bigint,
-    model            text,
-    plan             text
-)
+) RETURNS SETOF lq_finish_result
 LANGUAGE plpgsql
 AS $$
 BEGIN

@@ -202,10 +202,13 @@ DROP FUNCTION IF EXISTS lq_finish_layers(lq_layer_credit[], reservations[]);
 DROP FUNCTION IF EXISTS lq_finish_budgets(lq_budget_change[], reservations[], timestamptz);
 DROP FUNCTION IF EXISTS lq_finish_ledger(lq_ledger_entry[], reservations[], double precision[],
                                          timestamptz);
--- lq_finish returns lq_finish_result: it goes first (the next upgrade to
--- head creates both again).
+-- lq_finish and lq_finish_outage (reliability.sql) return lq_finish_result:
+-- they go first (the next upgrade to head creates all three again).
+DELETE FROM schema_repeatables WHERE name = 'reliability.sql';
 DROP FUNCTION IF EXISTS lq_finish(uuid[], text[], text[], bigint[], bigint[], text[], text[],
                                   numeric[], numeric[], text[]);
+DROP FUNCTION IF EXISTS lq_finish_outage(uuid[], text[], text[], bigint[], bigint[], text[],
+                                         timestamptz[]);
 DROP TYPE lq_finish_result;
 DROP TYPE lq_budget_verdict CASCADE;
 DROP TYPE lq_model_price CASCADE;
