@@ -1620,11 +1620,16 @@ DECLARE
     x integer;
 BEGIN
     v.quotas := '{}';
-    x := (SELECT min(p.ordinality) FROM unnest(p_prices) WITH ORDINALITY AS p WHERE p.model = c.model);
-    IF x IS NOT NULL AND p_prices[x].input_usd IS NOT NULL THEN
-        v.money := (c.input_tokens * p_prices[x].input_usd
-                    + rq.max_tokens * p_prices[x].output_usd) / 1000000;
-    END IF;
+    -- (loops, not queries: this runs per candidate, and a query per call
+    -- costs more than a scan of a few rows)
+    FOR x IN 1 .. coalesce(cardinality(p_prices), 0) LOOP
+        CONTINUE WHEN p_prices[x].model IS DISTINCT FROM c.model;
+        IF p_prices[x].input_usd IS NOT NULL THEN
+            v.money := (c.input_tokens * p_prices[x].input_usd
+                        + rq.max_tokens * p_prices[x].output_usd) / 1000000;
+        END IF;
+        EXIT;
+    END LOOP;
     FOR x IN 1 .. coalesce(cardinality(p_quotas), 0) LOOP
         q := p_quotas[x];
         CONTINUE WHEN q.tenant <> rq.tenant
@@ -1648,8 +1653,13 @@ BEGIN
         END IF;
     END LOOP;
     IF v.refusal IS NULL AND p_prepaid THEN
-        x := (SELECT min(a.ordinality) FROM unnest(p_credits) WITH ORDINALITY AS a WHERE a.tenant = rq.tenant);
-        v.available := CASE WHEN x IS NULL THEN 0 ELSE p_credits[x].available END;
+        v.available := 0;
+        FOR x IN 1 .. coalesce(cardinality(p_credits), 0) LOOP
+            IF p_credits[x].tenant = rq.tenant THEN
+                v.available := p_credits[x].available;
+                EXIT;
+            END IF;
+        END LOOP;
         IF v.money IS NULL THEN
             v.refusal := 'unpriced_model';
         ELSIF v.available < v.money THEN
