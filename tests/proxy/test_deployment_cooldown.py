@@ -223,7 +223,7 @@ async def test_a_deployment_that_does_not_answer_in_its_time_hands_the_request_o
     sdk: str,
 ) -> None:
     main, second = fake[0], second_fake[0]
-    main.scenario, main.hang_seconds = "hang", 2.0
+    main.scenario, main.hang_seconds = "hang", 3.0
     settings = deployments(tmp_path, monkeypatch, (fake, second_fake), "read_timeout_seconds = 0.5")
     async with stack_for(fake, database_dsn, GENEROUS, **settings) as stack:
         warm_tokenizers()
@@ -232,9 +232,11 @@ async def test_a_deployment_that_does_not_answer_in_its_time_hands_the_request_o
         took = time.monotonic() - began
         samples = await scrape(stack)
     assert served.startswith("second-")
-    # main's own read timeout, then the second's answer; not main's, 2 s late.
-    assert 0.5 <= value(samples, SECONDS, path="second_deployment") < 1.0
-    assert took < 2.0
+    # main's own read timeout, then the second's answer; not main's, 3 s late.
+    # (The second answers in milliseconds; the margin is for a busy machine,
+    # where CI once measured 1.04 s.)
+    assert 0.5 <= value(samples, SECONDS, path="second_deployment") < main.hang_seconds
+    assert took < main.hang_seconds
     assert [len(main.requests), len(second.requests)] == [1, 1]
     provider = "openai" if sdk == "openai" else "anthropic"
     errors = "llmquota_proxy_provider_errors_total"
