@@ -19,7 +19,7 @@ import pytest
 
 from llmquota.domain.output_estimates import bucket_of, bucket_top
 from llmquota.domain.vocabulary import SERVING_PATHS
-from tests.proxy.conftest import GENEROUS, Stack, ledger, settled, stack_for
+from tests.proxy.conftest import GENEROUS, Stack, settled, stack_for
 from tests.proxy.fake_provider import FakeProvider
 from tests.proxy.test_proxy_metrics import scrape, value
 from tests.proxy.test_proxy_routing import upstreams_file_only
@@ -157,7 +157,7 @@ async def test_anthropic_degrades_within_its_own_upstream(
     assert raw.headers["llmquota-degraded-from"] == "claude-3-5-sonnet-latest"
     assert (await raw.parse()).content[0].type == "text"
     assert stack.fake.requests[-1]["model"] == "claude-3-5-haiku-latest"
-    assert [r["model"] for r in await ledger(db)] == ["claude-3-5-haiku-latest"]
+    assert [r["model"] for r in await settled(db, 1)] == ["claude-3-5-haiku-latest"]
     with pytest.raises(anthropic.APIStatusError) as refused:  # no fallback: as refused
         await stack.anthropic().messages.create(
             model="claude-3-5-sonnet-latest", messages=MESSAGES, max_tokens=20

@@ -349,7 +349,9 @@ async def _complete(call: Call) -> Response:
     tracker = UsageTracker(kind)
     with contextlib.suppress(ValueError):
         tracker.read_body(loads_bounded(response.content))
-    await call.exchange.finish(tracker, "ok")
+    # Settled right behind the answer, not before it (settles.py).
+    call.exchange.handed_over = True
+    call.proxy.settles.start(call.exchange.reservation.tenant, call.exchange.finish(tracker, "ok"))
     if call.cache is not None and response.status_code == 200:
         cache.keep(call.request, call.cache, upstream.scrub(response.content), tracker)
     return Response(

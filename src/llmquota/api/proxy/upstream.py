@@ -30,6 +30,7 @@ from pydantic import SecretStr
 from llmquota.api.proxy.cooldown import DeploymentCooldowns
 from llmquota.api.proxy.metrics import ProxyMetrics
 from llmquota.api.proxy.pool import ConnectionShares
+from llmquota.api.proxy.settles import SettlesInFlight
 from llmquota.api.proxy.sharded_pool import ShardedTransport
 from llmquota.api.proxy.wire import Endpoint, Kind
 from llmquota.config import ENV_PREFIX, Settings, UpstreamConfig, route
@@ -189,6 +190,8 @@ class Proxy:
             for name in self.upstreams
         }
         self.pumps: set[asyncio.Task[None]] = set()
+        # Whole answers' settlements, sent after the answer (settles.py).
+        self.settles = SettlesInFlight()
         # Which deployments of a model answered 429 or failed lately (cooldown.py).
         self.cooldowns = DeploymentCooldowns(
             seconds=settings.proxy_deployment_cooldown_seconds,
@@ -256,7 +259,8 @@ class Proxy:
         return connect + (timeout.read or self.settings.proxy_read_timeout_seconds)
 
     async def close(self) -> None:
-        """Let running streams finish (up to the drain bound), then cancel them and close."""
+        """Let running streams finish (up to the drain bound), then cancel them; wait
+        for every settlement still on its way; close."""
         if self.pumps:
             _done, pending = await asyncio.wait(
                 set(self.pumps), timeout=self.settings.proxy_drain_seconds
@@ -266,6 +270,7 @@ class Proxy:
             for task in pending:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        await self.settles.close()
         for client in self.clients.values():
             await client.aclose()
 
