@@ -177,5 +177,11 @@ async def _statement_cpu_ms(dsn: str, sql: str, *, statements: int, rounds: int)
 
 
 def _process_cpu_seconds(pid: int) -> float:
+    """The process's CPU time: from schedstat in nanoseconds where the kernel
+    keeps it (/proc/PID/stat counts 10 ms ticks: 0.1 ms per statement over
+    100 statements, as coarse as the differences measured), else from stat."""
+    schedstat = Path(f"/proc/{pid}/schedstat")
+    if schedstat.exists():
+        return int(schedstat.read_text().split()[0]) / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -245,12 +245,23 @@ BEGIN
         IF j IS NULL THEN
             pools := pools || e.pool;
             j := cardinality(pools);
-            SELECT sum(lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
-                                   g.refilled_at, now_ts)),
-                   sum(g.token_burst)
-              INTO b_now, b_burst
-              FROM limit_layers AS g
-             WHERE CASE WHEN e.pool = 0 THEN g.scope = 'global' ELSE g.layer_id = e.pool END;
+            -- Two queries, each by an index: one WHERE choosing its condition
+            -- by a CASE is planned once (generic) as a scan of every layer.
+            IF e.pool = 0 THEN
+                SELECT sum(lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
+                                       g.refilled_at, now_ts)),
+                       sum(g.token_burst)
+                  INTO b_now, b_burst
+                  FROM limit_layers AS g
+                 WHERE g.scope = 'global';
+            ELSE
+                SELECT lq_refilled(g.tokens, g.tokens_per_minute, g.token_burst,
+                                   g.refilled_at, now_ts),
+                       g.token_burst
+                  INTO b_now, b_burst
+                  FROM limit_layers AS g
+                 WHERE g.layer_id = e.pool;
+            END IF;
             balance := balance || b_now;
             burst := burst || b_burst;
         END IF;
