@@ -72,6 +72,14 @@ async def test_the_sql_histogram_is_the_domain_histogram(db: asyncpg.Connection)
             counts,
         )
         assert merged == pytest.approx(list(merge(weights, decay_factor(elapsed), counts)))
+    # The other way round: more weights than counts.
+    long_weights = [1.0] * 40
+    merged = await db.fetchval(
+        "SELECT lq_output_merge($1::float8[], 60.0, $2::float8[])", long_weights, [0.0, 2.0]
+    )
+    assert merged == pytest.approx(list(merge(long_weights, decay_factor(60.0), [0.0, 2.0])))
+    # No bucket at all: NULL, not an empty histogram.
+    assert await db.fetchval("SELECT lq_output_merge('{}', 1.0, '{}')") is None
 
 
 async def test_concurrent_settlements_lose_no_sample(app_dsn: str) -> None:
