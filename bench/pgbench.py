@@ -181,7 +181,7 @@ def _process_cpu_seconds(pid: int) -> float:
     keeps it (/proc/PID/stat counts 10 ms ticks: 0.1 ms per statement over
     100 statements, as coarse as the differences measured), else from stat."""
     schedstat = Path(f"/proc/{pid}/schedstat")
-    if schedstat.exists():
-        return int(schedstat.read_text().split()[0]) / 1e9
+    if schedstat.exists() and (nanoseconds := int(schedstat.read_text().split()[0])):
+        return nanoseconds / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

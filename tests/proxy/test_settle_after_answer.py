@@ -9,7 +9,9 @@ hold:
 - the answer does not wait for its settlement;
 - the tenant's next request waits for it, so a tenant with max_in_flight 1
   that sends its next request as soon as its answer arrives is not refused
-  for its own finished request; another tenant's request does not wait;
+  for its own finished request (nor is the semantic cache's embedding of
+  it, which is admitted before the request itself); another tenant's
+  request does not wait;
 - a worker told to stop settles it before it exits.
 """
 
@@ -33,6 +35,7 @@ from tests.proxy.conftest import (
     stack_for,
 )
 from tests.proxy.fake_provider import FakeProvider
+from tests.proxy.test_proxy_cache import PARAPHRASE, QUESTION, SEMANTIC, entries
 from tests.proxy.test_proxy_shutdown import _output, server_process
 from tests.support import announcements_applied
 
@@ -49,19 +52,18 @@ async def chat(client: openai.AsyncOpenAI) -> str:
 
 
 @contextlib.asynccontextmanager
-async def settlement_held(dsn: str) -> AsyncIterator[None]:
-    """The one active reservation's row locked until the block ends: its
-    settlement (lq_finish locks it first) waits that long."""
+async def settlement_held(dsn: str, model: str = "gpt-4o") -> AsyncIterator[None]:
+    """The row of the one active reservation for `model` locked until the block
+    ends: its settlement (lq_finish locks it first) waits that long."""
     holder = await asyncpg.connect(dsn)
+    active = "FROM reservations WHERE state = 'active' AND model = $1"
     try:
         for _ in range(200):
-            if await holder.fetchval("SELECT count(*) FROM reservations WHERE state = 'active'"):
+            if await holder.fetchval(f"SELECT count(*) {active}", model):
                 break
             await asyncio.sleep(0.01)
         async with holder.transaction():
-            locked = await holder.fetch(
-                "SELECT reservation_id FROM reservations WHERE state = 'active' FOR UPDATE"
-            )
+            locked = await holder.fetch(f"SELECT reservation_id {active} FOR UPDATE", model)
             assert len(locked) == 1
             yield
             # the block's end rolls back: nothing changed, the lock is gone
@@ -102,6 +104,37 @@ async def test_the_answer_goes_first_and_the_tenants_next_request_behind_its_set
     assert sorted(r["tenant"] for r in rows) == ["acme", "acme", "beta"]
     assert [r["outcome"] for r in rows] == ["ok"] * 3
     assert await reservation_states(db) == ["settled"] * 3
+
+
+async def test_a_paraphrase_sent_at_once_is_still_served_from_the_semantic_cache(
+    fake: tuple[FakeProvider, str], *, database_dsn: str, db: asyncpg.Connection
+) -> None:
+    provider = fake[0]
+    provider.semantic_embeddings = True
+    provider.scenario, provider.hang_seconds = "hang", 0.5
+    async with stack_for(fake, database_dsn, {**ONE_AT_A_TIME, "cache": SEMANTIC}) as stack:
+        client = stack.openai()
+
+        async def ask(messages: list[dict[str, str]]) -> str:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="gpt-4o", messages=messages, max_tokens=50, temperature=0
+            )
+            return raw.headers["llmquota-serving-path"]
+
+        first = asyncio.create_task(ask(QUESTION))
+        async with settlement_held(database_dsn):
+            assert await asyncio.wait_for(first, 10) == "primary"
+            provider.scenario = "ok"
+            assert await entries(db, 1) == 1
+            # Its lookup embeds the paraphrase, an admission of the tenant's own:
+            # with max_in_flight 1 it waits for the settlement, not refused
+            # (which would skip the lookup and pay the provider for the answer).
+            second = asyncio.create_task(ask(PARAPHRASE))
+            await asyncio.sleep(0.3)
+            assert not second.done()
+        assert await asyncio.wait_for(second, 10) == "cache"
+    completions = [r for r in provider.requests if r.get("messages") is not None]
+    assert len(completions) == 1
 
 
 async def test_sequential_requests_of_a_one_at_a_time_tenant_are_never_refused(

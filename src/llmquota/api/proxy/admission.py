@@ -109,8 +109,6 @@ async def admit_proxied(
     except Forbidden as exc:
         return error_response(kind, 403, str(exc), param="model")
     headers: dict[str, str] = {}
-    # The tenant's answers already sent may still be settling: not refused for them.
-    await proxy.settles.behind(tenant)
     decided = await _decide(limiter, prepared, request, max_wait_ms, headers)
     if isinstance(decided, Response):
         return decided

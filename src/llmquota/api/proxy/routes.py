@@ -103,6 +103,9 @@ async def _handle(endpoint: Endpoint, request: Request) -> Response:
         if isinstance(read, Response):
             return read
         caller, parsed, _upstream = read
+        # The tenant's answers already sent may still be settling (settles.py):
+        # every admission below (the semantic cache's embedding too) comes after.
+        await request.app.state.proxy.settles.behind(str(caller.tenant))
         lookup = await cache.lookup_for(request, caller, endpoint, parsed)
         if lookup is not None and lookup.policy.serve_when_exhausted:
             # Before admission: a hit costs the provider nothing, so a spent budget

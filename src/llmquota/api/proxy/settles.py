@@ -7,9 +7,13 @@ its own, as a stream's pump already settles after its last event. What that
 must not change: a client that sends its next request as soon as the answer
 arrives would otherwise find its finished request still holding its
 reservation (the estimate, a max_in_flight permit) and could be refused for
-it. So a tenant's next proxy admission in this worker waits for that tenant's
-settlements still on their way: each is one round trip, already sent, so the
-wait is what is left of one, and only for a tenant that has one. On shutdown
+it. So a tenant's next proxied request in this worker waits, before any
+admission of its own, for that tenant's settlements still on their way: each
+is one round trip, already sent, so the wait is what is left of one (with the
+store unreachable, up to the decision deadline, after which the settlement is
+journaled), and only for a tenant that has one. Only this worker's: with
+several workers or replicas, a next request that lands on another may meet
+the reservation still held, as it may while a stream's pump settles. On shutdown
 every settlement is awaited, none cancelled: each is bounded by the store's
 deadline, and journaled for replay when the store does not answer
 (Reservation.settle_upstream).
@@ -45,9 +49,9 @@ class SettlesInFlight:
             await asyncio.wait(set(running))
 
     async def close(self) -> None:
-        """Wait for every settlement still running (none is cancelled)."""
-        running = [task for tasks in self._by_tenant.values() for task in tasks]
-        if running:
+        """Wait for every settlement still running, those started meanwhile too
+        (none is cancelled)."""
+        while running := [task for tasks in self._by_tenant.values() for task in tasks]:
             await asyncio.wait(running)
 
     def _done(self, tenant: str, task: asyncio.Task[None]) -> None:
@@ -58,4 +62,4 @@ class SettlesInFlight:
                 del self._by_tenant[tenant]
         if not task.cancelled() and (exc := task.exception()) is not None:
             # Exchange.finish logs the store's refusals itself: this is anything else.
-            log.error("settlement of a %s answer failed", tenant, exc_info=exc)
+            log.error("a settlement of tenant %r failed", tenant, exc_info=exc)
