@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -45,6 +46,15 @@ _counter = itertools.count()
 # under them by an app they started, so the suite runs with it off; the
 # tests of the leader (tests/faults/test_maintenance_leader.py) turn it on.
 os.environ.setdefault("LLMQUOTA_SERVE_SWEEPER", "false")
+
+# Some tests stop a child (the sweeper's loop, an embedded server's owner) with
+# Ctrl-C, SIGINT. A shell that starts a job in the background without job
+# control (`cmd &` in a script) starts it with SIGINT ignored, and an ignored
+# signal stays ignored through every exec: each child would then ignore it too
+# and the test wait for ever (a CI run started that way hung in
+# test_crashes.py). A handler of our own is reset to the default in a child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The suites whose every test ends with the audit (RELIABILITY.md), and the
 # fixtures that give a test a database of its own.
