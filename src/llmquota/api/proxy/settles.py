@@ -3,7 +3,8 @@
 A whole (non-stream) answer used to wait for its settlement: one statement and
 its commit, about 1 ms of the proxy's added latency (BENCHMARKS.md, issue 25).
 The answer now goes first and its settlement right behind it, in a task of
-its own, as a stream's pump already settles after its last event. What that
+its own. (A stream's pump settles after its last event and before the
+stream's end reaches the client: streams need none of this.) What that
 must not change: a client that sends its next request as soon as the answer
 arrives would otherwise find its finished request still holding its
 reservation (the estimate, a max_in_flight permit) and could be refused for
@@ -13,7 +14,7 @@ is one round trip, already sent, so the wait is what is left of one (with the
 store unreachable, up to the decision deadline, after which the settlement is
 journaled), and only for a tenant that has one. Only this worker's: with
 several workers or replicas, a next request that lands on another may meet
-the reservation still held, as it may while a stream's pump settles. On shutdown
+the reservation still held for that moment. On shutdown
 every settlement is awaited, none cancelled: each is bounded by the store's
 deadline, and journaled for replay when the store does not answer
 (Reservation.settle_upstream).
