@@ -359,8 +359,10 @@ $$;
 -- The layers a batch touches, ceilings apart: the global layer (of a sharded
 -- one, the shards of the batch's tenants, or all of them with p_all_shards),
 -- each request's tenant layer and its route's when that has a policy. Index
--- probes on (scope, tenant, route, ceiling, shard), never a scan; inlined
--- into the statements that lock them. Plus the layers of the requests' API
+-- probes on (scope, tenant, route, ceiling, shard), never a scan; a statement
+-- of its own, whose ids the callers then lock (on Citus, cells, a SQL
+-- function reading a table is refused inside another statement, and a query
+-- on a table inside one that reads it too). Plus the layers of the requests' API
 -- keys (p_key_ids: the key that asked, per request; NULL: none, or the admin),
 -- probed by the key (a key without limits has no layer).
 -- lq_admit_at_once (the fast path, 3a) locks this set, or more, by a WHERE
@@ -371,8 +373,10 @@ DROP FUNCTION IF EXISTS lq_batch_layers(text[], text[], boolean);
 CREATE OR REPLACE FUNCTION lq_batch_layers(p_tenants text[], p_routes text[],
                                            p_all_shards boolean, p_key_ids bigint[])
 RETURNS SETOF bigint
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+BEGIN
+    RETURN QUERY
     SELECT g.layer_id FROM limit_layers AS g
      WHERE g.scope = 'global' AND g.tenant IS NULL AND g.route IS NULL AND g.ceiling IS NULL
        AND (g.shards = 1 OR p_all_shards
@@ -389,7 +393,8 @@ AS $$
         ON r.scope = 'route' AND r.tenant = u.t AND r.route = u.r AND r.ceiling IS NULL
     UNION
     SELECT k.layer_id FROM limit_layers AS k
-     WHERE k.api_key_id = ANY (p_key_ids) AND k.scope = 'key'
+     WHERE k.api_key_id = ANY (p_key_ids) AND k.scope = 'key';
+END
 $$;
 
 
@@ -1131,11 +1136,13 @@ $$;
 -- (3) Lock every layer any request of the batch touches (lq_batch_layers,
 -- and the ceilings of its models), in layer_id order. FOR UPDATE re-reads a
 -- row changed by a transaction we waited for, so the balances are the
--- latest committed ones.
+-- latest committed ones. The ids are read first, in a statement of their
+-- own (lq_batch_layers says why); a layer committed between that read and
+-- the lock is not locked, as one committed after the read would not be.
 --
 -- p_wait false (after the fast path): SKIP LOCKED, never waiting. That path
--- did not fit and still holds its layers, and this statement's snapshot is
--- newer than its: a layer committed in between (a new tenant, route or key
+-- did not fit and still holds its layers, and the snapshot the ids are read
+-- in is newer than its: a layer committed in between (a new tenant, route or key
 -- layer, the global shard a new shard count gives a tenant, a layer whose
 -- layer_id was drawn before another's but committed after it) may sort below
 -- one it holds. Waiting for that layer would wait for a lower layer_id while
@@ -1157,35 +1164,33 @@ $$;
 -- locks to lock again in order would need a subtransaction around it on
 -- every call; one statement with both lock modes (a UNION ALL) costs each
 -- call starting both. (tests/unit/test_lock_order_sql.py keeps the two
--- alike.)
+-- alike.) Each row is rebuilt as a limit_layers value rather than taken
+-- whole: on Citus (cells) the statement runs on the shard's table, whose
+-- row type is the shard's own.
 CREATE OR REPLACE FUNCTION lq_lock_layers(p_batch lq_admit_batch, p_pool boolean,
                                           p_ceilings lq_model_ceiling[], p_wait boolean)
 RETURNS lq_locked_layer[]
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    ids bigint[] := ARRAY(SELECT b.layer_id
+                            FROM lq_batch_layers(p_batch.tenants, p_batch.routes, p_pool,
+                                                 p_batch.key_ids) AS b(layer_id)
+                          UNION
+                          SELECT c.layer_id FROM unnest(p_ceilings) AS c);
 BEGIN
     IF p_wait THEN
     RETURN (SELECT array_agg(lq_locked_layer_of(x.row))
-              FROM (SELECT ll AS row
+              FROM (SELECT ROW(ll.*)::limit_layers AS row
                       FROM limit_layers AS ll
-                     WHERE ll.layer_id IN (
-                               SELECT b.layer_id
-                                 FROM lq_batch_layers(p_batch.tenants, p_batch.routes, p_pool,
-                                                      p_batch.key_ids) AS b(layer_id)
-                               UNION
-                               SELECT c.layer_id FROM unnest(p_ceilings) AS c)
+                     WHERE ll.layer_id = ANY (ids)
                      ORDER BY ll.layer_id
                        FOR UPDATE) AS x);
     ELSE
     RETURN (SELECT array_agg(lq_locked_layer_of(x.row))
-              FROM (SELECT ll AS row
+              FROM (SELECT ROW(ll.*)::limit_layers AS row
                       FROM limit_layers AS ll
-                     WHERE ll.layer_id IN (
-                               SELECT b.layer_id
-                                 FROM lq_batch_layers(p_batch.tenants, p_batch.routes, p_pool,
-                                                      p_batch.key_ids) AS b(layer_id)
-                               UNION
-                               SELECT c.layer_id FROM unnest(p_ceilings) AS c)
+                     WHERE ll.layer_id = ANY (ids)
                      ORDER BY ll.layer_id
                        FOR UPDATE SKIP LOCKED) AS x);
     END IF;

@@ -137,17 +137,21 @@ BEGIN
              WHERE u.t IS NOT NULL AND u.m IS NOT NULL AND u.o IS NOT NULL
              GROUP BY u.t, coalesce(u.r, ''), u.m
              ORDER BY u.t, coalesce(u.r, ''), u.m) AS s
+    -- excluded.updated_at is now_ts: the clause names no variable, which
+    -- Citus cannot carry into an INSERT ... SELECT's conflict clause (cells)
     ON CONFLICT (tenant, route, model) DO UPDATE
        SET weights = lq_output_merge(e.weights,
-                                     extract(epoch FROM now_ts - e.updated_at)::double precision,
+                                     extract(epoch FROM excluded.updated_at - e.updated_at)
+                                         ::double precision,
                                      excluded.weights),
            -- A histogram that decayed to nothing starts counting again.
            -- (Some weight is left when the largest one is, decayed: see lq_output_merge.)
            samples = excluded.samples + CASE
                WHEN (SELECT max(w) FROM unnest(e.weights) AS w)
-                    * lq_output_decay(extract(epoch FROM now_ts - e.updated_at)::double precision)
+                    * lq_output_decay(extract(epoch FROM excluded.updated_at - e.updated_at)
+                                          ::double precision)
                     >= 1e-9
                THEN e.samples ELSE 0 END,
-           updated_at = greatest(e.updated_at, now_ts);
+           updated_at = greatest(e.updated_at, excluded.updated_at);
 END
 $$;

@@ -96,15 +96,20 @@ DECLARE
     month_end   timestamptz := (date_trunc('month', p_month) + interval '1 month')::timestamp
                                AT TIME ZONE 'UTC';
     part        text := 'usage_ledger_' || to_char(p_month, 'YYYY_MM');
+    -- the schema the ledger is in (public, or a cell's: docs/scaling.md);
+    -- its partitions go beside it
+    home        name := (SELECT n.nspname FROM pg_class AS c
+                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                          WHERE c.oid = 'usage_ledger'::regclass);
 BEGIN
     IF EXISTS (SELECT 1
                  FROM pg_inherits AS i
                  JOIN pg_class AS c ON c.oid = i.inhrelid
-                WHERE i.inhparent = 'public.usage_ledger'::regclass
+                WHERE i.inhparent = 'usage_ledger'::regclass
                   AND c.relname = part) THEN
         RETURN 'exists';
     END IF;
-    IF to_regclass('public.' || quote_ident(part)) IS NOT NULL THEN
+    IF to_regclass(format('%I.%I', home, part)) IS NOT NULL THEN
         -- A detached (archived) partition still has the name: leave it alone;
         -- the month's new rows go to the DEFAULT partition.
         RETURN 'exists';
@@ -116,15 +121,16 @@ BEGIN
         RETURN 'default_holds_rows';
     END IF;
     BEGIN
-        EXECUTE format('CREATE TABLE public.%I (LIKE public.usage_ledger INCLUDING DEFAULTS INCLUDING CONSTRAINTS)', part);
-        EXECUTE format('ALTER TABLE public.%I ADD CONSTRAINT %I CHECK (recorded_at >= %L AND recorded_at < %L)',
-                       part, part || '_bounds', month_start, month_end);
+        EXECUTE format('CREATE TABLE %1$I.%2$I (LIKE %1$I.usage_ledger INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                       home, part);
+        EXECUTE format('ALTER TABLE %I.%I ADD CONSTRAINT %I CHECK (recorded_at >= %L AND recorded_at < %L)',
+                       home, part, part || '_bounds', month_start, month_end);
         -- Row triggers are cloned from usage_ledger on ATTACH; a TRUNCATE
         -- trigger is not, so each partition gets its own.
-        EXECUTE format('CREATE TRIGGER usage_ledger_no_truncate BEFORE TRUNCATE ON public.%I '
-                       'FOR EACH STATEMENT EXECUTE FUNCTION lq_ledger_refuse_change()', part);
-        EXECUTE format('ALTER TABLE public.usage_ledger ATTACH PARTITION public.%I FOR VALUES FROM (%L) TO (%L)',
-                       part, month_start, month_end);
+        EXECUTE format('CREATE TRIGGER usage_ledger_no_truncate BEFORE TRUNCATE ON %I.%I '
+                       'FOR EACH STATEMENT EXECUTE FUNCTION lq_ledger_refuse_change()', home, part);
+        EXECUTE format('ALTER TABLE %1$I.usage_ledger ATTACH PARTITION %1$I.%2$I FOR VALUES FROM (%3$L) TO (%4$L)',
+                       home, part, month_start, month_end);
     EXCEPTION WHEN lock_not_available THEN
         RAISE WARNING 'usage_ledger: % not created, a lock was busy; the next run retries', part;
         RETURN 'busy';
@@ -172,6 +178,10 @@ DECLARE
     max_months_ahead constant integer := 120;
     -- A month starting sooner than this may see rows while we attach it.
     attach_margin constant interval := interval '1 hour';
+    -- the schema the ledger is in (public, or a cell's: docs/scaling.md)
+    home        name := (SELECT n.nspname FROM pg_class AS c
+                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                          WHERE c.oid = 'usage_ledger'::regclass);
 BEGIN
     IF p_months_ahead IS NULL OR p_months_ahead NOT BETWEEN 1 AND max_months_ahead THEN
         RAISE EXCEPTION 'months ahead must be between 1 and %, not %', max_months_ahead, p_months_ahead
@@ -187,7 +197,7 @@ BEGIN
         month := (this_month + make_interval(months => i))::date;
         partition_name := 'usage_ledger_' || to_char(month, 'YYYY_MM');
         IF month::timestamp AT TIME ZONE 'UTC' < clock_timestamp() + attach_margin
-           AND to_regclass('public.' || quote_ident(partition_name)) IS NULL THEN
+           AND to_regclass(format('%I.%I', home, partition_name)) IS NULL THEN
             status := 'too_close';
         ELSE
             status := lq_create_ledger_partition(month);
@@ -223,6 +233,11 @@ DECLARE
                                AT TIME ZONE 'UTC';
     part        text := 'usage_ledger_' || to_char(p_month, 'YYYY_MM');
     unexported  bigint;
+    -- the schema the ledger is in (public, or a cell's: docs/scaling.md);
+    -- its partitions go beside it
+    home        name := (SELECT n.nspname FROM pg_class AS c
+                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
+                          WHERE c.oid = 'usage_ledger'::regclass);
 BEGIN
     IF month_end > clock_timestamp() THEN
         RAISE EXCEPTION '% is not in the past: only finished months can be archived', part
@@ -231,14 +246,14 @@ BEGIN
     IF NOT EXISTS (SELECT 1
                      FROM pg_inherits AS i
                      JOIN pg_class AS c ON c.oid = i.inhrelid
-                    WHERE i.inhparent = 'public.usage_ledger'::regclass
+                    WHERE i.inhparent = 'usage_ledger'::regclass
                       AND c.relname = part) THEN
         RAISE EXCEPTION 'no attached partition %', part USING ERRCODE = 'undefined_table';
     END IF;
     IF p_require_exported THEN
-        EXECUTE format('SELECT count(*) FROM public.%I AS l
+        EXECUTE format('SELECT count(*) FROM %I.%I AS l
                          WHERE NOT EXISTS (SELECT 1 FROM ledger_export_positions AS p
-                                            WHERE p.entry_id = l.entry_id)', part)
+                                            WHERE p.entry_id = l.entry_id)', home, part)
            INTO unexported;
         IF unexported > 0 THEN
             RAISE EXCEPTION '% has % rows the billing export has not numbered yet', part, unexported
@@ -246,7 +261,7 @@ BEGIN
                       HINT = 'Run llmquota ledger export until it catches up, then retry.';
         END IF;
     END IF;
-    EXECUTE format('ALTER TABLE public.usage_ledger DETACH PARTITION public.%I', part);
+    EXECUTE format('ALTER TABLE %1$I.usage_ledger DETACH PARTITION %1$I.%2$I', home, part);
     RETURN part;
 END
 $$;

@@ -476,8 +476,11 @@ $$;
 -- check there would find what the last audit found.
 CREATE OR REPLACE FUNCTION lq_audit_credit_charges()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     SELECT 'credit_charge', format('reservation %s (tenant %s, millionths)', c.reservation_id, c.tenant),
            round(coalesce(inv.cost_usd, 0) * 1000000)::bigint, round(-c.amount * 1000000)::bigint
       FROM credit_ledger AS c
@@ -497,5 +500,6 @@ AS $$
      WHERE c.entry_kind = 'charge'
        AND c.recorded_at >= (date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')
                              - interval '1 month') AT TIME ZONE 'UTC'
-       AND round(coalesce(inv.cost_usd, 0) * 1000000) <> round(-c.amount * 1000000)
+       AND round(coalesce(inv.cost_usd, 0) * 1000000) <> round(-c.amount * 1000000);
+END
 $$;

@@ -263,8 +263,11 @@ $$;
 -- is replayed.
 CREATE OR REPLACE FUNCTION lq_audit_relayed()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     SELECT 'relayed_output', rs.reservation_id::text, 1::bigint,
            coalesce(sum(g.output_tokens), 0)::bigint
       FROM reservations AS rs
@@ -275,7 +278,8 @@ AS $$
      WHERE rs.relayed_at IS NOT NULL
        AND rs.state <> 'active'
      GROUP BY rs.reservation_id
-    HAVING coalesce(sum(g.output_tokens), 0) = 0
+    HAVING coalesce(sum(g.output_tokens), 0) = 0;
+END
 $$;
 
 
@@ -329,8 +333,11 @@ $$;
 -- (a reservation of a call that takes no permit, uses_concurrency false, holds 0).
 CREATE OR REPLACE FUNCTION lq_audit_in_flight()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH held AS (
         SELECT l.layer_id, sum(rs.permits) AS permits
           FROM reservations AS rs
@@ -343,7 +350,8 @@ AS $$
            coalesce(h.permits, 0), ll.in_flight::bigint
       FROM limit_layers AS ll
            LEFT JOIN held AS h ON h.layer_id = ll.layer_id
-     WHERE ll.in_flight <> coalesce(h.permits, 0)
+     WHERE ll.in_flight <> coalesce(h.permits, 0);
+END
 $$;
 
 
@@ -352,8 +360,11 @@ $$;
 -- them again. Expected: the layers it names; actual: those that exist.
 CREATE OR REPLACE FUNCTION lq_audit_reservation_layers()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     SELECT 'reservation_layers', rs.reservation_id::text,
            cardinality(rs.layer_ids)::bigint, count(ll.layer_id)
       FROM reservations AS rs
@@ -361,7 +372,8 @@ AS $$
            LEFT JOIN limit_layers AS ll ON ll.layer_id = l.layer_id
      WHERE rs.state = 'active'
      GROUP BY rs.reservation_id, rs.layer_ids
-    HAVING count(ll.layer_id) <> cardinality(rs.layer_ids)
+    HAVING count(ll.layer_id) <> cardinality(rs.layer_ids);
+END
 $$;
 
 
@@ -369,8 +381,11 @@ $$;
 -- should a constraint ever be lost).
 CREATE OR REPLACE FUNCTION lq_audit_capacity()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     SELECT 'over_capacity', format('layer %s', ll.layer_id),
            ll.token_burst, ceil(ll.tokens)::bigint
       FROM limit_layers AS ll
@@ -379,7 +394,8 @@ AS $$
     SELECT 'requests_over_capacity', format('layer %s', ll.layer_id),
            ll.request_burst, ceil(ll.requests)::bigint
       FROM limit_layers AS ll
-     WHERE ll.requests > ll.request_burst
+     WHERE ll.requests > ll.request_burst;
+END
 $$;
 
 
@@ -388,8 +404,11 @@ $$;
 -- the rows' sum of every rate, burst and in-flight bound.
 CREATE OR REPLACE FUNCTION lq_audit_global_shards()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH g AS (
         SELECT l.*,
                sum(l.tokens_per_minute) OVER () AS sum_tpm,
@@ -418,7 +437,8 @@ AS $$
     SELECT 'global_shard_share', format('global shard %s of %s %s', s.shard, s.shards, s.field),
            s.want, s.value
       FROM share AS s
-     WHERE s.value IS DISTINCT FROM s.want
+     WHERE s.value IS DISTINCT FROM s.want;
+END
 $$;
 
 
@@ -429,8 +449,11 @@ $$;
 -- reservation has: it is no reservation's book, and is left out.
 CREATE OR REPLACE FUNCTION lq_audit_reservation_books()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH ledger AS (
         SELECT g.reservation_id,
                count(*) FILTER (WHERE g.entry_kind = 'usage') AS usage_rows,
@@ -480,7 +503,8 @@ AS $$
       FROM books AS b
      WHERE b.state = 'settled'
        AND (b.usage_input, b.usage_output)
-           IS DISTINCT FROM (b.settled_input_tokens, b.settled_output_tokens)
+           IS DISTINCT FROM (b.settled_input_tokens, b.settled_output_tokens);
+END
 $$;
 
 
@@ -490,8 +514,11 @@ $$;
 -- them in), and what the account holds is what its active reservations hold.
 CREATE OR REPLACE FUNCTION lq_audit_credits()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     SELECT 'credit_balance', format('tenant %s (millionths)', ca.tenant),
            round(coalesce(cl.total, 0) * 1000000)::bigint, round(ca.balance * 1000000)::bigint
       FROM credit_accounts AS ca
@@ -514,7 +541,8 @@ AS $$
                         FROM reservations AS rs
                        WHERE rs.state = 'active' AND rs.credit_reserved IS NOT NULL
                        GROUP BY rs.tenant) AS h ON h.tenant = ca.tenant
-     WHERE ca.reserved <> coalesce(h.held, 0)
+     WHERE ca.reserved <> coalesce(h.held, 0);
+END
 $$;
 
 
@@ -536,8 +564,11 @@ $$;
 -- reservation and switch the window's charged check off.
 CREATE OR REPLACE FUNCTION lq_audit_quota_windows()
 RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
     WITH win AS (
         SELECT w.*
           FROM quota_windows AS w
@@ -598,7 +629,8 @@ AS $$
     SELECT 'quota_charged_cost', b.subject || ' (millionths)',
            round(b.ledger_cost * 1000000)::bigint, round(b.charged_cost * 1000000)::bigint
       FROM books AS b
-     WHERE NOT b.purged AND b.charged_cost <> b.ledger_cost
+     WHERE NOT b.purged AND b.charged_cost <> b.ledger_cost;
+END
 $$;
 
 

@@ -5,6 +5,11 @@ otherwise an embedded PostgreSQL in a temporary directory. The migrations run
 once into a template database; each test gets `CREATE DATABASE ... TEMPLATE`
 of it, which is fast, isolated and real.
 
+With LLMQUOTA_TEST_CELLS=K the template holds K cells instead (store/cells.py,
+`llmquota migrate --cells K`) and each test's database is its last cell
+(`search_path=cell_K` in the DSN): on CI's Citus leg, a distributed schema on
+a worker, so the contract tests run where a cells deployment runs them.
+
 The service runs as the roles docs/operations.md documents: `limiter` and
 the API's `client` connect as llmquota_app, report tests as
 llmquota_reporting; the owner (`db`, `owner_dsn`) only migrates and sets up.
@@ -34,6 +39,7 @@ import pytest
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
 from llmquota.store import migrate
+from llmquota.store.cells import build_cells, cell_name
 from llmquota.store.database import open_database
 from llmquota.store.store import Store
 from tests.citus.nodes import CitusNodes, citus_nodes_of
@@ -63,6 +69,8 @@ AUDITED_DATABASES = ("database_dsn", "twin_dsn")
 # A Citus node's own sessions can race a DROP DATABASE: tries, and the pause between them.
 CITUS_DROP_ATTEMPTS = 5
 CITUS_DROP_RETRY_SECONDS = 0.5
+# The number of cells the template holds; 0: none, the schema is `public`.
+TEST_CELLS = int(os.environ.get("LLMQUOTA_TEST_CELLS", "0"))
 
 
 def dsn_with_database(dsn: str, database: str) -> str:
@@ -158,7 +166,10 @@ def template_database(server_dsn: str, citus_nodes: CitusNodes | None) -> Iterat
     asyncio.run(_create_database(server_dsn, citus_nodes, name))
     if citus_nodes:
         asyncio.run(citus_nodes.join(dsn_with_database(server_dsn, name)))
-    migrate.upgrade(dsn_with_database(server_dsn, name))
+    if TEST_CELLS:
+        build_cells(dsn_with_database(server_dsn, name), TEST_CELLS)
+    else:
+        migrate.upgrade(dsn_with_database(server_dsn, name))
     if citus_nodes:
         asyncio.run(citus_nodes.freeze(name, server_dsn))
     yield name
@@ -172,7 +183,26 @@ async def database_dsn(
     """A fresh, migrated database for one test."""
     name = f"llmquota_test_{os.getpid()}_{next(_counter)}_{uuid.uuid4().hex[:6]}"
     await _create_database(server_dsn, citus_nodes, name, template_database)
-    yield dsn_with_database(server_dsn, name)
+    yield in_test_cell(dsn_with_database(server_dsn, name))
+    await _drop_database(server_dsn, citus_nodes, name)
+
+
+def in_test_cell(dsn: str) -> str:
+    """`dsn` in the test cell (LLMQUOTA_TEST_CELLS), or as it is without cells."""
+    if not TEST_CELLS:
+        return dsn
+    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell_name(TEST_CELLS)}"
+
+
+@pytest.fixture
+async def empty_database_dsn(server_dsn: str, citus_nodes: CitusNodes | None) -> AsyncIterator[str]:
+    """A database with nothing in it (on Citus, joined to the cluster): tests of migrating."""
+    name = f"llmquota_empty_{os.getpid()}_{next(_counter)}_{uuid.uuid4().hex[:6]}"
+    await _create_database(server_dsn, citus_nodes, name)
+    dsn = dsn_with_database(server_dsn, name)
+    if citus_nodes:
+        await citus_nodes.join(dsn)
+    yield dsn
     await _drop_database(server_dsn, citus_nodes, name)
 
 
@@ -204,7 +234,7 @@ async def twin_dsn(
     """A second fresh database from the same template (batched vs one-by-one tests)."""
     name = f"llmquota_twin_{uuid.uuid4().hex[:12]}"
     await _create_database(server_dsn, citus_nodes, name, template_database)
-    yield dsn_with_database(server_dsn, name)
+    yield in_test_cell(dsn_with_database(server_dsn, name))
     await _drop_database(server_dsn, citus_nodes, name)
 
 

@@ -153,6 +153,7 @@ def test_every_script_in_sql_is_named_queries_or_repeatable() -> None:
         "alerts_queries.sql",
         "console_queries.sql",
         "cache_queries.sql",
+        "cells_queries.sql",
     }
     every = {path.relative_to(sql_dir()).as_posix() for path in sql_dir().rglob("*.sql")}
     assert every - named == {s.name for s in repeatable_scripts()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 from typing import Any
 
 from llmquota.cli.options import add_converted_flag, add_flag, ascii_integer, is_one
@@ -18,13 +19,35 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     """Apply the versioned migrations, then the repeatable scripts that changed."""
     from llmquota.store import migrate
 
+    if args.cells is not None:
+        return _migrate_cells(args.cells, settings)
     with open_database(settings.database_url, settings.data_dir) as db:
-        applied = migrate.upgrade(db.dsn)
+        try:
+            applied = migrate.upgrade(db.dsn)
+        except migrate.MigrationRefused as refused:
+            print(f"llmquota migrate: {refused}", file=sys.stderr)
+            return 2
     for script in applied:
         print(script.describe())
     if not applied:
         print("functions up to date")
     print("database is at the latest schema")
+    return 0
+
+
+def _migrate_cells(count: int, settings: Settings) -> int:
+    """`migrate --cells K`: a database of K cells (store/cells.py; docs/scaling.md)."""
+    from llmquota.store.cells import CellsError, build_cells
+
+    with open_database(settings.database_url, settings.data_dir) as db:
+        try:
+            cells = build_cells(db.dsn, count)
+        except CellsError as error:
+            print(f"llmquota migrate: {error}", file=sys.stderr)
+            return 2
+    for cell in cells:
+        print(f"{cell.name}: {cell.status}" + (f", on {cell.node}" if cell.node else ""))
+    print(f"database holds {len(cells)} cells at the latest schema")
     return 0
 
 
@@ -77,7 +100,11 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     with open_database(settings.database_url, settings.data_dir) as db:
         if db.embedded or args.migrate:
-            migrate.upgrade(db.dsn)
+            try:
+                migrate.upgrade(db.dsn)
+            except migrate.MigrationRefused as refused:
+                print(f"llmquota serve: {refused}", file=sys.stderr)
+                return 2
         generated = asyncio.run(_ensure_admin_key(db.dsn, settings))
         if generated:
             print(
@@ -116,4 +143,11 @@ def add_service_commands(commands: Any) -> None:
     serve.set_defaults(func=cmd_serve)
 
     migrate = commands.add_parser("migrate", help="apply database migrations")
+    migrate.add_argument(
+        "--cells",
+        type=ascii_integer,
+        metavar="K",
+        help="build K cells (schemas cell_1 ... cell_K) in a database of their own; "
+        "on Citus each is a distributed schema on one node (docs/scaling.md)",
+    )
     migrate.set_defaults(func=cmd_migrate)

@@ -36,10 +36,12 @@ from llmquota.store.sqlfiles import RepeatableScript, repeatable_scripts
 __all__ = [
     "MIGRATION_LOCK",
     "AppliedScript",
+    "MigrationRefused",
     "alembic_config",
     "apply_repeatables",
     "apply_repeatables_async",
     "downgrade",
+    "head_revision",
     "upgrade",
 ]
 
@@ -105,24 +107,64 @@ def _run(coroutine: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     return _outside_event_loop(lambda: asyncio.run(coroutine()))
 
 
+def head_revision() -> str | None:
+    """The newest revision of migrations/versions/ (what `upgrade` migrates to)."""
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    return ScriptDirectory.from_config(config).get_current_head()
+
+
 def _is_head(config: Config, revision: str) -> bool:
     if revision in ("head", "heads"):
         return True
     return revision == ScriptDirectory.from_config(config).get_current_head()
 
 
-def upgrade(dsn: str, revision: str = "head") -> list[AppliedScript]:
+class MigrationRefused(Exception):
+    """The database is not one `upgrade` may migrate as asked; nothing was changed."""
+
+
+def upgrade(dsn: str, revision: str = "head", *, for_a_cell: bool = False) -> list[AppliedScript]:
     """Migrate the database to `revision`; at head, apply the repeatable scripts too.
 
     An older revision gets the versioned migrations up to it and nothing of
     sql/: that revision's tables, as it created them. Returns the repeatable
     scripts applied (none below head, or when the functions were up to date).
+
+    Refused (MigrationRefused) when the connection's schema is not `public`
+    (a DSN naming a cell's search_path: the migrations name `public`), or
+    when the database holds cells, unless the cells' builder asks
+    (`for_a_cell`: it migrates `public` and renames it, store/cells.py).
     """
+    _run(lambda: _refuse_other_schemas(dsn, for_a_cell))
     config = alembic_config(dsn)
     _outside_event_loop(command.upgrade, config, revision)
     if _is_head(config, revision):
         return apply_repeatables(dsn)
     return []
+
+
+async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
+    connection = await asyncpg.connect(dsn)
+    try:
+        row = await connection.fetchrow(
+            "SELECT current_schema() AS schema,"
+            "       EXISTS (SELECT FROM pg_namespace WHERE nspname ~ '^cell_[0-9]+$') AS cells"
+        )
+    finally:
+        await connection.close()
+    if row["schema"] != "public":
+        raise MigrationRefused(
+            f"the connection's schema is {row['schema'] or 'none'}, not public: the migrations "
+            "run in "
+            "public (a cell's search_path in the DSN? cells are migrated by "
+            "`llmquota migrate --cells K` with the database's own DSN; docs/scaling.md)"
+        )
+    if row["cells"] and not for_a_cell:
+        raise MigrationRefused(
+            "this database holds cells: migrate it with `llmquota migrate --cells K` "
+            "(docs/scaling.md, Cells)"
+        )
 
 
 def downgrade(dsn: str, revision: str) -> None:
@@ -132,8 +174,9 @@ def downgrade(dsn: str, revision: str) -> None:
     versioned: the ones still there keep today's bodies (a downgrade drops the
     ones whose tables it drops, and the one to base drops them all). Below
     revision 0006 the record of the repeatable scripts goes too, so the next
-    `upgrade` to head applies every script again.
+    `upgrade` to head applies every script again. Refused where `upgrade` is.
     """
+    _run(lambda: _refuse_other_schemas(dsn, False))
     _outside_event_loop(command.downgrade, alembic_config(dsn), revision)
 
 

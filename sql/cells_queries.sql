@@ -1,0 +1,179 @@
+-- Building cells: `llmquota migrate --cells K` (store/cells.py; docs/scaling.md,
+-- "Cells").
+--
+-- A cell is a whole copy of the schema in a schema of its own, cell_1 ...
+-- cell_K, in one database. On Citus each cell is a distributed schema: every
+-- table of a cell lives on one node, and a call of one of its functions is
+-- sent to that node whole, so an admission is a single-node statement. Six
+-- frozen revisions name `public` and `reporting`, so a cell is migrated as
+-- `public` and then renamed; the statements below do the renaming and what it
+-- asks for. Named blocks, as in queries.sql.
+
+-- cells --
+-- The cells of this database, in order, with the number of cells each was
+-- built one of (seal_cell writes it on the schema).
+SELECT n.nspname AS cell,
+       substring(obj_description(n.oid, 'pg_namespace') FROM 'one of ([0-9]+)')::integer
+           AS built_for
+  FROM pg_namespace AS n
+ WHERE n.nspname ~ '^cell_[0-9]+$'
+ ORDER BY substr(n.nspname, 6)::integer
+
+-- public_state --
+-- What `public` holds: a deployment (or is there a `reporting` schema), the
+-- mark of a cell being built in it (mark_public), the extensions installed
+-- in it; and the connection's own schema.
+SELECT to_regclass('public.alembic_version') IS NOT NULL
+       OR to_regnamespace('reporting') IS NOT NULL AS deployment,
+       obj_description('public'::regnamespace, 'pg_namespace') AS mark,
+       ARRAY(SELECT e.extname::text FROM pg_extension AS e
+              WHERE e.extnamespace = 'public'::regnamespace ORDER BY e.extname) AS extensions,
+       current_schema() AS schema
+
+-- mark_public --
+-- Say on `public`, before a cell is migrated in it, which cell it is
+-- becoming: a build stopped before seal_cell is then resumed, not refused.
+DO $$
+BEGIN
+    EXECUTE format('COMMENT ON SCHEMA public IS %L',
+                   format('llmquota %s of %s, being built', current_setting('llmquota.cell'),
+                          current_setting('llmquota.cells')));
+END
+$$
+
+-- is_citus --
+-- Is this database a Citus coordinator's?
+SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')
+
+-- name_the_cell --
+-- The cell that mark_public and seal_cell name, and how many cells the
+-- database is built for, for this transaction.
+SELECT set_config('llmquota.cell', $1::text, true),
+       set_config('llmquota.cells', $2::integer::text, true)
+
+-- seal_cell --
+-- Rename the freshly migrated `public` to the cell (and `reporting` to
+-- cell_k_reporting), say on it how many cells it is one of, give the database a new, empty `public` as PostgreSQL
+-- makes it, hand back what an extension keeps in `public` (Citus's
+-- citus_tables and citus_schemas views), and pin the cell's functions to it:
+-- a function that named `public` in its search_path now names the cell, and
+-- so does every PL/pgSQL or volatile SQL function, so that it resolves names
+-- in the cell whatever the caller's path (on Citus it runs on the cell's
+-- node, under that node's). Stable and immutable SQL functions (the refill
+-- arithmetic, the tenant's shard, a model's price) stay unpinned: a pin
+-- keeps the planner from inlining a function into the statement that calls
+-- it, and those it can inline are then that statement, resolved under its
+-- function's pin. (On Citus a SQL function that reads a table is refused
+-- inside another statement either way: lq_batch_layers and the audit's
+-- checks are PL/pgSQL for that.)
+-- On Citus, the functions that force generic plans stop doing so: Citus
+-- cannot plan a statement with parameters generically.
+DO $$
+DECLARE
+    cell      name := current_setting('llmquota.cell');
+    reporting name := cell || '_reporting';
+    citus     boolean := EXISTS (SELECT FROM pg_extension WHERE extname = 'citus');
+    member    record;
+    f         record;
+BEGIN
+    EXECUTE format('ALTER SCHEMA public RENAME TO %I', cell);
+    EXECUTE format('ALTER SCHEMA reporting RENAME TO %I', reporting);
+    EXECUTE format('COMMENT ON SCHEMA %I IS %L', cell,
+                   'llmquota cell, one of ' || current_setting('llmquota.cells'));
+    CREATE SCHEMA public AUTHORIZATION pg_database_owner;
+    GRANT USAGE ON SCHEMA public TO PUBLIC;
+    FOR member IN SELECT c.oid::regclass AS relation,
+                         CASE c.relkind WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW'
+                                        WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END AS kind
+                    FROM pg_class AS c
+                    JOIN pg_depend AS d ON d.classid = 'pg_class'::regclass AND d.objid = c.oid
+                   WHERE c.relnamespace = cell::regnamespace AND d.deptype = 'e'
+    LOOP
+        EXECUTE format('ALTER %s %s SET SCHEMA public', member.kind, member.relation);
+    END LOOP;
+    FOR member IN SELECT p.oid::regprocedure AS routine
+                    FROM pg_proc AS p
+                    JOIN pg_depend AS d ON d.classid = 'pg_proc'::regclass AND d.objid = p.oid
+                   WHERE p.pronamespace = cell::regnamespace AND d.deptype = 'e'
+    LOOP
+        EXECUTE format('ALTER ROUTINE %s SET SCHEMA public', member.routine);
+    END LOOP;
+    FOR f IN SELECT p.oid::regprocedure AS routine, l.lanname AS language,
+                    EXISTS (SELECT FROM unnest(p.proconfig) AS c(setting)
+                             WHERE c.setting LIKE 'search_path=%') AS pinned,
+                    EXISTS (SELECT FROM unnest(p.proconfig) AS c(setting)
+                             WHERE c.setting LIKE 'plan_cache_mode=%') AS generic,
+                    p.provolatile = 'v' AS volatile
+               FROM pg_proc AS p
+               JOIN pg_language AS l ON l.oid = p.prolang
+              WHERE p.pronamespace = cell::regnamespace AND p.prokind = 'f'
+    LOOP
+        IF f.pinned OR f.language <> 'sql' OR f.volatile THEN
+            EXECUTE format('ALTER FUNCTION %s SET search_path = pg_catalog, %I', f.routine, cell);
+        END IF;
+        IF citus AND f.generic THEN
+            EXECUTE format('ALTER FUNCTION %s RESET plan_cache_mode', f.routine);
+        END IF;
+    END LOOP;
+    -- A month's ledger partition is a table of the cell, which Citus
+    -- distributes when it is made, triggers and all (distribute_schema).
+    IF citus THEN
+        EXECUTE format('ALTER FUNCTION %I.lq_create_ledger_partition(date) '
+                       'SET citus.enable_unsafe_triggers = on', cell);
+    END IF;
+END
+$$
+
+-- distribute_schema --
+-- Make the cell a distributed schema (Citus): each of its tables a
+-- single-shard table, all on one node. Its triggers (the ledger's append-only
+-- guard, its receipts, change notices) then run on that node, beside the
+-- rows they guard, which is what citus.enable_unsafe_triggers allows.
+SELECT set_config('citus.enable_unsafe_triggers', 'on', true),
+       citus_schema_distribute($1::regnamespace)
+
+-- cell_functions --
+-- The cell's functions, as CREATE statements, in the order they were made (a
+-- function's argument types and callees exist before it). Executed again on
+-- the coordinator once the schema is distributed, each is created on its
+-- node too. Then each pinned function is delegated (an unpinned one is only
+-- ever part of its caller's statement, and its body names what only the
+-- caller's pin finds), but for two kinds: a trigger's, which runs where its
+-- table is, and the ledger's partition functions, which change the schema
+-- (a worker refuses DDL: Citus runs it from the coordinator).
+SELECT p.oid::regprocedure::text AS signature,
+       pg_get_functiondef(p.oid) AS definition,
+       p.prorettype <> 'trigger'::regtype
+       AND p.proname NOT IN ('lq_ensure_ledger_partitions', 'lq_create_ledger_partition',
+                             'lq_detach_ledger_partition')
+       AND EXISTS (SELECT FROM unnest(p.proconfig) AS c(setting)
+                    WHERE c.setting LIKE 'search_path=%') AS delegated
+  FROM pg_proc AS p
+ WHERE p.pronamespace = $1::regnamespace AND p.prokind = 'f'
+ ORDER BY p.oid
+
+-- is_distributed --
+-- Is the cell a distributed schema (Citus)?
+SELECT EXISTS (SELECT FROM pg_dist_schema WHERE schemaid = $1::regnamespace)
+
+-- citus_cell_complete --
+-- Is the cell a distributed schema whose functions are all delegated
+-- ($2: how many cell_functions says are)? An interrupted build is not.
+SELECT EXISTS (SELECT FROM pg_dist_schema WHERE schemaid = $1::regnamespace)
+       AND (SELECT count(*) FROM pg_dist_object AS o
+              JOIN pg_proc AS p ON o.classid = 'pg_proc'::regclass AND o.objid = p.oid
+             WHERE p.pronamespace = $1::regnamespace AND o.colocationid IS NOT NULL) = $2::bigint
+
+-- delegate_function --
+-- Send each call of this function from the coordinator to the node of the
+-- cell's tables, where it runs whole (Citus: create_distributed_function,
+-- co-located with the cell's limit layers, no distribution argument).
+SELECT create_distributed_function($1::regprocedure, colocate_with := $2::text)
+
+-- cell_node --
+-- The Citus node that holds a cell's tables ($1: one of them).
+SELECT n.nodename, n.nodeport
+  FROM pg_dist_shard AS s
+  JOIN pg_dist_placement AS p USING (shardid)
+  JOIN pg_dist_node AS n ON n.groupid = p.groupid
+ WHERE s.logicalrelid = to_regclass($1::text)

@@ -1,0 +1,206 @@
+"""Cells: K copies of the schema in one database (`llmquota migrate --cells K`).
+
+Distributing every table by tenant would change most keys of the schema and
+every statement that names them (docs/scaling.md). Citus's schema-based
+sharding asks for none of that: every table of a distributed schema becomes a
+single-shard table, all of a schema's tables on one node, and a statement (or
+a delegated function call) that names only that schema runs there. So a
+deployment of K cells is K copies of today's schema, `cell_1` ... `cell_K`,
+each migrated by the same migrations and SQL files; a tenant is to live in
+the cell its name hashes to, and every admission, settlement and sweep of it
+runs on that cell's node, whole: its locks, its refill arithmetic, its clock.
+
+Six frozen revisions name `public` and `reporting`, so a cell is born as
+`public` (the migrations run as they always do) and is then renamed, and its
+functions pinned to it (sql/cells_queries.sql, `seal_cell`). On Citus the cell
+then becomes a distributed schema, its functions are created on its node, and
+each is delegated: a call from the coordinator is one statement to that node.
+
+What this module does not do yet (docs/scaling.md says what comes next):
+upgrade a cell built by an older release in place (a cell behind the code is
+refused with a message), route the service's tenants to their cells, or
+report in a cell or across them (each cell's report views are in
+`cell_k_reporting`, but the report functions name `reporting` in their
+bodies and do not follow the rename).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import asyncpg
+
+from llmquota.store import migrate
+from llmquota.store.sqlfiles import named_queries, repeatable_scripts
+
+__all__ = ["MAX_CELLS", "Cell", "CellsError", "build_cells", "cell_name"]
+
+# Tenants are placed by hashing their name over the cells, so the count is
+# fixed once cells exist; 64 is more nodes than a cluster of this kind runs.
+MAX_CELLS = 64
+# Held for the whole build, so that two `migrate --cells` queue: a cell is
+# migrated in `public` and renamed, and two builds must not share `public`.
+CELLS_LOCK = "llmquota.cells"
+
+
+class CellsError(Exception):
+    """Cells cannot be built as asked; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell after the build: its schema, what the build did, where it lives."""
+
+    name: str
+    status: str  # "built" | "up to date"
+    node: str | None  # host:port of its Citus node; None on a plain PostgreSQL
+
+
+def cell_name(number: int) -> str:
+    """The schema of cell `number` (1-based)."""
+    return f"cell_{number}"
+
+
+def build_cells(dsn: str, count: int) -> list[Cell]:
+    """Make the database hold exactly `count` cells, building the missing ones.
+
+    Refused (CellsError, nothing changed) when `count` is out of range, when
+    the database's cells were built for another count, when `public` holds a
+    deployment, or when an existing cell is behind this code. A build that
+    was interrupted is finished by the next: the cells it did not reach are
+    built, and on Citus a cell not yet distributed or delegated is.
+    """
+    if not 1 <= count <= MAX_CELLS:
+        raise CellsError(f"the number of cells must be between 1 and {MAX_CELLS}, not {count}")
+    return asyncio.run(_build(dsn, count))
+
+
+async def _build(dsn: str, count: int) -> list[Cell]:
+    queries = named_queries("cells_queries.sql")
+    connection = await asyncpg.connect(dsn)
+    try:
+        await connection.execute("SELECT pg_advisory_lock(hashtextextended($1, 0))", CELLS_LOCK)
+        existing = await _refuse_what_cannot_be_built(connection, count)
+        citus = bool(await connection.fetchval(queries["is_citus"]))
+        cells: list[Cell] = []
+        for cell in (cell_name(k) for k in range(1, count + 1)):
+            status = "up to date"
+            if cell not in existing:
+                async with connection.transaction():
+                    await connection.execute(queries["name_the_cell"], cell, count)
+                    await connection.execute(queries["mark_public"])
+                await asyncio.to_thread(migrate.upgrade, dsn, for_a_cell=True)
+                async with connection.transaction():
+                    await connection.execute(queries["name_the_cell"], cell, count)
+                    await connection.execute(queries["seal_cell"])
+                status = "built"
+            if citus and await _distribute(connection, cell):
+                status = "built"
+            cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
+        return cells
+    finally:
+        await connection.close()
+
+
+async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: int) -> list[str]:
+    """The cells already built, or CellsError for a build that must not start."""
+    queries = named_queries("cells_queries.sql")
+    rows = await connection.fetch(queries["cells"])
+    counts = {row["built_for"] for row in rows}
+    if counts and counts != {count}:
+        raise CellsError(
+            f"this database has {len(rows)} cells ({', '.join(r['cell'] for r in rows)}) "
+            f"built for {' or '.join(sorted(map(str, counts)))}; their number is fixed once "
+            "built, since tenants are placed by it"
+        )
+    for row in rows:
+        await _check_up_to_date(connection, row["cell"])
+    public = await connection.fetchrow(queries["public_state"])
+    if public["schema"] != "public":
+        raise CellsError(
+            f"the connection's schema is {public['schema'] or 'none'}, not public: build cells "
+            "with the "
+            "database's own DSN, without a search_path"
+        )
+    if public["extensions"]:
+        raise CellsError(
+            f"extensions live in the public schema ({', '.join(public['extensions'])}): a cell "
+            "is built as public and renamed, and would take them along; move them first "
+            "(ALTER EXTENSION ... SET SCHEMA)"
+        )
+    built = [row["cell"] for row in rows]
+    next_cell = next(cell_name(k) for k in range(1, count + 2) if cell_name(k) not in built)
+    # A build stopped while it migrated that cell in public: resumed, not refused.
+    resumed = public["mark"] == f"llmquota {next_cell} of {count}, being built"
+    if public["deployment"] and not resumed:
+        raise CellsError(
+            "the public schema holds a deployment (or a reporting schema exists): "
+            "cells are built in a database of their own"
+        )
+    return built
+
+
+async def _check_up_to_date(connection: asyncpg.Connection, cell: str) -> None:
+    """Refuse a cell whose revision or repeatable scripts are not this code's."""
+    head = migrate.head_revision()
+    quoted = _quoted(cell)
+    revision = await connection.fetchval(f"SELECT version_num FROM {quoted}.alembic_version")
+    recorded = {
+        row["name"]: row["checksum"]
+        for row in await connection.fetch(f"SELECT name, checksum FROM {quoted}.schema_repeatables")
+    }
+    changed = [s.name for s in repeatable_scripts() if recorded.get(s.name) != s.checksum]
+    if revision != head or changed:
+        behind = f"revision {revision}, this code's is {head}" if revision != head else ""
+        scripts = f"scripts changed since it was built: {', '.join(changed)}" if changed else ""
+        raise CellsError(
+            f"{cell} is behind this code ({'; '.join(p for p in (behind, scripts) if p)}): "
+            "upgrading a cell in place is not built yet (docs/scaling.md, Cells)"
+        )
+
+
+async def _distribute(connection: asyncpg.Connection, cell: str) -> bool:
+    """Make the cell a distributed schema and delegate its functions, unless done.
+
+    Distributing a schema moves its tables but not its functions. Each is
+    created again from the coordinator (Citus then creates it on the cell's
+    node too, with its argument types), function bodies unchecked until all
+    exist, in the order they were made; then each is delegated but those that
+    have no node (sql/cells_queries.sql, cell_functions, says which). Every
+    step is idempotent, so a build interrupted here is finished by the next.
+    Returns whether there was anything to do.
+    """
+    queries = named_queries("cells_queries.sql")
+    functions = await connection.fetch(queries["cell_functions"], cell)
+    delegated = [f["signature"] for f in functions if f["delegated"]]
+    if await connection.fetchval(queries["citus_cell_complete"], cell, len(delegated)):
+        return False
+    if not await connection.fetchval(queries["is_distributed"], cell):
+        async with connection.transaction():
+            await connection.execute(queries["distribute_schema"], cell)
+    await connection.execute("SET check_function_bodies = off")
+    try:
+        for function in functions:
+            await connection.execute(function["definition"])
+    finally:
+        await connection.execute("RESET check_function_bodies")
+    layers = f"{_quoted(cell)}.limit_layers"
+    for signature in delegated:
+        await connection.execute(queries["delegate_function"], signature, layers)
+    return True
+
+
+async def _node_of(connection: asyncpg.Connection, cell: str) -> str | None:
+    """host:port of the Citus node that holds the cell's tables."""
+    row = await connection.fetchrow(
+        named_queries("cells_queries.sql")["cell_node"], f"{_quoted(cell)}.limit_layers"
+    )
+    return None if row is None else f"{row['nodename']}:{row['nodeport']}"
+
+
+def _quoted(cell: str) -> str:
+    """The cell's schema as an identifier (cell names are cell_<number>: no quoting needed)."""
+    if not cell.startswith("cell_") or not cell[5:].isdigit():
+        raise ValueError(f"not a cell's name: {cell!r}")
+    return cell

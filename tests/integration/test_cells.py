@@ -1,0 +1,309 @@
+"""Cells (`llmquota migrate --cells K`, store/cells.py): K whole deployments in one database.
+
+Each cell is today's schema under a name of its own, `cell_1` ... `cell_K`,
+and a service reaches one by its search_path. Here, on any PostgreSQL: each
+cell admits exactly its own burst under concurrency and writes its own ledger,
+a second build changes nothing, and what cannot be built is refused with
+nothing changed. On CI's Citus leg the same tests run on distributed schemas,
+each cell on a worker; tests/citus/test_cells.py proves that each hot call is
+one statement on that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+import pytest
+
+from llmquota.admission.limiter import Limiter, Reservation
+from llmquota.config import Settings
+from llmquota.domain.errors import RateLimited
+from llmquota.store import migrate
+from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name
+from llmquota.store.migrate import MigrationRefused
+from tests.conftest import _admin as _execute
+from tests.conftest import audit_findings
+from tests.support import APP_ROLE, dsn_as, run_cli
+
+from .support import attempt
+
+# Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
+pytestmark = pytest.mark.citus
+
+CELLS = 2
+K = 7  # the reservations each cell's tenant has room for
+N = 40  # concurrent requests per cell
+COST = 1_000
+REQUEST = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 100, "max_tokens": 900}
+
+
+def in_cell(dsn: str, cell: str) -> str:
+    """`dsn` with the cell as its search_path: what a service of that cell connects with."""
+    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell}"
+
+
+@pytest.fixture
+async def cells_dsn(empty_database_dsn: str) -> str:
+    """A database of CELLS cells, built as `llmquota migrate --cells` builds them."""
+    cells = await asyncio.to_thread(build_cells, empty_database_dsn, CELLS)
+    assert [(c.name, c.status) for c in cells] == [("cell_1", "built"), ("cell_2", "built")]
+    return empty_database_dsn
+
+
+async def _schemas(dsn: str) -> list[str]:
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'cell%' ORDER BY nspname"
+        )
+        return [row["nspname"] for row in rows]
+    finally:
+        await connection.close()
+
+
+async def _give_room(owner_cell_dsn: str, tenant: str, burst: int) -> None:
+    """A tenant with `burst` tokens refilling at 1 a minute (set up as the owner)."""
+    connection = await asyncpg.connect(owner_cell_dsn)
+    try:
+        await connection.execute("INSERT INTO tenants (tenant) VALUES ($1)", tenant)
+        await connection.execute(
+            "INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)"
+            " VALUES ('tenant', $1, 1, $2::bigint, $2::bigint)",
+            tenant,
+            burst,
+        )
+    finally:
+        await connection.close()
+
+
+async def _ledger_rows(owner_cell_dsn: str) -> int:
+    connection = await asyncpg.connect(owner_cell_dsn)
+    try:
+        return int(await connection.fetchval("SELECT count(*) FROM usage_ledger"))
+    finally:
+        await connection.close()
+
+
+async def test_each_cell_admits_exactly_its_own_burst_and_writes_its_own_ledger(
+    cells_dsn: str, settings: Settings
+) -> None:
+    for number in range(1, CELLS + 1):
+        await _give_room(in_cell(cells_dsn, cell_name(number)), "acme", K * COST)
+
+    for number in range(1, CELLS + 1):
+        cell = in_cell(cells_dsn, cell_name(number))
+        limiter = await Limiter.connect(dsn_as(cell, APP_ROLE), settings)
+        try:
+            results = await asyncio.gather(*(attempt(limiter, **REQUEST) for _ in range(N)))
+            admitted = [r for r in results if isinstance(r, Reservation)]
+            refused = [r for r in results if isinstance(r, RateLimited)]
+            assert (len(admitted), len(refused)) == (K, N - K)
+            for reservation in admitted:
+                await limiter.settle(reservation.reservation_id, input_tokens=100, output_tokens=50)
+        finally:
+            await limiter.close()
+        # Each cell's ledger holds its own settlements, and the later cells' none yet.
+        assert await _ledger_rows(cell) == K
+        for later in range(number + 1, CELLS + 1):
+            assert await _ledger_rows(in_cell(cells_dsn, cell_name(later))) == 0
+        assert await audit_findings(cell) == []
+
+
+async def _functions(dsn: str) -> list[tuple[str, str]]:
+    """Each function of the cells with its settings: what a build sets."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT p.oid::regprocedure::text AS f, coalesce(p.proconfig::text, '') AS config"
+            "  FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace"
+            " WHERE n.nspname LIKE 'cell%' ORDER BY 1"
+        )
+        return [(row["f"], row["config"]) for row in rows]
+    finally:
+        await connection.close()
+
+
+async def test_building_again_changes_nothing(cells_dsn: str) -> None:
+    await _give_room(in_cell(cells_dsn, "cell_2"), "acme", COST)
+    functions = await _functions(cells_dsn)
+
+    again = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+
+    assert [(c.name, c.status) for c in again] == [
+        ("cell_1", "up to date"),
+        ("cell_2", "up to date"),
+    ]
+    assert await _functions(cells_dsn) == functions
+    assert len(functions) > 200
+    connection = await asyncpg.connect(in_cell(cells_dsn, "cell_2"))
+    try:
+        assert await connection.fetchval("SELECT count(*) FROM tenants") == 1
+        assert await connection.fetchval("SELECT tokens FROM limit_layers") == COST
+    finally:
+        await connection.close()
+
+
+async def test_a_build_stopped_between_cells_is_finished_by_the_next(cells_dsn: str) -> None:
+    # As a build stopped after its first cell leaves it.
+    await _execute(cells_dsn, "DROP SCHEMA cell_2, cell_2_reporting CASCADE")
+
+    again = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+
+    assert [(c.name, c.status) for c in again] == [("cell_1", "up to date"), ("cell_2", "built")]
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
+
+
+async def _stopped_while_migrating_cell_2(dsn: str, mark: str) -> None:
+    """Leave `dsn` as a build stopped in cell_2's migrations leaves it: `public`
+    marked as becoming it, and migrated half way."""
+    await _execute(
+        dsn,
+        "DROP SCHEMA cell_2, cell_2_reporting CASCADE",
+        f"COMMENT ON SCHEMA public IS '{mark}'",
+    )
+    await asyncio.to_thread(migrate.upgrade, dsn, "0010", for_a_cell=True)
+
+
+async def test_a_build_stopped_while_it_migrated_a_cell_is_resumed(cells_dsn: str) -> None:
+    await _stopped_while_migrating_cell_2(cells_dsn, "llmquota cell_2 of 2, being built")
+
+    again = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+
+    assert [(c.name, c.status) for c in again] == [("cell_1", "up to date"), ("cell_2", "built")]
+    connection = await asyncpg.connect(in_cell(cells_dsn, "cell_2"))
+    try:
+        assert await connection.fetchval("SELECT version_num FROM alembic_version") == (
+            migrate.head_revision()
+        )
+        assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is None
+    finally:
+        await connection.close()
+
+
+async def test_a_half_migrated_public_of_another_build_is_refused(cells_dsn: str) -> None:
+    await _stopped_while_migrating_cell_2(cells_dsn, "llmquota cell_2 of 3, being built")
+
+    with pytest.raises(CellsError, match="public schema holds a deployment"):
+        await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting"]
+
+
+async def test_migrating_a_cells_database_or_a_cell_as_one_deployment_is_refused(
+    cells_dsn: str,
+) -> None:
+    with pytest.raises(MigrationRefused, match="holds cells: migrate it with"):
+        await asyncio.to_thread(migrate.upgrade, cells_dsn)
+    with pytest.raises(MigrationRefused, match="schema is cell_1, not public"):
+        await asyncio.to_thread(migrate.upgrade, in_cell(cells_dsn, "cell_1"))
+    refused = run_cli("migrate", dsn=in_cell(cells_dsn, "cell_1"), check=False)
+    assert refused.returncode == 2
+    assert "the connection's schema is cell_1, not public" in refused.stderr
+    connection = await asyncpg.connect(cells_dsn)
+    try:
+        assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is None
+    finally:
+        await connection.close()
+
+
+async def test_cells_are_built_with_the_databases_own_search_path(empty_database_dsn: str) -> None:
+    with pytest.raises(CellsError, match="schema is none, not public: build cells with the"):
+        await asyncio.to_thread(build_cells, in_cell(empty_database_dsn, "cell_1"), CELLS)
+    assert await _schemas(empty_database_dsn) == []
+
+
+async def test_an_extension_in_public_is_never_taken_along(empty_database_dsn: str) -> None:
+    await _execute(empty_database_dsn, "CREATE EXTENSION citext SCHEMA public")
+
+    with pytest.raises(CellsError, match=r"extensions live in the public schema \(citext\)"):
+        await asyncio.to_thread(build_cells, empty_database_dsn, CELLS)
+    assert await _schemas(empty_database_dsn) == []
+
+
+async def test_the_number_of_cells_is_fixed_once_built(cells_dsn: str) -> None:
+    with pytest.raises(CellsError, match=r"has 2 cells .*fixed once built"):
+        await asyncio.to_thread(build_cells, cells_dsn, 3)
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
+
+
+@pytest.mark.parametrize("count", [0, -1, MAX_CELLS + 1])
+async def test_a_count_out_of_range_is_refused(empty_database_dsn: str, count: int) -> None:
+    with pytest.raises(CellsError, match=f"between 1 and {MAX_CELLS}, not {count}"):
+        await asyncio.to_thread(build_cells, empty_database_dsn, count)
+    assert await _schemas(empty_database_dsn) == []
+
+
+async def test_a_deployment_in_public_is_never_taken_over(empty_database_dsn: str) -> None:
+    await asyncio.to_thread(migrate.upgrade, empty_database_dsn)
+
+    with pytest.raises(CellsError, match="public schema holds a deployment"):
+        await asyncio.to_thread(build_cells, empty_database_dsn, CELLS)
+
+    assert await _schemas(empty_database_dsn) == []
+    connection = await asyncpg.connect(empty_database_dsn)
+    try:
+        assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is not None
+    finally:
+        await connection.close()
+
+
+async def test_a_cell_behind_the_code_is_refused(cells_dsn: str) -> None:
+    await _execute(
+        cells_dsn,
+        "UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)"
+        " WHERE name = 'admission.sql'",
+    )
+
+    with pytest.raises(CellsError, match=r"cell_2 is behind this code .*admission\.sql"):
+        await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
+    connection = await asyncpg.connect(cells_dsn)
+    try:
+        assert (
+            await connection.fetchval(
+                "SELECT checksum FROM cell_2.schema_repeatables WHERE name = 'admission.sql'"
+            )
+            == "0" * 64
+        )
+        assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is None
+    finally:
+        await connection.close()
+
+
+async def test_a_cell_makes_its_ledger_partitions_beside_its_ledger(cells_dsn: str) -> None:
+    connection = await asyncpg.connect(in_cell(cells_dsn, "cell_1"))
+    try:
+        # Six months on by the database's clock: the migrations made three.
+        month = await connection.fetchval(
+            "SELECT 'usage_ledger_' || to_char(date_trunc('month', clock_timestamp()"
+            " AT TIME ZONE 'UTC') + interval '6 months', 'YYYY_MM')"
+        )
+        created = await connection.fetch("SELECT * FROM lq_ensure_ledger_partitions(6)")
+        assert (month, "created") in [(r["partition_name"], r["status"]) for r in created]
+        places = await connection.fetch(
+            "SELECT n.nspname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+            " WHERE c.relname = $1",
+            month,
+        )
+        assert [p["nspname"] for p in places] == ["cell_1"]
+    finally:
+        await connection.close()
+
+
+def test_migrate_cells_from_the_command_line(empty_database_dsn: str) -> None:
+    built = run_cli("migrate", "--cells", "2", dsn=empty_database_dsn)
+    again = run_cli("migrate", "--cells", "2", dsn=empty_database_dsn)
+    refused = run_cli("migrate", "--cells", "3", dsn=empty_database_dsn, check=False)
+
+    assert [line.split(",")[0] for line in built.stdout.splitlines()] == [
+        "cell_1: built",
+        "cell_2: built",
+        "database holds 2 cells at the latest schema",
+    ]
+    assert [line.split(",")[0] for line in again.stdout.splitlines()][:2] == [
+        "cell_1: up to date",
+        "cell_2: up to date",
+    ]
+    assert refused.returncode == 2
+    assert "this database has 2 cells (cell_1, cell_2)" in refused.stderr
