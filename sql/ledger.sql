@@ -69,6 +69,18 @@ END
 $$;
 
 
+-- The schema the ledger is in: public, or a cell's (docs/scaling.md). Its
+-- partitions go beside it. Unpinned, so the name resolves under the pin of
+-- the partition function that asks.
+CREATE OR REPLACE FUNCTION lq_ledger_home()
+RETURNS name
+LANGUAGE sql STABLE
+AS $$
+    SELECT n.nspname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+     WHERE c.oid = 'usage_ledger'::regclass
+$$;
+
+
 -- Create the partition for one calendar month (UTC) unless it exists.
 --
 -- status: exists | created | default_holds_rows | busy
@@ -96,11 +108,7 @@ DECLARE
     month_end   timestamptz := (date_trunc('month', p_month) + interval '1 month')::timestamp
                                AT TIME ZONE 'UTC';
     part        text := 'usage_ledger_' || to_char(p_month, 'YYYY_MM');
-    -- the schema the ledger is in (public, or a cell's: docs/scaling.md);
-    -- its partitions go beside it
-    home        name := (SELECT n.nspname FROM pg_class AS c
-                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
-                          WHERE c.oid = 'usage_ledger'::regclass);
+    home        name := lq_ledger_home();  -- its partitions go beside it
 BEGIN
     IF EXISTS (SELECT 1
                  FROM pg_inherits AS i
@@ -178,10 +186,7 @@ DECLARE
     max_months_ahead constant integer := 120;
     -- A month starting sooner than this may see rows while we attach it.
     attach_margin constant interval := interval '1 hour';
-    -- the schema the ledger is in (public, or a cell's: docs/scaling.md)
-    home        name := (SELECT n.nspname FROM pg_class AS c
-                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
-                          WHERE c.oid = 'usage_ledger'::regclass);
+    home        name := lq_ledger_home();
 BEGIN
     IF p_months_ahead IS NULL OR p_months_ahead NOT BETWEEN 1 AND max_months_ahead THEN
         RAISE EXCEPTION 'months ahead must be between 1 and %, not %', max_months_ahead, p_months_ahead
@@ -233,11 +238,7 @@ DECLARE
                                AT TIME ZONE 'UTC';
     part        text := 'usage_ledger_' || to_char(p_month, 'YYYY_MM');
     unexported  bigint;
-    -- the schema the ledger is in (public, or a cell's: docs/scaling.md);
-    -- its partitions go beside it
-    home        name := (SELECT n.nspname FROM pg_class AS c
-                           JOIN pg_namespace AS n ON n.oid = c.relnamespace
-                          WHERE c.oid = 'usage_ledger'::regclass);
+    home        name := lq_ledger_home();  -- its partitions go beside it
 BEGIN
     IF month_end > clock_timestamp() THEN
         RAISE EXCEPTION '% is not in the past: only finished months can be archived', part

@@ -187,11 +187,14 @@ async def database_dsn(
     await _drop_database(server_dsn, citus_nodes, name)
 
 
+def in_cell(dsn: str, cell: str) -> str:
+    """`dsn` with the cell as its search_path: what a service of that cell connects with."""
+    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell}"
+
+
 def in_test_cell(dsn: str) -> str:
     """`dsn` in the test cell (LLMQUOTA_TEST_CELLS), or as it is without cells."""
-    if not TEST_CELLS:
-        return dsn
-    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell_name(TEST_CELLS)}"
+    return in_cell(dsn, cell_name(TEST_CELLS)) if TEST_CELLS else dsn
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from llmquota.store import migrate
 from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name
 from llmquota.store.migrate import MigrationRefused
 from tests.conftest import _admin as _execute
-from tests.conftest import audit_findings
+from tests.conftest import audit_findings, in_cell
 from tests.support import APP_ROLE, dsn_as, run_cli
 
 from .support import attempt
@@ -36,11 +36,6 @@ K = 7  # the reservations each cell's tenant has room for
 N = 40  # concurrent requests per cell
 COST = 1_000
 REQUEST = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 100, "max_tokens": 900}
-
-
-def in_cell(dsn: str, cell: str) -> str:
-    """`dsn` with the cell as its search_path: what a service of that cell connects with."""
-    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell}"
 
 
 @pytest.fixture
@@ -196,9 +191,14 @@ async def test_migrating_a_cells_database_or_a_cell_as_one_deployment_is_refused
         await asyncio.to_thread(migrate.upgrade, cells_dsn)
     with pytest.raises(MigrationRefused, match="schema is cell_1, not public"):
         await asyncio.to_thread(migrate.upgrade, in_cell(cells_dsn, "cell_1"))
+    with pytest.raises(MigrationRefused, match="holds cells: migrate it with"):
+        await asyncio.to_thread(migrate.downgrade, cells_dsn, "0010")
     refused = run_cli("migrate", dsn=in_cell(cells_dsn, "cell_1"), check=False)
     assert refused.returncode == 2
     assert "the connection's schema is cell_1, not public" in refused.stderr
+    serve = run_cli("serve", "--migrate", dsn=in_cell(cells_dsn, "cell_1"), check=False)
+    assert serve.returncode == 2
+    assert "llmquota serve: the connection's schema is cell_1, not public" in serve.stderr
     connection = await asyncpg.connect(cells_dsn)
     try:
         assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is None

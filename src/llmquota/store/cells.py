@@ -120,8 +120,7 @@ async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: in
     if public["schema"] != "public":
         raise CellsError(
             f"the connection's schema is {public['schema'] or 'none'}, not public: build cells "
-            "with the "
-            "database's own DSN, without a search_path"
+            "with the database's own DSN, without a search_path"
         )
     if public["extensions"]:
         raise CellsError(
@@ -150,7 +149,7 @@ async def _check_up_to_date(connection: asyncpg.Connection, cell: str) -> None:
         row["name"]: row["checksum"]
         for row in await connection.fetch(f"SELECT name, checksum FROM {quoted}.schema_repeatables")
     }
-    changed = [s.name for s in repeatable_scripts() if recorded.get(s.name) != s.checksum]
+    changed = [s.name for s in migrate.scripts_due(repeatable_scripts(), recorded, force=False)]
     if revision != head or changed:
         behind = f"revision {revision}, this code's is {head}" if revision != head else ""
         scripts = f"scripts changed since it was built: {', '.join(changed)}" if changed else ""

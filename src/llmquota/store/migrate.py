@@ -31,7 +31,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 
 from llmquota.resources import migrations_dir
-from llmquota.store.sqlfiles import RepeatableScript, repeatable_scripts
+from llmquota.store.sqlfiles import RepeatableScript, named_queries, repeatable_scripts
 
 __all__ = [
     "MIGRATION_LOCK",
@@ -42,6 +42,7 @@ __all__ = [
     "apply_repeatables_async",
     "downgrade",
     "head_revision",
+    "scripts_due",
     "upgrade",
 ]
 
@@ -80,10 +81,16 @@ class AppliedScript:
         return f"functions: {self.name} {self.reason}, re-applied"
 
 
-def alembic_config(dsn: str) -> Config:
-    """An alembic Config for this package's migrations against `dsn`."""
+def _scripts_config() -> Config:
+    """An alembic Config naming this package's migrations, and no database."""
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
+    return config
+
+
+def alembic_config(dsn: str) -> Config:
+    """An alembic Config for this package's migrations against `dsn`."""
+    config = _scripts_config()
     # ConfigParser interpolation: a literal % in a password must be doubled.
     config.set_main_option(DSN_OPTION, dsn.replace("%", "%%"))
     return config
@@ -109,15 +116,11 @@ def _run(coroutine: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 
 def head_revision() -> str | None:
     """The newest revision of migrations/versions/ (what `upgrade` migrates to)."""
-    config = Config()
-    config.set_main_option("script_location", str(migrations_dir()))
-    return ScriptDirectory.from_config(config).get_current_head()
+    return ScriptDirectory.from_config(_scripts_config()).get_current_head()
 
 
-def _is_head(config: Config, revision: str) -> bool:
-    if revision in ("head", "heads"):
-        return True
-    return revision == ScriptDirectory.from_config(config).get_current_head()
+def _is_head(revision: str) -> bool:
+    return revision in ("head", "heads") or revision == head_revision()
 
 
 class MigrationRefused(Exception):
@@ -139,7 +142,7 @@ def upgrade(dsn: str, revision: str = "head", *, for_a_cell: bool = False) -> li
     _run(lambda: _refuse_other_schemas(dsn, for_a_cell))
     config = alembic_config(dsn)
     _outside_event_loop(command.upgrade, config, revision)
-    if _is_head(config, revision):
+    if _is_head(revision):
         return apply_repeatables(dsn)
     return []
 
@@ -147,20 +150,17 @@ def upgrade(dsn: str, revision: str = "head", *, for_a_cell: bool = False) -> li
 async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
     connection = await asyncpg.connect(dsn)
     try:
-        row = await connection.fetchrow(
-            "SELECT current_schema() AS schema,"
-            "       EXISTS (SELECT FROM pg_namespace WHERE nspname ~ '^cell_[0-9]+$') AS cells"
-        )
+        schema = await connection.fetchval("SELECT current_schema()")
+        cells = await connection.fetch(named_queries("cells_queries.sql")["cells"])
     finally:
         await connection.close()
-    if row["schema"] != "public":
+    if schema != "public":
         raise MigrationRefused(
-            f"the connection's schema is {row['schema'] or 'none'}, not public: the migrations "
-            "run in "
+            f"the connection's schema is {schema or 'none'}, not public: the migrations run in "
             "public (a cell's search_path in the DSN? cells are migrated by "
             "`llmquota migrate --cells K` with the database's own DSN; docs/scaling.md)"
         )
-    if row["cells"] and not for_a_cell:
+    if cells and not for_a_cell:
         raise MigrationRefused(
             "this database holds cells: migrate it with `llmquota migrate --cells K` "
             "(docs/scaling.md, Cells)"
@@ -213,7 +213,7 @@ async def apply_repeatables_async(
                 row["name"]: row["checksum"]
                 for row in await connection.fetch("SELECT name, checksum FROM schema_repeatables")
             }
-            applied = _due(scripts, recorded, force)
+            applied = scripts_due(scripts, recorded, force)
             by_name = {script.name: script for script in scripts}
             for entry in applied:
                 await connection.execute(by_name[entry.name].text)
@@ -243,7 +243,7 @@ async def apply_repeatables_async(
     return applied
 
 
-def _due(
+def scripts_due(
     scripts: list[RepeatableScript], recorded: dict[str, str], force: bool
 ) -> list[AppliedScript]:
     """The scripts to apply, in order, with the reason for each."""
