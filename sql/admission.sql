@@ -2136,11 +2136,15 @@ $$;
 -- or before p_at, then the latest version of it (set_at: prices are
 -- append-only, a change is a new version). reports/00_base.sql's
 -- ledger_entries applies the same rule, so credits and invoices agree.
+-- PL/pgSQL, not SQL: Citus refuses a SQL function that reads a table when it
+-- is called with parameters (in a cell, model_prices is a distributed table).
 CREATE OR REPLACE FUNCTION lq_price_at(p_model text, p_at timestamptz)
 RETURNS TABLE (model text, effective_from timestamptz, set_at timestamptz,
                input_usd_per_million numeric, output_usd_per_million numeric)
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+BEGIN
+    RETURN QUERY
     SELECT mp.model, mp.effective_from, mp.set_at, mp.input_usd_per_million,
            mp.output_usd_per_million
       FROM model_prices AS mp
@@ -2149,18 +2153,43 @@ AS $$
        AND mp.effective_from <= p_at
      ORDER BY mp.model = p_model DESC, length(mp.model) DESC, mp.effective_from DESC,
               mp.set_at DESC
-     LIMIT 1
+     LIMIT 1;
+END
 $$;
 
 
 -- What usage costs at the prices in force at p_at (USD; input and output
 -- priced apart, per million tokens); NULL for a model without a price.
+-- PL/pgSQL for lq_price_at's reason.
 CREATE OR REPLACE FUNCTION lq_cost(p_model text, p_input bigint, p_output bigint, p_at timestamptz)
 RETURNS numeric
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
-    SELECT (p_input * mp.input_usd_per_million + p_output * mp.output_usd_per_million) / 1000000
-      FROM lq_price_at(p_model, p_at) AS mp
+BEGIN
+    RETURN (SELECT (p_input * mp.input_usd_per_million
+                    + p_output * mp.output_usd_per_million) / 1000000
+              FROM lq_price_at(p_model, p_at) AS mp);
+END
+$$;
+
+
+-- lq_cost of many rows at once (parallel arrays; NULL where a model has no
+-- price). For the audits: they read the rows first and price them in a
+-- statement of their own, since Citus refuses a statement on a cell's tables
+-- that calls a function running statements of its own.
+CREATE OR REPLACE FUNCTION lq_costs(p_models text[], p_inputs bigint[], p_outputs bigint[],
+                                    p_ats timestamptz[])
+RETURNS numeric[]
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    costs numeric[] := '{}';
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_models), 0) LOOP
+        costs := costs || lq_cost(p_models[i], p_inputs[i], p_outputs[i], p_ats[i]);
+    END LOOP;
+    RETURN costs;
+END
 $$;
 
 
@@ -2601,7 +2630,8 @@ RETURNS TABLE (expired integer, tokens_returned bigint)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    due uuid[];
+    due     uuid[];
+    expired uuid[];
 BEGIN
     SELECT array_agg(d.reservation_id ORDER BY d.reservation_id)
       INTO due
@@ -2617,15 +2647,20 @@ BEGIN
         RETURN;
     END IF;
 
-    RETURN QUERY
-    SELECT count(*)::integer, coalesce(sum(rs.reserved_tokens), 0)::bigint
+    -- Finished first, then counted by another statement: Citus refuses a
+    -- statement on a cell's tables that calls a function running statements
+    -- of its own (lq_finish beside a join with reservations).
+    SELECT array_agg(due[f.ord]) INTO expired
       FROM lq_finish(due,
                      array_fill('expire'::text, ARRAY[cardinality(due)]),
                      array_fill(NULL::text, ARRAY[cardinality(due)]),
                      array_fill(NULL::bigint, ARRAY[cardinality(due)]),
                      array_fill(NULL::bigint, ARRAY[cardinality(due)]),
                      array_fill(NULL::text, ARRAY[cardinality(due)])) AS f
-      JOIN reservations AS rs ON rs.reservation_id = due[f.ord]
      WHERE f.status = 'expired';
+    RETURN QUERY
+    SELECT count(*)::integer, coalesce(sum(rs.reserved_tokens), 0)::bigint
+      FROM reservations AS rs
+     WHERE rs.reservation_id = ANY (expired);
 END
 $$;

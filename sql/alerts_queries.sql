@@ -4,21 +4,11 @@
 -- around them and the delivery loop's claim and record.
 
 -- put_quota --
--- Create or replace a quota of a tenant ($2 and $12 NULL), of one of its
--- routes, or of one of its keys ($12: not revoked; no row otherwise).
--- created: whether the row is new (xmax = 0 only for a freshly inserted row).
-INSERT INTO quotas AS q (tenant, route, name, period, timezone, tokens, cost, models,
-                         model_patterns, alerts, enforce, api_key_id)
-SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint, $7::numeric, $8::text[],
-       $9::text[], $10::numeric[], $11::text, $12::bigint
- WHERE $12::bigint IS NULL
-    OR EXISTS (SELECT 1 FROM api_keys AS k
-                WHERE k.key_id = $12::bigint AND k.tenant = $1::text AND k.revoked_at IS NULL)
-ON CONFLICT (tenant, (coalesce(route, '')), (coalesce(api_key_id, 0)), name) DO UPDATE
-   SET period = EXCLUDED.period, timezone = EXCLUDED.timezone, tokens = EXCLUDED.tokens,
-       cost = EXCLUDED.cost, models = EXCLUDED.models, model_patterns = EXCLUDED.model_patterns,
-       alerts = EXCLUDED.alerts, enforce = EXCLUDED.enforce, updated_at = clock_timestamp()
-RETURNING q.quota_id, (q.xmax = 0) AS created
+-- Create or replace a quota of a tenant, a route or a key (see lq_put_quota);
+-- no row when key $12 is not the tenant's or is revoked.
+SELECT * FROM lq_put_quota($1::text, $2::text, $3::text, $4::text, $5::text, $6::bigint,
+                            $7::numeric, $8::text[], $9::text[], $10::numeric[], $11::text,
+                            $12::bigint)
 
 -- list_quotas --
 -- A tenant's quotas ($2 and $5 NULL and $3 false: all, its routes' and keys'
@@ -68,13 +58,8 @@ SELECT entry_id, amount, reference, recorded_at, balance_after
  LIMIT $2::integer
 
 -- put_webhook --
--- Create or replace a webhook; created: whether it is new.
-INSERT INTO webhooks AS w (name, url, secret, tenant)
-VALUES ($1::text, $2::text, $3::text, $4::text)
-ON CONFLICT (name) DO UPDATE
-   SET url = EXCLUDED.url, secret = EXCLUDED.secret, tenant = EXCLUDED.tenant,
-       updated_at = clock_timestamp()
-RETURNING (w.xmax = 0) AS created, w.created_at, w.updated_at
+-- Create or replace a webhook (see lq_put_webhook); created: whether it is new.
+SELECT * FROM lq_put_webhook($1::text, $2::text, $3::text, $4::text)
 
 -- list_webhooks --
 -- Webhooks (one when $1 is given), without their secrets.
@@ -122,89 +107,16 @@ SELECT o.event_id, o.event_type, o.tenant, o.subject, o.threshold, o.window_star
  LIMIT $1::integer
 
 -- claim_deliveries --
--- Claim up to $1 due deliveries for this loop: each claimed row is locked
--- (SKIP LOCKED: another loop takes other rows, never waits for these), its
--- attempt counted, and moved $2 seconds ahead, so that no loop claims it
--- again while this one sends. If this loop dies, the delivery is due again
--- when that lease passes: at least once, and the event id lets a receiver
--- drop the repeat.
--- At most $3 deliveries of one webhook are in flight in this loop: $4/$5
--- are the webhooks it is sending to now and how many each, and a webhook
--- gets only the oldest of its due rows that fit the rest. So a receiver
--- that answers slowly holds a few of the loop's slots, never the batch.
-WITH ranked AS (
-    SELECT d.event_id, d.webhook,
-           row_number() OVER (PARTITION BY d.webhook ORDER BY d.next_attempt_at) AS nth
-      FROM alert_deliveries AS d
-     WHERE d.delivered_at IS NULL
-       AND d.gave_up_at IS NULL
-       AND d.next_attempt_at <= clock_timestamp()
-), fitting AS (
-    SELECT r.event_id, r.webhook
-      FROM ranked AS r
-           LEFT JOIN unnest($4::text[], $5::integer[]) AS busy(webhook, in_flight)
-                  ON busy.webhook = r.webhook
-     WHERE r.nth <= $3::integer - coalesce(busy.in_flight, 0)
-), due AS (
-    -- The due conditions again on the locked row: another loop may have
-    -- claimed it since `ranked` read it.
-    SELECT d.event_id, d.webhook
-      FROM alert_deliveries AS d
-           JOIN fitting AS f ON f.event_id = d.event_id AND f.webhook = d.webhook
-     WHERE d.delivered_at IS NULL
-       AND d.gave_up_at IS NULL
-       AND d.next_attempt_at <= clock_timestamp()
-     ORDER BY d.next_attempt_at
-     LIMIT $1::integer
-       FOR UPDATE OF d SKIP LOCKED
-), claimed AS (
-    UPDATE alert_deliveries AS d
-       SET attempts = d.attempts + 1,
-           next_attempt_at = clock_timestamp() + make_interval(secs => $2::float8),
-           last_attempt_at = clock_timestamp()
-      FROM due
-     WHERE d.event_id = due.event_id AND d.webhook = due.webhook
-    RETURNING d.event_id, d.webhook, d.attempts, d.created_at
-)
-SELECT c.event_id, c.webhook, c.attempts, w.url, w.secret,
-       extract(epoch FROM clock_timestamp() - c.created_at)::float8 AS age_seconds,
-       o.event_type, o.tenant, o.subject, o.threshold, o.window_start, o.window_end, o.usage,
-       o.limit_value, o.projected_exhaustion_at, o.payload
-  FROM claimed AS c
-       JOIN webhooks AS w ON w.name = c.webhook
-       JOIN alert_outbox AS o ON o.event_id = c.event_id
+-- Claim up to $1 due deliveries for this loop for $2 seconds, at most $3 of
+-- one webhook in flight counting the loop's own ($4/$5) (see lq_claim_deliveries).
+SELECT * FROM lq_claim_deliveries($1::integer, $2::float8, $3::integer, $4::text[],
+                                   $5::integer[])
 
 -- record_delivery --
--- Record one attempt ($3, the attempt number the claim gave): delivered ($6),
--- due again in $7 seconds, or given up ($7 NULL). Only the holder of the
--- latest claim changes the delivery (a loop whose lease ran out and was
--- overtaken changes nothing); every attempt gets its row either way.
--- updated: whether the delivery row changed.
-WITH updated AS (
-    UPDATE alert_deliveries AS d
-       SET delivered_at = CASE WHEN $6::boolean THEN clock_timestamp() END,
-           gave_up_at = CASE WHEN NOT $6::boolean AND $7::float8 IS NULL
-                             THEN clock_timestamp() END,
-           next_attempt_at = CASE WHEN NOT $6::boolean AND $7::float8 IS NOT NULL
-                                  THEN clock_timestamp() + make_interval(secs => $7::float8)
-                                  ELSE d.next_attempt_at END,
-           last_status = $4::integer,
-           last_error = $5::text
-     WHERE d.event_id = $1::uuid
-       AND d.webhook = $2::text
-       AND d.attempts = $3::integer
-       AND d.delivered_at IS NULL
-       AND d.gave_up_at IS NULL
-    RETURNING 1
-), attempt AS (
-    INSERT INTO alert_delivery_attempts (event_id, webhook, attempt, status, error, duration_ms)
-    SELECT $1::uuid, $2::text, $3::integer, $4::integer, $5::text, $8::integer
-     WHERE EXISTS (SELECT 1 FROM alert_deliveries AS d
-                    WHERE d.event_id = $1::uuid AND d.webhook = $2::text)
-    ON CONFLICT DO NOTHING
-    RETURNING 1
-)
-SELECT EXISTS (SELECT 1 FROM updated) AS updated
+-- Record attempt $3 of delivering event $1 to webhook $2 (see
+-- lq_record_delivery); updated: whether the delivery row changed.
+SELECT * FROM lq_record_delivery($1::uuid, $2::text, $3::integer, $4::integer, $5::text,
+                                  $6::boolean, $7::float8, $8::integer)
 
 -- record_ceiling_samples --
 -- Apply the ceiling alert detector's samples (domain/ceiling_alerts.py) to
@@ -274,16 +186,7 @@ SELECT f.ceiling, f.dimension, f.threshold, f.episode_start, f.event_id
  ORDER BY f.ceiling, f.dimension, f.threshold
 
 -- prune_ceiling_alert_states --
--- Forget the episode state of what the detector no longer watches (a
--- ceiling deleted, a threshold or a bucket removed): the rows none of the
--- samples $1/$2/$3 names, of a read at $4 (NULL: the read found no ceiling;
--- now), and that no read since has touched (a worker whose read is older than
--- another's removes nothing the newer one recorded).
-DELETE FROM ceiling_alert_episodes AS e
- WHERE e.sampled_at < coalesce($4::timestamptz, clock_timestamp())
-   AND NOT EXISTS (
-           SELECT 1
-             FROM unnest($1::text[], $2::text[], $3::numeric[]) AS s(ceiling, dimension, threshold)
-            WHERE s.ceiling = e.ceiling AND s.dimension = e.dimension
-              AND s.threshold = e.threshold)
-RETURNING e.ceiling
+-- Forget the episode state the detector no longer watches (see
+-- lq_prune_ceiling_alert_states).
+SELECT * FROM lq_prune_ceiling_alert_states($1::text[], $2::text[], $3::numeric[],
+                                             $4::timestamptz)

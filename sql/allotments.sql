@@ -195,7 +195,8 @@ $$;
 -- per slice named, how many of its admissions were journaled: none when the
 -- slice is gone (the sweeper returned it: its worker was away past its
 -- expiry), and the worker then journals them with lq_allot_orphans.
--- A journaled slice's expiry moves to p_hold_seconds from now.
+-- A journaled slice's expiry moves to p_hold_seconds from now. The clock is
+-- read once into a variable (Citus refuses a volatile call in an UPDATE).
 CREATE OR REPLACE FUNCTION lq_allot_journal(
     p_allotment_ids   uuid[],
     p_reservation_ids uuid[],
@@ -207,8 +208,13 @@ CREATE OR REPLACE FUNCTION lq_allot_journal(
     p_upstreams       text[],     -- the deployment each goes to (NULL: none named)
     p_hold_seconds    integer
 ) RETURNS TABLE (allotment_id uuid, journaled integer)
-LANGUAGE sql
+LANGUAGE plpgsql
 AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
     WITH entry AS (
         -- (an admission journaled already, by a write whose answer was lost, is
         -- not journaled again)
@@ -222,7 +228,7 @@ AS $$
            SET tokens = a.tokens - s.tokens,
                requests = a.requests - s.requests,
                expires_at = greatest(a.expires_at,
-                                     clock_timestamp() + make_interval(secs => p_hold_seconds))
+                                     now_ts + make_interval(secs => p_hold_seconds))
           FROM (SELECT e.aid, sum(e.reserved) AS tokens, count(*) AS requests
                   FROM entry AS e GROUP BY e.aid) AS s
          WHERE a.allotment_id = s.aid
@@ -234,15 +240,16 @@ AS $$
                                   created_at, lease_seconds, lease_expires_at, request_cost,
                                   permits, allotment_id, upstream)
         SELECT e.rid, m.tenant, m.route, m.model, m.layer_ids, e.input, e.estimated,
-               e.max_tokens, e.reserved, m.policy_version, clock_timestamp(),
+               e.max_tokens, e.reserved, m.policy_version, now_ts,
                coalesce(e.lease, m.lease_seconds),
-               clock_timestamp() + make_interval(secs => coalesce(e.lease, m.lease_seconds)),
+               now_ts + make_interval(secs => coalesce(e.lease, m.lease_seconds)),
                1, 0, m.allotment_id, e.upstream
           FROM entry AS e JOIN moved AS m ON m.allotment_id = e.aid
         RETURNING reservations.allotment_id
     )
     SELECT s.aid, (SELECT count(*) FROM written AS w WHERE w.allotment_id = s.aid)::integer
-      FROM (SELECT DISTINCT u.aid FROM unnest(p_allotment_ids) AS u(aid)) AS s
+      FROM (SELECT DISTINCT u.aid FROM unnest(p_allotment_ids) AS u(aid)) AS s;
+END
 $$;
 
 
@@ -270,6 +277,7 @@ CREATE OR REPLACE FUNCTION lq_allot_orphans(
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts   constant timestamptz := clock_timestamp();
     ids      bigint[];
     v_lease  integer;
     v_version bigint;
@@ -290,9 +298,9 @@ BEGIN
                                   created_at, lease_seconds, lease_expires_at, request_cost,
                                   permits, upstream)
         SELECT u.rid, p_tenant, p_route, p_model, coalesce(ids, '{}'), u.input, u.estimated,
-               u.max_tokens, u.reserved, v_version, clock_timestamp(),
+               u.max_tokens, u.reserved, v_version, now_ts,
                coalesce(u.lease, v_lease),
-               clock_timestamp() + make_interval(secs => coalesce(u.lease, v_lease)), 1, 0,
+               now_ts + make_interval(secs => coalesce(u.lease, v_lease)), 1, 0,
                u.upstream
           FROM unnest(p_reservation_ids, p_input_tokens, p_input_estimated, p_max_tokens,
                       p_reserved, p_lease_seconds, p_upstreams)
@@ -323,6 +331,7 @@ RETURNS TABLE (returned integer, tokens bigint, requests bigint)
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts  constant timestamptz := clock_timestamp();
     ids     bigint[];
     sharded boolean;
     r_layer bigint[];
@@ -345,7 +354,7 @@ BEGIN
     WITH gone AS (
         DELETE FROM allotments AS a
          WHERE a.allotment_id = ANY (p_allotment_ids)
-           AND (NOT p_expired_only OR a.expires_at <= clock_timestamp())
+           AND (NOT p_expired_only OR a.expires_at <= now_ts)
         RETURNING a.layer_ids, a.tokens, a.requests
     ), per_layer AS (
         SELECT x.id, g.tokens, g.requests FROM gone AS g, unnest(g.layer_ids) AS x(id)
@@ -369,13 +378,20 @@ $$;
 
 -- The sweeper's part: return up to p_limit slices past their expiry (a
 -- worker that died, or was away longer than it holds a slice).
+-- The slices are read first, then returned by another statement: Citus
+-- refuses a statement on a cell's tables that calls a function running
+-- statements of its own.
 CREATE OR REPLACE FUNCTION lq_allot_sweep(p_limit integer)
 RETURNS TABLE (returned integer, tokens bigint, requests bigint)
-LANGUAGE sql
+LANGUAGE plpgsql
 AS $$
-    SELECT r.returned, r.tokens, r.requests
-      FROM lq_allot_return(ARRAY(SELECT a.allotment_id FROM allotments AS a
-                                  WHERE a.expires_at <= clock_timestamp()
-                                  ORDER BY a.expires_at
-                                  LIMIT p_limit), true) AS r
+DECLARE
+    due uuid[];
+BEGIN
+    due := ARRAY(SELECT a.allotment_id FROM allotments AS a
+                  WHERE a.expires_at <= clock_timestamp()
+                  ORDER BY a.expires_at
+                  LIMIT p_limit);
+    RETURN QUERY SELECT r.returned, r.tokens, r.requests FROM lq_allot_return(due, true) AS r;
+END
 $$;

@@ -287,12 +287,13 @@ RETURNS integer
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts constant timestamptz := clock_timestamp();
     removed integer;
 BEGIN
     WITH doomed AS (
         SELECT c.entry_id
           FROM response_cache AS c
-         WHERE c.expires_at <= clock_timestamp()
+         WHERE c.expires_at <= now_ts
          ORDER BY c.expires_at
          LIMIT p_limit
            FOR UPDATE SKIP LOCKED

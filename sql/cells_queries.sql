@@ -60,10 +60,12 @@ SELECT set_config('llmquota.cell', $1::text, true),
 -- so does every PL/pgSQL or volatile SQL function, so that it resolves names
 -- in the cell whatever the caller's path (on Citus it runs on the cell's
 -- node, under that node's). Stable and immutable SQL functions (the refill
--- arithmetic, the tenant's shard, a model's price) stay unpinned: a pin
--- keeps the planner from inlining a function into the statement that calls
--- it, and those it can inline are then that statement, resolved under its
--- function's pin. (On Citus a SQL function that reads a table is refused
+-- arithmetic, the tenant's shard) stay unpinned: a pin keeps the planner
+-- from inlining a function into the statement that calls it, and those it
+-- can inline are then that statement, resolved under its function's pin.
+-- But not one that calls another function of ours (lq_...): where it is not
+-- inlined (a conflict clause Citus runs on a worker) it would look that name
+-- up under the worker's path, and not find it. (On Citus a SQL function that reads a table is refused
 -- inside another statement either way: lq_batch_layers and the audit's
 -- checks are PL/pgSQL for that.)
 -- On Citus, the functions that force generic plans stop doing so: Citus
@@ -103,12 +105,13 @@ BEGIN
                              WHERE c.setting LIKE 'search_path=%') AS pinned,
                     EXISTS (SELECT FROM unnest(p.proconfig) AS c(setting)
                              WHERE c.setting LIKE 'plan_cache_mode=%') AS generic,
-                    p.provolatile = 'v' AS volatile
+                    p.provolatile = 'v' AS volatile,
+                    p.prosrc ~ '\mlq_\w+\s*\(' AS calls_ours
                FROM pg_proc AS p
                JOIN pg_language AS l ON l.oid = p.prolang
               WHERE p.pronamespace = cell::regnamespace AND p.prokind = 'f'
     LOOP
-        IF f.pinned OR f.language <> 'sql' OR f.volatile THEN
+        IF f.pinned OR f.language <> 'sql' OR f.volatile OR f.calls_ours THEN
             EXECUTE format('ALTER FUNCTION %s SET search_path = pg_catalog, %I', f.routine, cell);
         END IF;
         IF citus AND f.generic THEN
@@ -171,9 +174,11 @@ SELECT EXISTS (SELECT FROM pg_dist_schema WHERE schemaid = $1::regnamespace)
 SELECT create_distributed_function($1::regprocedure, colocate_with := $2::text)
 
 -- cell_node --
--- The Citus node that holds a cell's tables ($1: one of them).
+-- The Citus node that holds the tables of cell $1 (NULL: of the schema this
+-- session works in); no row for a schema that is not distributed.
 SELECT n.nodename, n.nodeport
   FROM pg_dist_shard AS s
   JOIN pg_dist_placement AS p USING (shardid)
   JOIN pg_dist_node AS n ON n.groupid = p.groupid
- WHERE s.logicalrelid = to_regclass($1::text)
+ WHERE s.logicalrelid = to_regclass(quote_ident(coalesce($1::text, current_schema()))
+                                    || '.limit_layers')

@@ -17,7 +17,9 @@
 -- their plan, in one statement, with the same balance rule as put_policy: the
 -- balance refills under the old rules up to now, then is clamped to the new
 -- capacity; a limit that did not exist before starts full. Every layer
--- changed gets a new policy_version. The layers are locked in layer_id order
+-- changed gets the call's new policy_version (one for all: it is the clock
+-- and the version read once into variables, not a volatile call per row,
+-- which Citus refuses in an UPDATE). The layers are locked in layer_id order
 -- first, the order admission locks them in, so a plan change over many
 -- tenants cannot deadlock with a batch of admissions.
 CREATE OR REPLACE FUNCTION lq_materialize_layers(p_layer_ids bigint[])
@@ -26,6 +28,7 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     now_ts  timestamptz;
+    version bigint;
     changed integer;
 BEGIN
     PERFORM 1 FROM limit_layers
@@ -33,6 +36,7 @@ BEGIN
       ORDER BY layer_id
         FOR UPDATE;
     now_ts := clock_timestamp();
+    version := nextval('policy_version_seq');
 
     UPDATE limit_layers AS l
        SET tokens_per_minute   = e.tpm,
@@ -50,7 +54,7 @@ BEGIN
            uses_concurrency    = e.uses_concurrency,
            cache               = e.cache,
            admission           = e.admission,
-           policy_version      = nextval('policy_version_seq'),
+           policy_version      = version,
            tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
                                    e.tpm, e.tburst, now_ts),
            requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
@@ -170,10 +174,11 @@ DECLARE
 BEGIN
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
-                            fallback_models, prepaid, output_estimate, cache, admission)
+                            fallback_models, prepaid, output_estimate, cache, admission,
+                            updated_at)
     VALUES (p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst, p_max_in_flight,
             p_lease_seconds, p_failure_mode, p_fallback_models, p_prepaid, p_output_estimate,
-            p_cache, p_admission)
+            p_cache, p_admission, clock_timestamp())
     ON CONFLICT (plan) DO UPDATE
        SET priority = excluded.priority,
            tokens_per_minute = excluded.tokens_per_minute,
@@ -188,7 +193,7 @@ BEGIN
            output_estimate = excluded.output_estimate,
            cache = excluded.cache,
            admission = excluded.admission,
-           updated_at = clock_timestamp();
+           updated_at = excluded.updated_at;
     -- A new statement: it sees every tenant that joined the plan and committed
     -- while this transaction waited for the plan row.
     SELECT array_agg(layer_id ORDER BY layer_id) INTO members
@@ -201,7 +206,8 @@ $$;
 
 -- Create or replace a provider ceiling: a shared layer passed by every
 -- request whose model matches one of `p_models` (names and * globs). The
--- balance rule is put_policy's. The ladder arrays are parallel (see
+-- balance rule is lq_put_policy's, its clock and version read from the
+-- proposed row as there. The ladder arrays are parallel (see
 -- migration 0008); the admin service validated them, and the alert
 -- settings (migration 0023: NULL alert_at is the ladder's steps, NULL
 -- hysteresis and quiet time the workers' settings).
@@ -233,17 +239,21 @@ CREATE OR REPLACE FUNCTION lq_put_ceiling(
     p_shed_queue_ms       integer[] DEFAULT NULL,
     p_upstream            text DEFAULT NULL
 ) RETURNS bigint
-LANGUAGE sql
+LANGUAGE plpgsql
 AS $$
+DECLARE
+    version bigint;
+BEGIN
     INSERT INTO limit_layers AS l (scope, ceiling, models, model_patterns, tokens_per_minute,
                                    token_burst, requests_per_minute, request_burst,
                                    max_in_flight, shed_above, shed_admit, shed_small,
                                    shed_queue_ms, alert_at, alert_hysteresis,
-                                   alert_quiet_seconds, upstream, tokens, requests)
+                                   alert_quiet_seconds, upstream, tokens, requests,
+                                   policy_version, refilled_at)
     VALUES ('ceiling', p_ceiling, p_models, lq_model_patterns(p_models), p_tpm, p_tburst, p_rpm,
             p_rburst, p_max_in_flight, p_shed_above, p_shed_admit, p_shed_small,
             p_shed_queue_ms, p_alert_at, p_alert_hysteresis, p_alert_quiet_seconds,
-            p_upstream, p_tburst, p_rburst)
+            p_upstream, p_tburst, p_rburst, nextval('policy_version_seq'), clock_timestamp())
     ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
        SET models = excluded.models,
            model_patterns = excluded.model_patterns,
@@ -260,19 +270,21 @@ AS $$
            alert_hysteresis = excluded.alert_hysteresis,
            alert_quiet_seconds = excluded.alert_quiet_seconds,
            upstream = excluded.upstream,
-           policy_version = nextval('policy_version_seq'),
+           policy_version = excluded.policy_version,
            -- never below minus the new burst, as lq_credit_layers keeps a
            -- ceiling (a smaller burst forgives the debt beyond it)
            tokens = CASE WHEN excluded.tokens_per_minute IS NOT NULL THEN
                         greatest(-excluded.token_burst::double precision,
                                  lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst,
                                                l.refilled_at, excluded.tokens_per_minute,
-                                               excluded.token_burst, clock_timestamp())) END,
+                                               excluded.token_burst, excluded.refilled_at)) END,
            requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
-                                     l.refilled_at, excluded.requests_per_minute,
-                                 excluded.request_burst, clock_timestamp()),
-           refilled_at = greatest(l.refilled_at, clock_timestamp())
-    RETURNING l.policy_version
+                                    l.refilled_at, excluded.requests_per_minute,
+                                    excluded.request_burst, excluded.refilled_at),
+           refilled_at = greatest(l.refilled_at, excluded.refilled_at)
+    RETURNING l.policy_version INTO version;
+    RETURN version;
+END
 $$;
 
 
@@ -402,5 +414,227 @@ BEGIN
     END IF;
     RETURN current IS NOT NULL
        AND ('*' = ANY (p_if_match) OR current::text = ANY (p_if_match));
+END
+$$;
+
+
+-- The service's small writes of layers and tenants. Each is a function, not a
+-- statement of queries.sql, because it stamps rows with the database clock or
+-- a policy version: read once into a variable here, on the node that holds
+-- the rows (in a cell on Citus the call runs whole on the cell's node, and
+-- Citus refuses a volatile function inside an UPDATE of a distributed table).
+
+-- Create or replace the policy of a route (a tenant's goes through
+-- lq_put_tenant_policy, for its plan; the global layer's through lq_put_global).
+-- The balance refills under the old rules up to now, then is clamped to the
+-- new capacity; a limit that did not exist before starts full. p_if_match:
+-- see lq_policy_precondition; no row when it does not match. p_request_cost
+-- and p_uses_concurrency: what one call counts as (NULL: the tenant's);
+-- p_cache: the route's own response cache (NULL: the tenant's), which rides the
+-- policy_version like every other field; p_admission: how the route's
+-- requests are admitted ('allotted', 'exact'; NULL: the tenant's). The
+-- conflict clause reads the clock and the version from the proposed row
+-- (`excluded`), not from variables: Citus loses a variable there.
+CREATE OR REPLACE FUNCTION lq_put_policy(
+    p_scope text, p_tenant text, p_route text, p_tokens_per_minute bigint,
+    p_token_burst bigint, p_requests_per_minute bigint, p_request_burst bigint,
+    p_max_in_flight integer, p_lease_seconds integer, p_failure_mode text,
+    p_fallback_models text[], p_output_estimate jsonb, p_if_match text[],
+    p_request_cost integer, p_uses_concurrency boolean, p_cache jsonb, p_admission text
+) RETURNS TABLE (policy_version bigint)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+BEGIN
+    IF NOT lq_policy_precondition(p_scope, p_tenant, p_route, NULL, p_if_match) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
+                                   requests_per_minute, request_burst, max_in_flight,
+                                   lease_seconds, failure_mode, fallback_models, tokens,
+                                   requests, output_estimate, request_cost, uses_concurrency,
+                                   cache, admission, policy_version, refilled_at)
+    VALUES (p_scope, p_tenant, p_route, p_tokens_per_minute, p_token_burst,
+            p_requests_per_minute, p_request_burst, p_max_in_flight, p_lease_seconds,
+            p_failure_mode, p_fallback_models, p_token_burst, p_request_burst,
+            p_output_estimate, p_request_cost, p_uses_concurrency, p_cache, p_admission,
+            nextval('policy_version_seq'), clock_timestamp())
+    ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
+       SET tokens_per_minute   = excluded.tokens_per_minute,
+           token_burst         = excluded.token_burst,
+           requests_per_minute = excluded.requests_per_minute,
+           request_burst       = excluded.request_burst,
+           max_in_flight       = excluded.max_in_flight,
+           lease_seconds       = excluded.lease_seconds,
+           failure_mode        = excluded.failure_mode,
+           fallback_models     = excluded.fallback_models,
+           output_estimate     = excluded.output_estimate,
+           request_cost        = excluded.request_cost,
+           uses_concurrency    = excluded.uses_concurrency,
+           cache               = excluded.cache,
+           admission           = excluded.admission,
+           policy_version      = excluded.policy_version,
+           tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
+                                  excluded.tokens_per_minute, excluded.token_burst,
+                                  excluded.refilled_at),
+           requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
+                                    l.refilled_at, excluded.requests_per_minute,
+                                    excluded.request_burst, excluded.refilled_at),
+           refilled_at = greatest(l.refilled_at, excluded.refilled_at)
+    RETURNING l.policy_version;
+END
+$$;
+
+
+-- The provider refused model p_model (429): every ceiling matching it that
+-- bounds the deployment p_upstream (scoped to it, or unless p_scoped_only to
+-- no deployment; NULL: every ceiling) is emptied and debited the refill of
+-- p_seconds, so that it admits nothing for that long and then refills at its
+-- own rate. Locked in layer_id order, the admission's order. The names of the
+-- ceilings cooled down.
+CREATE OR REPLACE FUNCTION lq_cool_down_ceilings(
+    p_model text, p_seconds float8, p_upstream text, p_scoped_only boolean
+) RETURNS TABLE (ceiling text)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    WITH locked AS (
+        SELECT l.layer_id
+          FROM limit_layers AS l
+         WHERE l.scope = 'ceiling'
+           AND l.tokens_per_minute IS NOT NULL
+           AND p_model LIKE ANY (l.model_patterns)
+           AND (p_upstream IS NULL OR l.upstream = p_upstream
+                OR (l.upstream IS NULL AND NOT p_scoped_only))
+         ORDER BY l.layer_id
+           FOR UPDATE
+    )
+    UPDATE limit_layers AS l
+       SET tokens = least(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst,
+                                      l.refilled_at, greatest(l.refilled_at, now_ts)), 0)
+                    - l.tokens_per_minute / 60.0 * p_seconds,
+           refilled_at = greatest(l.refilled_at, now_ts)
+      FROM locked
+     WHERE l.layer_id = locked.layer_id
+    RETURNING l.ceiling;
+END
+$$;
+
+
+-- Register a tenant, with an empty tenant layer (no limits of its own yet);
+-- nothing when it exists. One function, not a statement of two inserts:
+-- Citus ran such a statement as two, in a two-phase commit that a change
+-- notice (the layer's trigger) cannot be part of.
+CREATE OR REPLACE FUNCTION lq_ensure_tenant(p_tenant text)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    INSERT INTO tenants (tenant) VALUES (p_tenant) ON CONFLICT DO NOTHING;
+    IF FOUND THEN
+        INSERT INTO limit_layers (scope, tenant) VALUES ('tenant', p_tenant);
+    END IF;
+END
+$$;
+
+
+-- Suspend (p_suspended) or resume tenant p_tenant; a repeat keeps the first
+-- suspension's time. No row: no such tenant.
+CREATE OR REPLACE FUNCTION lq_suspend_tenant(p_tenant text, p_suspended boolean)
+RETURNS TABLE (tenant text, suspended_at timestamptz)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    UPDATE tenants AS t
+       SET suspended_at = CASE WHEN p_suspended THEN coalesce(t.suspended_at, now_ts) END
+     WHERE t.tenant = p_tenant
+    RETURNING t.tenant, t.suspended_at;
+END
+$$;
+
+
+-- The policy writes under their If-Match preconditions (p_if_match NULL: none),
+-- each one call: the check and the write run in one function, so that in a
+-- cell on Citus both run on the cell's node (a statement that composed them
+-- ran the write from the coordinator, statement by statement). A check that
+-- fails writes nothing: precondition_met false, the result NULL.
+CREATE OR REPLACE FUNCTION lq_put_global_if_match(
+    p_tpm bigint, p_tburst bigint, p_rpm bigint, p_rburst bigint, p_max_if integer,
+    p_lease integer, p_failure_mode text, p_shards smallint, p_if_match text[]
+) RETURNS TABLE (policy_version bigint, precondition_met boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NOT lq_policy_precondition('global', NULL, NULL, NULL, p_if_match) THEN
+        RETURN QUERY SELECT NULL::bigint, false;
+    ELSE
+        RETURN QUERY SELECT lq_put_global(p_tpm, p_tburst, p_rpm, p_rburst, p_max_if, p_lease,
+                                          p_failure_mode, p_shards), true;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION lq_put_tenant_policy_if_match(
+    p_tenant text, p_plan text, p_own jsonb, p_if_match text[]
+) RETURNS TABLE (policy_version bigint, precondition_met boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NOT lq_policy_precondition('tenant', p_tenant, NULL, p_plan, p_if_match) THEN
+        RETURN QUERY SELECT NULL::bigint, false;
+    ELSE
+        RETURN QUERY SELECT lq_put_tenant_policy(p_tenant, p_plan, p_own), true;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION lq_put_plan_if_match(
+    p_plan text, p_priority smallint, p_tpm bigint, p_tburst bigint, p_rpm bigint,
+    p_rburst bigint, p_max_in_flight integer, p_lease_seconds integer, p_failure_mode text,
+    p_fallback_models text[], p_prepaid boolean, p_output_estimate jsonb, p_cache jsonb,
+    p_admission text, p_if_match text[]
+) RETURNS TABLE (tenants integer, precondition_met boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NOT lq_named_precondition('plan', p_plan, p_if_match) THEN
+        RETURN QUERY SELECT NULL::integer, false;
+    ELSE
+        RETURN QUERY SELECT lq_put_plan(p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst,
+                                        p_max_in_flight, p_lease_seconds, p_failure_mode,
+                                        p_fallback_models, p_prepaid, p_output_estimate,
+                                        p_cache, p_admission), true;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION lq_put_ceiling_if_match(
+    p_ceiling text, p_models text[], p_tpm bigint, p_tburst bigint, p_rpm bigint,
+    p_rburst bigint, p_max_in_flight integer, p_shed_above double precision[],
+    p_shed_admit smallint[], p_shed_small bigint[], p_alert_at numeric[],
+    p_alert_hysteresis double precision, p_alert_quiet_seconds double precision,
+    p_shed_queue_ms integer[], p_upstream text, p_if_match text[]
+) RETURNS TABLE (policy_version bigint, precondition_met boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NOT lq_named_precondition('ceiling', p_ceiling, p_if_match) THEN
+        RETURN QUERY SELECT NULL::bigint, false;
+    ELSE
+        RETURN QUERY SELECT lq_put_ceiling(p_ceiling, p_models, p_tpm, p_tburst, p_rpm,
+                                           p_rburst, p_max_in_flight, p_shed_above,
+                                           p_shed_admit, p_shed_small, p_alert_at,
+                                           p_alert_hysteresis, p_alert_quiet_seconds,
+                                           p_shed_queue_ms, p_upstream), true;
+    END IF;
 END
 $$;

@@ -47,103 +47,34 @@ SELECT * FROM lq_finish($1::uuid[], $2::text[], $3::text[], $4::bigint[], $5::bi
 SELECT * FROM lq_sweep($1::integer)
 
 -- heartbeat --
--- Extend a live lease by $3 seconds (default: the reservation's own lease) and
--- bump its generation (the fencing token). $4, when given, is the generation
--- the caller holds: a stale one extends nothing. No row: no such reservation
--- for this caller. A row with a NULL lease_expires_at: it exists but is
--- finished, its lease ran out, or the caller's generation is stale. $5 true:
--- the proxy relayed output of it to its client, remembered (once) for the
--- audit (reservations.relayed_at).
-WITH target AS (
-    SELECT rs.reservation_id, rs.state, rs.lease_generation,
-           rs.state = 'active' AND rs.lease_expires_at > clock_timestamp() AS lease_live
-      FROM reservations AS rs
-     WHERE rs.reservation_id = $1::uuid
-       AND ($2::text IS NULL OR rs.tenant = $2::text)
-), extended AS (
-    UPDATE reservations AS rs
-       SET lease_expires_at = clock_timestamp()
-                              + make_interval(secs => coalesce($3::integer, rs.lease_seconds)),
-           lease_generation = rs.lease_generation + 1,
-           relayed_at = CASE WHEN $5::boolean THEN coalesce(rs.relayed_at, clock_timestamp())
-                             ELSE rs.relayed_at END
-      FROM target
-     WHERE rs.reservation_id = target.reservation_id
-       AND rs.state = 'active'
-       AND rs.lease_expires_at > clock_timestamp()
-       AND ($4::integer IS NULL OR rs.lease_generation = $4::integer)
-    RETURNING rs.lease_expires_at, rs.lease_generation
-)
-SELECT target.state, target.lease_live, target.lease_generation AS current_generation,
-       extended.lease_expires_at, extended.lease_generation
-  FROM target LEFT JOIN extended ON true
+-- Extend a live lease and bump its generation (see lq_heartbeat): $1 the
+-- reservation, $2 the caller's tenant (NULL: any), $3 seconds (NULL: its own
+-- lease), $4 the generation the caller holds (NULL: any), $5 output relayed.
+SELECT * FROM lq_heartbeat($1::uuid, $2::text, $3::integer, $4::integer, $5::boolean)
 
 -- put_policy --
--- Create or replace the policy of a route (a tenant's goes through
--- put_tenant_policy, for its plan; the global layer's through
--- put_global_policy). The balance refills under the old rules up to now,
--- then is clamped to the new capacity; a limit that did not exist before
--- starts full. $13 is the If-Match list (NULL: none; see lq_policy_precondition):
--- no row when it does not match. $14 and $15: what one call counts as
--- (request_cost, uses_concurrency; NULL: the tenant's). $16: the route's own
--- response cache (NULL: the tenant's); the proxy reads it from the policy
--- cache, so it rides the policy_version like every other field. $17: how the
--- route's requests are admitted ('allotted', 'exact'; NULL: the tenant's).
-INSERT INTO limit_layers AS l (scope, tenant, route, tokens_per_minute, token_burst,
-                               requests_per_minute, request_burst, max_in_flight,
-                               lease_seconds, failure_mode, fallback_models, tokens, requests,
-                               output_estimate, request_cost, uses_concurrency, cache,
-                               admission)
-SELECT $1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint, $7::bigint,
-       $8::integer, $9::integer, $10::text, $11::text[], $5::bigint, $7::bigint, $12::jsonb,
-       $14::integer, $15::boolean, $16::jsonb, $17::text
- WHERE lq_policy_precondition($1::text, $2::text, $3::text, NULL, $13::text[])
-ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
-   SET tokens_per_minute   = excluded.tokens_per_minute,
-       token_burst         = excluded.token_burst,
-       requests_per_minute = excluded.requests_per_minute,
-       request_burst       = excluded.request_burst,
-       max_in_flight       = excluded.max_in_flight,
-       lease_seconds       = excluded.lease_seconds,
-       failure_mode        = excluded.failure_mode,
-       fallback_models     = excluded.fallback_models,
-       output_estimate     = excluded.output_estimate,
-       request_cost        = excluded.request_cost,
-       uses_concurrency    = excluded.uses_concurrency,
-       cache               = excluded.cache,
-       admission           = excluded.admission,
-       policy_version      = nextval('policy_version_seq'),
-       tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
-                               excluded.tokens_per_minute, excluded.token_burst,
-                               clock_timestamp()),
-       requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
-                                 l.refilled_at, excluded.requests_per_minute,
-                                 excluded.request_burst, clock_timestamp()),
-       refilled_at = greatest(l.refilled_at, clock_timestamp())
-RETURNING l.policy_version
+-- Create or replace the policy of a route (see lq_put_policy); no row when
+-- the If-Match list $13 does not match.
+SELECT * FROM lq_put_policy($1::text, $2::text, $3::text, $4::bigint, $5::bigint, $6::bigint,
+                             $7::bigint, $8::integer, $9::integer, $10::text, $11::text[],
+                             $12::jsonb, $13::text[], $14::integer, $15::boolean, $16::jsonb,
+                             $17::text)
 
 -- put_global_policy --
 -- Create or replace the global policy, split over $8 shards (NULL: as many
 -- as now); its new policy_version (see lq_put_global). $9 is the If-Match
 -- list (NULL: none): policy_version NULL and precondition_met false when it
--- does not match. OFFSET 0 keeps the check a subquery run once, before the write.
-SELECT CASE WHEN g.ok THEN
-            lq_put_global($1::bigint, $2::bigint, $3::bigint, $4::bigint, $5::integer,
-                          $6::integer, $7::text, $8::smallint) END AS policy_version,
-       g.ok AS precondition_met
-  FROM (SELECT lq_policy_precondition('global', NULL, NULL, NULL, $9::text[]) AS ok
-        OFFSET 0) AS g
+-- does not match (see lq_put_global_if_match).
+SELECT * FROM lq_put_global_if_match($1::bigint, $2::bigint, $3::bigint, $4::bigint,
+                                     $5::integer, $6::integer, $7::text, $8::smallint,
+                                     $9::text[])
 
 -- put_tenant_policy --
 -- Set a tenant's own policy ($3, the fields it sets, as a JSON object) and its
 -- plan ($2), registering the tenant; its new policy_version, or NULL when the
 -- plan does not exist (see lq_put_tenant_policy). $4 is the If-Match list
 -- (NULL: none): precondition_met false (and nothing written) when it does not match.
-SELECT CASE WHEN g.ok THEN lq_put_tenant_policy($1::text, $2::text, $3::jsonb) END
-           AS policy_version,
-       g.ok AS precondition_met
-  FROM (SELECT lq_policy_precondition('tenant', $1::text, NULL, $2::text, $4::text[]) AS ok
-        OFFSET 0) AS g
+SELECT * FROM lq_put_tenant_policy_if_match($1::text, $2::text, $3::jsonb, $4::text[])
 
 -- put_plan --
 -- Create or replace a plan and recompute every tenant on it, in one
@@ -152,12 +83,10 @@ SELECT CASE WHEN g.ok THEN lq_put_tenant_policy($1::text, $2::text, $3::jsonb) E
 -- nothing written when it does not match. $14: the plan's response cache
 -- (NULL: none), $15 its admission (NULL: exact), which its tenants take where
 -- they set none.
-SELECT CASE WHEN g.ok THEN
-            lq_put_plan($1::text, $2::smallint, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-                        $7::integer, $8::integer, $9::text, $10::text[], $11::boolean,
-                        $12::jsonb, $14::jsonb, $15::text) END AS tenants,
-       g.ok AS precondition_met
-  FROM (SELECT lq_named_precondition('plan', $1::text, $13::text[]) AS ok OFFSET 0) AS g
+SELECT * FROM lq_put_plan_if_match($1::text, $2::smallint, $3::bigint, $4::bigint,
+                                   $5::bigint, $6::bigint, $7::integer, $8::integer,
+                                   $9::text, $10::text[], $11::boolean, $12::jsonb,
+                                   $14::jsonb, $15::text, $13::text[])
 
 -- get_plans --
 -- One plan ($1), or every plan ($1 NULL), with how many tenants are on each.
@@ -188,13 +117,11 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM gone) THEN 'deleted'
 -- Create or replace a provider ceiling; its policy_version (see lq_put_ceiling).
 -- $11 is the If-Match list, as put_plan's; $12 to $14 the alert settings, $15
 -- the ladder's queue steps, $16 the deployment it is scoped to.
-SELECT CASE WHEN g.ok THEN
-            lq_put_ceiling($1::text, $2::text[], $3::bigint, $4::bigint, $5::bigint,
-                           $6::bigint, $7::integer, $8::float8[], $9::smallint[],
-                           $10::bigint[], $12::numeric[], $13::float8,
-                           $14::float8, $15::integer[], $16::text) END AS policy_version,
-       g.ok AS precondition_met
-  FROM (SELECT lq_named_precondition('ceiling', $1::text, $11::text[]) AS ok OFFSET 0) AS g
+SELECT * FROM lq_put_ceiling_if_match($1::text, $2::text[], $3::bigint, $4::bigint,
+                                      $5::bigint, $6::bigint, $7::integer, $8::float8[],
+                                      $9::smallint[], $10::bigint[], $12::numeric[],
+                                      $13::float8, $14::float8, $15::integer[], $16::text,
+                                      $11::text[])
 
 -- get_ceilings --
 -- One ceiling ($1), or every one ($1 NULL), refilled to now (read only), with
@@ -239,30 +166,9 @@ SELECT tenant,
  LIMIT $1::integer
 
 -- cool_down_ceilings --
--- The provider refused model $1 (429): every ceiling matching it that bounds
--- the deployment $3 (scoped to it, or unless $4 to no deployment; $3 NULL:
--- every ceiling) is emptied and debited the refill of $2 seconds, so that it
--- admits nothing for that long and then refills at its own rate. Locked in
--- layer_id order, the admission's order. The names of the ceilings cooled down.
-WITH locked AS (
-    SELECT l.layer_id
-      FROM limit_layers AS l
-     WHERE l.scope = 'ceiling'
-       AND l.tokens_per_minute IS NOT NULL
-       AND $1::text LIKE ANY (l.model_patterns)
-       AND ($3::text IS NULL OR l.upstream = $3::text
-            OR (l.upstream IS NULL AND NOT $4::boolean))
-     ORDER BY l.layer_id
-       FOR UPDATE
-)
-UPDATE limit_layers AS l
-   SET tokens = least(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
-                                  greatest(l.refilled_at, clock_timestamp())), 0)
-                - l.tokens_per_minute / 60.0 * $2::float8,
-       refilled_at = greatest(l.refilled_at, clock_timestamp())
-  FROM locked
- WHERE l.layer_id = locked.layer_id
-RETURNING l.ceiling
+-- The provider refused model $1 (429): the ceilings bounding deployment $3
+-- admit nothing for $2 seconds (see lq_cool_down_ceilings); their names.
+SELECT * FROM lq_cool_down_ceilings($1::text, $2::float8, $3::text, $4::boolean)
 
 -- delete_ceiling --
 -- Delete a provider ceiling; one row when it existed. Open reservations
@@ -300,61 +206,26 @@ SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
  WHERE $1::text = 'global'
 
 -- ensure_tenant --
--- Register a tenant (with an empty tenant layer: no limits of its own yet).
-WITH new_tenant AS (
-    INSERT INTO tenants (tenant) VALUES ($1::text)
-    ON CONFLICT DO NOTHING
-    RETURNING tenant
-)
-INSERT INTO limit_layers (scope, tenant)
-SELECT 'tenant', tenant FROM new_tenant
+-- Register a tenant, with an empty tenant layer: no limits of its own yet
+-- (see lq_ensure_tenant).
+SELECT lq_ensure_tenant($1::text)
 
 -- tenant_exists --
 -- Whether a tenant is registered.
 SELECT EXISTS (SELECT 1 FROM tenants WHERE tenant = $1::text)
 
 -- insert_api_key --
--- Store a key's digest for a tenant (NULL: an admin key) with its prefix $3,
--- label $4, scopes $5 and expiry $6, registering the tenant if it is new (as
--- ensure_tenant does). The expiry must be in the future by the database's
--- clock: no row otherwise, and no tenant registered either. With $14, the
--- key's own limits in the same statement: its layer (tokens $7, burst $8,
--- requests $9, burst $10, permits $11, starting full) and its models ($12 as
--- written, $13 as LIKE patterns).
-WITH valid AS (
-    SELECT $6::timestamptz IS NULL OR $6::timestamptz > clock_timestamp() AS ok
-), new_tenant AS (
-    INSERT INTO tenants (tenant)
-    SELECT $2::text FROM valid WHERE ok AND $2::text IS NOT NULL
-    ON CONFLICT DO NOTHING
-    RETURNING tenant
-), new_layer AS (
-    INSERT INTO limit_layers (scope, tenant)
-    SELECT 'tenant', tenant FROM new_tenant
-), new_key AS (
-    INSERT INTO api_keys (key_hash, tenant, prefix, label, scopes, expires_at, models)
-    SELECT $1::bytea, $2::text, $3::text, $4::text, $5::text[], $6::timestamptz, $12::text[]
-      FROM valid WHERE ok
-    RETURNING key_id, tenant, prefix, label, scopes, created_at, expires_at, revoked_at, models
-), key_layer AS (
-    INSERT INTO limit_layers (scope, tenant, api_key_id, tokens_per_minute, token_burst,
-                              requests_per_minute, request_burst, max_in_flight,
-                              allowed_models, tokens, requests)
-    SELECT 'key', k.tenant, k.key_id, $7::bigint, $8::bigint, $9::bigint, $10::bigint,
-           $11::integer, $13::text[], $8::bigint, $10::bigint
-      FROM new_key AS k
-     WHERE $14::boolean AND k.tenant IS NOT NULL
-    RETURNING tokens_per_minute, token_burst, requests_per_minute, request_burst, max_in_flight
-)
-SELECT k.*, NULL::timestamptz AS last_used_at, l.*
-  FROM new_key AS k LEFT JOIN key_layer AS l ON true
+-- Store a key's digest, registering its tenant if new, with its own limits
+-- when $14 (see lq_insert_api_key); no row when the expiry $6 has passed.
+SELECT * FROM lq_insert_api_key($1::bytea, $2::text, $3::text, $4::text, $5::text[],
+                                 $6::timestamptz, $7::bigint, $8::bigint, $9::bigint,
+                                 $10::bigint, $11::integer, $12::text[], $13::text[],
+                                 $14::boolean)
 
 -- insert_first_admin_key --
--- Store an admin key's digest unless an admin key exists already.
-INSERT INTO api_keys (key_hash, tenant, prefix, label)
-SELECT $1::bytea, NULL, $2::text, 'generated at first start'
- WHERE NOT EXISTS (SELECT 1 FROM api_keys WHERE tenant IS NULL)
-RETURNING key_id
+-- Store an admin key's digest unless an admin key exists already (see
+-- lq_insert_first_admin_key).
+SELECT * FROM lq_insert_first_admin_key($1::bytea, $2::text)
 
 -- find_api_key --
 -- The usable key with this digest (its current secret, or its previous one
@@ -394,82 +265,19 @@ SELECT lq_revoke_key($1::bigint, $2::text, $3::boolean) AS outcome
 
 -- rotate_api_key --
 -- Give key $1 (of tenant $2; an admin key when $3) the new digest $4 and
--- prefix $5; the old secret stays valid for $6 seconds (none when 0). A
--- revoked or expired key is not rotated: `rotated` false then. No row: no
--- such key of that kind.
-WITH target AS (
-    SELECT key_id, revoked_at IS NULL
-                   AND (expires_at IS NULL OR expires_at > clock_timestamp()) AS usable
-      FROM api_keys
-     WHERE key_id = $1::bigint
-       AND CASE WHEN $3::boolean THEN tenant IS NULL ELSE tenant = $2::text END
-), rotated AS (
-    UPDATE api_keys AS k
-       SET previous_hash = CASE WHEN $6::integer > 0 THEN k.key_hash END,
-           previous_expires_at = CASE WHEN $6::integer > 0
-                                      THEN clock_timestamp() + make_interval(secs => $6::integer)
-                                 END,
-           key_hash = $4::bytea,
-           prefix = $5::text
-      FROM target
-     WHERE k.key_id = target.key_id AND target.usable
-    RETURNING k.key_id, k.tenant, k.prefix, k.label, k.scopes, k.created_at, k.expires_at,
-              k.revoked_at, k.models
-)
-SELECT t.usable AS rotated, r.key_id, r.tenant, r.prefix, r.label, r.scopes, r.created_at,
-       r.expires_at, r.revoked_at, u.last_used_at, r.models, l.tokens_per_minute,
-       l.token_burst, l.requests_per_minute, l.request_burst, l.max_in_flight
-  FROM target AS t
-  LEFT JOIN rotated AS r USING (key_id)
-  LEFT JOIN api_key_uses AS u ON u.key_id = r.key_id
-  LEFT JOIN limit_layers AS l ON l.api_key_id = r.key_id
+-- prefix $5, the old one valid $6 seconds more (see lq_rotate_api_key).
+SELECT * FROM lq_rotate_api_key($1::bigint, $2::text, $3::boolean, $4::bytea, $5::text,
+                                 $6::integer)
 
 -- put_key_limits --
--- Replace the limits of key $1 of tenant $2 (tokens $3, burst $4, requests $5,
--- burst $6, permits $7; models $8 as written, $9 as LIKE patterns), creating
--- its layer on first use. As put_policy: the balance refills under the old
--- rules up to now, then is clamped to the new capacity; a limit that did not
--- exist before starts full. Writing the key row announces it (api_keys_announce):
--- every worker looks the key up again and sees its layer and models. A
--- revoked key keeps its row; its limits can still be read, not changed: no
--- row then, as for no such key.
-WITH target AS (
-    UPDATE api_keys AS k
-       SET models = $8::text[]
-     WHERE k.key_id = $1::bigint AND k.tenant = $2::text AND k.revoked_at IS NULL
-    RETURNING k.key_id, k.tenant
-)
-INSERT INTO limit_layers AS l (scope, tenant, api_key_id, tokens_per_minute, token_burst,
-                               requests_per_minute, request_burst, max_in_flight,
-                               allowed_models, tokens, requests)
-SELECT 'key', t.tenant, t.key_id, $3::bigint, $4::bigint, $5::bigint, $6::bigint,
-       $7::integer, $9::text[], $4::bigint, $6::bigint
-  FROM target AS t
-ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id) DO UPDATE
-   SET tokens_per_minute   = excluded.tokens_per_minute,
-       token_burst         = excluded.token_burst,
-       requests_per_minute = excluded.requests_per_minute,
-       request_burst       = excluded.request_burst,
-       max_in_flight       = excluded.max_in_flight,
-       allowed_models      = excluded.allowed_models,
-       policy_version      = nextval('policy_version_seq'),
-       tokens = lq_rebalanced(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at,
-                               excluded.tokens_per_minute, excluded.token_burst,
-                               clock_timestamp()),
-       requests = lq_rebalanced(l.requests, l.requests_per_minute, l.request_burst,
-                                 l.refilled_at, excluded.requests_per_minute,
-                                 excluded.request_burst, clock_timestamp()),
-       refilled_at = greatest(l.refilled_at, clock_timestamp())
-RETURNING l.layer_id
+-- Replace the limits of key $1 of tenant $2 (see lq_put_key_limits); no row:
+-- no such key, or revoked.
+SELECT * FROM lq_put_key_limits($1::bigint, $2::text, $3::bigint, $4::bigint, $5::bigint,
+                                 $6::bigint, $7::integer, $8::text[], $9::text[])
 
 -- note_key_use --
--- Remember that key $1 was used now (a worker calls this at most once a
--- minute per key; api_key_uses is apart from api_keys so this fires no
--- announcement and takes no lock a revocation would wait on).
-INSERT INTO api_key_uses (key_id, last_used_at)
-SELECT key_id, clock_timestamp() FROM api_keys WHERE key_id = $1::bigint
-ON CONFLICT (key_id) DO UPDATE SET last_used_at = greatest(api_key_uses.last_used_at,
-                                                           excluded.last_used_at)
+-- Remember that key $1 was used now (see lq_note_key_use).
+SELECT lq_note_key_use($1::bigint)
 
 -- suspended_tenants --
 -- Every suspended tenant (workers keep the list with their policies, so
@@ -477,12 +285,9 @@ ON CONFLICT (key_id) DO UPDATE SET last_used_at = greatest(api_key_uses.last_use
 SELECT tenant FROM tenants WHERE suspended_at IS NOT NULL ORDER BY tenant
 
 -- suspend_tenant --
--- Suspend ($2 true) or resume tenant $1; a repeat keeps the first suspension's
--- time. No row: no such tenant.
-UPDATE tenants
-   SET suspended_at = CASE WHEN $2::boolean THEN coalesce(suspended_at, clock_timestamp()) END
- WHERE tenant = $1::text
-RETURNING tenant, suspended_at
+-- Suspend ($2 true) or resume tenant $1 (see lq_suspend_tenant). No row: no
+-- such tenant.
+SELECT * FROM lq_suspend_tenant($1::text, $2::boolean)
 
 -- layer_status --
 -- The global layer (summed over its shards) and every layer of one tenant,
@@ -554,20 +359,9 @@ SELECT CASE WHEN grouping(g.path) = 0 THEN g.path END AS serving_path,
  ORDER BY grouping(g.path) DESC, g.path
 
 -- purge_finished --
--- Delete up to $2 reservations finished longer ago than $1 seconds (their
--- ledger rows stay); idempotency keys live as long as their reservation.
-WITH purged AS (
-    DELETE FROM reservations
-     WHERE reservation_id IN (
-           SELECT reservation_id
-             FROM reservations
-            WHERE state <> 'active'
-              AND finished_at < clock_timestamp() - make_interval(secs => $1::integer)
-            LIMIT $2::integer
-              FOR UPDATE SKIP LOCKED)
-    RETURNING 1
-)
-SELECT count(*) AS purged FROM purged
+-- Delete up to $2 reservations finished longer ago than $1 seconds (see
+-- lq_purge_finished).
+SELECT lq_purge_finished($1::integer, $2::integer) AS purged
 
 -- ensure_ledger_partitions --
 -- Create the ledger's monthly partitions for this month and $1 months ahead

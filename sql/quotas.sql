@@ -287,6 +287,7 @@ CREATE OR REPLACE FUNCTION lq_quota_apply(
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts constant timestamptz := clock_timestamp();
     q      quotas;
     before quota_windows;
     after  quota_windows;
@@ -298,7 +299,7 @@ BEGIN
            charged_tokens  = greatest(w.charged_tokens + coalesce(p_charged_tokens, 0), 0),
            reserved_cost   = greatest(w.reserved_cost + coalesce(p_reserved_cost, 0), 0),
            charged_cost    = greatest(w.charged_cost + coalesce(p_charged_cost, 0), 0),
-           updated_at      = clock_timestamp()
+           updated_at      = now_ts
      WHERE w.window_id = before.window_id
     RETURNING w.* INTO after;
     SELECT * INTO q FROM quotas WHERE quota_id = p_quota_id;
@@ -381,6 +382,7 @@ RETURNS TABLE (entry_id bigint, applied boolean, amount numeric, balance numeric
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts  constant timestamptz := clock_timestamp();
     account credit_accounts;
     earlier credit_ledger;
     entry   credit_ledger;
@@ -404,7 +406,7 @@ BEGIN
        SET balance = entry.balance_after,
            funded_at = entry.recorded_at,
            funded_balance = entry.balance_after - a.reserved,
-           updated_at = clock_timestamp()
+           updated_at = now_ts
      WHERE a.tenant = p_tenant
     RETURNING * INTO account;
     RETURN QUERY SELECT entry.entry_id, true, entry.amount, account.balance, account.reserved,
@@ -429,6 +431,7 @@ CREATE OR REPLACE FUNCTION lq_credit_apply(
 LANGUAGE plpgsql
 AS $$
 DECLARE
+    now_ts  constant timestamptz := clock_timestamp();
     before  credit_accounts;
     after   credit_accounts;
     charged numeric := 0;
@@ -446,7 +449,7 @@ BEGIN
     UPDATE credit_accounts AS a
        SET reserved = greatest(a.reserved + coalesce(p_reserved_delta, 0), 0),
            balance = a.balance - charged,
-           updated_at = clock_timestamp()
+           updated_at = now_ts
      WHERE a.tenant = p_tenant
     RETURNING * INTO after;
     IF before.funded_at IS NOT NULL THEN
@@ -454,7 +457,7 @@ BEGIN
                                 after.alerts, after.funded_at, NULL,
                                 before.funded_balance - (before.balance - before.reserved),
                                 after.funded_balance - (after.balance - after.reserved),
-                                after.funded_balance, clock_timestamp(),
+                                after.funded_balance, now_ts,
                                 '{"unit": "credits"}');
     END IF;
     RETURN after;
@@ -479,27 +482,255 @@ RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE plpgsql STABLE
 AS $$
 #variable_conflict use_column
+DECLARE
+    since constant timestamptz := (date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')
+                                   - interval '1 month') AT TIME ZONE 'UTC';
+    charged uuid[];
+    models  text[];
+    inputs  bigint[];
+    outputs bigint[];
+    ats     timestamptz[];
+    own     numeric[];
+    costs   numeric[];
 BEGIN
+    -- The charged reservations' ledger rows, found through their receipts
+    -- (primary key on reservation_id), then by the ledger's key; priced
+    -- apart (lq_costs says why).
+    SELECT array_agg(rc.reservation_id), array_agg(l.model), array_agg(l.input_tokens),
+           array_agg(l.output_tokens), array_agg(l.recorded_at), array_agg(l.price_usd)
+      INTO charged, models, inputs, outputs, ats, own
+      FROM credit_ledger AS c
+           JOIN ledger_receipts AS rc ON rc.reservation_id = c.reservation_id
+           JOIN usage_ledger AS l ON l.entry_id = rc.entry_id AND l.recorded_at = rc.recorded_at
+     WHERE c.entry_kind = 'charge' AND c.recorded_at >= since;
+    costs := lq_costs(models, inputs, outputs, ats);
     RETURN QUERY
+    WITH priced AS (
+        SELECT u.reservation_id,
+               sum(CASE WHEN u.own IS NULL THEN u.cost
+                        ELSE coalesce(u.cost, 0) + u.own END) AS cost_usd
+          FROM unnest(charged, costs, own)
+               AS u(reservation_id, cost, own)
+         GROUP BY u.reservation_id
+    )
     SELECT 'credit_charge', format('reservation %s (tenant %s, millionths)', c.reservation_id, c.tenant),
            round(coalesce(inv.cost_usd, 0) * 1000000)::bigint, round(-c.amount * 1000000)::bigint
       FROM credit_ledger AS c
-           CROSS JOIN LATERAL (
-               -- The reservation's rows are found through their receipts
-               -- (primary key on reservation_id), then by the ledger's key.
-               SELECT sum(CASE WHEN l.price_usd IS NULL
-                               THEN lq_cost(l.model, l.input_tokens, l.output_tokens,
-                                            l.recorded_at)
-                               ELSE coalesce(lq_cost(l.model, l.input_tokens, l.output_tokens,
-                                                     l.recorded_at), 0) + l.price_usd END)
-                          AS cost_usd
-                 FROM ledger_receipts AS rc
-                      JOIN usage_ledger AS l
-                        ON l.entry_id = rc.entry_id AND l.recorded_at = rc.recorded_at
-                WHERE rc.reservation_id = c.reservation_id) AS inv
+           LEFT JOIN priced AS inv ON inv.reservation_id = c.reservation_id
      WHERE c.entry_kind = 'charge'
-       AND c.recorded_at >= (date_trunc('month', clock_timestamp() AT TIME ZONE 'UTC')
-                             - interval '1 month') AT TIME ZONE 'UTC'
+       AND c.recorded_at >= since
        AND round(coalesce(inv.cost_usd, 0) * 1000000) <> round(-c.amount * 1000000);
+END
+$$;
+
+
+-- The service's writes of quotas, webhooks and their deliveries: functions,
+-- not statements of alerts_queries.sql, because they stamp rows with the
+-- database clock, read once into a variable here, on the node that holds the
+-- rows (in a cell on Citus the call runs whole on the cell's node, and Citus
+-- refuses a volatile function inside a modification of a distributed table).
+
+-- Create or replace a quota of a tenant (p_route and p_key_id NULL), of one of
+-- its routes, or of one of its keys (p_key_id: not revoked; no row
+-- otherwise). created: whether the row is new (xmax = 0 only for a freshly
+-- inserted row). The conflict clause reads the clock from the proposed row:
+-- Citus loses a variable there.
+CREATE OR REPLACE FUNCTION lq_put_quota(
+    p_tenant text, p_route text, p_name text, p_period text, p_timezone text,
+    p_tokens bigint, p_cost numeric, p_models text[], p_model_patterns text[],
+    p_alerts numeric[], p_enforce text, p_key_id bigint
+) RETURNS TABLE (quota_id bigint, created boolean)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    IF p_key_id IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM api_keys AS k
+         WHERE k.key_id = p_key_id AND k.tenant = p_tenant AND k.revoked_at IS NULL) THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    INSERT INTO quotas AS q (tenant, route, name, period, timezone, tokens, cost, models,
+                             model_patterns, alerts, enforce, api_key_id, created_at,
+                             updated_at)
+    VALUES (p_tenant, p_route, p_name, p_period, p_timezone, p_tokens, p_cost, p_models,
+            p_model_patterns, p_alerts, p_enforce, p_key_id, now_ts, now_ts)
+    ON CONFLICT (tenant, (coalesce(route, '')), (coalesce(api_key_id, 0)), name) DO UPDATE
+       SET period = excluded.period, timezone = excluded.timezone, tokens = excluded.tokens,
+           cost = excluded.cost, models = excluded.models,
+           model_patterns = excluded.model_patterns, alerts = excluded.alerts,
+           enforce = excluded.enforce, updated_at = excluded.updated_at
+    RETURNING q.quota_id, (q.xmax = 0);
+END
+$$;
+
+
+-- Create or replace a webhook; created: whether it is new. The conflict
+-- clause reads the clock from the proposed row, as lq_put_quota's.
+CREATE OR REPLACE FUNCTION lq_put_webhook(p_name text, p_url text, p_secret text,
+                                          p_tenant text)
+RETURNS TABLE (created boolean, created_at timestamptz, updated_at timestamptz)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    INSERT INTO webhooks AS w (name, url, secret, tenant, created_at, updated_at)
+    VALUES (p_name, p_url, p_secret, p_tenant, now_ts, now_ts)
+    ON CONFLICT (name) DO UPDATE
+       SET url = excluded.url, secret = excluded.secret, tenant = excluded.tenant,
+           updated_at = excluded.updated_at
+    RETURNING (w.xmax = 0), w.created_at, w.updated_at;
+END
+$$;
+
+
+-- Claim up to p_limit due deliveries for this loop: each claimed row is locked
+-- (SKIP LOCKED: another loop takes other rows, never waits for these), its
+-- attempt counted, and moved p_lease_seconds ahead, so that no loop claims it
+-- again while this one sends. If this loop dies, the delivery is due again
+-- when that lease passes: at least once, and the event id lets a receiver
+-- drop the repeat. At most p_per_webhook deliveries of one webhook are in
+-- flight in this loop: p_busy_webhooks/p_busy_counts are the webhooks it is
+-- sending to now and how many each, and a webhook gets only the oldest of its
+-- due rows that fit the rest. So a receiver that answers slowly holds a few
+-- of the loop's slots, never the batch.
+CREATE OR REPLACE FUNCTION lq_claim_deliveries(
+    p_limit integer, p_lease_seconds float8, p_per_webhook integer,
+    p_busy_webhooks text[], p_busy_counts integer[]
+) RETURNS TABLE (event_id uuid, webhook text, attempts integer, url text, secret text,
+                 age_seconds float8, event_type text, tenant text, subject text,
+                 threshold numeric, window_start timestamptz, window_end timestamptz,
+                 usage numeric, limit_value numeric, projected_exhaustion_at timestamptz,
+                 payload jsonb)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    WITH ranked AS (
+        SELECT d.event_id, d.webhook,
+               row_number() OVER (PARTITION BY d.webhook ORDER BY d.next_attempt_at) AS nth
+          FROM alert_deliveries AS d
+         WHERE d.delivered_at IS NULL
+           AND d.gave_up_at IS NULL
+           AND d.next_attempt_at <= now_ts
+    ), fitting AS (
+        SELECT r.event_id, r.webhook
+          FROM ranked AS r
+               LEFT JOIN unnest(p_busy_webhooks, p_busy_counts) AS busy(webhook, in_flight)
+                      ON busy.webhook = r.webhook
+         WHERE r.nth <= p_per_webhook - coalesce(busy.in_flight, 0)
+    ), due AS (
+        -- The due conditions again on the locked row: another loop may have
+        -- claimed it since `ranked` read it.
+        SELECT d.event_id, d.webhook
+          FROM alert_deliveries AS d
+               JOIN fitting AS f ON f.event_id = d.event_id AND f.webhook = d.webhook
+         WHERE d.delivered_at IS NULL
+           AND d.gave_up_at IS NULL
+           AND d.next_attempt_at <= now_ts
+         ORDER BY d.next_attempt_at
+         LIMIT p_limit
+           FOR UPDATE OF d SKIP LOCKED
+    ), claimed AS (
+        UPDATE alert_deliveries AS d
+           SET attempts = d.attempts + 1,
+               next_attempt_at = now_ts + make_interval(secs => p_lease_seconds),
+               last_attempt_at = now_ts
+          FROM due
+         WHERE d.event_id = due.event_id AND d.webhook = due.webhook
+        RETURNING d.event_id, d.webhook, d.attempts, d.created_at
+    )
+    SELECT c.event_id, c.webhook, c.attempts, w.url, w.secret,
+           extract(epoch FROM now_ts - c.created_at)::float8,
+           o.event_type, o.tenant, o.subject, o.threshold, o.window_start, o.window_end,
+           o.usage, o.limit_value, o.projected_exhaustion_at, o.payload
+      FROM claimed AS c
+           JOIN webhooks AS w ON w.name = c.webhook
+           JOIN alert_outbox AS o ON o.event_id = c.event_id;
+END
+$$;
+
+
+-- Record one attempt (p_attempt, the attempt number the claim gave):
+-- delivered (p_delivered), due again in p_retry_seconds, or given up
+-- (p_retry_seconds NULL). Only the holder of the latest claim changes the
+-- delivery (a loop whose lease ran out and was overtaken changes nothing);
+-- every attempt gets its row either way. updated: whether the delivery row
+-- changed.
+CREATE OR REPLACE FUNCTION lq_record_delivery(
+    p_event_id uuid, p_webhook text, p_attempt integer, p_status integer, p_error text,
+    p_delivered boolean, p_retry_seconds float8, p_duration_ms integer
+) RETURNS TABLE (updated boolean)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+    -- Worked out here, not in the UPDATE: Citus refuses a CASE whose branches
+    -- call a function that is not immutable (timestamptz + interval is stable).
+    delivered_stamp constant timestamptz := CASE WHEN p_delivered THEN now_ts END;
+    gave_up_stamp constant timestamptz :=
+        CASE WHEN NOT p_delivered AND p_retry_seconds IS NULL THEN now_ts END;
+    retry_at constant timestamptz :=
+        CASE WHEN NOT p_delivered THEN now_ts + make_interval(secs => p_retry_seconds) END;
+    changed boolean;
+BEGIN
+    UPDATE alert_deliveries AS d
+       SET delivered_at = delivered_stamp,
+           gave_up_at = gave_up_stamp,
+           next_attempt_at = coalesce(retry_at, d.next_attempt_at),
+           last_status = p_status,
+           last_error = p_error
+     WHERE d.event_id = p_event_id
+       AND d.webhook = p_webhook
+       AND d.attempts = p_attempt
+       AND d.delivered_at IS NULL
+       AND d.gave_up_at IS NULL;
+    changed := FOUND;
+    IF EXISTS (SELECT 1 FROM alert_deliveries AS d
+                WHERE d.event_id = p_event_id AND d.webhook = p_webhook) THEN
+        INSERT INTO alert_delivery_attempts (event_id, webhook, attempt, status, error,
+                                             duration_ms)
+        VALUES (p_event_id, p_webhook, p_attempt, p_status, p_error, p_duration_ms)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    RETURN QUERY SELECT changed;
+END
+$$;
+
+
+-- Forget the episode state of what the detector no longer watches (a ceiling
+-- deleted, a threshold or a bucket removed): the rows none of the samples
+-- (p_ceilings, p_dimensions, p_thresholds) names, of a read at p_read_at
+-- (NULL: the read found no ceiling; now), and that no read since has touched
+-- (a worker whose read is older than another's removes nothing the newer one
+-- recorded).
+CREATE OR REPLACE FUNCTION lq_prune_ceiling_alert_states(
+    p_ceilings text[], p_dimensions text[], p_thresholds numeric[], p_read_at timestamptz
+) RETURNS TABLE (ceiling text)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    read_at constant timestamptz := coalesce(p_read_at, clock_timestamp());
+BEGIN
+    RETURN QUERY
+    DELETE FROM ceiling_alert_episodes AS e
+     WHERE e.sampled_at < read_at
+       AND NOT EXISTS (
+               SELECT 1
+                 FROM unnest(p_ceilings, p_dimensions, p_thresholds)
+                      AS s(ceiling, dimension, threshold)
+                WHERE s.ceiling = e.ceiling AND s.dimension = e.dimension
+                  AND s.threshold = e.threshold)
+    RETURNING e.ceiling;
 END
 $$;

@@ -232,13 +232,16 @@ CREATE OR REPLACE FUNCTION lq_finish_outage(
 ) RETURNS SETOF lq_finish_result
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    now_ts timestamptz;
 BEGIN
     PERFORM 1 FROM reservations AS rs
       WHERE rs.reservation_id = ANY (p_ids)
       ORDER BY rs.reservation_id
         FOR UPDATE;
+    now_ts := clock_timestamp();
     UPDATE reservations AS rs
-       SET usage_at = greatest(least(u.used_at, clock_timestamp()), rs.created_at)
+       SET usage_at = greatest(least(u.used_at, now_ts), rs.created_at)
       FROM unnest(p_ids, p_callers, p_used_at) AS u(id, caller, used_at)
      WHERE rs.reservation_id = u.id
        AND rs.state IN ('active', 'expired')   -- expired: a late settle, charged at it too
@@ -567,7 +570,27 @@ RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
 LANGUAGE plpgsql STABLE
 AS $$
 #variable_conflict use_column
+DECLARE
+    entries bigint[];
+    models  text[];
+    inputs  bigint[];
+    outputs bigint[];
+    ats     timestamptz[];
+    costs   numeric[];
 BEGIN
+    -- The ledger rows a checked window charges, priced apart (lq_costs says
+    -- why) at the moment the usage happened (as `charged` below reads it).
+    SELECT array_agg(g.entry_id), array_agg(g.model), array_agg(g.input_tokens),
+           array_agg(g.output_tokens), array_agg(coalesce(rs.usage_at, g.recorded_at))
+      INTO entries, models, inputs, outputs, ats
+      FROM usage_ledger AS g
+           JOIN reservations AS rs ON rs.reservation_id = g.reservation_id
+     WHERE g.entry_kind IN ('usage', 'late')
+       AND EXISTS (SELECT 1 FROM quota_windows AS w
+                    WHERE w.quota_id = ANY (rs.quota_ids) AND w.tenant = g.tenant
+                      AND coalesce(rs.usage_at, g.recorded_at) >= w.window_start
+                      AND coalesce(rs.usage_at, g.recorded_at) < w.window_end);
+    costs := lq_costs(models, inputs, outputs, ats);
     RETURN QUERY
     WITH win AS (
         SELECT w.*
@@ -588,8 +611,7 @@ BEGIN
         SELECT w.window_id,
                sum(g.input_tokens + g.output_tokens)
                    FILTER (WHERE w.quota_id = ANY (rs.quota_ids)) AS tokens,
-               sum(coalesce(lq_cost(g.model, g.input_tokens, g.output_tokens,
-                                    coalesce(rs.usage_at, g.recorded_at)), 0))
+               sum(coalesce(pc.cost, 0))
                    FILTER (WHERE w.quota_id = ANY (rs.quota_ids)) AS cost,
                bool_or(rs.reservation_id IS NULL) AS purged
           FROM win AS w
@@ -597,6 +619,8 @@ BEGIN
                  ON g.tenant = w.tenant AND g.entry_kind IN ('usage', 'late')
                 AND g.serving_path IS DISTINCT FROM 'cache'
                LEFT JOIN reservations AS rs ON rs.reservation_id = g.reservation_id
+               LEFT JOIN unnest(entries, costs) AS pc(entry_id, cost)
+                      ON pc.entry_id = g.entry_id
          -- the moment the usage happened: the settle's, or the journal's for
          -- usage replayed after an outage (usage_at, which lq_finish charges)
          WHERE coalesce(rs.usage_at, g.recorded_at) >= w.window_start
@@ -651,5 +675,80 @@ BEGIN
     RETURN QUERY SELECT * FROM lq_audit_quota_windows();
     RETURN QUERY SELECT * FROM lq_audit_relayed();
     RETURN QUERY SELECT * FROM lq_audit_credit_charges();
+END
+$$;
+
+
+-- Extend a live lease by p_seconds (NULL: the reservation's own lease) and
+-- bump its generation (the fencing token). p_generation, when given, is the
+-- generation the caller holds: a stale one extends nothing. No row: no such
+-- reservation for this caller (p_tenant NULL: any). A row with a NULL
+-- lease_expires_at: it exists but is finished, its lease ran out, or the
+-- caller's generation is stale. p_relayed: the proxy relayed output of it to
+-- its client, remembered (once) for the audit (reservations.relayed_at). A
+-- function, not a statement, so that the clock is read once into a variable
+-- on the node that holds the reservation (Citus refuses a volatile function
+-- inside an UPDATE of a distributed table).
+CREATE OR REPLACE FUNCTION lq_heartbeat(
+    p_reservation_id uuid, p_tenant text, p_seconds integer, p_generation integer,
+    p_relayed boolean
+) RETURNS TABLE (state text, lease_live boolean, current_generation integer,
+                 lease_expires_at timestamptz, lease_generation integer)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    WITH target AS (
+        SELECT rs.reservation_id, rs.state, rs.lease_generation,
+               rs.state = 'active' AND rs.lease_expires_at > now_ts AS lease_live
+          FROM reservations AS rs
+         WHERE rs.reservation_id = p_reservation_id
+           AND (p_tenant IS NULL OR rs.tenant = p_tenant)
+    ), extended AS (
+        UPDATE reservations AS rs
+           SET lease_expires_at = now_ts
+                                  + make_interval(secs => coalesce(p_seconds, rs.lease_seconds)),
+               lease_generation = rs.lease_generation + 1,
+               relayed_at = CASE WHEN p_relayed THEN coalesce(rs.relayed_at, now_ts)
+                                 ELSE rs.relayed_at END
+          FROM target
+         WHERE rs.reservation_id = target.reservation_id
+           AND rs.state = 'active'
+           AND rs.lease_expires_at > now_ts
+           AND (p_generation IS NULL OR rs.lease_generation = p_generation)
+        RETURNING rs.lease_expires_at, rs.lease_generation
+    )
+    SELECT target.state, target.lease_live, target.lease_generation,
+           extended.lease_expires_at, extended.lease_generation
+      FROM target LEFT JOIN extended ON true;
+END
+$$;
+
+
+-- Delete up to p_limit reservations finished longer ago than p_retention_seconds
+-- (their ledger rows stay); idempotency keys live as long as their
+-- reservation. The clock is read once into a variable, as lq_heartbeat's.
+CREATE OR REPLACE FUNCTION lq_purge_finished(p_retention_seconds integer, p_limit integer)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    cutoff constant timestamptz := clock_timestamp()
+                                   - make_interval(secs => p_retention_seconds);
+    purged bigint;
+BEGIN
+    DELETE FROM reservations
+     WHERE reservation_id IN (
+           SELECT reservation_id
+             FROM reservations
+            WHERE state <> 'active'
+              AND finished_at < cutoff
+            LIMIT p_limit
+              FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS purged = ROW_COUNT;
+    RETURN purged;
 END
 $$;

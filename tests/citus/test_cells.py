@@ -22,8 +22,10 @@ import asyncpg
 import pytest
 
 from llmquota.store.cells import Cell, build_cells
-from llmquota.store.sqlfiles import queries
+from llmquota.store.listener import ChangeListener
+from llmquota.store.sqlfiles import named_queries, queries
 from tests.citus.nodes import CitusNodes
+from tests.conftest import in_cell
 
 pytestmark = pytest.mark.citus_only
 
@@ -127,3 +129,111 @@ async def test_admit_settle_release_and_sweep_are_each_one_statement_on_the_cell
             assert await connection.fetchval("SELECT count(*) FROM usage_ledger") == 1
         finally:
             await connection.close()
+
+
+def _writes(key_id: int, reservation: uuid.UUID) -> list[tuple[str, str, list[Any]]]:
+    """The service's other writes (sql/*queries.sql), each with arguments that
+    write something, and the function it must reach the worker as."""
+    secret = "0123456789abcdef0123456789abcdef"
+    return [
+        ("put_tenant_policy", "lq_put_tenant_policy_if_match",
+         ["acme", None, '{"tokens_per_minute": 6000}', None]),
+        ("put_policy", "lq_put_policy",
+         ["route", "acme", "chat", 6000, 600, 60, 10, None, 30, "closed", [], None, None,
+          None, None, None, None]),
+        ("put_global_policy", "lq_put_global_if_match",
+         [100_000, 100_000, 1_000, 1_000, None, 30, "closed", 2, None]),
+        ("put_plan", "lq_put_plan_if_match",
+         ["gold", 1, 1000, 1000, 10, 10, None, 30, "closed", [], False, None, None, None,
+          None]),
+        ("put_ceiling", "lq_put_ceiling_if_match",
+         ["c1", ["gpt-*"], 1000, 1000, 10, 10, None, None, None, None, None, None, None,
+          None, None, None]),
+        ("cool_down_ceilings", "lq_cool_down_ceilings", ["gpt-4o", 5.0, None, False]),
+        ("heartbeat", "lq_heartbeat", [reservation, "acme", None, None, True]),
+        ("rotate_api_key", "lq_rotate_api_key", [key_id, "acme", False, b"\x02" * 32, "p2", 60]),
+        ("put_key_limits", "lq_put_key_limits",
+         [key_id, "acme", 100, 100, 10, 10, 2, [], []]),
+        ("note_key_use", "lq_note_key_use", [key_id]),
+        ("suspend_tenant", "lq_suspend_tenant", ["acme", True]),
+        ("suspend_tenant", "lq_suspend_tenant", ["acme", False]),
+        ("put_quota", "lq_put_quota",
+         ["acme", None, "monthly", "month", "UTC", 1000, None, [], [], [], "block", None]),
+        ("put_webhook", "lq_put_webhook", ["hook", "http://127.0.0.1:9/", secret, None]),
+        ("claim_deliveries", "lq_claim_deliveries", [10, 30.0, 5, [], []]),
+        ("record_delivery", "lq_record_delivery",
+         [uuid.uuid4(), "hook", 1, 200, None, True, None, 5]),
+        ("purge_finished", "lq_purge_finished", [60, 100]),
+        ("ensure_tenant", "lq_ensure_tenant", ["globex"]),
+        ("insert_first_admin_key", "lq_insert_first_admin_key", [b"\x03" * 32, "adm"]),
+    ]  # fmt: skip
+
+
+async def test_the_services_writes_are_each_one_statement_on_the_cells_worker(
+    empty_database_dsn: str, cells: list[Cell]
+) -> None:
+    # The writes that stamp rows with the clock or a policy version, or
+    # announce a change, would be refused by Citus as statements (a volatile
+    # function in an UPDATE; a NOTIFY in a two-phase commit): each is a
+    # function of the cell, delegated like admit.
+    sql = queries() | named_queries("alerts_queries.sql")
+    cell = cells[-1]
+    connection = await asyncpg.connect(
+        empty_database_dsn, server_settings={"search_path": cell.name}
+    )
+    remote = RemoteCommands()
+    try:
+        key = await connection.fetchrow(
+            sql["insert_api_key"], b"\x01" * 32, "acme", "pfx", "label", ["admit"], None,
+            None, None, None, None, None, [], [], False,
+        )  # fmt: skip
+        admitted = await connection.fetch(sql["admit"], *_admit_arguments(1))
+        connection.add_log_listener(remote.listen)
+        await connection.execute(
+            "SET citus.log_remote_commands = on; SET client_min_messages = log"
+        )
+        for name, function, arguments in _writes(key["key_id"], admitted[0]["reservation_id"]):
+            await connection.fetch(sql[name], *arguments)
+            sent = remote.take()
+            assert [(f"{cell.name}.{function}(" in c, node) for c, node in sent] == [
+                (True, cell.node)
+            ], (name, sent)
+        await connection.execute("RESET citus.log_remote_commands")
+        layers = await connection.fetchval(
+            "SELECT count(*) FROM limit_layers WHERE scope IN ('route', 'global', 'ceiling', 'key')"
+        )
+        assert layers == 5  # a route, two global shards, a ceiling, a key's own
+        written = await connection.fetchrow(
+            "SELECT (SELECT count(*) FROM quotas) AS quotas, (SELECT count(*) FROM webhooks)"
+            " AS webhooks, (SELECT count(*) FROM tenants) AS tenants,"
+            " (SELECT count(*) FROM api_key_uses) AS uses"
+        )
+        assert dict(written) == {"quotas": 1, "webhooks": 1, "tenants": 2, "uses": 1}
+    finally:
+        await connection.close()
+
+
+async def test_a_change_in_a_cell_reaches_a_listener_on_the_cells_dsn(
+    empty_database_dsn: str, cells: list[Cell]
+) -> None:
+    # The cell's triggers fire on its worker, where the coordinator's sessions
+    # never hear a NOTIFY: the listener finds the worker and listens there.
+    cell = cells[0]
+    heard: asyncio.Queue[str | None] = asyncio.Queue()
+    listener = ChangeListener(in_cell(empty_database_dsn, cell.name), heard.put_nowait)
+    listener.start()
+    connection = await asyncpg.connect(
+        empty_database_dsn, server_settings={"search_path": cell.name}
+    )
+    try:
+        assert await asyncio.wait_for(heard.get(), 10) is None  # listening: resync first
+        await connection.fetch(queries()["ensure_tenant"], "acme")
+        await connection.fetch(queries()["suspend_tenant"], "acme", True)
+        layers, tenant = [await asyncio.wait_for(heard.get(), 5) for _ in range(2)]
+        # The statement trigger names the shard it fired on (ChangeFeed reads
+        # it as its table); the suspension names the tenant.
+        assert re.fullmatch(r"limit_layers_\d+", layers or ""), layers
+        assert tenant == "tenants:acme"
+    finally:
+        await connection.close()
+        await listener.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -64,6 +65,20 @@ async def raw_layer(
     return row
 
 
+def seconds_before(moment: str, seconds: str) -> str:
+    """SQL for `moment` minus `seconds` seconds that Citus takes in an UPDATE
+    of a cell's table: timestamptz - interval is a stable function, which Citus
+    refuses there over a column, and the same sum on UTC wall time is immutable."""
+    return f"timezone('UTC', timezone('UTC', {moment}) - make_interval(secs => {seconds}))"
+
+
+async def database_now(db: asyncpg.Connection) -> datetime:
+    """The database's clock, read before an UPDATE that needs it (Citus refuses
+    a volatile function in an UPDATE of a distributed table)."""
+    now: datetime = await db.fetchval("SELECT clock_timestamp()")
+    return now
+
+
 async def shift_refill(db: asyncpg.Connection, seconds: float, tenant: str | None = None) -> None:
     """Pretend `seconds` passed since the last refill of every layer (of a tenant).
 
@@ -72,8 +87,8 @@ async def shift_refill(db: asyncpg.Connection, seconds: float, tenant: str | Non
     """
     await asyncio.sleep(MEMORY_SECONDS)
     await db.execute(
-        """UPDATE limit_layers
-              SET refilled_at = refilled_at - make_interval(secs => $1)
+        f"""UPDATE limit_layers
+              SET refilled_at = {seconds_before("refilled_at", "$1")}
             WHERE $2::text IS NULL OR tenant = $2""",
         seconds,
         tenant,
@@ -84,9 +99,10 @@ async def expire_leases(db: asyncpg.Connection, ids: list[uuid.UUID] | None = No
     """Move active leases 1 s into the past (all of them, or the given ones)."""
     result: str = await db.execute(
         """UPDATE reservations
-              SET lease_expires_at = clock_timestamp() - interval '1 second'
+              SET lease_expires_at = $2
             WHERE state = 'active' AND ($1::uuid[] IS NULL OR reservation_id = ANY ($1))""",
         ids,
+        await database_now(db) - timedelta(seconds=1),
     )
     return int(result.rsplit(maxsplit=1)[-1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -25,7 +26,17 @@ from llmquota.domain.errors import (
 )
 from llmquota.domain.tokens import get_encoding
 
-from .support import Clock, attempt, count, put, raw_layer, shift_refill, status, tokens
+from .support import (
+    Clock,
+    attempt,
+    count,
+    database_now,
+    put,
+    raw_layer,
+    shift_refill,
+    status,
+    tokens,
+)
 
 # Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
 pytestmark = pytest.mark.citus
@@ -777,7 +788,8 @@ async def test_reservation_whose_lease_ran_out_exits_without_a_release_conflict(
     async def run() -> None:
         async with limiter.reservation(**REQUEST, lease_seconds=1):
             await db.execute(
-                "UPDATE reservations SET lease_expires_at = clock_timestamp() - interval '1 s'"
+                "UPDATE reservations SET lease_expires_at = $1",
+                await database_now(db) - timedelta(seconds=1),
             )
             if body_raises:
                 raise RuntimeError("provider timed out")

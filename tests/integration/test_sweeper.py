@@ -12,7 +12,7 @@ import pytest
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
 
-from .support import count, expire_leases, put, raw_layer
+from .support import count, database_now, expire_leases, put, raw_layer, seconds_before
 
 # Also run on a Citus coordinator by CI's Citus leg (pyproject.toml's markers).
 pytestmark = pytest.mark.citus
@@ -108,11 +108,12 @@ async def test_sweep_stops_after_max_batches_of_batch_size(
     lapsed = await _reserve(limiter, 50)
     # Distinct deadlines, oldest first in `lapsed`: the sweeper takes the oldest.
     await db.execute(
-        """UPDATE reservations AS r
-              SET lease_expires_at = clock_timestamp() - make_interval(secs => 1000 - u.i)
+        f"""UPDATE reservations AS r
+              SET lease_expires_at = {seconds_before("$2::timestamptz", "1000 - u.i")}
              FROM unnest($1::uuid[]) WITH ORDINALITY AS u(id, i)
             WHERE r.reservation_id = u.id""",
         lapsed,
+        await database_now(db),
     )
 
     first = await limiter.sweep(batch_size=10, max_batches=3)
@@ -178,9 +179,9 @@ async def test_sweep_returns_tokens_and_permits_to_every_layer(
 
 async def _age_finished(db: asyncpg.Connection, ids: list[uuid.UUID], seconds: int) -> None:
     await db.execute(
-        """UPDATE reservations
-              SET finished_at = finished_at - make_interval(secs => $2),
-                  created_at = created_at - make_interval(secs => $2)
+        f"""UPDATE reservations
+              SET finished_at = {seconds_before("finished_at", "$2")},
+                  created_at = {seconds_before("created_at", "$2")}
             WHERE reservation_id = ANY ($1)""",
         ids,
         seconds,
@@ -205,9 +206,10 @@ async def test_purge_deletes_finished_reservations_past_retention_and_keeps_the_
     await _age_finished(db, recent, settings.retention_seconds - 60)
     # An active reservation is never purged, however old.
     await db.execute(
-        "UPDATE reservations SET created_at = created_at - interval '30 days'"
+        f"UPDATE reservations SET created_at = {seconds_before('created_at', '$2')}"
         " WHERE reservation_id = $1",
         active[0],
+        30 * 86_400,
     )
     ledger_before = await db.fetch("SELECT * FROM usage_ledger ORDER BY entry_id")
 

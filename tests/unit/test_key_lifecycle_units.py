@@ -95,6 +95,22 @@ def test_the_change_feed_routes_tenant_announcements_to_the_key_cache() -> None:
     assert (tenants, keys, reloads) == (["acme"], [b"\x00\xff"], [1])
 
 
+def test_the_change_feed_reads_a_citus_shard_name_as_its_table() -> None:
+    # In a cell on Citus the triggers fire on the shards: api_keys_102040.
+    reloads: list[int] = []
+    feed = ChangeFeed(Settings(_env_file=None), lambda: reloads.append(1))  # type: ignore[call-arg]
+    tenants: list[str] = []
+    keys: list[bytes | None] = []
+    feed.watch_tenants(tenants.append)
+    feed.watch_keys(keys.append)
+    feed.changed("tenants_102021:acme_2")
+    feed.changed("api_keys_102040:00ff")
+    assert (tenants, keys, reloads) == (["acme_2"], [b"\x00\xff"], [])
+    feed.changed("limit_layers_102023")
+    feed.changed("plans_7")
+    assert reloads == [1, 1]
+
+
 async def test_a_key_use_is_noted_at_most_once_a_minute() -> None:
     noted: list[int] = []
 

@@ -57,7 +57,8 @@ class ChangeFeed:
     def changed(self, payload: str | None) -> None:
         """One announcement: a table's name, `api_keys:<hex digest>` or
         `tenants:<name>`; None: anything."""
-        table, _, detail = (payload or "").partition(":")
+        shard_or_table, _, detail = (payload or "").partition(":")
+        table = _table_of(shard_or_table)
         if payload is None or table == "api_keys":
             digest = bytes.fromhex(detail) if detail else None
             for dropped in self._key_watchers:
@@ -72,3 +73,11 @@ class ChangeFeed:
         if self.listener is not None:
             await self.listener.close()
             self.listener = None
+
+
+def _table_of(announced: str) -> str:
+    """The table an announcement names. On a Citus worker (a cell of
+    `llmquota migrate --cells`) the trigger fires on the table's shard, whose
+    name is the table's with `_<shard id>` appended."""
+    table, underscore, shard_id = announced.rpartition("_")
+    return table if underscore and shard_id.isdigit() else announced

@@ -192,10 +192,23 @@ async def _distribute(connection: asyncpg.Connection, cell: str) -> bool:
 
 async def _node_of(connection: asyncpg.Connection, cell: str) -> str | None:
     """host:port of the Citus node that holds the cell's tables."""
-    row = await connection.fetchrow(
-        named_queries("cells_queries.sql")["cell_node"], f"{_quoted(cell)}.limit_layers"
-    )
+    row = await connection.fetchrow(named_queries("cells_queries.sql")["cell_node"], _quoted(cell))
     return None if row is None else f"{row['nodename']}:{row['nodeport']}"
+
+
+async def node_of_this_cell(connection: asyncpg.Connection) -> tuple[str, int] | None:
+    """The Citus node that holds the cell this session works in (its DSN's
+    search_path), or None: not Citus, or a schema that is not a distributed
+    cell (plain PostgreSQL's cells live where the DSN points).
+
+    A cell's triggers run on that node, and so do the NOTIFYs they send: a
+    session elsewhere (the coordinator) never hears them.
+    """
+    queries = named_queries("cells_queries.sql")
+    if not await connection.fetchval(queries["is_citus"]):
+        return None
+    row = await connection.fetchrow(queries["cell_node"], None)
+    return None if row is None else (str(row["nodename"]), int(row["nodeport"]))
 
 
 def _quoted(cell: str) -> str:

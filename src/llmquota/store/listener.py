@@ -17,6 +17,12 @@ then reports `None`, "anything may have changed", so the caches resync. A
 session that goes quiet is checked every KEEPALIVE_SECONDS with a round trip
 bounded by KEEPALIVE_TIMEOUT_SECONDS, so a hung one is replaced too. The
 periodic refresh of each cache stays the safety net under all of this.
+
+In a cell on Citus (`llmquota migrate --cells`), the triggers fire on the
+worker that holds the cell's tables, and a NOTIFY reaches only that server's
+sessions: the listener asks where the cell is and listens there, with the
+DSN's user, password and database. A cell moved to another node is found
+again at the next reconnect; until then the periodic refresh covers it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from collections.abc import Callable
 
 import asyncpg
 
+from llmquota.store.cells import node_of_this_cell
 from llmquota.store.connection import UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -78,11 +85,11 @@ class ChangeListener:
 
     async def _listen_once(self) -> None:
         """Connect, LISTEN, report a resync, and deliver messages until the session is lost."""
-        connection: asyncpg.Connection = await asyncpg.connect(
-            self._dsn,
-            timeout=CONNECT_TIMEOUT_SECONDS,
-            server_settings={"application_name": "llmquota-listener"},
-        )
+        connection = await self._connect()
+        node = await node_of_this_cell(connection)
+        if node is not None:
+            await connection.close()
+            connection = await self._connect(*node)
         lost = asyncio.Event()
         connection.add_termination_listener(lambda _: lost.set())
         try:
@@ -95,6 +102,20 @@ class ChangeListener:
                     await connection.execute("SELECT 1", timeout=KEEPALIVE_TIMEOUT_SECONDS)
         finally:
             connection.terminate()
+
+    async def _connect(
+        self, host: str | None = None, port: int | None = None
+    ) -> asyncpg.Connection:
+        """A session of the DSN's, or of its user and database on another node
+        (`host`, `port`: where a Citus cell announces its changes)."""
+        connection: asyncpg.Connection = await asyncpg.connect(
+            self._dsn,
+            host=host,
+            port=port,
+            timeout=CONNECT_TIMEOUT_SECONDS,
+            server_settings={"application_name": "llmquota-listener"},
+        )
+        return connection
 
     def _notified(self, _connection: object, _pid: int, _channel: str, payload: object) -> None:
         try:
