@@ -17,22 +17,17 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
-import uuid
-from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 import httpx
 from tests.api.conftest import ADMIN_KEY, make_tenant
 from tests.citus.nodes import citus_nodes_of
 from tests.support import APP_ROLE, dsn_as
 
+from bench.common import fresh_cluster_database, run_against_database
 from llmquota.api.app import create_app
 from llmquota.config import Settings
 from llmquota.store import migrate
-from llmquota.store.database import open_database
 
 ADMITS = int(os.environ.get("ADMITS", "20"))
 DEADLINE_MS = int(os.environ.get("DEADLINE_MS", "60000"))
@@ -44,23 +39,9 @@ def _summary(times_ms: list[float]) -> str:
     return f"first {times_ms[0]:.1f} ms, median {statistics.median(times_ms):.1f} ms"
 
 
-async def _create_database(server_dsn: str, name: str) -> str:
-    """A fresh database, on every node of a coordinator (its workers first)."""
-    nodes = await citus_nodes_of(server_dsn)
-    for node_dsn in (*(nodes.worker_dsns if nodes else ()), server_dsn):
-        connection = await asyncpg.connect(node_dsn)
-        try:
-            await connection.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await connection.close()
-    return urlunsplit(urlsplit(server_dsn)._replace(path=f"/{name}"))
-
-
 async def measure(server_dsn: str) -> None:
     nodes = await citus_nodes_of(server_dsn)
-    dsn = await _create_database(server_dsn, f"lq_bench_{uuid.uuid4().hex[:8]}")
-    if nodes:
-        await nodes.join(dsn)
+    dsn = await fresh_cluster_database(server_dsn, "lq_bench")
     await asyncio.to_thread(migrate.upgrade, dsn)
     settings = Settings(  # type: ignore[call-arg]
         admin_key=ADMIN_KEY,
@@ -100,15 +81,7 @@ async def measure(server_dsn: str) -> None:
 
 
 def main() -> None:
-    url = os.environ.get("LLMQUOTA_DATABASE_URL")
-    if url:
-        asyncio.run(measure(url))
-        return
-    with (
-        tempfile.TemporaryDirectory(prefix="lq-bench-", ignore_cleanup_errors=True) as root,
-        open_database(data_dir=Path(root) / "data") as handle,
-    ):
-        asyncio.run(measure(handle.dsn))
+    run_against_database(measure)
 
 
 if __name__ == "__main__":

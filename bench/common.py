@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,8 +15,10 @@ from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
+from tests.citus.nodes import citus_nodes_of
 
 from llmquota.store import migrate
+from llmquota.store.database import open_database
 
 # Policies large enough that a throughput run never runs dry: the bench
 # measures the cost of deciding, and refusals are measured by comparisons 4-5.
@@ -203,3 +207,35 @@ def machine_load() -> str:
     """The load average when a measurement starts: the machine is shared."""
     one, five, _ = os.getloadavg()
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
+
+
+async def fresh_cluster_database(server_dsn: str, prefix: str) -> str:
+    """A new database `prefix_<random>` at `server_dsn`'s server; on a Citus
+    coordinator made on every node and joined to the cluster (Citus reaches a
+    worker's database of the coordinator's database's name)."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    nodes = await citus_nodes_of(server_dsn)
+    for node_dsn in (*(nodes.worker_dsns if nodes else ()), server_dsn):
+        connection = await asyncpg.connect(node_dsn)
+        try:
+            await connection.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await connection.close()
+    dsn = urlunsplit(urlsplit(server_dsn)._replace(path=f"/{name}"))
+    if nodes:
+        await nodes.join(dsn)
+    return dsn
+
+
+def run_against_database(measure: Callable[[str], Awaitable[None]]) -> None:
+    """`measure(server_dsn)` against LLMQUOTA_DATABASE_URL's server (e.g. a
+    Citus coordinator of .ci/with-citus), or a fresh embedded PostgreSQL."""
+    url = os.environ.get("LLMQUOTA_DATABASE_URL")
+    if url:
+        asyncio.run(measure(url))
+        return
+    with (
+        tempfile.TemporaryDirectory(prefix="lq-bench-", ignore_cleanup_errors=True) as root,
+        open_database(data_dir=Path(root) / "data") as handle,
+    ):
+        asyncio.run(measure(handle.dsn))

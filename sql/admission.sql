@@ -2630,8 +2630,8 @@ RETURNS TABLE (expired integer, tokens_returned bigint)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    due     uuid[];
-    expired uuid[];
+    due    uuid[];
+    lapsed uuid[];
 BEGIN
     SELECT array_agg(d.reservation_id ORDER BY d.reservation_id)
       INTO due
@@ -2650,7 +2650,7 @@ BEGIN
     -- Finished first, then counted by another statement: Citus refuses a
     -- statement on a cell's tables that calls a function running statements
     -- of its own (lq_finish beside a join with reservations).
-    SELECT array_agg(due[f.ord]) INTO expired
+    SELECT array_agg(due[f.ord]) INTO lapsed
       FROM lq_finish(due,
                      array_fill('expire'::text, ARRAY[cardinality(due)]),
                      array_fill(NULL::text, ARRAY[cardinality(due)]),
@@ -2661,6 +2661,6 @@ BEGIN
     RETURN QUERY
     SELECT count(*)::integer, coalesce(sum(rs.reserved_tokens), 0)::bigint
       FROM reservations AS rs
-     WHERE rs.reservation_id = ANY (expired);
+     WHERE rs.reservation_id = ANY (lapsed);
 END
 $$;

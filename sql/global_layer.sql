@@ -60,12 +60,14 @@ DECLARE
     now_ts   timestamptz;
     old      record;
     k        integer;
-    version  bigint := nextval('policy_version_seq');
+    version  bigint;
     tokens   double precision;
     requests double precision;
     shrinks  boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.global_layer', 0));
+    -- Taken under the lock, so that the write committed last has the highest.
+    version := nextval('policy_version_seq');
     -- The count changes only under the advisory lock held now: read unlocked.
     k := coalesce(p_shards, (SELECT max(l.shards) FROM limit_layers AS l WHERE l.scope = 'global'),
                   1);

@@ -165,7 +165,7 @@ $$;
 -- worker looks the key up again and sees its layer and models. A revoked key
 -- keeps its row; its limits can still be read, not changed: no row then, as
 -- for no such key. The conflict clause reads the clock and the version from
--- the proposed row, as lq_put_policy's does.
+-- the proposed row, taken under lq_lock_policy_key, as lq_put_policy's does.
 CREATE OR REPLACE FUNCTION lq_put_key_limits(
     p_key_id bigint, p_tenant text, p_tokens_per_minute bigint, p_token_burst bigint,
     p_requests_per_minute bigint, p_request_burst bigint, p_max_in_flight integer,
@@ -175,6 +175,7 @@ LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 BEGIN
+    PERFORM lq_lock_policy_key('key', p_tenant, NULL, NULL, p_key_id);
     UPDATE api_keys AS k
        SET models = p_models
      WHERE k.key_id = p_key_id AND k.tenant = p_tenant AND k.revoked_at IS NULL;

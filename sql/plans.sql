@@ -172,6 +172,7 @@ AS $$
 DECLARE
     members bigint[];
 BEGIN
+    PERFORM lq_lock_policy_key('plan', NULL, NULL, p_plan, NULL);
     INSERT INTO plans AS p (plan, priority, tokens_per_minute, token_burst, requests_per_minute,
                             request_burst, max_in_flight, lease_seconds, failure_mode,
                             fallback_models, prepaid, output_estimate, cache, admission,
@@ -244,6 +245,7 @@ AS $$
 DECLARE
     version bigint;
 BEGIN
+    PERFORM lq_lock_policy_key('ceiling', NULL, NULL, p_ceiling, NULL);
     INSERT INTO limit_layers AS l (scope, ceiling, models, model_patterns, tokens_per_minute,
                                    token_burst, requests_per_minute, request_burst,
                                    max_in_flight, shed_above, shed_admit, shed_small,
@@ -424,6 +426,23 @@ $$;
 -- the rows (in a cell on Citus the call runs whole on the cell's node, and
 -- Citus refuses a volatile function inside an UPDATE of a distributed table).
 
+-- Serialize the writes of one policy (a tenant's, a route's, a ceiling's or a
+-- key's layer, or a plan), its first creation included, for the rest of the
+-- transaction: a write reads the clock and takes its policy version after
+-- this, so the write committed last has the highest version (the policy
+-- cache's snapshot is the highest version) and the latest clock (a plan's
+-- ETag). A row lock could not order two first writes of one that does not
+-- exist yet.
+CREATE OR REPLACE FUNCTION lq_lock_policy_key(p_scope text, p_tenant text, p_route text,
+                                             p_ceiling text, p_key_id bigint)
+RETURNS void
+LANGUAGE sql
+AS $$
+    SELECT pg_advisory_xact_lock(hashtextextended(
+        concat_ws('/', 'llmquota.policy', p_scope, p_tenant, p_route, p_ceiling, p_key_id), 0))
+$$;
+
+
 -- Create or replace the policy of a route (a tenant's goes through
 -- lq_put_tenant_policy, for its plan; the global layer's through lq_put_global).
 -- The balance refills under the old rules up to now, then is clamped to the
@@ -446,7 +465,9 @@ LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 BEGIN
-    IF NOT lq_policy_precondition(p_scope, p_tenant, p_route, NULL, p_if_match) THEN
+    PERFORM lq_lock_policy_key(p_scope, p_tenant, p_route, NULL, NULL);
+    IF NOT coalesce(lq_policy_precondition(p_scope, p_tenant, p_route, NULL, p_if_match),
+                    false) THEN
         RETURN;
     END IF;
     RETURN QUERY
@@ -574,7 +595,10 @@ CREATE OR REPLACE FUNCTION lq_put_global_if_match(
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF NOT lq_policy_precondition('global', NULL, NULL, NULL, p_if_match) THEN
+    -- lq_put_global's lock first, then the check's row locks: the order a
+    -- write without If-Match takes them in, so the two never deadlock.
+    PERFORM pg_advisory_xact_lock(hashtextextended('llmquota.global_layer', 0));
+    IF NOT coalesce(lq_policy_precondition('global', NULL, NULL, NULL, p_if_match), false) THEN
         RETURN QUERY SELECT NULL::bigint, false;
     ELSE
         RETURN QUERY SELECT lq_put_global(p_tpm, p_tburst, p_rpm, p_rburst, p_max_if, p_lease,
@@ -589,7 +613,7 @@ CREATE OR REPLACE FUNCTION lq_put_tenant_policy_if_match(
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF NOT lq_policy_precondition('tenant', p_tenant, NULL, p_plan, p_if_match) THEN
+    IF NOT coalesce(lq_policy_precondition('tenant', p_tenant, NULL, p_plan, p_if_match), false) THEN
         RETURN QUERY SELECT NULL::bigint, false;
     ELSE
         RETURN QUERY SELECT lq_put_tenant_policy(p_tenant, p_plan, p_own), true;
@@ -606,7 +630,8 @@ CREATE OR REPLACE FUNCTION lq_put_plan_if_match(
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF NOT lq_named_precondition('plan', p_plan, p_if_match) THEN
+    PERFORM lq_lock_policy_key('plan', NULL, NULL, p_plan, NULL);  -- lq_put_plan's order
+    IF NOT coalesce(lq_named_precondition('plan', p_plan, p_if_match), false) THEN
         RETURN QUERY SELECT NULL::integer, false;
     ELSE
         RETURN QUERY SELECT lq_put_plan(p_plan, p_priority, p_tpm, p_tburst, p_rpm, p_rburst,
@@ -627,7 +652,8 @@ CREATE OR REPLACE FUNCTION lq_put_ceiling_if_match(
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    IF NOT lq_named_precondition('ceiling', p_ceiling, p_if_match) THEN
+    PERFORM lq_lock_policy_key('ceiling', NULL, NULL, p_ceiling, NULL);  -- lq_put_ceiling's order
+    IF NOT coalesce(lq_named_precondition('ceiling', p_ceiling, p_if_match), false) THEN
         RETURN QUERY SELECT NULL::bigint, false;
     ELSE
         RETURN QUERY SELECT lq_put_ceiling(p_ceiling, p_models, p_tpm, p_tburst, p_rpm,

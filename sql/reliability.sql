@@ -698,8 +698,12 @@ LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 DECLARE
-    now_ts constant timestamptz := clock_timestamp();
+    now_ts timestamptz;
 BEGIN
+    -- The row first, then the clock: a heartbeat that waited for another's
+    -- lock extends from when it runs.
+    PERFORM 1 FROM reservations AS rs WHERE rs.reservation_id = p_reservation_id FOR UPDATE;
+    now_ts := clock_timestamp();
     RETURN QUERY
     WITH target AS (
         SELECT rs.reservation_id, rs.state, rs.lease_generation,

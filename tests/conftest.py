@@ -39,7 +39,7 @@ import pytest
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
 from llmquota.store import migrate
-from llmquota.store.cells import build_cells, cell_name
+from llmquota.store.cells import build_cells, cell_name, in_cell
 from llmquota.store.database import open_database
 from llmquota.store.store import Store
 from tests.citus.nodes import CitusNodes, citus_nodes_of
@@ -185,11 +185,6 @@ async def database_dsn(
     await _create_database(server_dsn, citus_nodes, name, template_database)
     yield in_test_cell(dsn_with_database(server_dsn, name))
     await _drop_database(server_dsn, citus_nodes, name)
-
-
-def in_cell(dsn: str, cell: str) -> str:
-    """`dsn` with the cell as its search_path: what a service of that cell connects with."""
-    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={cell}"
 
 
 def in_test_cell(dsn: str) -> str:

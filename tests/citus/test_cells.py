@@ -21,11 +21,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from llmquota.store.cells import Cell, build_cells
+from llmquota.store.cells import Cell, build_cells, in_cell
 from llmquota.store.listener import ChangeListener
 from llmquota.store.sqlfiles import named_queries, queries
 from tests.citus.nodes import CitusNodes
-from tests.conftest import in_cell
 
 pytestmark = pytest.mark.citus_only
 

@@ -12,18 +12,24 @@ one statement on that worker.
 from __future__ import annotations
 
 import asyncio
+import random
+from collections import Counter
 
 import asyncpg
 import pytest
 
+from llmquota.admission.cells import CellLimiters
 from llmquota.admission.limiter import Limiter, Reservation
 from llmquota.config import Settings
+from llmquota.domain.cells import cell_of
 from llmquota.domain.errors import RateLimited
+from llmquota.domain.policy import Policy
+from llmquota.finance.ledger import LedgerStore
 from llmquota.store import migrate
-from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name
+from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name, in_cell
 from llmquota.store.migrate import MigrationRefused
 from tests.conftest import _admin as _execute
-from tests.conftest import audit_findings, in_cell
+from tests.conftest import audit_findings
 from tests.support import APP_ROLE, dsn_as, run_cli
 
 from .support import attempt
@@ -307,3 +313,131 @@ def test_migrate_cells_from_the_command_line(empty_database_dsn: str) -> None:
     ]
     assert refused.returncode == 2
     assert "this database has 2 cells (cell_1, cell_2)" in refused.stderr
+
+
+TENANTS = [f"tenant-{i:02d}" for i in range(40)]
+PER_TENANT = 5  # concurrent requests of each tenant: 200 in all
+TENANT_ROOM = 4  # the reservations each tenant's burst holds
+
+
+async def _demand(cells: CellLimiters) -> dict[str, list[Reservation]]:
+    """Every tenant's PER_TENANT requests at once, each to its tenant's cell:
+    what each tenant was admitted (a refusal is RateLimited, nothing else)."""
+
+    async def one(tenant: str) -> Reservation | Exception:
+        return await attempt(cells.for_tenant(tenant), **{**REQUEST, "tenant": tenant})
+
+    results = await asyncio.gather(*(one(t) for t in TENANTS for _ in range(PER_TENANT)))
+    assert all(isinstance(r, Reservation | RateLimited) for r in results), results
+    admitted: dict[str, list[Reservation]] = {t: [] for t in TENANTS}
+    for result in results:
+        if isinstance(result, Reservation):
+            admitted[result.tenant].append(result)
+    return admitted
+
+
+async def test_forty_tenants_in_two_cells_admit_exactly_each_tenants_burst_and_the_global_one(
+    cells_dsn: str, settings: Settings
+) -> None:
+    # The library's router (admission/cells.py): a Limiter per cell, each
+    # tenant in the cell its name hashes to, the global policy a slice per
+    # cell. On CI's Citus leg the two cells are on the two workers.
+    placed = Counter(cell_of(t, CELLS) for t in TENANTS)
+    assert placed == {1: 20, 2: 20}
+    async with await CellLimiters.connect(dsn_as(cells_dsn, APP_ROLE), settings) as cells:
+        for tenant in TENANTS:
+            await cells.for_tenant(tenant).store.put_policy(
+                "tenant", tenant, None, Policy(tokens_per_minute=1, token_burst=TENANT_ROOM * COST)
+            )
+        # A global burst far from the demand: each tenant gets exactly its own.
+        await cells.put_global_policy(Policy(tokens_per_minute=CELLS, token_burst=1_000 * COST))
+        first = await _demand(cells)
+        assert {t: len(r) for t, r in first.items()} == dict.fromkeys(TENANTS, TENANT_ROOM)
+        for reservations in first.values():
+            for reservation in reservations:
+                await reservation.release()
+
+        # A global burst of 100 requests, 50 a cell, below each cell's demand
+        # of 80: exactly the global burst, each cell exactly its slice, and
+        # still no tenant beyond its own.
+        await cells.put_global_policy(Policy(tokens_per_minute=CELLS, token_burst=100 * COST))
+        second = await _demand(cells)
+        per_cell = Counter(cell_of(t, CELLS) for t, r in second.items() for _ in r)
+        assert per_cell == {1: 50, 2: 50}
+        assert max(len(r) for r in second.values()) <= TENANT_ROOM
+        for reservations in second.values():
+            for reservation in reservations:
+                await reservation.settle(input_tokens=100, output_tokens=50)
+    for number in range(1, CELLS + 1):
+        cell = in_cell(cells_dsn, cell_name(number))
+        assert await _ledger_rows(cell) == 50
+        assert await audit_findings(cell) == []
+
+
+async def _exported(owner_cell_dsn: str) -> Counter[tuple[object, ...]]:
+    """The cell's ledger as `llmquota ledger export` pages it: (reservation, kind, in, out)."""
+    connection = await asyncpg.connect(owner_cell_dsn)
+    try:
+        rows = LedgerStore(connection).export(0, limit=None, page_rows=7, number_limit=7)
+        return Counter(
+            [(e.reservation_id, e.entry_kind, e.input_tokens, e.output_tokens) async for e in rows]
+        )
+    finally:
+        await connection.close()
+
+
+async def test_random_admits_settles_releases_and_sweeps_over_cells_leave_exact_books(
+    cells_dsn: str, settings: Settings
+) -> None:
+    # Each request's fate is drawn before it is sent: settled, released, or
+    # left to lapse (a 1 s lease), swept, and half of those settled late. The
+    # ledger each cell exports is then exactly what was done there, row for
+    # row, and each cell's audit is clean.
+    rng = random.Random(26)
+    tenants = TENANTS[:12]
+    expected: Counter[tuple[object, ...]] = Counter()
+    lapsing: list[Reservation] = []
+    async with await CellLimiters.connect(dsn_as(cells_dsn, APP_ROLE), settings) as cells:
+        for tenant in tenants:
+            await cells.for_tenant(tenant).store.put_policy(
+                "tenant", tenant, None, Policy(tokens_per_minute=1, token_burst=6 * COST)
+            )
+        await cells.put_global_policy(Policy(tokens_per_minute=CELLS, token_burst=40 * COST))
+        for _ in range(6):
+            fates = [
+                (rng.choice(tenants), rng.choice(["settle", "release", "lapse"])) for _ in range(20)
+            ]
+            results = await asyncio.gather(
+                *(
+                    attempt(cells.for_tenant(t), **{**REQUEST, "tenant": t},
+                            lease_seconds=1 if fate == "lapse" else 60)
+                    for t, fate in fates
+                )
+            )  # fmt: skip
+            finishing = []
+            for (_, fate), result in zip(fates, results, strict=True):
+                if not isinstance(result, Reservation):
+                    assert isinstance(result, RateLimited), result
+                elif fate == "settle":
+                    used = (rng.randint(1, 100), rng.randint(0, 900))
+                    finishing.append(result.settle(input_tokens=used[0], output_tokens=used[1]))
+                    expected[(result.reservation_id, "usage", *used)] += 1
+                elif fate == "release":
+                    finishing.append(result.release())  # nothing used: no ledger row
+                else:
+                    lapsing.append(result)
+                    expected[(result.reservation_id, "usage", 0, 0)] += 1
+            await asyncio.gather(*finishing)
+        await asyncio.sleep(1.2)
+        swept = [await limiter.sweep() for limiter in cells.limiters]
+        assert sum(s.expired for s in swept) == len(lapsing) > 0
+        for reservation in lapsing[::2]:
+            await reservation.settle(input_tokens=10, output_tokens=20)
+            expected[(reservation.reservation_id, "late", 10, 20)] += 1
+
+    exported: Counter[tuple[object, ...]] = Counter()
+    for number in range(1, CELLS + 1):
+        cell = in_cell(cells_dsn, cell_name(number))
+        exported += await _exported(cell)
+        assert await audit_findings(cell) == []
+    assert exported == expected

@@ -16,12 +16,13 @@ functions pinned to it (sql/cells_queries.sql, `seal_cell`). On Citus the cell
 then becomes a distributed schema, its functions are created on its node, and
 each is delegated: a call from the coordinator is one statement to that node.
 
-What this module does not do yet (docs/scaling.md says what comes next):
-upgrade a cell built by an older release in place (a cell behind the code is
-refused with a message), route the service's tenants to their cells, or
-report in a cell or across them (each cell's report views are in
-`cell_k_reporting`, but the report functions name `reporting` in their
-bodies and do not follow the rename).
+A library process reaches every cell through admission/cells.py (a Limiter
+per cell, `cells_in` and `in_cell` here); a service reaches one cell through
+its DSN. What this module does not do yet (docs/scaling.md says what comes
+next): upgrade a cell built by an older release in place (a cell behind the
+code is refused with a message), or report in a cell or across them (each
+cell's report views are in `cell_k_reporting`, but the report functions name
+`reporting` in their bodies and do not follow the rename).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import asyncpg
 from llmquota.store import migrate
 from llmquota.store.sqlfiles import named_queries, repeatable_scripts
 
-__all__ = ["MAX_CELLS", "Cell", "CellsError", "build_cells", "cell_name"]
+__all__ = ["MAX_CELLS", "Cell", "CellsError", "build_cells", "cell_name", "cells_in", "in_cell"]
 
 # Tenants are placed by hashing their name over the cells, so the count is
 # fixed once cells exist; 64 is more nodes than a cluster of this kind runs.
@@ -60,6 +61,35 @@ class Cell:
 def cell_name(number: int) -> str:
     """The schema of cell `number` (1-based)."""
     return f"cell_{number}"
+
+
+def in_cell(dsn: str, cell: str) -> str:
+    """`dsn` (a URI) with the cell as its search_path: how a service of that
+    cell connects (asyncpg passes a query parameter it does not know on to the
+    server as a setting)."""
+    return f"{dsn}{'&' if '?' in dsn else '?'}search_path={_quoted(cell)}"
+
+
+async def cells_in(dsn: str) -> list[str]:
+    """The cells of the database at `dsn`, in order; none when it holds none.
+
+    CellsError when they are not all there: a tenant's cell is its name's hash
+    over the count the cells were built for, so a service must see them all.
+    """
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(named_queries("cells_queries.sql")["cells"])
+    finally:
+        await connection.close()
+    names = [str(row["cell"]) for row in rows]
+    expected = [cell_name(k) for k in range(1, len(rows) + 1)]
+    if names != expected or any(row["built_for"] != len(rows) for row in rows):
+        built_for = sorted({row["built_for"] for row in rows})
+        raise CellsError(
+            f"the database holds cells {', '.join(names)} built for {built_for}: "
+            "finish them with `llmquota migrate --cells K` first"
+        )
+    return names
 
 
 def build_cells(dsn: str, count: int) -> list[Cell]:

@@ -1,0 +1,62 @@
+"""Where a tenant lives among K cells, and what share of a shared limit each cell holds.
+
+A deployment of cells (`llmquota migrate --cells K`, docs/scaling.md) keeps
+each tenant, with all its rows, in one cell, so that every decision about it
+is one statement on one node. Every process that reaches the cells (the
+library, the service, the CLI) must place a tenant in the same cell, now and
+after a restart, whatever the Python version: so the placement is a fixed
+hash of the name (CRC-32 of its UTF-8), never Python's `hash()`, which is
+salted per process.
+
+A limit no tenant owns (the global layer) is split into K slices, one per
+cell, by the rule the sharded global layer already uses (`lq_shard_share` in
+sql/global_layer.sql): slice k holds total // K, plus one while k is below
+total mod K. The slices sum to the total, so the cells together never admit
+more than one layer would; a cell whose slice is dry refuses while another
+still has room (the price of never crossing the total; docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.policy import Policy
+
+__all__ = ["cell_of", "slice_of"]
+
+
+def cell_of(tenant: str, cells: int) -> int:
+    """The cell (1 .. `cells`) that holds `tenant`."""
+    return zlib.crc32(tenant.encode("utf-8")) % cells + 1
+
+
+def _share(total: int | None, cell: int, cells: int) -> int | None:
+    if total is None:
+        return None
+    return total // cells + (1 if cell - 1 < total % cells else 0)
+
+
+def slice_of(policy: Policy, cell: int, cells: int) -> Policy:
+    """Cell `cell`'s slice (1-based) of a shared `policy` split over `cells`.
+
+    Every limit must be at least `cells`: a slice of 0 would refuse everything
+    in its cell, which is not the policy asked for (InvalidRequest otherwise).
+    """
+    p = policy.resolved()
+    limits = {
+        "tokens_per_minute": p.tokens_per_minute,
+        "token_burst": p.token_burst,
+        "requests_per_minute": p.requests_per_minute,
+        "request_burst": p.request_burst,
+        "max_in_flight": p.max_in_flight,
+    }
+    too_small = sorted(
+        name for name, value in limits.items() if value is not None and value < cells
+    )
+    if too_small:
+        raise InvalidRequest(
+            f"{', '.join(too_small)} must be at least the number of cells ({cells}) "
+            "to be split over them"
+        )
+    return p.model_copy(update={name: _share(value, cell, cells) for name, value in limits.items()})
