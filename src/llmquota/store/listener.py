@@ -86,9 +86,13 @@ class ChangeListener:
     async def _listen_once(self) -> None:
         """Connect, LISTEN, report a resync, and deliver messages until the session is lost."""
         connection = await self._connect()
-        node = await node_of_this_cell(connection)
+        try:
+            node = await node_of_this_cell(connection)
+        except BaseException:
+            connection.terminate()
+            raise
         if node is not None:
-            await connection.close()
+            connection.terminate()
             connection = await self._connect(*node)
         lost = asyncio.Event()
         connection.add_termination_listener(lambda _: lost.set())
