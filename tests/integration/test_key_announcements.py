@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 
 import asyncpg
+import pytest
 
 from llmquota.admin.keys import KeyService
 from llmquota.domain.keys import key_digest
+from llmquota.store import listener as listener_module
+from llmquota.store.listener import ChangeListener
 from llmquota.store.store import Store
 
 
@@ -54,3 +57,21 @@ async def test_rotations_revocation_and_suspension_announce_every_cached_digest(
         assert await announced() == {"tenants:acme"}
     finally:
         await store.close()
+
+
+async def test_a_listener_that_loses_its_session_while_finding_its_cell_leaves_none_open(
+    app_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The listener asks where the DSN's cell lives before it listens; a server
+    # that dies at that moment (a failover) must not leave that session open.
+    asked: list[asyncpg.Connection] = []
+
+    async def dies(connection: asyncpg.Connection) -> None:
+        asked.append(connection)
+        raise ConnectionResetError("the primary went away")
+
+    monkeypatch.setattr(listener_module, "node_of_this_cell", dies)
+    listener = ChangeListener(app_dsn, lambda _payload: None)
+    with pytest.raises(ConnectionResetError):
+        await listener._listen_once()
+    assert len(asked) == 1 and asked[0].is_closed()
