@@ -441,3 +441,10 @@ async def test_random_admits_settles_releases_and_sweeps_over_cells_leave_exact_
         exported += await _exported(cell)
         assert await audit_findings(cell) == []
     assert exported == expected
+
+
+async def test_a_router_over_a_database_without_cells_is_refused_by_name(
+    empty_database_dsn: str, settings: Settings
+) -> None:
+    with pytest.raises(CellsError, match="no cells: build them with `llmquota migrate --cells K`"):
+        await CellLimiters.connect(empty_database_dsn, settings)

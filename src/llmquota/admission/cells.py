@@ -40,12 +40,9 @@ class CellLimiters:
     @classmethod
     async def connect(cls, dsn: str, settings: Settings | None = None) -> CellLimiters:
         """A Limiter for each cell of the database at `dsn` (its `public` DSN)."""
-        names = await cells_in(dsn)
-        if not names:
-            raise CellsError("no cells: build them with `llmquota migrate --cells K` first")
         limiters: list[Limiter] = []
         try:
-            for name in names:
+            for name in await cells_in(dsn):
                 limiters.append(await Limiter.connect(in_cell(dsn, name), settings))
         except BaseException:
             await asyncio.gather(*(limiter.close() for limiter in limiters))
