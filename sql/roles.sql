@@ -68,6 +68,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON decision_counts, console_sessions TO llm
 -- The provider ceilings' alert episodes, moved by every worker's detector
 -- (and pruned by it) (migration 0023).
 GRANT SELECT, INSERT, UPDATE, DELETE ON ceiling_alert_episodes TO llmquota_app;
+-- Budget moved between cells' global slices (migration 0034), by the rebalancer.
+GRANT SELECT, INSERT, UPDATE, DELETE ON budget_transfers TO llmquota_app;
 GRANT SELECT, INSERT ON alert_outbox, alert_delivery_attempts TO llmquota_app;
 REVOKE INSERT, UPDATE, DELETE, TRUNCATE ON credit_ledger FROM llmquota_app;
 GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO llmquota_app;

@@ -14,6 +14,7 @@ from llmquota.resources import sql_dir
 from llmquota.store import (
     admit_statement,
     allotments,
+    budget_moves,
     catalog,
     estimates,
     keys,
@@ -51,7 +52,17 @@ def _names_the_store_runs() -> set[str]:
 
 
 def _sources() -> str:
-    modules = (store, admit_statement, allotments, catalog, estimates, outage, keys, tenants)
+    modules = (
+        store,
+        admit_statement,
+        allotments,
+        budget_moves,
+        catalog,
+        estimates,
+        outage,
+        keys,
+        tenants,
+    )
     return "\n".join(inspect.getsource(module) for module in modules)
 
 

@@ -11,9 +11,10 @@ that admission returned, so they reach the same cell.
 
 A limit no tenant owns is written to every cell as that cell's slice: the
 global policy, split K ways so that the slices sum to it (domain/cells.py).
-The cells never admit more than the global burst together; a cell whose
-slice is dry refuses while another has room (no rebalancer moves unused room
-between cells yet: docs/scaling.md).
+The cells never admit more than the global burst together. A cell whose
+slice is dry would refuse while another has room, so the router runs a
+rebalancer (admission/rebalancer.py) that moves unused room between the
+slices every second, debit before credit: it never creates room.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 
 from llmquota.admission.limiter import Limiter
+from llmquota.admission.rebalancer import SliceRebalancer
 from llmquota.config import Settings
 from llmquota.domain.cells import cell_of, slice_of
 from llmquota.domain.policy import Policy
@@ -32,22 +34,33 @@ __all__ = ["CellLimiters"]
 class CellLimiters:
     """One Limiter per cell of a cells database, and where each tenant goes."""
 
-    def __init__(self, limiters: list[Limiter]) -> None:
+    def __init__(self, limiters: dict[str, Limiter], rebalance_seconds: float | None = 1.0) -> None:
         if not limiters:
             raise CellsError("no cells: build them with `llmquota migrate --cells K` first")
-        self.limiters = limiters
+        self.limiters = list(limiters.values())
+        # Moves unused room between the global slices (None: no rebalancing).
+        self.rebalancer = SliceRebalancer(
+            [(name, limiter.store.budget_moves) for name, limiter in limiters.items()],
+            rebalance_seconds or 1.0,
+            credited=lambda cell: limiters[cell].refusals.forget_all(),
+        )
+        if rebalance_seconds is not None:
+            self.rebalancer.start()
 
     @classmethod
-    async def connect(cls, dsn: str, settings: Settings | None = None) -> CellLimiters:
-        """A Limiter for each cell of the database at `dsn` (its `public` DSN)."""
-        limiters: list[Limiter] = []
+    async def connect(
+        cls, dsn: str, settings: Settings | None = None, rebalance_seconds: float | None = 1.0
+    ) -> CellLimiters:
+        """A Limiter for each cell of the database at `dsn` (its `public` DSN),
+        rebalancing the global slices every `rebalance_seconds` (None: never)."""
+        limiters: dict[str, Limiter] = {}
         try:
             for name in await cells_in(dsn):
-                limiters.append(await Limiter.connect(in_cell(dsn, name), settings))
+                limiters[name] = await Limiter.connect(in_cell(dsn, name), settings)
         except BaseException:
-            await asyncio.gather(*(limiter.close() for limiter in limiters))
+            await asyncio.gather(*(limiter.close() for limiter in limiters.values()))
             raise
-        return cls(limiters)
+        return cls(limiters, rebalance_seconds)
 
     def for_tenant(self, tenant: str) -> Limiter:
         """The limiter of the cell that holds `tenant`."""
@@ -64,7 +77,9 @@ class CellLimiters:
         ]
 
     async def close(self) -> None:
-        """Close every cell's limiter (each finishes its batches first)."""
+        """Stop rebalancing, then close every cell's limiter (each finishes its
+        batches first)."""
+        await self.rebalancer.stop()
         await asyncio.gather(*(limiter.close() for limiter in self.limiters))
 
     async def __aenter__(self) -> CellLimiters:

@@ -12,16 +12,17 @@ first of:
 - MEMORY_SECONDS after it was decided;
 - a settle or release of that tenant finished by this worker, which may
   have given back what the refusal lacked;
-- a policy change announced to this worker (changes.py).
+- a policy change announced to this worker (changes.py);
+- room moved into the cell by this process's rebalancer (rebalancer.py).
 
 Only the same request: a smaller one may fit, and a larger one may get
 another answer altogether (too large for some layer's burst, a 413), which
 only the store knows.
 
-A settlement in another worker, or a sweep, can make room earlier without
-this worker knowing: a request refused from memory in that moment is
-wrongly refused, for at most MEMORY_SECONDS (100 ms) after the room was
-made. Requests with an idempotency key are never answered from memory (a
+A settlement in another worker, a sweep, or another process's rebalancer
+can make room earlier without this worker knowing: a request refused from
+memory in that moment is wrongly refused, for at most MEMORY_SECONDS
+(100 ms) after the room was made. Requests with an idempotency key are never answered from memory (a
 retry of an admitted key must get its admission back), nor are waiters'
 decisions (waiting.py decides again at the hint, which is past any entry).
 """

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import pydantic
 
+from llmquota.cli.cells import add_cells_commands
 from llmquota.cli.configuration import add_config_command
 from llmquota.cli.estimates import add_estimates_command
 from llmquota.cli.finance import add_finance_commands
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_service_commands(commands)
     add_maintenance_commands(commands)
+    add_cells_commands(commands)
     add_finance_commands(commands)
     add_estimates_command(commands)
     add_keys_command(commands)

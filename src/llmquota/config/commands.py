@@ -87,6 +87,13 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         "sweep", "--loop", "SWEEP_LOOP_SECONDS", "keep running, sweeping every SECONDS", "0"
     ),
     CommandDefault(
+        "rebalance",
+        "--loop",
+        "REBALANCE_LOOP_SECONDS",
+        "keep running, moving room between the cells' global slices every SECONDS",
+        "0",
+    ),
+    CommandDefault(
         "sweep", "--batch-size", "SWEEP_BATCH_SIZE", "reservations per statement", via_settings=True
     ),
     CommandDefault(

@@ -36,6 +36,7 @@ from llmquota.domain.records import (
 from llmquota.domain.vocabulary import Scope
 from llmquota.store.admit_statement import AdmitStatement
 from llmquota.store.allotments import AllotmentStore
+from llmquota.store.budget_moves import BudgetMoveStore
 from llmquota.store.catalog import Catalog
 from llmquota.store.connection import Row
 from llmquota.store.decisions import (
@@ -77,6 +78,8 @@ class Store:
         self.response_cache = ResponseCacheStore(pool)
         # Slices of layers' room that workers decide from (store/allotments.py).
         self.allotments = AllotmentStore(pool, self._sql)
+        # Budget moved between cells' global slices (store/budget_moves.py).
+        self.budget_moves = BudgetMoveStore(pool, self._sql)
         self._concurrency_retry_ms = concurrency_retry_ms
         # The last policy snapshot's layers, kept where unchanged (store/policy_rows.py).
         self._snapshot_layers = SnapshotLayers()

@@ -1,0 +1,68 @@
+"""A journal of budget moved between the global slices of cells.
+
+A database of cells (`llmquota migrate --cells K`, docs/scaling.md) splits
+the global layer into K slices, one per cell, so that no admission touches
+two nodes. A rebalancer (admission/rebalancer.py) moves unused room from a
+slice that has it to one that is short: it debits the sender in one
+transaction and credits the receiver in the next. Both cells journal the
+move under the same `transfer_id`:
+
+- the sender an 'out' row, written with the debit; `delivered_at` is set
+  once the receiver has acknowledged it. A row left undelivered (the
+  rebalancer died between the two, or the receiver was down) is delivered
+  again by the next round: until then the room is stranded, never created.
+- the receiver an 'in' row, written with the credit, whose key makes a
+  second delivery of the same transfer a no-op.
+
+`tokens` and `requests` are what left the sender (the receiver's slice is
+clamped at its burst, as every credit is).
+
+Revision ID: 0034
+Revises: 0033
+Create Date: 2026-12-06
+"""
+
+from llmquota.store.migration_support import execute_script
+
+revision = "0034"
+down_revision = "0033"
+branch_labels = None
+depends_on = None
+
+SCHEMA = r"""
+CREATE TABLE budget_transfers (
+    transfer_id  uuid NOT NULL,
+    direction    text NOT NULL CHECK (direction IN ('out', 'in')),
+    -- the other cell's schema
+    peer         text NOT NULL,
+    tokens       double precision NOT NULL CHECK (tokens >= 0),
+    requests     double precision NOT NULL CHECK (requests >= 0),
+    moved_at     timestamptz NOT NULL,
+    -- 'out' rows: when the receiver acknowledged the credit
+    delivered_at timestamptz,
+    PRIMARY KEY (transfer_id, direction),
+    CHECK (direction = 'out' OR delivered_at IS NULL)
+);
+-- The rebalancer's scan for moves still to deliver.
+CREATE INDEX budget_transfers_undelivered ON budget_transfers (moved_at)
+    WHERE direction = 'out' AND delivered_at IS NULL;
+"""
+
+DOWNGRADE = r"""
+DELETE FROM schema_repeatables WHERE name IN ('global_layer.sql', 'roles.sql');
+DROP FUNCTION IF EXISTS lq_global_room();
+DROP FUNCTION IF EXISTS lq_send_budget(uuid, text, double precision, double precision,
+                                       double precision, double precision);
+DROP FUNCTION IF EXISTS lq_receive_budget(uuid, text, double precision, double precision);
+DROP FUNCTION IF EXISTS lq_confirm_budget(uuid);
+DROP FUNCTION IF EXISTS lq_undelivered_budget(integer);
+DROP TABLE budget_transfers;
+"""
+
+
+def upgrade() -> None:
+    execute_script(SCHEMA)
+
+
+def downgrade() -> None:
+    execute_script(DOWNGRADE)

@@ -1,0 +1,143 @@
+"""Which cells' global slices should give room to which, and how much.
+
+A database of cells splits the global layer into K slices (domain/cells.py),
+so a cell whose tenants are busy runs dry while an idle cell's slice sits
+full: near the global limit a request is refused with room left elsewhere.
+The rebalancer (admission/rebalancer.py) reads every slice's room and moves
+budget so that each slice holds its share of what all of them hold,
+dimension by dimension (tokens, requests):
+
+    share_k = RESERVE * burst_k / sum(burst)
+              + (1 - RESERVE) * spent_k / sum(spent)
+
+where spent_k is what cell k used since the last round. Room follows demand,
+and every cell keeps a reserve in proportion to its burst for demand that
+starts between two rounds. With one cell busy and one idle, the idle cell
+keeps an eighth of what is left after each round: the busy one can use 7/8
+after one round, 63/64 after two. Before the first round (nothing spent
+known) the shares follow the bursts.
+
+A slice above its share gives down to it, never below (the giver's `keep`,
+rechecked by the debit itself, since admissions go on meanwhile); a slice
+short of it by more than SHORTFALL of its burst takes. Moves only spread
+what the slices hold: the planner never adds room, and the debit and credit
+in the database never create it (sql/global_layer.sql).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+__all__ = ["RESERVE", "SHORTFALL", "Move", "SliceRoom", "plan_moves"]
+
+# The part of the room shared by burst whatever the demand: a reserve for
+# tenants that start asking between two rounds.
+RESERVE = 0.25
+# A slice short of its fair share by less than this fraction of its burst is
+# left alone: moving a sliver every round costs two transactions for nothing.
+SHORTFALL = 0.05
+
+
+class SliceRoom(NamedTuple):
+    """One cell's global slice now: refilled balances and bursts (None: no such limit)."""
+
+    tokens: float | None
+    requests: float | None
+    token_burst: int | None
+    request_burst: int | None
+
+
+class Move(NamedTuple):
+    """Room for `taker` from `giver` (indexes into the rooms), and what the giver keeps."""
+
+    giver: int
+    taker: int
+    tokens: float
+    requests: float
+    keep_tokens: float
+    keep_requests: float
+
+
+def _flows(
+    entries: list[tuple[int, float, int, float | None]],
+) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    """For one dimension, each cell's (index, balance, burst, spent since the
+    last round or None): what each (giver, taker) pair moves, and the shares."""
+    total = sum(max(balance, 0.0) for _, balance, _, _ in entries)
+    bursts = sum(burst for _, _, burst, _ in entries)
+    spent = sum(used or 0.0 for _, _, _, used in entries)
+    if bursts <= 0:
+        return {}, {}
+    fair = {
+        cell: total
+        * (
+            burst / bursts
+            if spent <= 0
+            else RESERVE * burst / bursts + (1 - RESERVE) * (used or 0.0) / spent
+        )
+        for cell, _, burst, used in entries
+    }
+    givers = sorted(
+        ((balance - fair[cell], cell) for cell, balance, _, _ in entries if balance > fair[cell]),
+        reverse=True,
+    )
+    takers = sorted(
+        (
+            (fair[cell] - balance, cell)
+            for cell, balance, burst, _ in entries
+            if fair[cell] - balance > SHORTFALL * burst
+        ),
+        reverse=True,
+    )
+    flows: dict[tuple[int, int], float] = {}
+    g = t = 0
+    surplus = [amount for amount, _ in givers]
+    deficit = [amount for amount, _ in takers]
+    while g < len(givers) and t < len(takers):
+        amount = min(surplus[g], deficit[t])
+        pair = (givers[g][1], takers[t][1])
+        flows[pair] = flows.get(pair, 0.0) + amount
+        surplus[g] -= amount
+        deficit[t] -= amount
+        if surplus[g] <= 1e-9:
+            g += 1
+        if deficit[t] <= 1e-9:
+            t += 1
+    return flows, fair
+
+
+def plan_moves(
+    rooms: Sequence[SliceRoom | None], spent: Sequence[tuple[float, float] | None] | None = None
+) -> list[Move]:
+    """The moves that bring every slice to its share. `spent`: per cell, the
+    tokens and requests it used since the last round (None: not known). Cells
+    without a global policy (None) neither give nor take."""
+    used = list(spent) if spent is not None else [None] * len(rooms)
+    spent_tokens = [None if u is None else u[0] for u in used]
+    spent_requests = [None if u is None else u[1] for u in used]
+    tokens, fair_tokens = _flows(
+        [
+            (cell, room.tokens, room.token_burst, spent_tokens[cell])
+            for cell, room in enumerate(rooms)
+            if room is not None and room.tokens is not None and room.token_burst
+        ]
+    )
+    requests, fair_requests = _flows(
+        [
+            (cell, room.requests, room.request_burst, spent_requests[cell])
+            for cell, room in enumerate(rooms)
+            if room is not None and room.requests is not None and room.request_burst
+        ]
+    )
+    return [
+        Move(
+            giver,
+            taker,
+            tokens.get((giver, taker), 0.0),
+            requests.get((giver, taker), 0.0),
+            fair_tokens.get(giver, 0.0),
+            fair_requests.get(giver, 0.0),
+        )
+        for giver, taker in sorted(tokens.keys() | requests.keys())
+    ]

@@ -1,0 +1,78 @@
+"""Typed access to budget moves between cells' global slices (sql/global_layer.sql).
+
+Beside store.py, over the same pool: one named statement per call, each a
+function of the cell that runs whole on its node. The rebalancer
+(admission/rebalancer.py) composes them into moves: a send in the giving
+cell, a receive in the other, a confirm back in the first.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, NamedTuple
+
+from llmquota.domain.budget_moves import SliceRoom
+from llmquota.store.connection import Row
+from llmquota.store.pool import DeadlinePool
+
+__all__ = ["BudgetMoveStore", "Undelivered"]
+
+
+class Undelivered(NamedTuple):
+    """A move this cell sent that its receiver has not acknowledged."""
+
+    transfer_id: uuid.UUID
+    peer: str
+    tokens: float
+    requests: float
+
+
+class BudgetMoveStore:
+    """Read a cell's global room; send, receive and confirm moves of it."""
+
+    def __init__(self, pool: DeadlinePool, sql: dict[str, str]) -> None:
+        self._pool = pool
+        self._sql = sql
+
+    async def _fetch(self, name: str, *args: Any) -> list[Row]:
+        return await self._pool.fetch(self._sql[name], args, deadline_seconds=None)
+
+    async def room(self) -> SliceRoom | None:
+        """The slice's room now; None without a global policy."""
+        rows = await self._fetch("global_room")
+        return SliceRoom(*rows[0].values()) if rows else None
+
+    async def send(
+        self,
+        transfer_id: uuid.UUID,
+        to_cell: str,
+        tokens: float,
+        requests: float,
+        *,
+        keep_tokens: float,
+        keep_requests: float,
+    ) -> tuple[float, float]:
+        """Debit up to `tokens`/`requests` for `to_cell`, leaving at least the
+        `keep_` amounts; what was debited (the same again for a repeated id)."""
+        row = (
+            await self._fetch(
+                "send_budget", transfer_id, to_cell, tokens, requests, keep_tokens, keep_requests
+            )
+        )[0]
+        return float(row["tokens"]), float(row["requests"])
+
+    async def receive(
+        self, transfer_id: uuid.UUID, from_cell: str, tokens: float, requests: float
+    ) -> bool:
+        """Credit a move (clamped at the burst); False: it was received before."""
+        rows = await self._fetch("receive_budget", transfer_id, from_cell, tokens, requests)
+        return bool(rows[0]["credited"])
+
+    async def confirm(self, transfer_id: uuid.UUID) -> None:
+        """Mark a sent move delivered."""
+        await self._fetch("confirm_budget", transfer_id)
+
+    async def undelivered(self, limit: int = 100) -> list[Undelivered]:
+        """Moves sent from here and not acknowledged, oldest first."""
+        rows = await self._fetch("undelivered_budget", limit)
+        return [Undelivered(*row.values()) for row in rows]
