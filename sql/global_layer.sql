@@ -190,25 +190,27 @@ SELECT min(l.layer_id) AS layer_id,
 HAVING count(*) > 0;
 
 
--- Budget moved between the global slices of cells (migration 0034).
+
+-- Budget moved between the slices of shared layers in cells (migration 0034).
 --
--- In a database of cells each cell's global layer is a slice of the policy,
--- and an admission takes only from its own cell's. The rebalancer
--- (admission/rebalancer.py) moves unused room from a slice that has it to
--- one that is short, in two transactions on two nodes: lq_send_budget
--- debits the sender and journals an 'out' row, lq_receive_budget credits the
--- receiver and journals an 'in' row under the same transfer_id (a second
--- delivery is a no-op), and lq_confirm_budget marks the 'out' row delivered.
--- Stopped between the two, the room is stranded in the journal until the
--- next round delivers it: never created, so the cells together never admit
--- more than the policy. A cell's global rows are pooled as one, as a sharded
--- layer's are in lq_credit_layers.
+-- In a database of cells each cell holds a slice of every shared layer (the
+-- global layer, each provider ceiling), and an admission takes only from its
+-- own cell's. The rebalancer (admission/rebalancer.py) moves unused room from
+-- a slice that has it to one that is short, in two transactions on two
+-- nodes: lq_send_budget debits the sender and journals an 'out' row,
+-- lq_receive_budget credits the receiver and journals an 'in' row under the
+-- same transfer_id (a second delivery is a no-op), and lq_confirm_budget
+-- marks the 'out' row delivered. Stopped between the two, the room is
+-- stranded in the journal until the next round delivers it: never created,
+-- so the cells together never admit more than the policy. A layer is named
+-- by its ceiling (NULL: the global layer); a sharded global layer's rows are
+-- pooled as one, as in lq_credit_layers.
 
 
--- The room of this cell's global slice now: its rows refilled and summed
--- (NULL for a limit it does not have; no row without a global policy).
-CREATE OR REPLACE FUNCTION lq_global_room()
-RETURNS TABLE (tokens double precision, requests double precision,
+-- The room of this cell's slice of every shared layer now: its rows
+-- refilled and summed (NULL for a limit it does not have).
+CREATE OR REPLACE FUNCTION lq_shared_rooms()
+RETURNS TABLE (ceiling text, tokens double precision, requests double precision,
                token_burst bigint, request_burst bigint)
 LANGUAGE plpgsql
 AS $$
@@ -216,24 +218,28 @@ DECLARE
     now_ts timestamptz := clock_timestamp();
 BEGIN
     RETURN QUERY
-    SELECT sum(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, now_ts)),
+    SELECT l.ceiling,
+           sum(lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, now_ts)),
            sum(lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at,
                            now_ts)),
            sum(l.token_burst)::bigint, sum(l.request_burst)::bigint
       FROM limit_layers AS l
-     WHERE l.scope = 'global'
-    HAVING count(*) > 0;
+     WHERE l.scope IN ('global', 'ceiling')
+     GROUP BY l.ceiling
+     ORDER BY l.ceiling NULLS FIRST;
 END
 $$;
 
 
--- Debit up to p_tokens and p_requests from this cell's global slice for the
--- cell p_to, never leaving it below p_keep_tokens and p_keep_requests (the
--- share the rebalancer leaves the sender), and journal the move; what was
--- debited. Called again with the same transfer_id it debits nothing more and
--- answers what the first call did (the rebalancer's retry after a lost reply).
+-- Debit up to p_tokens and p_requests from this cell's slice of the shared
+-- layer p_ceiling for the cell p_to, never leaving it below p_keep_tokens
+-- and p_keep_requests (the share the rebalancer leaves the sender), and
+-- journal the move; what was debited. Called again with the same transfer_id
+-- it debits nothing more and answers what the first call did (the
+-- rebalancer's retry after a lost reply).
 CREATE OR REPLACE FUNCTION lq_send_budget(
     p_transfer_id   uuid,
+    p_ceiling       text,
     p_to            text,
     p_tokens        double precision,
     p_requests      double precision,
@@ -244,16 +250,19 @@ LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 DECLARE
-    now_ts  timestamptz;
-    pool    record;
-    give_t  double precision;
-    give_r  double precision;
+    layer_scope constant text := CASE WHEN p_ceiling IS NULL THEN 'global' ELSE 'ceiling' END;
+    now_ts      timestamptz;
+    pool        record;
+    give_t      double precision;
+    give_r      double precision;
 BEGIN
     IF p_tokens < 0 OR p_requests < 0 THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
               MESSAGE = 'a budget move is of zero or more tokens and requests';
     END IF;
-    PERFORM 1 FROM limit_layers AS l WHERE l.scope = 'global' ORDER BY l.layer_id FOR UPDATE;
+    PERFORM 1 FROM limit_layers AS l
+      WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling
+      ORDER BY l.layer_id FOR UPDATE;
     RETURN QUERY
     SELECT t.tokens, t.requests FROM budget_transfers AS t
      WHERE t.transfer_id = p_transfer_id AND t.direction = 'out';
@@ -268,7 +277,7 @@ BEGIN
            sum(l.token_burst) AS tburst, sum(l.request_burst) AS rburst
       INTO pool
       FROM limit_layers AS l
-     WHERE l.scope = 'global';
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling;
     give_t := coalesce(least(p_tokens, greatest(0, pool.tokens - p_keep_tokens)), 0);
     give_r := coalesce(least(p_requests, greatest(0, pool.requests - p_keep_requests)), 0);
     IF give_t = 0 AND give_r = 0 THEN
@@ -279,19 +288,23 @@ BEGIN
        SET tokens = (pool.tokens - give_t) * l.token_burst / pool.tburst,
            requests = (pool.requests - give_r) * l.request_burst / pool.rburst,
            refilled_at = greatest(l.refilled_at, now_ts)
-     WHERE l.scope = 'global';
-    INSERT INTO budget_transfers (transfer_id, direction, peer, tokens, requests, moved_at)
-    VALUES (p_transfer_id, 'out', p_to, give_t, give_r, now_ts);
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling;
+    INSERT INTO budget_transfers (transfer_id, direction, ceiling, peer, tokens, requests,
+                                  moved_at)
+    VALUES (p_transfer_id, 'out', p_ceiling, p_to, give_t, give_r, now_ts);
     RETURN QUERY SELECT give_t, give_r;
 END
 $$;
 
 
--- Credit a move sent by cell p_from to this cell's global slice, clamped at
--- its burst; true when credited now, false when this transfer was already
--- received (it is credited once, however often it is delivered).
+-- Credit a move sent by cell p_from to this cell's slice of the shared layer
+-- p_ceiling, clamped at its burst; true when credited now, false when this
+-- transfer was already received (it is credited once, however often it is
+-- delivered). A layer this cell no longer has takes nothing (the room is
+-- dropped: never more budget, only less).
 CREATE OR REPLACE FUNCTION lq_receive_budget(
     p_transfer_id uuid,
+    p_ceiling     text,
     p_from        text,
     p_tokens      double precision,
     p_requests    double precision
@@ -299,13 +312,17 @@ CREATE OR REPLACE FUNCTION lq_receive_budget(
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    now_ts timestamptz;
-    pool   record;
+    layer_scope constant text := CASE WHEN p_ceiling IS NULL THEN 'global' ELSE 'ceiling' END;
+    now_ts      timestamptz;
+    pool        record;
 BEGIN
-    PERFORM 1 FROM limit_layers AS l WHERE l.scope = 'global' ORDER BY l.layer_id FOR UPDATE;
+    PERFORM 1 FROM limit_layers AS l
+      WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling
+      ORDER BY l.layer_id FOR UPDATE;
     now_ts := clock_timestamp();
-    INSERT INTO budget_transfers (transfer_id, direction, peer, tokens, requests, moved_at)
-    VALUES (p_transfer_id, 'in', p_from, p_tokens, p_requests, now_ts)
+    INSERT INTO budget_transfers (transfer_id, direction, ceiling, peer, tokens, requests,
+                                  moved_at)
+    VALUES (p_transfer_id, 'in', p_ceiling, p_from, p_tokens, p_requests, now_ts)
     ON CONFLICT (transfer_id, direction) DO NOTHING;
     IF NOT FOUND THEN
         RETURN false;
@@ -319,12 +336,12 @@ BEGIN
            sum(l.token_burst) AS tburst, sum(l.request_burst) AS rburst
       INTO pool
       FROM limit_layers AS l
-     WHERE l.scope = 'global';
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling;
     UPDATE limit_layers AS l
        SET tokens = pool.tokens * l.token_burst / pool.tburst,
            requests = pool.requests * l.request_burst / pool.rburst,
            refilled_at = greatest(l.refilled_at, now_ts)
-     WHERE l.scope = 'global';
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling;
     RETURN true;
 END
 $$;
@@ -347,14 +364,14 @@ $$;
 -- Moves this cell sent that no receiver has acknowledged, oldest first, at
 -- most p_limit: the rebalancer delivers them again before moving more.
 CREATE OR REPLACE FUNCTION lq_undelivered_budget(p_limit integer)
-RETURNS TABLE (transfer_id uuid, peer text, tokens double precision,
+RETURNS TABLE (transfer_id uuid, ceiling text, peer text, tokens double precision,
                requests double precision)
 LANGUAGE plpgsql
 AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
-    SELECT t.transfer_id, t.peer, t.tokens, t.requests
+    SELECT t.transfer_id, t.ceiling, t.peer, t.tokens, t.requests
       FROM budget_transfers AS t
      WHERE t.direction = 'out' AND t.delivered_at IS NULL
      ORDER BY t.moved_at

@@ -588,20 +588,20 @@ SELECT returned, tokens, requests FROM lq_allot_return($1::uuid[], false)
 -- Give back slices past their expiry (the sweeper's).
 SELECT returned, tokens, requests FROM lq_allot_sweep($1::integer)
 
--- global_room --
--- The room of this cell's global slice now (sql/global_layer.sql).
-SELECT tokens, requests, token_burst, request_burst FROM lq_global_room()
+-- shared_rooms --
+-- The room of this cell's slice of each shared layer now (sql/global_layer.sql).
+SELECT ceiling, tokens, requests, token_burst, request_burst FROM lq_shared_rooms()
 
 -- send_budget --
--- Debit this cell's global slice for another cell, and journal the move.
+-- Debit this cell's slice of a shared layer for another cell, and journal it.
 SELECT tokens, requests
-  FROM lq_send_budget($1::uuid, $2::text, $3::double precision, $4::double precision,
-                      $5::double precision, $6::double precision)
+  FROM lq_send_budget($1::uuid, $2::text, $3::text, $4::double precision,
+                      $5::double precision, $6::double precision, $7::double precision)
 
 -- receive_budget --
--- Credit a move from another cell to this cell's global slice (once).
-SELECT lq_receive_budget($1::uuid, $2::text, $3::double precision,
-                         $4::double precision) AS credited
+-- Credit a move from another cell to this cell's slice of a shared layer (once).
+SELECT lq_receive_budget($1::uuid, $2::text, $3::text, $4::double precision,
+                         $5::double precision) AS credited
 
 -- confirm_budget --
 -- The receiver has the move: its journal row here is delivered.
@@ -609,4 +609,4 @@ SELECT lq_confirm_budget($1::uuid)
 
 -- undelivered_budget --
 -- Moves this cell sent that no receiver has acknowledged yet, oldest first.
-SELECT transfer_id, peer, tokens, requests FROM lq_undelivered_budget($1::integer)
+SELECT transfer_id, ceiling, peer, tokens, requests FROM lq_undelivered_budget($1::integer)

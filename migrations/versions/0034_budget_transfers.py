@@ -1,11 +1,12 @@
-"""A journal of budget moved between the global slices of cells.
+"""A journal of budget moved between the slices of shared layers in cells.
 
 A database of cells (`llmquota migrate --cells K`, docs/scaling.md) splits
-the global layer into K slices, one per cell, so that no admission touches
-two nodes. A rebalancer (admission/rebalancer.py) moves unused room from a
-slice that has it to one that is short: it debits the sender in one
-transaction and credits the receiver in the next. Both cells journal the
-move under the same `transfer_id`:
+each shared layer (the global layer, each provider ceiling) into K slices,
+one per cell, so that no admission touches two nodes. A rebalancer
+(admission/rebalancer.py) moves unused room from a slice that has it to one
+that is short: it debits the sender in one transaction and credits the
+receiver in the next. Both cells journal the move under the same
+`transfer_id`:
 
 - the sender an 'out' row, written with the debit; `delivered_at` is set
   once the receiver has acknowledged it. A row left undelivered (the
@@ -33,6 +34,8 @@ SCHEMA = r"""
 CREATE TABLE budget_transfers (
     transfer_id  uuid NOT NULL,
     direction    text NOT NULL CHECK (direction IN ('out', 'in')),
+    -- the shared layer moved: a provider ceiling's name, NULL for the global layer
+    ceiling      text,
     -- the other cell's schema
     peer         text NOT NULL,
     tokens       double precision NOT NULL CHECK (tokens >= 0),
@@ -50,10 +53,10 @@ CREATE INDEX budget_transfers_undelivered ON budget_transfers (moved_at)
 
 DOWNGRADE = r"""
 DELETE FROM schema_repeatables WHERE name IN ('global_layer.sql', 'roles.sql');
-DROP FUNCTION IF EXISTS lq_global_room();
-DROP FUNCTION IF EXISTS lq_send_budget(uuid, text, double precision, double precision,
+DROP FUNCTION IF EXISTS lq_shared_rooms();
+DROP FUNCTION IF EXISTS lq_send_budget(uuid, text, text, double precision, double precision,
                                        double precision, double precision);
-DROP FUNCTION IF EXISTS lq_receive_budget(uuid, text, double precision, double precision);
+DROP FUNCTION IF EXISTS lq_receive_budget(uuid, text, text, double precision, double precision);
 DROP FUNCTION IF EXISTS lq_confirm_budget(uuid);
 DROP FUNCTION IF EXISTS lq_undelivered_budget(integer);
 DROP TABLE budget_transfers;

@@ -167,11 +167,11 @@ def _writes(key_id: int, reservation: uuid.UUID) -> list[tuple[str, str, list[An
         ("ensure_tenant", "lq_ensure_tenant", ["globex"]),
         ("insert_first_admin_key", "lq_insert_first_admin_key", [b"\x03" * 32, "adm"]),
         # the rebalancer's (sql/global_layer.sql): a move out, its confirmation, one in
-        ("global_room", "lq_global_room", []),
-        ("send_budget", "lq_send_budget", [moved, "cell_1", 1000.0, 10.0, 0.0, 0.0]),
+        ("shared_rooms", "lq_shared_rooms", []),
+        ("send_budget", "lq_send_budget", [moved, None, "cell_1", 1000.0, 10.0, 0.0, 0.0]),
         ("undelivered_budget", "lq_undelivered_budget", [10]),
         ("confirm_budget", "lq_confirm_budget", [moved]),
-        ("receive_budget", "lq_receive_budget", [uuid.uuid4(), "cell_1", 500.0, 5.0]),
+        ("receive_budget", "lq_receive_budget", [uuid.uuid4(), "c1", "cell_1", 500.0, 5.0]),
     ]  # fmt: skip
 
 
@@ -216,10 +216,13 @@ async def test_the_services_writes_are_each_one_statement_on_the_cells_worker(
         )
         assert dict(written) == {"quotas": 1, "webhooks": 1, "tenants": 2, "uses": 1}
         moves = await connection.fetch(
-            "SELECT direction, tokens, delivered_at IS NOT NULL AS delivered"
+            "SELECT direction, ceiling, tokens, delivered_at IS NOT NULL AS delivered"
             " FROM budget_transfers ORDER BY direction DESC"
         )
-        assert [tuple(m) for m in moves] == [("out", 1000.0, True), ("in", 500.0, False)]
+        assert [tuple(m) for m in moves] == [
+            ("out", None, 1000.0, True),
+            ("in", "c1", 500.0, False),
+        ]
     finally:
         await connection.close()
 

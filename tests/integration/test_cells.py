@@ -452,3 +452,40 @@ async def test_a_router_over_a_database_without_cells_is_refused_by_name(
 ) -> None:
     with pytest.raises(CellsError, match="no cells: build them with `llmquota migrate --cells K`"):
         await CellLimiters.connect(empty_database_dsn, settings)
+
+
+async def test_sweep_and_audit_of_a_cells_database_look_after_every_cell(
+    cells_dsn: str, settings: Settings
+) -> None:
+    # `llmquota sweep` and `audit` at the database's public DSN go over
+    # every cell (a cron job per cell would be K jobs to keep in step); at a
+    # cell's DSN, over that cell alone, as its service sees it.
+    async with await CellLimiters.connect(
+        dsn_as(cells_dsn, APP_ROLE), settings, rebalance_seconds=None
+    ) as cells:
+        for tenant in ("tenant-00", "tenant-01", "tenant-04"):
+            await cells.for_tenant(tenant).store.put_policy(
+                "tenant", tenant, None, Policy(tokens_per_minute=1, token_burst=COST)
+            )
+            await cells.for_tenant(tenant).admit(**{**REQUEST, "tenant": tenant}, lease_seconds=1)
+    lapsed = Counter(cell_of(t, CELLS) for t in ("tenant-00", "tenant-01", "tenant-04"))
+    assert set(lapsed) == {1, 2}
+    await asyncio.sleep(1.2)
+
+    swept = await asyncio.to_thread(run_cli, "sweep", dsn=cells_dsn)
+    lines = swept.stdout.splitlines()
+    assert [line.split()[-1] for line in lines] == ["cell=cell_1", "cell=cell_2"]
+    assert [line.split()[1] for line in lines] == [
+        f"expired={lapsed[1]}",
+        f"expired={lapsed[2]}",
+    ]
+    audited = await asyncio.to_thread(run_cli, "audit", dsn=cells_dsn)
+    assert [line.split()[-1] for line in audited.stdout.splitlines()] == [
+        "cell=cell_1",
+        "cell=cell_2",
+        "drift",
+    ]
+    assert audited.stdout.endswith("no drift\n")
+    one = await asyncio.to_thread(run_cli, "audit", dsn=in_cell(cells_dsn, "cell_2"))
+    assert one.stdout.splitlines()[0].endswith(f"ledger_rows={lapsed[2]} cell=cell_2")
+    assert one.stdout.splitlines()[1:] == ["no drift"]

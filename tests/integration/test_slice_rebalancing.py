@@ -23,6 +23,7 @@ from llmquota.admission.limiter import Reservation
 from llmquota.config import Settings
 from llmquota.domain.cells import cell_of
 from llmquota.domain.errors import RateLimited
+from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import Policy
 from llmquota.store.cells import build_cells, cell_name, in_cell
 from tests.conftest import audit_findings
@@ -66,9 +67,10 @@ async def _admit(cells: CellLimiters, tenants: list[str], count: int) -> list[Re
     return [r for r in results if isinstance(r, Reservation)]
 
 
-async def _rooms(cells: CellLimiters) -> list[float]:
-    rooms = [await limiter.store.budget_moves.room() for limiter in cells.limiters]
-    return [room.tokens or 0.0 for room in rooms if room is not None]
+async def _rooms(cells: CellLimiters, ceiling: str | None = None) -> list[float]:
+    """Each cell's tokens of room in the shared layer (a ceiling, None: global)."""
+    rooms = [await limiter.store.budget_moves.rooms() for limiter in cells.limiters]
+    return [room[ceiling].tokens or 0.0 for room in rooms]
 
 
 async def test_a_busy_cell_gets_the_idle_cells_room_and_never_more_than_the_global_burst(
@@ -102,12 +104,14 @@ async def test_a_move_stopped_between_debit_and_credit_is_stranded_then_delivere
         transfer = uuid.uuid4()
         # The debit commits; the rebalancer "dies" before the credit.
         sent = await giver.send(
-            transfer, "cell_2", 10 * COST, 0.0, keep_tokens=0.0, keep_requests=0.0
+            transfer, None, "cell_2", 10 * COST, 0.0, keep_tokens=0.0, keep_requests=0.0
         )
         assert sent == (10 * COST, 0.0)
         # A retried send of the same move debits nothing more.
         assert (
-            await giver.send(transfer, "cell_2", 10 * COST, 0.0, keep_tokens=0.0, keep_requests=0.0)
+            await giver.send(
+                transfer, None, "cell_2", 10 * COST, 0.0, keep_tokens=0.0, keep_requests=0.0
+            )
             == sent
         )
         rooms = await _rooms(cells)
@@ -121,7 +125,7 @@ async def test_a_move_stopped_between_debit_and_credit_is_stranded_then_delivere
         rooms = await _rooms(cells)
         assert sum(rooms) == pytest.approx(80 * COST, abs=10)
         # Delivered again by a second rebalancer: credited once.
-        assert await taker.receive(transfer, "cell_1", 10 * COST, 0.0) is False
+        assert await taker.receive(transfer, None, "cell_1", 10 * COST, 0.0) is False
         assert sum(await _rooms(cells)) == pytest.approx(80 * COST, abs=10)
     for number in (1, 2):
         assert await audit_findings(in_cell(empty_database_dsn, cell_name(number))) == []
@@ -202,3 +206,33 @@ def test_the_rebalance_command_refuses_a_database_without_cells(empty_database_d
     refused = run_cli("rebalance", dsn=empty_database_dsn, check=False)
     assert refused.returncode == 2
     assert refused.stderr == "llmquota rebalance: this database holds no cells\n"
+
+
+async def test_a_provider_ceiling_is_split_over_the_cells_and_its_room_moves_too(
+    cells: CellLimiters, empty_database_dsn: str
+) -> None:
+    # A provider's account limit spans every tenant, so in cells it is a
+    # slice per cell like the global layer, and rebalanced the same way.
+    async with cells:
+        await cells.put_global_policy(Policy(tokens_per_minute=CELLS, token_burst=10**6 * COST))
+        versions = await cells.put_ceiling(
+            "openai", Ceiling(models=["gpt-4o"], tokens_per_minute=CELLS, token_burst=41 * COST)
+        )
+        assert len(versions) == CELLS
+        # 41 requests' room split 21 / 20 (lq_shard_share's rule)
+        assert await _rooms(cells, "openai") == [
+            pytest.approx(20_500, abs=10),
+            pytest.approx(20_500, abs=10),
+        ]
+        admitted = len(await _admit(cells, IN_CELL_1, 40))
+        assert admitted == 20  # its slice of 20,500 tokens, no more
+        report = await cells.rebalancer.run_round()
+        assert report.moves == 1  # the ceiling's; the global layer is far from short
+        admitted += len(await _admit(cells, IN_CELL_1, 40))
+        assert admitted == 30
+        await cells.rebalancer.run_round()
+        admitted += len(await _admit(cells, IN_CELL_1, 40))
+        assert 37 <= admitted <= 41
+        assert admitted * COST + sum(await _rooms(cells, "openai")) <= 41 * COST + 10
+    for number in (1, 2):
+        assert await audit_findings(in_cell(empty_database_dsn, cell_name(number))) == []

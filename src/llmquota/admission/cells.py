@@ -10,11 +10,12 @@ every process). Settle, release and heartbeat go through the Reservation
 that admission returned, so they reach the same cell.
 
 A limit no tenant owns is written to every cell as that cell's slice: the
-global policy, split K ways so that the slices sum to it (domain/cells.py).
-The cells never admit more than the global burst together. A cell whose
-slice is dry would refuse while another has room, so the router runs a
-rebalancer (admission/rebalancer.py) that moves unused room between the
-slices every second, debit before credit: it never creates room.
+global policy and each provider ceiling, split K ways so that the slices sum
+to it (domain/cells.py). A plan is written to every cell whole. The cells
+never admit more than a shared limit together. A cell whose slice is dry
+would refuse while another has room, so the router runs a rebalancer
+(admission/rebalancer.py) that moves unused room between the slices every
+second, debit before credit: it never creates room.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import asyncio
 from llmquota.admission.limiter import Limiter
 from llmquota.admission.rebalancer import SliceRebalancer
 from llmquota.config import Settings
-from llmquota.domain.cells import cell_of, slice_of
+from llmquota.domain.cells import ceiling_slice_of, cell_of, slice_of
+from llmquota.domain.plans import Ceiling, Plan
 from llmquota.domain.policy import Policy
 from llmquota.store.cells import CellsError, cells_in, in_cell
 
@@ -75,6 +77,22 @@ class CellLimiters:
             await limiter.store.put_policy("global", None, None, part)
             for limiter, part in zip(self.limiters, slices, strict=True)
         ]
+
+    async def put_ceiling(self, name: str, ceiling: Ceiling) -> list[int]:
+        """Write a provider ceiling as K slices, one per cell (its limits split
+        as the global policy's are); each cell's new policy version."""
+        cells = len(self.limiters)
+        slices = [ceiling_slice_of(ceiling, cell, cells) for cell in range(1, cells + 1)]
+        return [
+            await limiter.store.catalog.put_ceiling(name, part)
+            for limiter, part in zip(self.limiters, slices, strict=True)
+        ]
+
+    async def put_plan(self, name: str, plan: Plan) -> int:
+        """Write a plan to every cell (a plan is a tenant's limits, not a shared
+        budget: each cell holds it whole); how many tenants it changed."""
+        changed = [await limiter.store.catalog.put_plan(name, plan) for limiter in self.limiters]
+        return sum(changed)
 
     async def close(self) -> None:
         """Stop rebalancing, then close every cell's limiter (each finishes its

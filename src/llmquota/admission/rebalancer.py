@@ -1,8 +1,9 @@
-"""Moves unused room between cells' global slices, in the background.
+"""Moves unused room between the slices of shared layers in cells, in the background.
 
-A database of cells (docs/scaling.md) splits the global layer into one slice
-per cell so that every admission runs on one node; a cell whose slice is
-dry refuses while another cell's still has room. A round of the rebalancer:
+A database of cells (docs/scaling.md) splits each shared layer (the global
+layer, each provider ceiling) into one slice per cell so that every
+admission runs on one node; a cell whose slice is dry refuses while another
+cell's still has room. A round of the rebalancer, layer by layer:
 
 1. delivers again every move a cell sent that its receiver never
    acknowledged (a round stopped between the two transactions);
@@ -34,8 +35,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llmquota.domain.budget_moves import Move, plan_moves
-from llmquota.store.budget_moves import BudgetMoveStore
+from llmquota.domain.budget_moves import Move, SliceRoom, plan_moves
+from llmquota.store.budget_moves import BudgetMoveStore, Undelivered
 
 __all__ = ["RoundReport", "SliceRebalancer"]
 
@@ -53,7 +54,7 @@ class RoundReport:
 
 
 class SliceRebalancer:
-    """Rounds of moves over the cells' global slices, on demand or every `interval`."""
+    """Rounds of moves over the cells' shared slices, on demand or every `interval`."""
 
     def __init__(
         self,
@@ -68,47 +69,66 @@ class SliceRebalancer:
         # answers from memory (admission/refusals.py), which the room may undo.
         self._credited = credited
         self._task: asyncio.Task[None] | None = None
-        # Each cell's room as the last round left it: what it spent since is
-        # that minus its room now (refill makes this an underestimate).
-        self._left: dict[str, tuple[float, float]] = {}
+        # Each slice's room as the last round left it, by (layer, cell): what
+        # it spent since is that minus its room now (refill makes this an
+        # underestimate).
+        self._left: dict[tuple[str | None, str], tuple[float, float]] = {}
 
     async def run_round(self) -> RoundReport:
-        """One round: deliver what is owed, then move room to the short slices."""
+        """One round: deliver what is owed, then move room to the short slices
+        of every shared layer (the global layer, each provider ceiling)."""
         redelivered = await self._redeliver()
-        rooms = await asyncio.gather(*(self._stores[name].room() for name in self._names))
-        left = {
-            name: (room.tokens or 0.0, room.requests or 0.0)
-            for name, room in zip(self._names, rooms, strict=True)
-            if room is not None
-        }
+        by_cell = await asyncio.gather(*(self._stores[name].rooms() for name in self._names))
+        layers = sorted({layer for rooms in by_cell for layer in rooms}, key=lambda c: c or "")
+        report = RoundReport(redelivered, 0, 0.0, 0.0)
+        left: dict[tuple[str | None, str], tuple[float, float]] = {}
+        for layer in layers:
+            rooms = [rooms.get(layer) for rooms in by_cell]
+            moved = await self._rebalance(layer, rooms, left)
+            report = RoundReport(
+                redelivered,
+                report.moves + moved.moves,
+                report.tokens + moved.tokens,
+                report.requests + moved.requests,
+            )
+        self._left = left
+        return report
+
+    async def _rebalance(
+        self,
+        layer: str | None,
+        rooms: list[SliceRoom | None],
+        left: dict[tuple[str | None, str], tuple[float, float]],
+    ) -> RoundReport:
+        """Move one shared layer's room; note in `left` what each slice holds after."""
+        for name, room in zip(self._names, rooms, strict=True):
+            if room is not None:
+                left[layer, name] = (room.tokens or 0.0, room.requests or 0.0)
         spent = [
             None
-            if name not in self._left or name not in left
+            if (layer, name) not in self._left or (layer, name) not in left
             else (
-                max(0.0, self._left[name][0] - left[name][0]),
-                max(0.0, self._left[name][1] - left[name][1]),
+                max(0.0, self._left[layer, name][0] - left[layer, name][0]),
+                max(0.0, self._left[layer, name][1] - left[layer, name][1]),
             )
             for name in self._names
         ]
-        tokens = requests = 0.0
-        moves = 0
+        moves, tokens, requests = 0, 0.0, 0.0
         for move in plan_moves(rooms, spent):
-            sent = await self._move(move)
+            sent = await self._move(layer, move)
             if sent != (0.0, 0.0):
-                moves += 1
-                tokens += sent[0]
-                requests += sent[1]
+                moves, tokens, requests = moves + 1, tokens + sent[0], requests + sent[1]
                 for name, sign in ((self._names[move.giver], -1), (self._names[move.taker], 1)):
-                    t, r = left[name]
-                    left[name] = (t + sign * sent[0], r + sign * sent[1])
-        self._left = left
-        return RoundReport(redelivered, moves, tokens, requests)
+                    t, r = left[layer, name]
+                    left[layer, name] = (t + sign * sent[0], r + sign * sent[1])
+        return RoundReport(0, moves, tokens, requests)
 
-    async def _move(self, move: Move) -> tuple[float, float]:
+    async def _move(self, layer: str | None, move: Move) -> tuple[float, float]:
         giver, taker = self._names[move.giver], self._names[move.taker]
         transfer_id = uuid.uuid4()
         sent = await self._stores[giver].send(
             transfer_id,
+            layer,
             taker,
             move.tokens,
             move.requests,
@@ -116,15 +136,15 @@ class SliceRebalancer:
             keep_requests=move.keep_requests,
         )
         if sent != (0.0, 0.0):
-            await self._deliver(giver, taker, transfer_id, *sent)
+            await self._deliver(giver, Undelivered(transfer_id, layer, taker, *sent))
         return sent
 
-    async def _deliver(
-        self, giver: str, taker: str, transfer_id: uuid.UUID, tokens: float, requests: float
-    ) -> None:
-        if await self._stores[taker].receive(transfer_id, giver, tokens, requests):
-            self._credited(taker)
-        await self._stores[giver].confirm(transfer_id)
+    async def _deliver(self, giver: str, sent: Undelivered) -> None:
+        """Credit a move `giver` sent to its taker, then mark it delivered."""
+        taker = self._stores[sent.peer]
+        if await taker.receive(sent.transfer_id, sent.ceiling, giver, sent.tokens, sent.requests):
+            self._credited(sent.peer)
+        await self._stores[giver].confirm(sent.transfer_id)
 
     async def _redeliver(self) -> int:
         count = 0
@@ -133,7 +153,7 @@ class SliceRebalancer:
                 if owed.peer not in self._stores:
                     log.warning("budget move %s names no cell %r", owed.transfer_id, owed.peer)
                     continue
-                await self._deliver(giver, owed.peer, owed.transfer_id, owed.tokens, owed.requests)
+                await self._deliver(giver, owed)
                 count += 1
         return count
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,41 +21,18 @@ if TYPE_CHECKING:
 
 
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
-    """Expire reservations whose lease ran out; once, or every --loop seconds."""
-    from llmquota.admin.ceiling_alerts import ceiling_alerts_running
-    from llmquota.admin.sweeper import Sweeper
-    from llmquota.api.webhooks import delivery_running
-    from llmquota.store.alerts import AlertStore
-    from llmquota.store.store import Store
+    """Expire reservations whose lease ran out; once, or every --loop seconds.
+    In a database of cells (its `public` DSN), every cell is swept."""
+    from llmquota.store.cells import deployments_of
 
     async def run(dsn: str) -> None:
-        # One statement at a time: a pool of one is all the sweeper needs (a
-        # second and a third connection for the alert delivery loop and the
-        # ceiling alert detector that run beside it).
-        store = await Store.connect(
-            dsn,
-            min_size=1,
-            max_size=3 if args.loop else 1,
-            statement_timeout_ms=settings.statement_timeout_ms,
-            lock_timeout_ms=settings.lock_timeout_ms,
-            transaction_pooler=settings.transaction_pooler,
-        )
-        sweeper = Sweeper(store, settings)
-        deadline_seconds = settings.statement_timeout_ms / 1000.0 + 1.0
-        try:
-            if args.loop:
-                # `sweep --loop` delivers alerts and watches the ceilings too,
-                # as `serve` does.
-                alerts = AlertStore(store.pool, deadline_seconds=deadline_seconds)
-                async with (
-                    delivery_running(alerts, settings, sweeper.metrics),
-                    ceiling_alerts_running(store.catalog, alerts, settings),
-                ):
-                    await _sweep_loop(sweeper, args)
-            else:
-                await _sweep_loop(sweeper, args)
-        finally:
-            await store.close()
+        deployments = await deployments_of(dsn)
+        async with contextlib.AsyncExitStack() as stack:
+            sweepers = [
+                (cell, await stack.enter_async_context(_sweeping(cell_dsn, args, settings)))
+                for cell, cell_dsn in deployments
+            ]
+            await _sweep_loop(sweepers, args)
 
     with open_database(settings.database_url, settings.data_dir) as db:
         try:
@@ -63,30 +42,75 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-async def _sweep_loop(sweeper: Sweeper, args: argparse.Namespace) -> None:
+@contextlib.asynccontextmanager
+async def _sweeping(
+    dsn: str, args: argparse.Namespace, settings: Settings
+) -> AsyncIterator[Sweeper]:
+    """A sweeper of the deployment at `dsn`; with --loop, its alert delivery and
+    ceiling alert detector beside it, as `serve` runs them."""
+    from llmquota.admin.ceiling_alerts import ceiling_alerts_running
+    from llmquota.admin.sweeper import Sweeper
+    from llmquota.api.webhooks import delivery_running
+    from llmquota.store.alerts import AlertStore
+    from llmquota.store.store import Store
+
+    # One statement at a time: a pool of one is all the sweeper needs (a
+    # second and a third connection for the alert delivery loop and the
+    # ceiling alert detector that run beside it).
+    store = await Store.connect(
+        dsn,
+        min_size=1,
+        max_size=3 if args.loop else 1,
+        statement_timeout_ms=settings.statement_timeout_ms,
+        lock_timeout_ms=settings.lock_timeout_ms,
+        transaction_pooler=settings.transaction_pooler,
+    )
+    sweeper = Sweeper(store, settings)
+    try:
+        if args.loop:
+            alerts = AlertStore(
+                store.pool, deadline_seconds=settings.statement_timeout_ms / 1000.0 + 1.0
+            )
+            async with (
+                delivery_running(alerts, settings, sweeper.metrics),
+                ceiling_alerts_running(store.catalog, alerts, settings),
+            ):
+                yield sweeper
+        else:
+            yield sweeper
+    finally:
+        await store.close()
+
+
+async def _sweep_loop(sweepers: list[tuple[str | None, Sweeper]], args: argparse.Namespace) -> None:
     """Sweep once, or every --loop seconds, outliving outages when looping."""
     from llmquota.domain.errors import StoreUnavailable
 
     while True:
-        try:
-            report = await sweeper.sweep(args.batch_size, args.max_batches)
-        except StoreUnavailable as exc:
-            if not args.loop:
-                raise
-            # A sweeper loop outlives an outage: try again next round.
-            print(f"sweep skipped: {exc}", flush=True)
-            await asyncio.sleep(args.loop)
-            continue
-        print(
-            f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
-            f"batches={report.batches} purged={report.purged} "
-            f"partitions_created={report.partitions_created} "
-            f"cache_entries_expired={report.cache_entries_expired} "
-            f"slices_returned={report.slices_returned}",
-            flush=True,
-        )
-        if args.heartbeat_file:
-            # A container healthcheck reads this file's age.
+        swept = True
+        for cell, sweeper in sweepers:
+            # In a database of cells, each line says which cell it swept.
+            which = "" if cell is None else f" cell={cell}"
+            try:
+                report = await sweeper.sweep(args.batch_size, args.max_batches)
+            except StoreUnavailable as exc:
+                if not args.loop:
+                    raise
+                # A sweeper loop outlives an outage: try again next round.
+                print(f"sweep skipped:{which} {exc}", flush=True)
+                swept = False
+                continue
+            print(
+                f"swept: expired={report.expired} tokens_returned={report.tokens_returned} "
+                f"batches={report.batches} purged={report.purged} "
+                f"partitions_created={report.partitions_created} "
+                f"cache_entries_expired={report.cache_entries_expired} "
+                f"slices_returned={report.slices_returned}{which}",
+                flush=True,
+            )
+        if args.heartbeat_file and swept:
+            # A container healthcheck reads this file's age: a round that
+            # missed a deployment leaves it to grow old.
             await asyncio.to_thread(Path(args.heartbeat_file).write_text, f"{time.time():.0f}\n")
         if not args.loop:
             return
@@ -95,31 +119,40 @@ async def _sweep_loop(sweeper: Sweeper, args: argparse.Namespace) -> None:
 
 def cmd_audit(args: argparse.Namespace, settings: Settings) -> int:
     """Recompute the books from the journal (lq_audit: permits, layers, ledger rows,
-    credits, quota windows); print each drift by name and exit 1 on any."""
+    credits, quota windows); print each drift by name and exit 1 on any. In a
+    database of cells (its `public` DSN), every cell is audited."""
+    from llmquota.store.cells import deployments_of
     from llmquota.store.store import Store
 
     async def run(dsn: str) -> int:
-        store = await Store.connect(
-            dsn, min_size=1, max_size=1, transaction_pooler=settings.transaction_pooler
-        )
-        try:
-            summary = await store.audit_summary()
-            findings = await store.audit()
-        finally:
-            await store.close()
-        print(
-            f"journal: active={summary.active} reserved_tokens={summary.reserved_tokens} "
-            f"finished={summary.finished} outage_admissions={summary.outage_admissions} "
-            f"ledger_rows={summary.ledger_rows}"
-        )
-        for f in findings:
-            print(f"DRIFT {f.check_name} {f.subject}: expected {f.expected}, found {f.actual}")
-        if not findings:
+        kinds: Counter[str] = Counter()
+        for cell, cell_dsn in await deployments_of(dsn):
+            store = await Store.connect(
+                cell_dsn, min_size=1, max_size=1, transaction_pooler=settings.transaction_pooler
+            )
+            try:
+                summary = await store.audit_summary()
+                findings = await store.audit()
+            finally:
+                await store.close()
+            # In a database of cells, each line says which cell it is about.
+            which = "" if cell is None else f" cell={cell}"
+            print(
+                f"journal: active={summary.active} reserved_tokens={summary.reserved_tokens} "
+                f"finished={summary.finished} outage_admissions={summary.outage_admissions} "
+                f"ledger_rows={summary.ledger_rows}{which}"
+            )
+            for f in findings:
+                print(
+                    f"DRIFT {f.check_name} {f.subject}: expected {f.expected}, "
+                    f"found {f.actual}{which}"
+                )
+            kinds.update(f.check_name for f in findings)
+        if not kinds:
             print("no drift")
             return 0
         # Each kind of drift by name, so a page of DRIFT lines still says what broke.
-        kinds = Counter(f.check_name for f in findings)
-        print(f"drift: {len(findings)} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})")
+        print(f"drift: {kinds.total()} ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})")
         return 1
 
     with open_database(settings.database_url, settings.data_dir) as db:

@@ -8,8 +8,8 @@ after a restart, whatever the Python version: so the placement is a fixed
 hash of the name (CRC-32 of its UTF-8), never Python's `hash()`, which is
 salted per process.
 
-A limit no tenant owns (the global layer) is split into K slices, one per
-cell, by the rule the sharded global layer already uses (`lq_shard_share` in
+A limit no tenant owns (the global layer, a provider ceiling) is split into
+K slices, one per cell, by the rule the sharded global layer already uses (`lq_shard_share` in
 sql/global_layer.sql): slice k holds total // K, plus one while k is below
 total mod K. The slices sum to the total, so the cells together never admit
 more than one layer would; a cell whose slice is dry refuses while another
@@ -21,9 +21,10 @@ from __future__ import annotations
 import zlib
 
 from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import Policy
 
-__all__ = ["cell_of", "slice_of"]
+__all__ = ["ceiling_slice_of", "cell_of", "slice_of"]
 
 
 def cell_of(tenant: str, cells: int) -> int:
@@ -37,20 +38,10 @@ def _share(total: int | None, cell: int, cells: int) -> int | None:
     return total // cells + (1 if cell - 1 < total % cells else 0)
 
 
-def slice_of(policy: Policy, cell: int, cells: int) -> Policy:
-    """Cell `cell`'s slice (1-based) of a shared `policy` split over `cells`.
-
-    Every limit must be at least `cells`: a slice of 0 would refuse everything
-    in its cell, which is not the policy asked for (InvalidRequest otherwise).
-    """
-    p = policy.resolved()
-    limits = {
-        "tokens_per_minute": p.tokens_per_minute,
-        "token_burst": p.token_burst,
-        "requests_per_minute": p.requests_per_minute,
-        "request_burst": p.request_burst,
-        "max_in_flight": p.max_in_flight,
-    }
+def _slices(limits: dict[str, int | None], cell: int, cells: int) -> dict[str, int | None]:
+    """Cell `cell`'s share of each limit; every limit set must be at least
+    `cells`: a slice of 0 would refuse everything in its cell, which is not
+    the limit asked for (InvalidRequest otherwise)."""
     too_small = sorted(
         name for name, value in limits.items() if value is not None and value < cells
     )
@@ -59,4 +50,32 @@ def slice_of(policy: Policy, cell: int, cells: int) -> Policy:
             f"{', '.join(too_small)} must be at least the number of cells ({cells}) "
             "to be split over them"
         )
-    return p.model_copy(update={name: _share(value, cell, cells) for name, value in limits.items()})
+    return {name: _share(value, cell, cells) for name, value in limits.items()}
+
+
+def slice_of(policy: Policy, cell: int, cells: int) -> Policy:
+    """Cell `cell`'s slice (1-based) of a shared `policy` split over `cells`."""
+    p = policy.resolved()
+    limits = {
+        "tokens_per_minute": p.tokens_per_minute,
+        "token_burst": p.token_burst,
+        "requests_per_minute": p.requests_per_minute,
+        "request_burst": p.request_burst,
+        "max_in_flight": p.max_in_flight,
+    }
+    return p.model_copy(update=_slices(limits, cell, cells))
+
+
+def ceiling_slice_of(ceiling: Ceiling, cell: int, cells: int) -> Ceiling:
+    """Cell `cell`'s slice of a provider ceiling split over `cells`: its rates,
+    bursts (a burst left out is a minute of its rate, as on one database) and
+    in-flight bound. The shedding ladder and the alerts are fractions, so each
+    slice keeps them, of its own burst."""
+    limits = {
+        "tokens_per_minute": ceiling.tokens_per_minute,
+        "token_burst": ceiling.effective_token_burst,
+        "requests_per_minute": ceiling.requests_per_minute,
+        "request_burst": ceiling.effective_request_burst,
+        "max_in_flight": ceiling.max_in_flight,
+    }
+    return ceiling.model_copy(update=_slices(limits, cell, cells))

@@ -1,4 +1,5 @@
-"""Typed access to budget moves between cells' global slices (sql/global_layer.sql).
+"""Typed access to budget moves between the slices of shared layers in cells
+(sql/global_layer.sql).
 
 Beside store.py, over the same pool: one named statement per call, each a
 function of the cell that runs whole on its node. The rebalancer
@@ -22,13 +23,15 @@ class Undelivered(NamedTuple):
     """A move this cell sent that its receiver has not acknowledged."""
 
     transfer_id: uuid.UUID
+    ceiling: str | None  # the shared layer: a provider ceiling's name, None: global
     peer: str
     tokens: float
     requests: float
 
 
 class BudgetMoveStore:
-    """Read a cell's global room; send, receive and confirm moves of it."""
+    """Read a cell's room in each shared layer; send, receive and confirm moves of it.
+    A layer is named by its provider ceiling, None for the global layer."""
 
     def __init__(self, pool: DeadlinePool, sql: dict[str, str]) -> None:
         self._pool = pool
@@ -37,14 +40,15 @@ class BudgetMoveStore:
     async def _fetch(self, name: str, *args: Any) -> list[Row]:
         return await self._pool.fetch(self._sql[name], args, deadline_seconds=None)
 
-    async def room(self) -> SliceRoom | None:
-        """The slice's room now; None without a global policy."""
-        rows = await self._fetch("global_room")
-        return SliceRoom(*rows[0].values()) if rows else None
+    async def rooms(self) -> dict[str | None, SliceRoom]:
+        """This cell's slice of each shared layer it has, and its room now."""
+        rows = await self._fetch("shared_rooms")
+        return {row["ceiling"]: SliceRoom(*list(row.values())[1:]) for row in rows}
 
     async def send(
         self,
         transfer_id: uuid.UUID,
+        ceiling: str | None,
         to_cell: str,
         tokens: float,
         requests: float,
@@ -56,16 +60,30 @@ class BudgetMoveStore:
         `keep_` amounts; what was debited (the same again for a repeated id)."""
         row = (
             await self._fetch(
-                "send_budget", transfer_id, to_cell, tokens, requests, keep_tokens, keep_requests
+                "send_budget",
+                transfer_id,
+                ceiling,
+                to_cell,
+                tokens,
+                requests,
+                keep_tokens,
+                keep_requests,
             )
         )[0]
         return float(row["tokens"]), float(row["requests"])
 
     async def receive(
-        self, transfer_id: uuid.UUID, from_cell: str, tokens: float, requests: float
+        self,
+        transfer_id: uuid.UUID,
+        ceiling: str | None,
+        from_cell: str,
+        tokens: float,
+        requests: float,
     ) -> bool:
         """Credit a move (clamped at the burst); False: it was received before."""
-        rows = await self._fetch("receive_budget", transfer_id, from_cell, tokens, requests)
+        rows = await self._fetch(
+            "receive_budget", transfer_id, ceiling, from_cell, tokens, requests
+        )
         return bool(rows[0]["credited"])
 
     async def confirm(self, transfer_id: uuid.UUID) -> None:

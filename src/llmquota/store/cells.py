@@ -35,7 +35,16 @@ import asyncpg
 from llmquota.store import migrate
 from llmquota.store.sqlfiles import named_queries, repeatable_scripts
 
-__all__ = ["MAX_CELLS", "Cell", "CellsError", "build_cells", "cell_name", "cells_in", "in_cell"]
+__all__ = [
+    "MAX_CELLS",
+    "Cell",
+    "CellsError",
+    "build_cells",
+    "cell_name",
+    "cells_in",
+    "deployments_of",
+    "in_cell",
+]
 
 # Tenants are placed by hashing their name over the cells, so the count is
 # fixed once cells exist; 64 is more nodes than a cluster of this kind runs.
@@ -90,6 +99,24 @@ async def cells_in(dsn: str) -> list[str]:
             "finish them with `llmquota migrate --cells K` first"
         )
     return names
+
+
+async def deployments_of(dsn: str) -> list[tuple[str | None, str]]:
+    """What a maintenance command (sweep, audit) at `dsn` looks after: each
+    cell, with its DSN, when `dsn` is the `public` DSN of a database of cells;
+    otherwise the one deployment `dsn` names (None: not a cell).
+
+    A DSN whose search_path names a cell is that cell alone, as a service of
+    that cell sees it.
+    """
+    connection = await asyncpg.connect(dsn)
+    try:
+        schema = await connection.fetchval("SELECT current_schema()")
+    finally:
+        await connection.close()
+    if schema != "public":
+        return [(schema if schema.startswith("cell_") else None, dsn)]
+    return [(name, in_cell(dsn, name)) for name in await cells_in(dsn)] or [(None, dsn)]
 
 
 def build_cells(dsn: str, count: int) -> list[Cell]:
