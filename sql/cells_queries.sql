@@ -20,11 +20,14 @@ SELECT n.nspname AS cell,
  ORDER BY substr(n.nspname, 6)::integer
 
 -- public_state --
--- What `public` holds: a deployment (or is there a `reporting` schema), the
--- mark of a cell being built in it (mark_public), the extensions installed
--- in it; and the connection's own schema.
+-- What `public` holds: a deployment (or is there a `reporting` schema other
+-- than the one reporting_over_cells makes), the mark of a cell being built
+-- in it (mark_public), the extensions installed in it; and the connection's
+-- own schema.
 SELECT to_regclass('public.alembic_version') IS NOT NULL
-       OR to_regnamespace('reporting') IS NOT NULL AS deployment,
+       OR (to_regnamespace('reporting') IS NOT NULL
+           AND obj_description(to_regnamespace('reporting'), 'pg_namespace')
+               IS DISTINCT FROM 'llmquota reporting over cells') AS deployment,
        obj_description('public'::regnamespace, 'pg_namespace') AS mark,
        ARRAY(SELECT e.extname::text FROM pg_extension AS e
               WHERE e.extnamespace = 'public'::regnamespace ORDER BY e.extname) AS extensions,
@@ -53,7 +56,8 @@ SELECT set_config('llmquota.cell', $1::text, true),
 
 -- seal_cell --
 -- Rename the freshly migrated `public` to the cell (and `reporting` to
--- cell_k_reporting), say on it how many cells it is one of, give the database a new, empty `public` as PostgreSQL
+-- cell_k_reporting, its report functions made to name them), say on it how
+-- many cells it is one of, give the database a new, empty `public` as PostgreSQL
 -- makes it, hand back what an extension keeps in `public` (Citus's
 -- citus_tables and citus_schemas views), and pin the cell's functions to it:
 -- a function that named `public` in its search_path now names the cell, and
@@ -117,6 +121,49 @@ BEGIN
         IF citus AND f.generic THEN
             EXECUTE format('ALTER FUNCTION %s RESET plan_cache_mode', f.routine);
         END IF;
+    END LOOP;
+    -- The finance reports name `reporting` and `public` in their bodies
+    -- (views bind what they read when made, and followed the renames;
+    -- functions read their text at each call): each is made again naming
+    -- the cell's schemas.
+    FOR f IN SELECT p.oid, l.lanname = 'sql' AND p.proretset AS report
+               FROM pg_proc AS p
+               JOIN pg_language AS l ON l.oid = p.prolang
+              WHERE p.pronamespace = reporting::regnamespace AND p.prokind = 'f'
+    LOOP
+        EXECUTE regexp_replace(regexp_replace(pg_get_functiondef(f.oid),
+                                              '\mreporting\.', reporting || '.', 'g'),
+                               '\mpublic\.', cell || '.', 'g');
+        -- Citus plans no SQL function over distributed tables called with
+        -- parameters: there a report is the same query in PL/pgSQL. And a
+        -- worker runs its part as the session's role, which a view's owner
+        -- rights do not reach: it runs as its owner, as the views do.
+        IF citus AND f.report THEN
+            EXECUTE format('CREATE OR REPLACE FUNCTION %s(%s) RETURNS %s LANGUAGE plpgsql '
+                           'STABLE SECURITY DEFINER SET search_path = pg_catalog, %I, %I AS %L',
+                           f.oid::regproc, pg_get_function_arguments(f.oid),
+                           pg_get_function_result(f.oid), cell, reporting,
+                           E'#variable_conflict use_column\nBEGIN\nRETURN QUERY '
+                           || rtrim((SELECT p.prosrc FROM pg_proc AS p WHERE p.oid = f.oid),
+                                    E' \n;')
+                           || E';\nEND');
+        END IF;
+    END LOOP;
+    -- Each view's rows, read as the view's owner: what the reporting schema
+    -- over the cells reads (reporting_over_cells). On Citus a worker checks
+    -- the session's role against the tables under a view; a function of the
+    -- owner's is how the read-only role reads them there.
+    FOR f IN SELECT c.relname AS name FROM pg_class AS c
+              WHERE c.relnamespace = reporting::regnamespace AND c.relkind = 'v'
+    LOOP
+        EXECUTE format('CREATE FUNCTION %I.%I() RETURNS SETOF %I.%I LANGUAGE sql STABLE '
+                       'SECURITY DEFINER SET search_path = pg_catalog AS %L',
+                       reporting, 'rows_of_' || f.name, reporting, f.name,
+                       format('SELECT * FROM %I.%I', reporting, f.name));
+        EXECUTE format('REVOKE EXECUTE ON FUNCTION %I.%I() FROM PUBLIC', reporting,
+                       'rows_of_' || f.name);
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %I.%I() TO llmquota_reporting, llmquota_app',
+                       reporting, 'rows_of_' || f.name);
     END LOOP;
     -- A month's ledger partition is a table of the cell, which Citus
     -- distributes when it is made, triggers and all (distribute_schema).
@@ -182,3 +229,105 @@ SELECT n.nodename, n.nodeport
   JOIN pg_dist_node AS n ON n.groupid = p.groupid
  WHERE s.logicalrelid = to_regclass(quote_ident(coalesce($1::text, current_schema()))
                                     || '.limit_layers')
+
+-- drop_reporting_over_cells --
+-- Before a cell is migrated as `public` (its migrations make a `reporting`
+-- schema, renamed with it), the one reporting_over_cells made goes; the end
+-- of the build makes it again.
+DO $$
+BEGIN
+    IF obj_description(to_regnamespace('reporting'), 'pg_namespace')
+       = 'llmquota reporting over cells' THEN
+        DROP SCHEMA reporting CASCADE;
+    END IF;
+END
+$$
+
+-- reporting_over_cells --
+-- A `reporting` schema for the whole database of cells, made again at the
+-- end of every build. Each of its report functions and views reads the cell
+-- of the session that calls it (a DSN whose search_path names cell_k reads
+-- cell_k_reporting), so what names `reporting` (finance's SQL, the console's
+-- top tenants, the oversubscription endpoint) works in each cell as it does
+-- in one deployment. Outside a cell it refuses with where to go instead.
+-- Made from cell_1_reporting's catalog: the cells are alike. A view's rows
+-- come through a function (a view cannot choose its table per session), so
+-- a filter on it is not pushed into the cell's view; the report functions
+-- call the cell's own, which are.
+DO $build$
+DECLARE
+    f record;
+BEGIN
+    CREATE SCHEMA reporting;
+    COMMENT ON SCHEMA reporting IS 'llmquota reporting over cells';
+    GRANT USAGE ON SCHEMA reporting TO llmquota_reporting, llmquota_app;
+    CREATE FUNCTION reporting.session_reports() RETURNS text
+    LANGUAGE plpgsql STABLE
+    AS $f$
+    BEGIN
+        IF current_schema() ~ '^cell_[0-9]+$' THEN
+            RETURN quote_ident(current_schema() || '_reporting');
+        END IF;
+        RAISE EXCEPTION USING ERRCODE = 'invalid_schema_name',
+              MESSAGE = 'reporting in a database of cells reads one cell: connect with '
+                        'search_path=cell_k',
+              HINT = '`llmquota report` at the database''s own DSN runs a report in every '
+                     'cell and merges them';
+    END
+    $f$;
+    COMMENT ON FUNCTION reporting.session_reports() IS
+        'the reporting schema of the session''s cell (search_path=cell_k)';
+    -- The views below are read only, as the cells' are: a write is refused
+    -- for want of the privilege (the trigger makes PostgreSQL check it, and
+    -- refuses the owner too).
+    CREATE FUNCTION reporting.read_only() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $f$
+    BEGIN
+        RAISE EXCEPTION USING ERRCODE = 'insufficient_privilege',
+              MESSAGE = format('reporting.%s is read only', TG_TABLE_NAME);
+    END
+    $f$;
+    FOR f IN SELECT p.oid, p.proname AS name, pg_get_function_arguments(p.oid) AS arguments,
+                    pg_get_function_identity_arguments(p.oid) AS identity,
+                    pg_get_function_result(p.oid) AS result,
+                    (SELECT string_agg('$' || i, ', ' ORDER BY i)
+                       FROM generate_series(1, p.pronargs) AS i) AS parameters,
+                    (SELECT string_agg('%L::' || format_type(t.type, NULL), ', '
+                                       ORDER BY t.i)
+                       FROM unnest(p.proargtypes::oid[]) WITH ORDINALITY AS t(type, i))
+                        AS literals
+               FROM pg_proc AS p
+              WHERE p.pronamespace = 'cell_1_reporting'::regnamespace AND p.prokind = 'f'
+                AND p.proretset AND p.proname NOT LIKE 'rows\_of\_%'
+    LOOP
+        -- The arguments are written into the call as literals: Citus plans no
+        -- SQL function over distributed tables called with parameters.
+        EXECUTE format('CREATE FUNCTION reporting.%I(%s) RETURNS %s LANGUAGE plpgsql STABLE '
+                       'AS $f$ BEGIN RETURN QUERY EXECUTE format(%L, reporting.session_reports(),'
+                       ' %s); END $f$',
+                       f.name, f.arguments, f.result,
+                       format('SELECT * FROM %%s.%I(%s)', f.name, f.literals), f.parameters);
+        EXECUTE format('COMMENT ON FUNCTION reporting.%I(%s) IS %L', f.name, f.identity,
+                       obj_description(f.oid, 'pg_proc'));
+    END LOOP;
+    FOR f IN SELECT c.oid, c.relname AS name
+               FROM pg_class AS c
+              WHERE c.relnamespace = 'cell_1_reporting'::regnamespace AND c.relkind = 'v'
+    LOOP
+        EXECUTE format('CREATE FUNCTION reporting.%I() RETURNS SETOF cell_1_reporting.%I '
+                       'LANGUAGE plpgsql STABLE AS $f$ BEGIN RETURN QUERY EXECUTE '
+                       'format(%L, reporting.session_reports()); END $f$',
+                       'rows_of_' || f.name, f.name,
+                       format('SELECT * FROM %%s.%I()', 'rows_of_' || f.name));
+        EXECUTE format('CREATE VIEW reporting.%I AS SELECT * FROM reporting.%I()', f.name,
+                       'rows_of_' || f.name);
+        EXECUTE format('COMMENT ON VIEW reporting.%I IS %L', f.name,
+                       obj_description(f.oid, 'pg_class'));
+        EXECUTE format('CREATE TRIGGER read_only INSTEAD OF INSERT OR UPDATE OR DELETE '
+                       'ON reporting.%I FOR EACH ROW EXECUTE FUNCTION reporting.read_only()',
+                       f.name);
+    END LOOP;
+    GRANT SELECT ON ALL TABLES IN SCHEMA reporting TO llmquota_reporting, llmquota_app;
+END
+$build$

@@ -1,10 +1,11 @@
-"""`llmquota rebalance`: move unused room between the cells' global slices.
+"""`llmquota rebalance`: move unused room between the cells' slices of shared limits.
 
 A database of cells (`llmquota migrate --cells K`) serves each cell from a
-service of its own, and a cell's global slice runs dry while another's sits
-full. The library's router rebalances on its own (admission/cells.py); a
-deployment of services runs this command beside them, once (cron) or with
---loop, as it runs `sweep`. Each round is admission/rebalancer.py's.
+service of its own, and a cell's slice of the global layer (or of a provider
+ceiling) runs dry while another's sits full. The library's router
+rebalances on its own (admission/cells.py); a deployment of services runs
+this command beside them, once (cron) or with --loop, as it runs `sweep`.
+Each round is admission/rebalancer.py's.
 """
 
 from __future__ import annotations
@@ -81,8 +82,8 @@ def add_cells_commands(commands: Any) -> None:
     """`rebalance`."""
     rebalance = commands.add_parser(
         "rebalance",
-        help="move unused room between the global slices of a database of cells "
-        "(`migrate --cells`): once, or every --loop seconds",
+        help="move unused room between the slices of shared limits (global, provider "
+        "ceilings) of a database of cells (`migrate --cells`): once, or every --loop seconds",
     )
     add_converted_flag(rebalance, "rebalance", "--loop", float, type=float, metavar="SECONDS")
     rebalance.set_defaults(func=cmd_rebalance)

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from llmquota.cli.options import add_flag, ascii_integer
 from llmquota.config import Settings
@@ -32,16 +32,26 @@ def _run_on_connection(
     action: Callable[[Connection], Awaitable[int]],
     *,
     reporting: bool = False,
+    cells: Literal["refuse", "every", "first"] = "refuse",
+    tenant: str | None = None,
 ) -> int:
     """Open the database and one connection, run `action`, and turn refusals
     into a message and an exit status (2: bad input, 1: anything else).
 
     Reports use LLMQUOTA_REPORTING_DATABASE_URL when it is set (e.g. as the
     read-only llmquota_reporting role), otherwise the service's database.
+
+    In a database of cells (its `public` DSN), a command about a `tenant`
+    runs in the tenant's cell; otherwise `cells` says where: in `every` cell
+    (prices, which every cell keeps alike), the `first` (reading them back),
+    or nowhere (`refuse`: the command names one cell's rows, and is run at
+    that cell's DSN).
     """
+    from llmquota.domain.cells import cell_of
+    from llmquota.store.cells import deployments_of
     from llmquota.store.connection import open_connection
 
-    async def run(dsn: str) -> int:
+    async def run_on(dsn: str) -> int:
         connection = await open_connection(
             dsn,
             statement_timeout_ms=statement_timeout_ms(settings, reporting),
@@ -52,6 +62,20 @@ def _run_on_connection(
             return await action(connection)
         finally:
             await connection.close()
+
+    async def run(dsn: str) -> int:
+        deployments = [cell_dsn for _, cell_dsn in await deployments_of(dsn)]
+        if len(deployments) > 1:
+            if tenant is not None:
+                deployments = [deployments[cell_of(tenant, len(deployments)) - 1]]
+            elif cells == "first":
+                deployments = deployments[:1]
+            elif cells == "refuse":
+                raise InvalidRequest(
+                    f"this database holds {len(deployments)} cells: run this command at a "
+                    "cell's DSN (search_path=cell_k)"
+                )
+        return max([await run_on(cell_dsn) for cell_dsn in deployments])
 
     return run_on_database(settings, run, reporting=reporting)
 
@@ -135,7 +159,7 @@ def cmd_ledger_adjust(args: argparse.Namespace, settings: Settings) -> int:
         _print_line(json.dumps(adjustment.to_json()))
         return 0
 
-    return _run_on_connection(settings, adjust)
+    return _run_on_connection(settings, adjust, tenant=args.tenant)
 
 
 def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
@@ -147,7 +171,8 @@ def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
             model=args.model,
             input_usd_per_million=parse_price("--input-per-million", args.input_per_million),
             output_usd_per_million=parse_price("--output-per-million", args.output_per_million),
-            # An empty value (flag or variable) is an error, not "now".
+            # An empty value (flag or variable) is an error, not "now". In a
+            # database of cells, "now" is each cell's clock as the price reaches it.
             effective_from=(
                 None if args.effective_from is None else parse_effective_from(args.effective_from)
             ),
@@ -163,7 +188,7 @@ def cmd_prices_set(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 0
 
-    return _run_on_connection(settings, set_price)
+    return _run_on_connection(settings, set_price, cells="every")
 
 
 def cmd_prices_import(args: argparse.Namespace, settings: Settings) -> int:
@@ -195,7 +220,7 @@ def cmd_prices_import(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 0
 
-    return _run_on_connection(settings, import_prices)
+    return _run_on_connection(settings, import_prices, cells="every")
 
 
 def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
@@ -229,7 +254,7 @@ def cmd_prices_list(args: argparse.Namespace, settings: Settings) -> int:
         sys.stdout.write(render(columns, rows, args.format))
         return 0
 
-    return _run_on_connection(settings, list_prices)
+    return _run_on_connection(settings, list_prices, cells="first")
 
 
 def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
@@ -240,7 +265,8 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
         report_oversubscription,
     )
     from llmquota.cli.tabular import render
-    from llmquota.finance.reports import ReportStore, normalize_name, parse_period
+    from llmquota.finance.cell_reports import merge_cell_reports
+    from llmquota.finance.reports import ReportResult, ReportStore, normalize_name, parse_period
 
     if not args.list and not args.name:
         print("llmquota: error: name a report, or use --list", file=sys.stderr)
@@ -261,19 +287,36 @@ def cmd_report(args: argparse.Namespace, settings: Settings) -> int:
             print(f"llmquota: error: {exc}", file=sys.stderr)
             return 2
 
-    async def report(connection: Connection) -> int:
-        store = ReportStore(connection)
-        if args.list:
-            listing = [(r.name, r.description) for r in await store.list_reports()]
-            listing.append((OVERSUBSCRIPTION, OVERSUBSCRIPTION_DESCRIPTION))
-            listing.sort()
-            sys.stdout.write(render(("report", "description"), listing, args.format))
-            return 0
-        result = await store.run(args.name, start, end, args.tenant)
-        sys.stdout.write(render(result.columns, result.rows, args.format))
+    async def list_reports(connection: Connection) -> int:
+        listing = [(r.name, r.description) for r in await ReportStore(connection).list_reports()]
+        listing.append((OVERSUBSCRIPTION, OVERSUBSCRIPTION_DESCRIPTION))
+        listing.sort()
+        sys.stdout.write(render(("report", "description"), listing, args.format))
         return 0
 
-    return _run_on_connection(settings, report, reporting=True)
+    if args.list:
+        return _run_on_connection(settings, list_reports, reporting=True, cells="first")
+    results: list[ReportResult] = []
+
+    async def report(connection: Connection) -> int:
+        results.append(await ReportStore(connection).run(args.name, start, end, args.tenant))
+        return 0
+
+    # In a database of cells, each cell's (or the one --tenant lives in), merged.
+    status = _run_on_connection(settings, report, reporting=True, cells="every", tenant=args.tenant)
+    if status != 0:
+        return status
+    try:
+        result = (
+            results[0]
+            if len(results) == 1
+            else merge_cell_reports(normalize_name(args.name), results)
+        )
+    except InvalidRequest as exc:
+        print(f"llmquota: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(result.columns, result.rows, args.format))
+    return 0
 
 
 def _add_ledger_commands(commands: Any) -> None:

@@ -90,7 +90,7 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         "rebalance",
         "--loop",
         "REBALANCE_LOOP_SECONDS",
-        "keep running, moving room between the cells' global slices every SECONDS",
+        "keep running, moving unused room between the cells' slices of shared limits every SECONDS",
         "0",
     ),
     CommandDefault(

@@ -18,11 +18,12 @@ each is delegated: a call from the coordinator is one statement to that node.
 
 A library process reaches every cell through admission/cells.py (a Limiter
 per cell, `cells_in` and `in_cell` here); a service reaches one cell through
-its DSN. What this module does not do yet (docs/scaling.md says what comes
-next): upgrade a cell built by an older release in place (a cell behind the
-code is refused with a message), or report in a cell or across them (each
-cell's report views are in `cell_k_reporting`, but the report functions name
-`reporting` in their bodies and do not follow the rename).
+its DSN; a maintenance command at the database's own DSN reaches each
+(`deployments_of`). A database-level `reporting` schema reads the cell of
+the session that calls it (`reporting_over_cells`). What this module does
+not do yet (docs/scaling.md says what comes next): upgrade a cell built by
+an older release in place (a cell behind the code is refused with a
+message).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ async def _build(dsn: str, count: int) -> list[Cell]:
         for cell in (cell_name(k) for k in range(1, count + 1)):
             status = "up to date"
             if cell not in existing:
+                await connection.execute(queries["drop_reporting_over_cells"])
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["mark_public"])
@@ -155,6 +157,9 @@ async def _build(dsn: str, count: int) -> list[Cell]:
             if citus and await _distribute(connection, cell):
                 status = "built"
             cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
+        async with connection.transaction():
+            await connection.execute(queries["drop_reporting_over_cells"])
+            await connection.execute(queries["reporting_over_cells"])
         return cells
     finally:
         await connection.close()
