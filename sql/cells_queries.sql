@@ -69,9 +69,9 @@ SELECT set_config('llmquota.cell', $1::text, true),
 -- can inline are then that statement, resolved under its function's pin.
 -- But not one that calls another function of ours (lq_...): where it is not
 -- inlined (a conflict clause Citus runs on a worker) it would look that name
--- up under the worker's path, and not find it. (On Citus a SQL function that reads a table is refused
--- inside another statement either way: lq_batch_layers and the audit's
--- checks are PL/pgSQL for that.)
+-- up under the worker's path, and not find it. (On Citus a SQL function
+-- that reads a table is refused inside another statement either way:
+-- lq_batch_layers and the audit's checks are PL/pgSQL for that.)
 -- On Citus, the functions that force generic plans stop doing so: Citus
 -- cannot plan a statement with parameters generically.
 DO $$
@@ -244,12 +244,13 @@ END
 $$
 
 -- reporting_over_cells --
--- A `reporting` schema for the whole database of cells, made again at the
--- end of every build. Each of its report functions and views reads the cell
--- of the session that calls it (a DSN whose search_path names cell_k reads
--- cell_k_reporting), so what names `reporting` (finance's SQL, the console's
--- top tenants, the oversubscription endpoint) works in each cell as it does
--- in one deployment. Outside a cell it refuses with where to go instead.
+-- A `reporting` schema for the whole database of cells, made (or brought up
+-- to date, in place) at the end of every build. Each of its report
+-- functions and views reads the cell of the session that calls it (a DSN
+-- whose search_path names cell_k reads cell_k_reporting), so what names
+-- `reporting` (finance's SQL, the console's top tenants, the
+-- oversubscription endpoint) works in each cell as it does in one
+-- deployment. Outside a cell it refuses with where to go instead.
 -- Made from cell_1_reporting's catalog: the cells are alike. A view's rows
 -- come through a function (a view cannot choose its table per session), so
 -- a filter on it is not pushed into the cell's view; the report functions
@@ -258,10 +259,16 @@ DO $build$
 DECLARE
     f record;
 BEGIN
-    CREATE SCHEMA reporting;
+    -- On Citus these live on the coordinator alone, where reports run: Citus
+    -- would otherwise make them objects of every node, and refuses to
+    -- replace a function whose view others build on ("circular dependency").
+    IF EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
+        PERFORM set_config('citus.enable_ddl_propagation', 'off', true);
+    END IF;
+    CREATE SCHEMA IF NOT EXISTS reporting;
     COMMENT ON SCHEMA reporting IS 'llmquota reporting over cells';
     GRANT USAGE ON SCHEMA reporting TO llmquota_reporting, llmquota_app;
-    CREATE FUNCTION reporting.session_reports() RETURNS text
+    CREATE OR REPLACE FUNCTION reporting.session_reports() RETURNS text
     LANGUAGE plpgsql STABLE
     AS $f$
     BEGIN
@@ -280,7 +287,7 @@ BEGIN
     -- The views below are read only, as the cells' are: a write is refused
     -- for want of the privilege (the trigger makes PostgreSQL check it, and
     -- refuses the owner too).
-    CREATE FUNCTION reporting.read_only() RETURNS trigger
+    CREATE OR REPLACE FUNCTION reporting.read_only() RETURNS trigger
     LANGUAGE plpgsql
     AS $f$
     BEGIN
@@ -303,11 +310,12 @@ BEGIN
     LOOP
         -- The arguments are written into the call as literals: Citus plans no
         -- SQL function over distributed tables called with parameters.
-        EXECUTE format('CREATE FUNCTION reporting.%I(%s) RETURNS %s LANGUAGE plpgsql STABLE '
-                       'AS $f$ BEGIN RETURN QUERY EXECUTE format(%L, reporting.session_reports(),'
-                       ' %s); END $f$',
+        EXECUTE format('CREATE OR REPLACE FUNCTION reporting.%I(%s) RETURNS %s LANGUAGE plpgsql '
+                       'STABLE AS $f$ BEGIN RETURN QUERY EXECUTE format(%L, '
+                       'reporting.session_reports()%s); END $f$',
                        f.name, f.arguments, f.result,
-                       format('SELECT * FROM %%s.%I(%s)', f.name, f.literals), f.parameters);
+                       format('SELECT * FROM %%s.%I(%s)', f.name, f.literals),
+                       coalesce(', ' || f.parameters, ''));
         EXECUTE format('COMMENT ON FUNCTION reporting.%I(%s) IS %L', f.name, f.identity,
                        obj_description(f.oid, 'pg_proc'));
     END LOOP;
@@ -315,16 +323,18 @@ BEGIN
                FROM pg_class AS c
               WHERE c.relnamespace = 'cell_1_reporting'::regnamespace AND c.relkind = 'v'
     LOOP
-        EXECUTE format('CREATE FUNCTION reporting.%I() RETURNS SETOF cell_1_reporting.%I '
+        EXECUTE format('CREATE OR REPLACE FUNCTION reporting.%I() '
+                       'RETURNS SETOF cell_1_reporting.%I '
                        'LANGUAGE plpgsql STABLE AS $f$ BEGIN RETURN QUERY EXECUTE '
                        'format(%L, reporting.session_reports()); END $f$',
                        'rows_of_' || f.name, f.name,
                        format('SELECT * FROM %%s.%I()', 'rows_of_' || f.name));
-        EXECUTE format('CREATE VIEW reporting.%I AS SELECT * FROM reporting.%I()', f.name,
+        EXECUTE format('CREATE OR REPLACE VIEW reporting.%I AS SELECT * FROM reporting.%I()',
+                       f.name,
                        'rows_of_' || f.name);
         EXECUTE format('COMMENT ON VIEW reporting.%I IS %L', f.name,
                        obj_description(f.oid, 'pg_class'));
-        EXECUTE format('CREATE TRIGGER read_only INSTEAD OF INSERT OR UPDATE OR DELETE '
+        EXECUTE format('CREATE OR REPLACE TRIGGER read_only INSTEAD OF INSERT OR UPDATE OR DELETE '
                        'ON reporting.%I FOR EACH ROW EXECUTE FUNCTION reporting.read_only()',
                        f.name);
     END LOOP;

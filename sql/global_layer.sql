@@ -378,3 +378,26 @@ BEGIN
      LIMIT p_limit;
 END
 $$;
+
+
+-- Forget moves older than p_keep_seconds: 'out' rows (delivered, or given up:
+-- a move no round could deliver for that long is room lost, never room
+-- made), and 'in' rows twice as old, so that an 'out' row still being
+-- delivered always finds its 'in' row whatever the two nodes' clocks say,
+-- and is credited once. How many rows went.
+CREATE OR REPLACE FUNCTION lq_prune_budget_transfers(p_keep_seconds integer)
+RETURNS bigint
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    now_ts constant timestamptz := clock_timestamp();
+    gone   bigint;
+BEGIN
+    DELETE FROM budget_transfers AS t
+     WHERE t.moved_at < now_ts - make_interval(secs => p_keep_seconds)
+       AND (t.direction = 'out'
+            OR t.moved_at < now_ts - make_interval(secs => 2 * p_keep_seconds));
+    GET DIAGNOSTICS gone = ROW_COUNT;
+    RETURN gone;
+END
+$$;

@@ -610,3 +610,7 @@ SELECT lq_confirm_budget($1::uuid)
 -- undelivered_budget --
 -- Moves this cell sent that no receiver has acknowledged yet, oldest first.
 SELECT transfer_id, ceiling, peer, tokens, requests FROM lq_undelivered_budget($1::integer)
+
+-- prune_budget_transfers --
+-- Forget moves older than $1 seconds ('in' rows twice as old).
+SELECT lq_prune_budget_transfers($1::integer) AS pruned

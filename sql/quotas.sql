@@ -225,18 +225,23 @@ $$;
 -- order their windows are locked.
 -- p_key_id was added (quotas per API key): the old signature goes.
 DROP FUNCTION IF EXISTS lq_matching_quotas(text, text, text);
+-- PL/pgSQL: Citus plans no SQL function over a distributed table (a cell's
+-- quotas) called with parameters.
 CREATE OR REPLACE FUNCTION lq_matching_quotas(p_tenant text, p_route text, p_model text,
                                               p_key_id bigint)
 RETURNS SETOF quotas
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
+BEGIN
+    RETURN QUERY
     SELECT q.*
       FROM quotas AS q
      WHERE q.tenant = p_tenant
        AND coalesce(q.route, '') IN ('', coalesce(p_route, ''))
        AND (q.api_key_id IS NULL OR q.api_key_id = p_key_id)
        AND (cardinality(q.model_patterns) = 0 OR p_model LIKE ANY (q.model_patterns))
-     ORDER BY q.quota_id
+     ORDER BY q.quota_id;
+END
 $$;
 
 

@@ -63,10 +63,14 @@ CREATE OR REPLACE FUNCTION lq_record_outage_admissions(
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    n        integer := coalesce(cardinality(p_ids), 0);
-    now_ts   timestamptz;
-    inserted uuid[];
-    b        record;
+    n          integer := coalesce(cardinality(p_ids), 0);
+    now_ts     timestamptz;
+    inserted   uuid[];
+    b          record;
+    quota_sets text[] := '{}';
+    costs      numeric[] := '{}';
+    held       record;
+    credits    record;
 BEGIN
     IF n = 0 THEN
         RETURN;
@@ -82,6 +86,56 @@ BEGIN
 
     now_ts := clock_timestamp();
 
+    -- (2a) What each request holds, worked out first: its quotas and its
+    -- maximum cost one statement each, then its layers (as lq_admit would
+    -- reserve it on) and what one call of it counts as. Citus runs no
+    -- function that reads tables inside a statement on a cell's tables, and
+    -- deparses an INSERT whose SELECT reads them into an invalid statement on
+    -- a schema's single-shard table. (Arrays of arrays travel as the text of
+    -- each: an array of arrays must be rectangular.)
+    FOR i IN 1 .. n LOOP
+        quota_sets[i] := ARRAY(SELECT q.quota_id
+                                 FROM lq_matching_quotas(p_tenants[i], p_routes[i], p_models[i],
+                                                         p_key_ids[i]) AS q)::text;
+        costs[i] := lq_cost(p_models[i], p_input_tokens[i], p_max_tokens[i],
+                            least(coalesce(p_admitted_at[i], now_ts), now_ts));
+    END LOOP;
+    SELECT array_agg(x.layer_ids ORDER BY x.ord) AS layer_ids,
+           array_agg(x.prepaid ORDER BY x.ord) AS prepaid,
+           array_agg(x.lease_seconds ORDER BY x.ord) AS lease_seconds,
+           array_agg(x.request_cost ORDER BY x.ord) AS request_cost,
+           array_agg(x.permits ORDER BY x.ord) AS permits,
+           array_agg(x.key_held ORDER BY x.ord) AS key_held
+      INTO held
+      FROM (SELECT u.ord,
+                   ARRAY(SELECT l.layer_id
+                           FROM limit_layers AS l
+                          WHERE (l.scope = 'global' AND l.tenant IS NULL AND l.route IS NULL
+                                 AND l.shard = lq_tenant_shard(u.tenant, l.shards))
+                             OR (l.scope = 'tenant' AND l.tenant = u.tenant AND l.route IS NULL)
+                             OR (l.scope = 'route' AND l.tenant = u.tenant AND l.route = u.route)
+                             OR (l.scope = 'key' AND l.api_key_id = u.key_id)
+                             OR (l.scope = 'ceiling' AND u.model LIKE ANY (l.model_patterns))
+                          ORDER BY l.layer_id)::text AS layer_ids,
+                   coalesce(tl.prepaid, false) AS prepaid,
+                   coalesce(u.lease, rl.lease_seconds, tl.lease_seconds, 120) AS lease_seconds,
+                   -- what one call counts as, as lq_admit decides it: the route's,
+                   -- else the tenant's, else one request and one permit
+                   coalesce(rl.request_cost, tl.request_cost, 1) AS request_cost,
+                   CASE WHEN coalesce(rl.uses_concurrency, tl.uses_concurrency, true)
+                        THEN 1 ELSE 0 END AS permits,
+                   -- does another reservation hold the idempotency key already?
+                   holder.reservation_id IS NOT NULL AS key_held
+              FROM unnest(p_tenants, p_routes, p_models, p_key_ids, p_lease_seconds,
+                          p_idempotency_keys) WITH ORDINALITY
+                   AS u(tenant, route, model, key_id, lease, idem, ord)
+                   LEFT JOIN limit_layers AS tl
+                     ON tl.scope = 'tenant' AND tl.tenant = u.tenant AND tl.route IS NULL
+                   LEFT JOIN limit_layers AS rl
+                     ON rl.scope = 'route' AND rl.tenant = u.tenant AND rl.route = u.route
+                   LEFT JOIN reservations AS holder
+                     ON holder.tenant = u.tenant AND holder.idempotency_key = u.idem) AS x;
+
     -- (2) Insert the reservations in id order (two workers replaying the same
     -- spool insert the same ids in the same order, so the second waits for
     -- the first instead of deadlocking), each belonging to the layers and
@@ -94,58 +148,30 @@ BEGIN
                least(coalesce(u.admitted_at, now_ts), now_ts) AS at,
                row_number() OVER (PARTITION BY u.tenant, u.idem ORDER BY u.id) AS key_rank
           FROM unnest(p_ids, p_tenants, p_routes, p_models, p_input_tokens, p_max_tokens,
-                      p_input_estimated, p_lease_seconds, p_idempotency_keys,
-                      p_request_hashes, p_policy_versions, p_modes, p_admitted_at,
-                      p_key_ids)
+                      p_input_estimated, p_idempotency_keys, p_request_hashes,
+                      p_policy_versions, p_modes, p_admitted_at, quota_sets, costs,
+                      held.layer_ids, held.prepaid, held.lease_seconds, held.request_cost,
+                      held.permits, held.key_held)
                AS u(id, tenant, route, model, input_tokens, max_tokens, input_estimated,
-                    lease, idem, request_hash, policy_version, mode, admitted_at, key_id)
-    ), placed AS (
-        SELECT req.*,
-               ARRAY(SELECT l.layer_id
-                       FROM limit_layers AS l
-                      WHERE (l.scope = 'global' AND l.tenant IS NULL AND l.route IS NULL
-                             AND l.shard = lq_tenant_shard(req.tenant, l.shards))
-                         OR (l.scope = 'tenant' AND l.tenant = req.tenant AND l.route IS NULL)
-                         OR (l.scope = 'route' AND l.tenant = req.tenant AND l.route = req.route)
-                         OR (l.scope = 'key' AND l.api_key_id = req.key_id)
-                         OR (l.scope = 'ceiling' AND req.model LIKE ANY (l.model_patterns))
-                      ORDER BY l.layer_id) AS layer_ids,
-               ARRAY(SELECT q.quota_id
-                       FROM lq_matching_quotas(req.tenant, req.route, req.model, req.key_id) AS q)
-                   AS quota_ids,
-               lq_cost(req.model, req.input_tokens, req.max_tokens, req.at) AS money,
-               coalesce(tl.prepaid, false) AS prepaid,
-               coalesce(req.lease, rl.lease_seconds, tl.lease_seconds, 120) AS lease_seconds,
-               -- what one call counts as, as lq_admit decides it: the route's,
-               -- else the tenant's, else one request and one permit
-               coalesce(rl.request_cost, tl.request_cost, 1) AS request_cost,
-               CASE WHEN coalesce(rl.uses_concurrency, tl.uses_concurrency, true)
-                    THEN 1 ELSE 0 END AS permits
-          FROM req
-               LEFT JOIN limit_layers AS tl
-                 ON tl.scope = 'tenant' AND tl.tenant = req.tenant AND tl.route IS NULL
-               LEFT JOIN limit_layers AS rl
-                 ON rl.scope = 'route' AND rl.tenant = req.tenant AND rl.route = req.route
+                    idem, request_hash, policy_version, mode, admitted_at, quota_set, money,
+                    layer_set, prepaid, lease_seconds, request_cost, permits, key_held)
     ), ins AS (
         INSERT INTO reservations (reservation_id, tenant, route, model, layer_ids,
                                   input_tokens, input_estimated, max_tokens, reserved_tokens,
                                   policy_version, created_at, lease_seconds, lease_expires_at,
                                   idempotency_key, request_hash, outage_mode, quota_ids,
                                   reserved_cost, credit_reserved, request_cost, permits)
-        SELECT p.id, p.tenant, p.route, p.model, p.layer_ids,
+        SELECT p.id, p.tenant, p.route, p.model, p.layer_set::bigint[],
                p.input_tokens, p.input_estimated, p.max_tokens, p.input_tokens + p.max_tokens,
                p.policy_version, p.at, p.lease_seconds,
                now_ts + make_interval(secs => p.lease_seconds),
-               CASE WHEN p.idem IS NOT NULL AND p.key_rank = 1
-                         AND NOT EXISTS (SELECT 1 FROM reservations AS r
-                                          WHERE r.tenant = p.tenant
-                                            AND r.idempotency_key = p.idem)
+               CASE WHEN p.idem IS NOT NULL AND p.key_rank = 1 AND NOT p.key_held
                     THEN p.idem END,
-               p.request_hash, p.mode, p.quota_ids, p.money,
+               p.request_hash, p.mode, p.quota_set::bigint[], p.money,
                -- an unpriced model holds nothing; lq_finish then charges 0
                CASE WHEN p.prepaid THEN coalesce(p.money, 0) END,
                p.request_cost, p.permits
-          FROM placed AS p
+          FROM req AS p
          ORDER BY p.id
         ON CONFLICT (reservation_id) DO NOTHING
         RETURNING reservation_id
@@ -162,13 +188,18 @@ BEGIN
     -- the requests each counts as and its permit (request_cost, permits).
     -- lq_credit_layers locks the layers in layer_id order, after the
     -- reservation rows above.
-    PERFORM lq_credit_layers(array_agg(l.layer_id),
-                             array_agg(-rs.reserved_tokens::double precision),
-                             array_agg(-rs.request_cost::double precision),
-                             array_agg(-rs.permits::integer))
-       FROM reservations AS rs
-            CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
-      WHERE rs.reservation_id = ANY (inserted);
+    -- (Read, then credited: Citus runs no function that reads tables inside
+    -- a statement on a cell's tables.)
+    SELECT array_agg(l.layer_id) AS layer_ids,
+           array_agg(-rs.reserved_tokens::double precision) AS tokens,
+           array_agg(-rs.request_cost::double precision) AS requests,
+           array_agg(-rs.permits::integer) AS permits
+      INTO credits
+      FROM reservations AS rs
+           CROSS JOIN LATERAL unnest(rs.layer_ids) AS l(layer_id)
+     WHERE rs.reservation_id = ANY (inserted);
+    PERFORM lq_credit_layers(credits.layer_ids, credits.tokens, credits.requests,
+                             credits.permits);
 
     -- (4) The quota windows and prepaid balances, in the lock order of
     -- quotas.sql (windows by quota and window start, then accounts by

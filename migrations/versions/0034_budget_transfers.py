@@ -16,7 +16,10 @@ receiver in the next. Both cells journal the move under the same
   second delivery of the same transfer a no-op.
 
 `tokens` and `requests` are what left the sender (the receiver's slice is
-clamped at its burst, as every credit is).
+clamped at its burst, as every credit is). The rebalancer prunes the journal
+(lq_prune_budget_transfers): a move is kept a day, an 'in' row two (longer
+than any 'out' row that could still deliver it, whatever the two nodes'
+clocks say), so a move is never credited twice.
 
 Revision ID: 0034
 Revises: 0033
@@ -49,6 +52,8 @@ CREATE TABLE budget_transfers (
 -- The rebalancer's scan for moves still to deliver.
 CREATE INDEX budget_transfers_undelivered ON budget_transfers (moved_at)
     WHERE direction = 'out' AND delivered_at IS NULL;
+-- Its pruning of old moves (lq_prune_budget_transfers).
+CREATE INDEX budget_transfers_moved_at ON budget_transfers (moved_at);
 """
 
 DOWNGRADE = r"""
@@ -59,6 +64,7 @@ DROP FUNCTION IF EXISTS lq_send_budget(uuid, text, text, double precision, doubl
 DROP FUNCTION IF EXISTS lq_receive_budget(uuid, text, text, double precision, double precision);
 DROP FUNCTION IF EXISTS lq_confirm_budget(uuid);
 DROP FUNCTION IF EXISTS lq_undelivered_budget(integer);
+DROP FUNCTION IF EXISTS lq_prune_budget_transfers(integer);
 DROP TABLE budget_transfers;
 """
 

@@ -172,6 +172,7 @@ def _writes(key_id: int, reservation: uuid.UUID) -> list[tuple[str, str, list[An
         ("undelivered_budget", "lq_undelivered_budget", [10]),
         ("confirm_budget", "lq_confirm_budget", [moved]),
         ("receive_budget", "lq_receive_budget", [uuid.uuid4(), "c1", "cell_1", 500.0, 5.0]),
+        ("prune_budget_transfers", "lq_prune_budget_transfers", [86_400]),
     ]  # fmt: skip
 
 

@@ -164,3 +164,25 @@ async def test_prices_are_kept_alike_and_one_cells_rows_are_not_exported_as_the_
         "usage",
         "adjustment",
     ]
+
+
+async def test_building_again_keeps_what_finance_made_on_reporting(books: str) -> None:
+    # The database-level reporting schema is brought up to date in place by
+    # every `migrate --cells`: a view an analyst made on it survives.
+    connection = await asyncpg.connect(books)
+    try:
+        await connection.execute(
+            "CREATE VIEW public.finance_totals AS"
+            " SELECT tenant, sum(total_tokens) AS tokens FROM reporting.ledger_entries"
+            " GROUP BY tenant"
+        )
+    finally:
+        await connection.close()
+    again = await asyncio.to_thread(run_cli, "migrate", "--cells", "2", dsn=books)
+    assert "database holds 2 cells" in again.stdout
+    cell = await asyncpg.connect(in_cell(books, "cell_1"))
+    try:
+        totals = await cell.fetch("SELECT tenant FROM public.finance_totals ORDER BY 1")
+        assert [r["tenant"] for r in totals] == ["tenant-00", "tenant-01"]
+    finally:
+        await cell.close()

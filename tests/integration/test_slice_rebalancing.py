@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -236,3 +237,29 @@ async def test_a_provider_ceiling_is_split_over_the_cells_and_its_room_moves_too
         assert admitted * COST + sum(await _rooms(cells, "openai")) <= 41 * COST + 10
     for number in (1, 2):
         assert await audit_findings(in_cell(empty_database_dsn, cell_name(number))) == []
+
+
+async def test_the_journal_forgets_a_move_after_a_day_and_its_receipt_after_two(
+    cells: CellLimiters, empty_database_dsn: str
+) -> None:
+    async with cells:
+        giver, taker = (limiter.store.budget_moves for limiter in cells.limiters)
+        moved = uuid.uuid4()
+        await giver.send(moved, None, "cell_2", 1_000.0, 0.0, keep_tokens=0.0, keep_requests=0.0)
+        assert await taker.receive(moved, None, "cell_1", 1_000.0, 0.0)
+        # Both rows a day and a half old (wall-clock literals: Citus takes no
+        # clock arithmetic over a column in an UPDATE).
+        then = datetime.now(UTC) - timedelta(hours=36)
+        for number in (1, 2):
+            connection = await asyncpg.connect(in_cell(empty_database_dsn, cell_name(number)))
+            try:
+                await connection.execute("UPDATE budget_transfers SET moved_at = $1", then)
+            finally:
+                await connection.close()
+        assert await giver.prune(86_400) == 1  # the move: undelivered, given up
+        assert await taker.prune(86_400) == 0  # its receipt stays a second day
+        assert await giver.undelivered() == []
+        # A late delivery of it (the rebalancer back after a day) still finds
+        # the receipt: credited once.
+        assert await taker.receive(moved, None, "cell_1", 1_000.0, 0.0) is False
+        assert await taker.prune(2 * 86_400 // 3) == 1

@@ -81,5 +81,20 @@ def test_moves_never_create_room_nor_take_a_giver_below_its_share(
     for move in moves:
         # what a giver gives leaves it at or above what it keeps
         assert balances[move.giver] >= move.keep_tokens - 1e-6
+    for i, room in enumerate(rooms):
+        # no taker is sent more than its burst holds (the credit would clamp it away)
+        if room is not None and i in {m.taker for m in moves}:
+            assert balances[i] <= room.token_burst + 1e-6
     before = sum(r.tokens for r in rooms if r is not None and r.tokens is not None)
     assert sum(balances.values()) == pytest.approx(before, abs=1e-6)
+
+
+def test_no_slice_is_sent_more_than_its_burst_holds() -> None:
+    # A spent everything it had, B is full: A's share by demand would pass
+    # its burst; what A cannot hold stays with B instead of being clamped away.
+    rooms = [SliceRoom(60.0, None, 100, None), SliceRoom(100.0, None, 100, None)]
+    [move] = plan_moves(rooms, [(40.0, 0.0), (0.0, 0.0)])
+    assert (move.giver, move.taker, move.tokens, move.keep_tokens) == (1, 0, 40.0, 60.0)
+    four = [SliceRoom(50.0, None, 100, None)] + [SliceRoom(100.0, None, 100, None)] * 3
+    moves = plan_moves(four, [(50.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)])
+    assert sum(m.tokens for m in moves) == pytest.approx(50.0)  # just what A can take

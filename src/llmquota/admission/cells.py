@@ -23,12 +23,13 @@ from __future__ import annotations
 import asyncio
 
 from llmquota.admission.limiter import Limiter
-from llmquota.admission.rebalancer import SliceRebalancer
+from llmquota.admission.rebalancer import REBALANCER_LOCK_NAME, SliceRebalancer
 from llmquota.config import Settings
 from llmquota.domain.cells import ceiling_slice_of, cell_of, slice_of
 from llmquota.domain.plans import Ceiling, Plan
 from llmquota.domain.policy import Policy
 from llmquota.store.cells import CellsError, cells_in, in_cell
+from llmquota.store.leader import LeaderLock
 
 __all__ = ["CellLimiters"]
 
@@ -36,15 +37,22 @@ __all__ = ["CellLimiters"]
 class CellLimiters:
     """One Limiter per cell of a cells database, and where each tenant goes."""
 
-    def __init__(self, limiters: dict[str, Limiter], rebalance_seconds: float | None = 1.0) -> None:
+    def __init__(
+        self,
+        limiters: dict[str, Limiter],
+        rebalance_seconds: float | None = 1.0,
+        leader: LeaderLock | None = None,
+    ) -> None:
         if not limiters:
             raise CellsError("no cells: build them with `llmquota migrate --cells K` first")
         self.limiters = list(limiters.values())
-        # Moves unused room between the global slices (None: no rebalancing).
+        # Moves unused room between the shared slices; started unless
+        # rebalance_seconds is None, and then only while `leader` is held.
         self.rebalancer = SliceRebalancer(
             [(name, limiter.store.budget_moves) for name, limiter in limiters.items()],
             rebalance_seconds or 1.0,
             credited=lambda cell: limiters[cell].refusals.forget_all(),
+            leader=leader,
         )
         if rebalance_seconds is not None:
             self.rebalancer.start()
@@ -53,8 +61,10 @@ class CellLimiters:
     async def connect(
         cls, dsn: str, settings: Settings | None = None, rebalance_seconds: float | None = 1.0
     ) -> CellLimiters:
-        """A Limiter for each cell of the database at `dsn` (its `public` DSN),
-        rebalancing the global slices every `rebalance_seconds` (None: never)."""
+        """A Limiter for each cell of the database at `dsn` (its `public` DSN, a
+        direct one: the rebalancer's leader lock is a session's), rebalancing
+        the shared slices every `rebalance_seconds` (None: never) while this
+        process holds the lock."""
         limiters: dict[str, Limiter] = {}
         try:
             for name in await cells_in(dsn):
@@ -62,7 +72,8 @@ class CellLimiters:
         except BaseException:
             await asyncio.gather(*(limiter.close() for limiter in limiters.values()))
             raise
-        return cls(limiters, rebalance_seconds)
+        # One process rebalances the cells at a time (admission/rebalancer.py).
+        return cls(limiters, rebalance_seconds, LeaderLock(dsn, REBALANCER_LOCK_NAME))
 
     def for_tenant(self, tenant: str) -> Limiter:
         """The limiter of the cell that holds `tenant`."""

@@ -16,8 +16,10 @@ cell's still has room. A round of the rebalancer, layer by layer:
 
 Interrupted anywhere, a round strands room in the giver's journal until
 the next round delivers it, and never creates any: the cells together never
-admit more than the policy. Two rebalancers at once (two processes) are as
-safe: a giver never gives below its fair share, however often it is asked.
+admit more than the policy. One process rebalances at a time (a session
+advisory lock, store/leader.py): two at once would be as safe (a giver never
+gives below its share, however often it is asked), but each would read the
+other's moves as spending and push room back and forth.
 
 How early a request can be refused: between two rounds a busy cell can
 spend its slice while the others hold theirs, so a refusal can come with up
@@ -37,8 +39,15 @@ from dataclasses import dataclass
 
 from llmquota.domain.budget_moves import Move, SliceRoom, plan_moves
 from llmquota.store.budget_moves import BudgetMoveStore, Undelivered
+from llmquota.store.leader import LeaderLock
 
-__all__ = ["RoundReport", "SliceRebalancer"]
+__all__ = ["REBALANCER_LOCK_NAME", "RoundReport", "SliceRebalancer"]
+
+# The session advisory lock whose holder rebalances a database's cells.
+REBALANCER_LOCK_NAME = "llmquota.rebalancer"
+# How long the cells' journals keep a move (lq_prune_budget_transfers): a
+# move no round could deliver in a day is given up (room lost, never made).
+JOURNAL_KEEP_SECONDS = 86_400
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +70,7 @@ class SliceRebalancer:
         cells: Sequence[tuple[str, BudgetMoveStore]],
         interval_seconds: float = 1.0,
         credited: Callable[[str], None] = lambda cell: None,
+        leader: LeaderLock | None = None,
     ) -> None:
         self._names = [name for name, _ in cells]
         self._stores = dict(cells)
@@ -68,6 +78,8 @@ class SliceRebalancer:
         # Told the cell a move reached: its limiter forgets the refusals it
         # answers from memory (admission/refusals.py), which the room may undo.
         self._credited = credited
+        # Held by the one process that rebalances (None: this one, always).
+        self._leader = leader
         self._task: asyncio.Task[None] | None = None
         # Each slice's room as the last round left it, by (layer, cell): what
         # it spent since is that minus its room now (refill makes this an
@@ -78,6 +90,8 @@ class SliceRebalancer:
         """One round: deliver what is owed, then move room to the short slices
         of every shared layer (the global layer, each provider ceiling)."""
         redelivered = await self._redeliver()
+        for name in self._names:
+            await self._stores[name].prune(JOURNAL_KEEP_SECONDS)
         by_cell = await asyncio.gather(*(self._stores[name].rooms() for name in self._names))
         layers = sorted({layer for rooms in by_cell for layer in rooms}, key=lambda c: c or "")
         report = RoundReport(redelivered, 0, 0.0, 0.0)
@@ -157,6 +171,13 @@ class SliceRebalancer:
                 count += 1
         return count
 
+    async def lead(self) -> bool:
+        """Does this process rebalance now? With a leader lock, only while it
+        holds it (taken when free)."""
+        if self._leader is None:
+            return True
+        return self._leader.held or await self._leader.try_acquire()
+
     def start(self) -> None:
         """Run a round every interval in the background until `stop`."""
         if self._task is None:
@@ -165,7 +186,8 @@ class SliceRebalancer:
     async def _run(self) -> None:
         while True:
             try:
-                await self.run_round()
+                if await self.lead():
+                    await self.run_round()
             except Exception:
                 # A cell unreachable, a deadline: what was sent is delivered next round.
                 log.warning(
@@ -180,3 +202,5 @@ class SliceRebalancer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._leader is not None:
+            await self._leader.release()

@@ -13,17 +13,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmquota.cli.options import add_converted_flag
 from llmquota.config import Settings
 from llmquota.store.database import open_database
 
+if TYPE_CHECKING:
+    from llmquota.admission.rebalancer import SliceRebalancer
+
 
 def cmd_rebalance(args: argparse.Namespace, settings: Settings) -> int:
     """One round over the cells, or one every --loop seconds; exit 2 without cells."""
-    from llmquota.admission.rebalancer import SliceRebalancer
+    from llmquota.admission.rebalancer import REBALANCER_LOCK_NAME, SliceRebalancer
     from llmquota.store.cells import CellsError, cells_in, in_cell
+    from llmquota.store.leader import LeaderLock
     from llmquota.store.store import Store
 
     async def run(dsn: str) -> int:
@@ -47,35 +51,45 @@ def cmd_rebalance(args: argparse.Namespace, settings: Settings) -> int:
             for name in names
         ]
         rebalancer = SliceRebalancer(
-            [(name, store.budget_moves) for name, store in zip(names, stores, strict=True)]
+            [(name, store.budget_moves) for name, store in zip(names, stores, strict=True)],
+            leader=LeaderLock(dsn, REBALANCER_LOCK_NAME),
         )
         try:
-            while True:
-                try:
-                    report = await rebalancer.run_round()
-                except Exception as exc:
-                    if not args.loop:
-                        raise
-                    # A loop outlives a cell that does not answer: what a
-                    # round sent is delivered by the next.
-                    print(f"rebalance skipped: {exc}", flush=True)
-                else:
-                    print(
-                        f"rebalanced: redelivered={report.redelivered} moves={report.moves} "
-                        f"tokens={report.tokens:.0f} requests={report.requests:.2f}",
-                        flush=True,
-                    )
-                if not args.loop:
-                    return 0
-                await asyncio.sleep(args.loop)
+            await _rounds(rebalancer, args.loop)
         finally:
+            await rebalancer.stop()
             await asyncio.gather(*(store.close() for store in stores))
+        return 0
 
     with open_database(settings.database_url, settings.data_dir) as db:
         try:
             return asyncio.run(run(db.dsn))
         except KeyboardInterrupt:
             return 130
+
+
+async def _rounds(rebalancer: SliceRebalancer, loop: float | None) -> None:
+    """One round, or one every `loop` seconds while this process leads."""
+    while True:
+        try:
+            if not await rebalancer.lead():
+                print("rebalance skipped: another process rebalances these cells", flush=True)
+            else:
+                report = await rebalancer.run_round()
+                print(
+                    f"rebalanced: redelivered={report.redelivered} moves={report.moves} "
+                    f"tokens={report.tokens:.0f} requests={report.requests:.2f}",
+                    flush=True,
+                )
+        except Exception as exc:
+            if not loop:
+                raise
+            # A loop outlives a cell that does not answer: what a round
+            # sent is delivered by the next.
+            print(f"rebalance skipped: {exc}", flush=True)
+        if not loop:
+            return
+        await asyncio.sleep(loop)
 
 
 def add_cells_commands(commands: Any) -> None:

@@ -23,6 +23,7 @@ from llmquota.domain.errors import (
     UnknownReport,
     UnknownTenant,
 )
+from llmquota.store.cells import CellsError
 from llmquota.store.connection import Connection, DatabaseError
 from llmquota.store.database import open_database
 
@@ -94,7 +95,7 @@ def run_on_database(
     with open_database(url, settings.data_dir) as db:
         try:
             return asyncio.run(run(db.dsn))
-        except (InvalidRequest, UnknownTenant, UnknownReport, UnknownName) as exc:
+        except (InvalidRequest, UnknownTenant, UnknownReport, UnknownName, CellsError) as exc:
             print(f"llmquota: error: {exc}", file=sys.stderr)
             return 2
         except LimiterError as exc:

@@ -1,8 +1,9 @@
-"""Which cells' global slices should give room to which, and how much.
+"""Which cells' slices of a shared limit should give room to which, and how much.
 
-A database of cells splits the global layer into K slices (domain/cells.py),
-so a cell whose tenants are busy runs dry while an idle cell's slice sits
-full: near the global limit a request is refused with room left elsewhere.
+A database of cells splits each shared limit (the global layer, a provider
+ceiling) into K slices (domain/cells.py), so a cell whose tenants are busy
+runs dry while an idle cell's slice sits full: near the limit a request is
+refused with room left elsewhere.
 The rebalancer (admission/rebalancer.py) reads every slice's room and moves
 budget so that each slice holds its share of what all of them hold,
 dimension by dimension (tokens, requests):
@@ -17,9 +18,12 @@ keeps an eighth of what is left after each round: the busy one can use 7/8
 after one round, 63/64 after two. Before the first round (nothing spent
 known) the shares follow the bursts.
 
-A slice above its share gives down to it, never below (the giver's `keep`,
-rechecked by the debit itself, since admissions go on meanwhile); a slice
-short of it by more than SHORTFALL of its burst takes. Moves only spread
+A share is never above its slice's burst (what a full slice cannot hold
+goes to the others): a move never sends more than the taker can hold, which
+its credit would clamp away. A slice above its share gives down to it,
+never below (the giver's `keep`, rechecked by the debit itself, since
+admissions go on meanwhile); a slice short of it by more than SHORTFALL of
+its burst takes. Moves only spread
 what the slices hold: the planner never adds room, and the debit and credit
 in the database never create it (sql/global_layer.sql).
 """
@@ -59,6 +63,30 @@ class Move(NamedTuple):
     keep_requests: float
 
 
+def _capped(total: float, weights: dict[int, float], bursts: dict[int, float]) -> dict[int, float]:
+    """`total` shared by `weights`, no share above its burst: what a full
+    slice cannot hold goes to the others by their weights (the total is at
+    most the bursts' sum, so it always fits)."""
+    shares: dict[int, float] = {}
+    open_cells = dict(weights)
+    left = total
+    while open_cells:
+        weight = sum(open_cells.values())
+        offer = {
+            cell: left * (w / weight if weight > 0 else 1 / len(open_cells))
+            for cell, w in open_cells.items()
+        }
+        full = [cell for cell, share in offer.items() if share >= bursts[cell]]
+        if not full:
+            shares.update(offer)
+            break
+        for cell in full:
+            shares[cell] = bursts[cell]
+            left -= bursts[cell]
+            del open_cells[cell]
+    return shares
+
+
 def _flows(
     entries: list[tuple[int, float, int, float | None]],
 ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
@@ -69,15 +97,13 @@ def _flows(
     spent = sum(used or 0.0 for _, _, _, used in entries)
     if bursts <= 0:
         return {}, {}
-    fair = {
-        cell: total
-        * (
-            burst / bursts
-            if spent <= 0
-            else RESERVE * burst / bursts + (1 - RESERVE) * (used or 0.0) / spent
-        )
+    weights = {
+        cell: burst / bursts
+        if spent <= 0
+        else RESERVE * burst / bursts + (1 - RESERVE) * (used or 0.0) / spent
         for cell, _, burst, used in entries
     }
+    fair = _capped(total, weights, {cell: float(burst) for cell, _, burst, _ in entries})
     givers = sorted(
         ((balance - fair[cell], cell) for cell, balance, _, _ in entries if balance > fair[cell]),
         reverse=True,
@@ -89,7 +115,7 @@ def _flows(
             if fair[cell] - balance > SHORTFALL * burst
         ),
         reverse=True,
-    )
+    )  # (a share is at most the burst, so no taker is sent more than it can hold)
     flows: dict[tuple[int, int], float] = {}
     g = t = 0
     surplus = [amount for amount, _ in givers]

@@ -13,6 +13,9 @@ database runs in every cell and merges the answers by the report's rule:
   same key;
 - rank: top tenants are ranked again over every cell's tenants.
 
+Text keys are ordered by code point, as the C collation orders them; a
+database with a linguistic collation orders mixed-case names otherwise.
+
 A report for one tenant runs in that tenant's cell alone, so any report,
 however it aggregates, is exact for a tenant. A report that is neither
 (percentiles over every tenant: reservation_accuracy) is refused over the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Literal
 
 from llmquota.domain.errors import InvalidRequest
@@ -69,8 +73,15 @@ def _sums(
         total = totals[ident]
         for i, value in enumerate(row):
             if i not in at and value is not None:
-                total[i] = value if total[i] is None else total[i] + value
+                total[i] = value if total[i] is None else _trimmed(total[i] + value)
     return sorted((tuple(t) for t in totals.values()), key=_key(columns, key))
+
+
+def _trimmed(value: Any) -> Any:
+    """A sum as the report's trim_scale() prints it: 0.5 + 0.5 is 1, not 1.0."""
+    if not isinstance(value, Decimal) or value == value.to_integral_value():
+        return value.to_integral_value() if isinstance(value, Decimal) else value
+    return value.normalize()
 
 
 def _ranked(columns: Sequence[str], by: str, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -94,3 +94,8 @@ class BudgetMoveStore:
         """Moves sent from here and not acknowledged, oldest first."""
         rows = await self._fetch("undelivered_budget", limit)
         return [Undelivered(*row.values()) for row in rows]
+
+    async def prune(self, keep_seconds: int) -> int:
+        """Forget moves older than `keep_seconds` ('in' rows twice as old); how many."""
+        rows = await self._fetch("prune_budget_transfers", keep_seconds)
+        return int(rows[0]["pruned"])

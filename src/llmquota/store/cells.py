@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from llmquota.store import migrate
+from llmquota.store.connection import translate_errors
 from llmquota.store.sqlfiles import named_queries, repeatable_scripts
 
 __all__ = [
@@ -86,20 +87,8 @@ async def cells_in(dsn: str) -> list[str]:
     CellsError when they are not all there: a tenant's cell is its name's hash
     over the count the cells were built for, so a service must see them all.
     """
-    connection = await asyncpg.connect(dsn)
-    try:
-        rows = await connection.fetch(named_queries("cells_queries.sql")["cells"])
-    finally:
-        await connection.close()
-    names = [str(row["cell"]) for row in rows]
-    expected = [cell_name(k) for k in range(1, len(rows) + 1)]
-    if names != expected or any(row["built_for"] != len(rows) for row in rows):
-        built_for = sorted({row["built_for"] for row in rows})
-        raise CellsError(
-            f"the database holds cells {', '.join(names)} built for {built_for}: "
-            "finish them with `llmquota migrate --cells K` first"
-        )
-    return names
+    _, cells = await _look(dsn)
+    return cells
 
 
 async def deployments_of(dsn: str) -> list[tuple[str | None, str]]:
@@ -110,14 +99,33 @@ async def deployments_of(dsn: str) -> list[tuple[str | None, str]]:
     A DSN whose search_path names a cell is that cell alone, as a service of
     that cell sees it.
     """
-    connection = await asyncpg.connect(dsn)
-    try:
-        schema = await connection.fetchval("SELECT current_schema()")
-    finally:
-        await connection.close()
+    schema, cells = await _look(dsn)
     if schema != "public":
-        return [(schema if schema.startswith("cell_") else None, dsn)]
-    return [(name, in_cell(dsn, name)) for name in await cells_in(dsn)] or [(None, dsn)]
+        return [(schema if schema is not None and schema.startswith("cell_") else None, dsn)]
+    return [(name, in_cell(dsn, name)) for name in cells] or [(None, dsn)]
+
+
+async def _look(dsn: str) -> tuple[str | None, list[str]]:
+    """The schema a session at `dsn` works in (None: none it may use), and the
+    database's cells. One connection, without prepared statements (a
+    transaction pooler may be in between); a server that does not answer is
+    StoreUnavailable, as for any command."""
+    with translate_errors():
+        connection = await asyncpg.connect(dsn, statement_cache_size=0)
+        try:
+            schema = await connection.fetchval("SELECT current_schema()")
+            rows = await connection.fetch(named_queries("cells_queries.sql")["cells"])
+        finally:
+            await connection.close()
+    names = [str(row["cell"]) for row in rows]
+    expected = [cell_name(k) for k in range(1, len(rows) + 1)]
+    if names != expected or any(row["built_for"] != len(rows) for row in rows):
+        built_for = sorted({row["built_for"] for row in rows})
+        raise CellsError(
+            f"the database holds cells {', '.join(names)} built for {built_for}: "
+            "finish them with `llmquota migrate --cells K` first"
+        )
+    return schema, names
 
 
 def build_cells(dsn: str, count: int) -> list[Cell]:
@@ -157,9 +165,7 @@ async def _build(dsn: str, count: int) -> list[Cell]:
             if citus and await _distribute(connection, cell):
                 status = "built"
             cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
-        async with connection.transaction():
-            await connection.execute(queries["drop_reporting_over_cells"])
-            await connection.execute(queries["reporting_over_cells"])
+        await connection.execute(queries["reporting_over_cells"])
         return cells
     finally:
         await connection.close()
