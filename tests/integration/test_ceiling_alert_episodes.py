@@ -25,6 +25,10 @@ from llmquota.store.alerts import AlertStore
 from llmquota.store.store import Store
 from tests.integration.support import count
 
+# Also run on CI's Citus leg, in public and inside a cell (the detector's
+# guarded upsert fires its alerts from one statement there too).
+pytestmark = pytest.mark.citus
+
 T0 = datetime(2026, 12, 3, 10, 0, tzinfo=UTC)
 
 
