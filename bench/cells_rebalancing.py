@@ -27,11 +27,10 @@ import time
 
 from tests.support import APP_ROLE, dsn_as
 
-from bench.common import fresh_cluster_database, run_against_database
+from bench.common import admits, fresh_cluster_database, run_against_database
 from llmquota.admission.cells import CellLimiters
 from llmquota.config import Settings
 from llmquota.domain.cells import cell_of
-from llmquota.domain.errors import RateLimited
 from llmquota.domain.policy import Policy
 from llmquota.store.cells import build_cells
 
@@ -68,13 +67,7 @@ async def _admitted(server_dsn: str, cells: int, rebalance: float | None, stream
         )
 
         async def one(tenant: str) -> bool:
-            try:
-                await router.for_tenant(tenant).admit(
-                    tenant=tenant, model="gpt-4o", input_tokens=100, max_tokens=900
-                )
-            except RateLimited:
-                return False
-            return True
+            return await admits(router.for_tenant(tenant), tenant, 100, 900)
 
         started = time.monotonic()
         calls = []

@@ -27,10 +27,9 @@ import sys
 from tests.citus.nodes import citus_nodes_of
 from tests.support import APP_ROLE, dsn_as
 
-from bench.common import closed_loop, fresh_cluster_database, run_against_database
+from bench.common import admits, closed_loop, fresh_cluster_database, run_against_database
 from llmquota.admission.cells import CellLimiters
 from llmquota.config import Settings
-from llmquota.domain.errors import RateLimited
 from llmquota.domain.policy import Policy
 from llmquota.store.cells import build_cells
 
@@ -55,13 +54,7 @@ async def measure(server_dsn: str, cells: int) -> str:
 
         async def call(_caller: int) -> bool:
             tenant = random.choice(tenants)
-            try:
-                await router.for_tenant(tenant).admit(
-                    tenant=tenant, model="gpt-4o", input_tokens=300, max_tokens=2_000
-                )
-            except RateLimited:
-                return False
-            return True
+            return await admits(router.for_tenant(tenant), tenant, 300, 2_000)
 
         result = await closed_loop(call, CALLERS, RUN_SECONDS, warmup_s=2.0)
     return (

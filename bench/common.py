@@ -17,6 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 from tests.citus.nodes import citus_nodes_of
 
+from llmquota.admission.limiter import Limiter
+from llmquota.domain.errors import RateLimited
 from llmquota.store import migrate
 from llmquota.store.database import open_database
 
@@ -239,3 +241,14 @@ def run_against_database(measure: Callable[[str], Awaitable[None]]) -> None:
         open_database(data_dir=Path(root) / "data") as handle,
     ):
         asyncio.run(measure(handle.dsn))
+
+
+async def admits(limiter: Limiter, tenant: str, input_tokens: int, max_tokens: int) -> bool:
+    """One admission of gpt-4o for `tenant`: True admitted, False rate limited."""
+    try:
+        await limiter.admit(
+            tenant=tenant, model="gpt-4o", input_tokens=input_tokens, max_tokens=max_tokens
+        )
+    except RateLimited:
+        return False
+    return True
