@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ REBALANCER_LOCK_NAME = "llmquota.rebalancer"
 # How long the cells' journals keep a move (lq_prune_budget_transfers): a
 # move no round could deliver in a day is given up (room lost, never made).
 JOURNAL_KEEP_SECONDS = 86_400
+# How often a rebalancer prunes the journals: a day's rows need no pruning
+# every second, and a DELETE per cell per round would be work for nothing.
+PRUNE_EVERY_SECONDS = 3_600.0
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +89,17 @@ class SliceRebalancer:
         # it spent since is that minus its room now (refill makes this an
         # underestimate).
         self._left: dict[tuple[str | None, str], tuple[float, float]] = {}
+        self._pruned_at: float | None = None  # monotonic; None: not yet
 
     async def run_round(self) -> RoundReport:
         """One round: deliver what is owed, then move room to the short slices
         of every shared layer (the global layer, each provider ceiling)."""
         redelivered = await self._redeliver()
-        for name in self._names:
-            await self._stores[name].prune(JOURNAL_KEEP_SECONDS)
+        now = time.monotonic()
+        if self._pruned_at is None or now - self._pruned_at >= PRUNE_EVERY_SECONDS:
+            for name in self._names:
+                await self._stores[name].prune(JOURNAL_KEEP_SECONDS)
+            self._pruned_at = now
         by_cell = await asyncio.gather(*(self._stores[name].rooms() for name in self._names))
         layers = sorted({layer for rooms in by_cell for layer in rooms}, key=lambda c: c or "")
         report = RoundReport(redelivered, 0, 0.0, 0.0)
