@@ -97,15 +97,30 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     from llmquota.api.protocols import http_protocol_class
     from llmquota.store import migrate
+    from llmquota.store.cells import CellsError, cells_served_at
 
     with open_database(settings.database_url, settings.data_dir) as db:
-        if db.embedded or args.migrate:
+        try:
+            cells = asyncio.run(cells_served_at(db.dsn))
+        except CellsError as error:
+            print(f"llmquota serve: {error}", file=sys.stderr)
+            return 2
+        if cells and not settings.admin_key:
+            print(
+                f"llmquota serve: the database holds {len(cells)} cells: set LLMQUOTA_ADMIN_KEY "
+                "(an admin key stored in the database lives in one cell only)",
+                file=sys.stderr,
+            )
+            return 2
+        if (db.embedded or args.migrate) and not cells:
             try:
                 migrate.upgrade(db.dsn)
             except migrate.MigrationRefused as refused:
                 print(f"llmquota serve: {refused}", file=sys.stderr)
                 return 2
-        generated = asyncio.run(_ensure_admin_key(db.dsn, settings))
+        generated = None if cells else asyncio.run(_ensure_admin_key(db.dsn, settings))
+        if cells:
+            print(f"serving {len(cells)} cells: {', '.join(cells)}", flush=True)
         if generated:
             print(
                 "Generated the admin API key. It is shown once; store it now:\n"
@@ -118,7 +133,10 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         # Workers are separate processes: they read the resolved DSN from the environment.
         export_for_workers(db.dsn, (args.host, args.port))
         uvicorn.run(
-            "llmquota.api.app:create_app_from_env",
+            # over cells, a front sends each request to its cell's service
+            "llmquota.api.cells_front:create_front_from_env"
+            if cells
+            else "llmquota.api.app:create_app_from_env",
             factory=True,
             host=args.host,
             port=args.port,

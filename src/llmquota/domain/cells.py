@@ -24,7 +24,16 @@ from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import Policy
 
-__all__ = ["ceiling_slice_of", "cell_of", "slice_of"]
+__all__ = ["SPLIT_LIMITS", "ceiling_slice_of", "cell_of", "slice_of", "sliced_bodies", "summed"]
+
+# The limits of a shared policy or ceiling that are split over the cells.
+SPLIT_LIMITS = (
+    "tokens_per_minute",
+    "token_burst",
+    "requests_per_minute",
+    "request_burst",
+    "max_in_flight",
+)
 
 
 def cell_of(tenant: str, cells: int) -> int:
@@ -79,3 +88,38 @@ def ceiling_slice_of(ceiling: Ceiling, cell: int, cells: int) -> Ceiling:
         "max_in_flight": ceiling.max_in_flight,
     }
     return ceiling.model_copy(update=_slices(limits, cell, cells))
+
+
+def sliced_bodies(body: dict[str, object], cells: int) -> list[dict[str, object]]:
+    """Each cell's body (cell 1 first) of a write of a shared limit over the
+    API, a whole body or a merge patch: every limit it sets is split as
+    `slice_of` splits it, anything else goes as it is. A burst left out stays
+    out (each cell's default is a minute of its slice of the rate, and those
+    add up to a minute of the rate). A limit that is not a whole number goes
+    whole: every cell refuses it as one database would."""
+    limits: dict[str, int | None] = {}
+    for name in SPLIT_LIMITS:
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            limits[name] = value
+    return [{**body, **_slices(limits, cell, cells)} for cell in range(1, cells + 1)]
+
+
+def summed(answers: list[dict[str, object]]) -> dict[str, object]:
+    """A shared limit as the API shows it over cells: the first cell's answer
+    with each split limit and each balance the sum of the cells' (a limit
+    some cell lacks is shown as the first cell shows it), and a ceiling's
+    utilization worked out again from the sums."""
+    whole = dict(answers[0])
+    for name in (*SPLIT_LIMITS, *_BALANCES):
+        values = [answer.get(name) for answer in answers]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            whole[name] = sum(v for v in values if isinstance(v, int))
+    burst, remaining = whole.get("token_burst"), whole.get("remaining_tokens")
+    if "utilization" in whole and isinstance(burst, int) and isinstance(remaining, int) and burst:
+        whole["utilization"] = round(1.0 - remaining / burst, 6)
+    return whole
+
+
+# What a ceiling's answer says of its balances now, also held per cell.
+_BALANCES = ("remaining_tokens", "remaining_requests", "in_flight")

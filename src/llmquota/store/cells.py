@@ -44,6 +44,7 @@ __all__ = [
     "build_cells",
     "cell_name",
     "cells_in",
+    "cells_served_at",
     "deployments_of",
     "in_cell",
 ]
@@ -89,6 +90,14 @@ async def cells_in(dsn: str) -> list[str]:
     """
     _, cells = await _look(dsn)
     return cells
+
+
+async def cells_served_at(dsn: str) -> list[str]:
+    """The cells a service at `dsn` serves: every cell when `dsn` is the
+    `public` DSN of a database of cells (api/cells_front.py); none for a plain
+    database, or a DSN that names one cell (that cell's own service)."""
+    schema, cells = await _look(dsn)
+    return cells if schema == "public" else []
 
 
 async def deployments_of(dsn: str) -> list[tuple[str | None, str]]:

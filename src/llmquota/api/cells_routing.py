@@ -1,0 +1,164 @@
+"""Which cell answers a request, for a service over a database of cells.
+
+A tenant lives in the cell its name hashes to (domain/cells.py), so a
+request that names its tenant goes there: in its path (`/v1/tenants/{t}/...`),
+in its body (an admit or a token count with the admin key), or through its
+key (a tenant's key lives in its tenant's cell: which cell knows a digest is
+looked up once per process and remembered). A reservation's settle, release
+or heartbeat goes to its key's cell; with the admin key it goes to each cell
+in turn until one knows the id (docs/scaling.md says what that costs).
+
+A limit no tenant owns is written to every cell: the global policy and the
+provider ceilings as K slices (cells_shared.py), plans and webhooks whole.
+What has no single cell to answer it yet (listings over every tenant, the
+console, stored admin keys) is refused with 501 and says so.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from llmquota.api.auth import AuthenticationFailed, KeyLookup, bearer_token
+from llmquota.api.failures import FailureBudget
+from llmquota.config import Settings
+from llmquota.domain.errors import StoreUnavailable
+from llmquota.domain.keys import key_digest
+
+__all__ = ["KeyCells", "Route", "route_of"]
+
+Kind = Literal[
+    "tenant",  # the path names the tenant
+    "caller",  # the key's tenant, or with the admin key the body's `tenant`
+    "key",  # the key's tenant (the proxy: the admin key cannot call providers)
+    "reservation",  # the key's cell, or with the admin key each cell in turn
+    "split",  # a shared limit's write: each cell its slice
+    "summed",  # a shared limit's read: the slices added up
+    "every",  # a write of what every cell holds whole (plans, webhooks)
+    "first",  # what every cell answers alike (plans, webhooks, the OpenAPI document)
+    "health",  # every cell must answer
+    "metrics",  # one cell's, named by `?cell=`
+    "unserved",  # no cell answers it alone yet: 501
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    kind: Kind
+    tenant: str | None = None
+
+
+_TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)(?:/|$)")
+_RESERVATION_PATH = re.compile(r"^/v1/reservations/[^/]+/(?:settle|release|heartbeat)$")
+_SHARED_LIMIT_PATH = re.compile(r"^/v1/(?:policies/global|ceilings/[^/]+)$")
+_WHOLE_EVERYWHERE_PATH = re.compile(r"^/v1/(?:plans|webhooks)(?:/[^/]+)?$")
+_CALLER_PATHS = frozenset({"/v1/admit", "/v1/tokens/count"})
+_PROXY_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"}
+)
+_DOCUMENT_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+_READS = frozenset({"GET", "HEAD"})
+
+
+def route_of(method: str, path: str) -> Route:
+    """How the request `method path` finds its cell."""
+    tenant = _TENANT_PATH.match(path)
+    if tenant is not None:
+        return Route("tenant", tenant.group(1))
+    if path in _CALLER_PATHS:
+        return Route("caller")
+    if path in _PROXY_PATHS:
+        return Route("key")
+    if _RESERVATION_PATH.match(path):
+        return Route("reservation")
+    if _SHARED_LIMIT_PATH.match(path):
+        if method in _READS:
+            return Route("summed")
+        return Route("split" if method in ("PUT", "PATCH") else "every")
+    if _WHOLE_EVERYWHERE_PATH.match(path):
+        return Route("first" if method in _READS else "every")
+    if path in _DOCUMENT_PATHS:
+        return Route("first")
+    if path == "/healthz":
+        return Route("health")
+    if path == "/metrics":
+        return Route("metrics")
+    return Route("unserved")
+
+
+def authorization_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The request's key as an `Authorization` value: the header, or the
+    anthropic SDK's `x-api-key` (as the proxy reads it)."""
+    authorization = api_key = None
+    for name, value in headers:
+        if name == b"authorization":
+            authorization = value.decode("latin-1")
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1")
+    if api_key and not (authorization or "").lower().startswith("bearer "):
+        return f"Bearer {api_key}"
+    return authorization
+
+
+# Keys remembered per process; past this many the memory starts again.
+MAX_KEYS = 100_000
+
+
+class KeyCells:
+    """Which cell holds each key this process has seen (a key never moves: its
+    tenant's cell is fixed), and whether a key is the admin's."""
+
+    def __init__(self, lookups: Sequence[KeyLookup], settings: Settings) -> None:
+        self._lookups = lookups
+        self._admin = key_digest(settings.admin_key) if settings.admin_key else None
+        self._cells: dict[bytes, int] = {}
+        # A digest no cell knows costs K lookups; a client sending many is
+        # held to the failed-authentication budget each cell holds it to.
+        self._failures = FailureBudget(
+            settings.auth_failures_per_second, settings.auth_failure_burst
+        )
+
+    def is_admin(self, authorization: str | None) -> bool:
+        digest = _digest(authorization)
+        return (
+            digest is not None
+            and self._admin is not None
+            and hmac.compare_digest(digest, self._admin)
+        )
+
+    async def cell_of(self, authorization: str | None, client: str) -> int:
+        """The cell (0-based) whose service answers this key: the one that holds
+        it; cell 0 for a key none holds (it answers 401, or 429 to a client
+        out of its budget) or whose lookup failed (it answers 503)."""
+        digest = _digest(authorization)
+        if digest is None:
+            return 0
+        known = self._cells.get(digest)
+        if known is not None:
+            return known
+        now = time.monotonic()
+        if self._failures.spend(client, now) is not None:
+            return 0
+        for cell, lookup in enumerate(self._lookups):
+            try:
+                owner = await lookup(digest)
+            except StoreUnavailable:
+                return cell
+            if owner is not None:
+                self._failures.refund(client, time.monotonic())
+                if len(self._cells) >= MAX_KEYS:
+                    self._cells.clear()
+                self._cells[digest] = cell
+                return cell
+        return 0
+
+
+def _digest(authorization: str | None) -> bytes | None:
+    try:
+        return key_digest(bearer_token(authorization))
+    except AuthenticationFailed:
+        return None

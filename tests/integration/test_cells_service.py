@@ -1,0 +1,340 @@
+"""The service over a database of cells (api/cells_front.py), over real sockets.
+
+`llmquota serve` at the `public` DSN of a database of cells runs a service
+per cell behind a front that sends each request to its tenant's cell. Here,
+with a real uvicorn server and two cells (on CI's Citus leg, one on each
+worker): each tenant's reservations are written, settled and swept in its
+own cell; the global policy and a ceiling are written as slices and read
+whole; concurrent admits over both cells never pass the global burst and,
+with the rebalancer's rounds, reach it exactly; what no cell answers alone
+is refused with 501; and the CLI serves the cells at the `public` DSN.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+
+from llmquota.api.cells_front import CellsFront
+from llmquota.config import Settings
+from llmquota.domain.cells import cell_of
+from llmquota.store.cells import build_cells, in_cell
+from llmquota.store.leader import LeaderLock
+from tests.ports import reserved_port
+from tests.support import APP_ROLE, dsn_as, run_cli
+
+pytestmark = pytest.mark.citus
+
+ADMIN_KEY = "lq_test_admin_key_cells_0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+CELLS = 2
+TENANTS = [f"tenant-{i:02d}" for i in range(40)]
+IN_CELL = {k: [t for t in TENANTS if cell_of(t, CELLS) == k] for k in (1, 2)}
+ONE, TWO = IN_CELL[1][0], IN_CELL[2][0]
+REQUEST = {"model": "gpt-4o", "input_tokens": 100, "max_tokens": 900}  # 1,000 tokens
+
+
+def front_settings(**extra: object) -> Settings:
+    return Settings(  # type: ignore[call-arg]
+        admin_key=ADMIN_KEY,
+        pool_min_size=1,
+        pool_max_size=4,
+        decision_deadline_ms=60_000,
+        ceiling_alerts=False,
+        serve_sweeper=True,  # tests/conftest.py turns it off for the other tests
+        sweep_interval_seconds=0.5,
+        _env_file=None,
+        **extra,
+    )
+
+
+@contextlib.asynccontextmanager
+async def serving(front: CellsFront) -> AsyncIterator[httpx.AsyncClient]:
+    """The front in a real uvicorn server on a loopback port; a client of it."""
+    config = uvicorn.Config(front, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        assert not task.done(), "uvicorn did not start"
+        await asyncio.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def cells_dsn(empty_database_dsn: str) -> str:
+    await asyncio.to_thread(build_cells, empty_database_dsn, CELLS)
+    return empty_database_dsn
+
+
+@pytest.fixture
+async def client(cells_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with serving(CellsFront(front_settings(), dsn_as(cells_dsn, APP_ROLE))) as c:
+        yield c
+
+
+@pytest.fixture
+async def db(cells_dsn: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(cells_dsn)
+    yield connection
+    await connection.close()
+
+
+async def put_tenants(client: httpx.AsyncClient, tenants: list[str]) -> None:
+    for tenant in tenants:
+        answer = await client.put(
+            f"/v1/tenants/{tenant}/policy",
+            json={"tokens_per_minute": 1, "token_burst": 1_000_000},
+            headers=ADMIN,
+        )
+        assert answer.status_code == 200, answer.text
+
+
+async def states(db: asyncpg.Connection, cell: int) -> dict[str, list[str]]:
+    """Each tenant's reservation states in cell `cell`."""
+    rows = await db.fetch(
+        f"SELECT tenant, state FROM cell_{cell}.reservations ORDER BY created_at, tenant"
+    )
+    found: dict[str, list[str]] = {}
+    for row in rows:
+        found.setdefault(row["tenant"], []).append(row["state"])
+    return found
+
+
+async def test_each_tenants_requests_are_decided_settled_and_swept_in_its_own_cell(
+    client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    await put_tenants(client, [ONE, TWO])
+    # The admin key: the body's tenant says the cell.
+    held = {}
+    for tenant in (ONE, TWO):
+        answer = await client.post("/v1/admit", json={**REQUEST, "tenant": tenant}, headers=ADMIN)
+        assert answer.status_code == 201, answer.text
+        held[tenant] = answer.json()["reservation_id"]
+    assert await states(db, 1) == {ONE: ["active"]}
+    assert await states(db, 2) == {TWO: ["active"]}
+    # A settle with the admin key finds the reservation in whichever cell holds it.
+    settled = await client.post(
+        f"/v1/reservations/{held[TWO]}/settle",
+        json={"input_tokens": 100, "output_tokens": 150},
+        headers=ADMIN,
+    )
+    assert settled.status_code == 200, settled.text
+    assert settled.json()["charged_tokens"] == 250
+    released = await client.post(f"/v1/reservations/{held[ONE]}/release", headers=ADMIN)
+    assert released.status_code == 200, released.text
+    unknown = await client.post(
+        "/v1/reservations/00000000-0000-4000-8000-000000000000/release", headers=ADMIN
+    )
+    assert unknown.status_code == 404
+    # A tenant's key lives in its tenant's cell, and its requests go there.
+    made = await client.post(f"/v1/tenants/{TWO}/keys", headers=ADMIN)
+    assert made.status_code == 201, made.text
+    key = {"Authorization": f"Bearer {made.json()['key']}"}
+    by_key = await client.post("/v1/admit", json={**REQUEST, "tenant": TWO}, headers=key)
+    assert by_key.status_code == 201, by_key.text
+    assert (
+        await db.fetchval(
+            "SELECT tenant FROM cell_2.reservations WHERE reservation_id = $1",
+            by_key.json()["reservation_id"],
+        )
+        == TWO
+    )
+    other = await client.post("/v1/admit", json={**REQUEST, "tenant": ONE}, headers=key)
+    assert other.status_code == 403  # its own cell says the key is not ONE's
+    bad_key = await client.post(
+        "/v1/admit", json={**REQUEST, "tenant": TWO}, headers={"Authorization": "Bearer x"}
+    )
+    assert bad_key.status_code == 401
+    # Each cell's sweeper expires its own cell's dead reservations.
+    for tenant in (ONE, TWO):
+        answer = await client.post(
+            "/v1/admit", json={**REQUEST, "tenant": tenant, "lease_seconds": 1}, headers=ADMIN
+        )
+        assert answer.status_code == 201, answer.text
+    deadline = time.monotonic() + 30
+    while True:
+        swept = [(await states(db, k))[t][-1] for k, t in ((1, ONE), (2, TWO))]
+        if swept == ["expired", "expired"]:
+            break
+        assert time.monotonic() < deadline, f"not swept in 30 s: {swept}"
+        await asyncio.sleep(0.2)
+    ledger = await db.fetchval(
+        "SELECT (SELECT count(*) FROM cell_1.usage_ledger) * 10"
+        " + (SELECT count(*) FROM cell_2.usage_ledger)"
+    )
+    assert ledger == 1 * 10 + 2  # the swept one in cell 1; the settled and swept in cell 2
+
+
+async def test_shared_limits_are_written_as_slices_and_read_whole(
+    client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    written = await client.put(
+        "/v1/policies/global", json={"tokens_per_minute": 7, "token_burst": 10_001}, headers=ADMIN
+    )
+    assert written.status_code == 200, written.text
+    assert (written.json()["tokens_per_minute"], written.json()["token_burst"]) == (7, 10_001)
+    assert "etag" not in written.headers  # each cell's version is its own
+    slices = [
+        await db.fetchrow(
+            f"SELECT tokens_per_minute, token_burst FROM cell_{k}.limit_layers"
+            " WHERE scope = 'global'"
+        )
+        for k in (1, 2)
+    ]
+    assert [tuple(s) for s in slices if s] == [(4, 5_001), (3, 5_000)]
+    read = await client.get("/v1/policies/global", headers=ADMIN)
+    assert (read.json()["tokens_per_minute"], read.json()["token_burst"]) == (7, 10_001)
+    # A limit that cannot be split is refused before any cell is written.
+    refused = await client.put(
+        "/v1/policies/global", json={"tokens_per_minute": 1, "token_burst": 10}, headers=ADMIN
+    )
+    assert refused.status_code == 422, refused.text
+    assert "number of cells" in refused.json()["error"]["message"]
+    again = await client.get("/v1/policies/global", headers=ADMIN)
+    assert again.json()["token_burst"] == 10_001
+    patched = await client.patch(
+        "/v1/policies/global",
+        json={"token_burst": 9_000},
+        headers={**ADMIN, "content-type": "application/merge-patch+json"},
+    )
+    assert patched.status_code == 200, patched.text
+    assert (patched.json()["tokens_per_minute"], patched.json()["token_burst"]) == (7, 9_000)
+    # A provider ceiling: slices too, with its balances added up.
+    ceiling = {"models": ["gpt-4o"], "tokens_per_minute": 60_000, "max_in_flight": 9}
+    put = await client.put("/v1/ceilings/openai", json=ceiling, headers=ADMIN)
+    assert put.status_code == 200, put.text
+    whole = (await client.get("/v1/ceilings/openai", headers=ADMIN)).json()
+    assert (whole["tokens_per_minute"], whole["token_burst"], whole["max_in_flight"]) == (
+        60_000,
+        60_000,
+        9,
+    )
+    assert whole["remaining_tokens"] == 60_000 and whole["in_flight"] == 0
+    ceilings = "limit_layers WHERE scope = 'ceiling'"
+    bursts = [await db.fetchval(f"SELECT token_burst FROM cell_{k}.{ceilings}") for k in (1, 2)]
+    assert sorted(bursts) == [30_000, 30_000]
+    assert (await client.delete("/v1/ceilings/openai", headers=ADMIN)).status_code == 204
+    for k in (1, 2):
+        assert await db.fetchval(f"SELECT count(*) FROM cell_{k}.{ceilings}") == 0
+    # A plan is a tenant's limits: every cell holds it whole.
+    plan = await client.put("/v1/plans/pro", json={"tokens_per_minute": 5_000}, headers=ADMIN)
+    assert plan.status_code == 200, plan.text
+    for k in (1, 2):
+        assert await db.fetchval(f"SELECT count(*) FROM cell_{k}.plans WHERE plan = 'pro'") == 1
+    assert (await client.get("/v1/plans/pro", headers=ADMIN)).json()["tokens_per_minute"] == 5_000
+
+
+async def test_concurrent_admits_over_both_cells_reach_exactly_the_global_burst(
+    client: httpx.AsyncClient, db: asyncpg.Connection
+) -> None:
+    tenants = IN_CELL[1][:10] + IN_CELL[2][:10]
+    await put_tenants(client, tenants)
+    # 20 requests' worth, 10 a cell; a refill of 2 tokens a minute adds nothing here.
+    glob = {"tokens_per_minute": CELLS, "token_burst": 20 * 1_000}
+    assert (await client.put("/v1/policies/global", json=glob, headers=ADMIN)).status_code == 200
+
+    async def admit(tenant: str) -> int:
+        answer = await client.post("/v1/admit", json={**REQUEST, "tenant": tenant}, headers=ADMIN)
+        assert answer.status_code in (201, 429), answer.text
+        return answer.status_code
+
+    # Cell 1's tenants ask for 3 times the whole burst; cell 2's for little.
+    first = await asyncio.gather(
+        *(admit(t) for t in IN_CELL[1][:10] * 6), *(admit(t) for t in IN_CELL[2][:2])
+    )
+    admitted = first.count(201)
+    assert admitted <= 20
+    # The rebalancer moves most of cell 2's unused room to cell 1 within a few
+    # rounds (each slice keeps a reserve for demand that starts between rounds).
+    deadline = time.monotonic() + 30
+    while admitted < 20:
+        assert time.monotonic() < deadline, f"{admitted} of 20 admitted in 30 s"
+        await asyncio.sleep(0.5)
+        more = await asyncio.gather(*(admit(t) for t in IN_CELL[1][:10] + IN_CELL[2][:2]))
+        admitted += more.count(201)
+        assert admitted <= 20
+    active = await db.fetchval(
+        "SELECT (SELECT count(*) FROM cell_1.reservations WHERE state = 'active')"
+        " + (SELECT count(*) FROM cell_2.reservations WHERE state = 'active')"
+    )
+    assert active == admitted == 20
+
+
+async def test_what_no_cell_answers_alone_is_refused_with_501(client: httpx.AsyncClient) -> None:
+    listing = await client.get("/v1/tenants", headers=ADMIN)
+    assert listing.status_code == 501
+    assert listing.json()["error"]["type"] == "not_served_over_cells"
+    assert (await client.get("/metrics")).status_code == 501
+    one = await client.get("/metrics", params={"cell": "cell_2"})
+    assert one.status_code == 200 and "llmquota_" in one.text
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+
+
+async def test_llmquota_serve_at_the_public_dsn_serves_every_cell(cells_dsn: str) -> None:
+    dsn = dsn_as(cells_dsn, APP_ROLE)
+    without_key = await asyncio.to_thread(run_cli, "serve", dsn=dsn, check=False)
+    assert without_key.returncode == 2
+    assert "holds 2 cells: set LLMQUOTA_ADMIN_KEY" in without_key.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQUOTA_")}
+    env.update(LLMQUOTA_DATABASE_URL=dsn)
+    port = reserved_port()
+    env.update(LLMQUOTA_ADMIN_KEY=ADMIN_KEY, LLMQUOTA_DECISION_DEADLINE_MS="60000")
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "llmquota.cli", "serve", "--port", str(port)),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), 60)
+        assert line == b"serving 2 cells: cell_1, cell_2\n"
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(httpx.TransportError):
+                    if (await c.get("/healthz")).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the service did not start"
+                await asyncio.sleep(0.2)
+            await put_tenants(c, [ONE, TWO])
+            for tenant in (ONE, TWO):
+                body = {**REQUEST, "tenant": tenant}
+                answer = await c.post("/v1/admit", json=body, headers=ADMIN)
+                assert answer.status_code == 201, answer.text
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 60)
+
+
+async def test_each_cell_has_a_maintenance_leader_of_its_own(cells_dsn: str) -> None:
+    """The cells of one database share its advisory locks: each cell's
+    services take the maintenance lock of their cell, so that every cell is
+    swept; `public` keeps the lock's own key (a deployment without cells
+    changes nothing)."""
+    dsn = dsn_as(cells_dsn, APP_ROLE)
+    leaders = [LeaderLock(in_cell(dsn, f"cell_{k}")) for k in (1, 2)]
+    public, rival = LeaderLock(dsn), LeaderLock(in_cell(dsn, "cell_1"))
+    try:
+        assert [await leader.try_acquire() for leader in leaders] == [True, True]
+        assert await public.try_acquire()
+        assert not await rival.try_acquire()  # cell 1 has its leader
+    finally:
+        for lock in (*leaders, public, rival):
+            await lock.release()

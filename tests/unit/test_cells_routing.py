@@ -1,0 +1,89 @@
+"""Where a service over cells sends each request, and how a shared limit's
+write is split and its reads added up (api/cells_routing.py, domain/cells.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmquota.api.cells_routing import Route, authorization_of, route_of
+from llmquota.domain.cells import sliced_bodies, summed
+from llmquota.domain.errors import InvalidRequest
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "route"),
+    [
+        ("POST", "/v1/admit", Route("caller")),
+        ("POST", "/v1/tokens/count", Route("caller")),
+        ("POST", "/v1/chat/completions", Route("key")),
+        ("POST", "/v1/messages", Route("key")),
+        ("POST", "/v1/reservations/abc/settle", Route("reservation")),
+        ("POST", "/v1/reservations/abc/heartbeat", Route("reservation")),
+        ("GET", "/v1/tenants/acme/status", Route("tenant", "acme")),
+        ("PUT", "/v1/tenants/acme/policy", Route("tenant", "acme")),
+        ("DELETE", "/v1/tenants/acme", Route("tenant", "acme")),
+        ("PUT", "/v1/policies/global", Route("split")),
+        ("PATCH", "/v1/ceilings/openai", Route("split")),
+        ("GET", "/v1/ceilings/openai", Route("summed")),
+        ("DELETE", "/v1/ceilings/openai", Route("every")),
+        ("PUT", "/v1/plans/pro", Route("every")),
+        ("GET", "/v1/plans", Route("first")),
+        ("DELETE", "/v1/webhooks/ops", Route("every")),
+        ("GET", "/openapi.json", Route("first")),
+        ("GET", "/healthz", Route("health")),
+        ("GET", "/metrics", Route("metrics")),
+        ("GET", "/v1/tenants", Route("unserved")),
+        ("GET", "/v1/ceilings", Route("unserved")),
+        ("GET", "/v1/ceilings/openai/oversubscription", Route("unserved")),
+        ("POST", "/v1/admin/keys", Route("unserved")),
+        ("GET", "/console", Route("unserved")),
+    ],
+)
+def test_each_path_finds_its_cell_by_its_rule(method: str, path: str, route: Route) -> None:
+    assert route_of(method, path) == route
+
+
+def test_the_anthropic_sdks_key_header_counts_as_a_bearer_token() -> None:
+    assert authorization_of([(b"x-api-key", b"lq_1")]) == "Bearer lq_1"
+    assert authorization_of([(b"authorization", b"Bearer lq_2"), (b"x-api-key", b"x")]) == (
+        "Bearer lq_2"
+    )
+    assert authorization_of([]) is None
+
+
+def test_a_shared_limits_body_is_split_so_that_the_slices_add_up() -> None:
+    body = {"tokens_per_minute": 7, "token_burst": 10_001, "failure_mode": "open"}
+    first, second, third = sliced_bodies(body, 3)
+    assert first == {"tokens_per_minute": 3, "token_burst": 3_334, "failure_mode": "open"}
+    assert second == {"tokens_per_minute": 2, "token_burst": 3_334, "failure_mode": "open"}
+    assert third == {"tokens_per_minute": 2, "token_burst": 3_333, "failure_mode": "open"}
+    # A merge patch's null (no limit) and a value no cell would take go as they are.
+    patch = {"token_burst": None, "max_in_flight": "many"}
+    assert sliced_bodies(patch, 2) == [patch, patch]
+    with pytest.raises(InvalidRequest, match="number of cells"):
+        sliced_bodies({"tokens_per_minute": 1}, 2)
+
+
+def test_the_cells_answers_add_up_to_the_whole_limit_and_its_balance() -> None:
+    answers: list[dict[str, object]] = [
+        {
+            "ceiling": "c",
+            "token_burst": 600,
+            "remaining_tokens": 300,
+            "utilization": 0.5,
+            "max_in_flight": None,
+            "policy_version": 4,
+        },
+        {
+            "ceiling": "c",
+            "token_burst": 400,
+            "remaining_tokens": 400,
+            "utilization": 0.0,
+            "max_in_flight": None,
+            "policy_version": 2,
+        },
+    ]
+    whole = summed(answers)
+    assert whole["token_burst"] == 1_000 and whole["remaining_tokens"] == 700
+    assert whole["utilization"] == 0.3
+    assert whole["max_in_flight"] is None and whole["policy_version"] == 4
