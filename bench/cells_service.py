@@ -5,7 +5,8 @@
 
 Two `llmquota serve` (2 uvicorn workers each), run one after the other on
 the same server: at a database without cells (the baseline: one service, one
-schema), and at the `public` DSN of a database of 2 cells, where the front
+schema), and at the `public` DSN of a database of CELLS cells (default 2; 1 puts every
+tenant behind the front in one cell: the front's own cost), where the front
 (api/cells_front.py) reads each admit's body for its tenant and hands it to
 that cell's service. wrk drives both with the same admissions over 64
 tenants with the admin key, 32 connections, SECONDS each (default 10),
@@ -29,7 +30,7 @@ SECONDS = float(os.environ.get("SECONDS", "10"))
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 TENANTS = 64
 CONNECTIONS = 32
-CELLS = 2
+CELLS = int(os.environ.get("CELLS", "2"))
 
 
 async def _databases(server_dsn: str) -> tuple[str, str]:

@@ -291,6 +291,11 @@ async def test_llmquota_serve_at_the_public_dsn_serves_every_cell(cells_dsn: str
     without_key = await asyncio.to_thread(run_cli, "serve", dsn=dsn, check=False)
     assert without_key.returncode == 2
     assert "holds 2 cells: set LLMQUOTA_ADMIN_KEY" in without_key.stderr
+    migrating = await asyncio.to_thread(
+        run_cli, "serve", "--migrate", dsn=dsn, env={"LLMQUOTA_ADMIN_KEY": ADMIN_KEY}, check=False
+    )
+    assert migrating.returncode == 2
+    assert "`llmquota migrate --cells 2` builds and checks them" in migrating.stderr
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMQUOTA_")}
     env.update(LLMQUOTA_DATABASE_URL=dsn)
     port = reserved_port()

@@ -325,23 +325,24 @@ class CellsFront:
         """The request's body as received, and whether it is whole: a body over
         the size limit, or slower than the read timeout, is passed on as far
         as it was read (the cell's request limits answer it)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.body_read_timeout_seconds
+        deadline = asyncio.get_running_loop().time() + self.settings.body_read_timeout_seconds
         messages: list[Message] = []
         size = 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                return messages, False
-            messages.append(message)
-            if message["type"] != "http.request":
-                return messages, False
-            size += len(message.get("body", b""))
-            if size > self.settings.max_body_bytes:
-                return messages, False
-            if not message.get("more_body", False):
-                return messages, True
+        try:
+            # one deadline for the whole body (not a task per message, as wait_for makes)
+            async with asyncio.timeout_at(deadline):
+                while True:
+                    message = await receive()
+                    messages.append(message)
+                    if message["type"] != "http.request":
+                        return messages, False
+                    size += len(message.get("body", b""))
+                    if size > self.settings.max_body_bytes:
+                        return messages, False
+                    if not message.get("more_body", False):
+                        return messages, True
+        except TimeoutError:
+            return messages, False
 
 
 def _replay(messages: list[Message], receive: Receive) -> Callable[[], Awaitable[Message]]:

@@ -105,6 +105,13 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         except CellsError as error:
             print(f"llmquota serve: {error}", file=sys.stderr)
             return 2
+        if cells and args.migrate:
+            print(
+                f"llmquota serve: the database holds {len(cells)} cells: "
+                f"`llmquota migrate --cells {len(cells)}` builds and checks them",
+                file=sys.stderr,
+            )
+            return 2
         if cells and not settings.admin_key:
             print(
                 f"llmquota serve: the database holds {len(cells)} cells: set LLMQUOTA_ADMIN_KEY "

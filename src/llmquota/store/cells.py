@@ -17,8 +17,9 @@ then becomes a distributed schema, its functions are created on its node, and
 each is delegated: a call from the coordinator is one statement to that node.
 
 A library process reaches every cell through admission/cells.py (a Limiter
-per cell, `cells_in` and `in_cell` here); a service reaches one cell through
-its DSN; a maintenance command at the database's own DSN reaches each
+per cell, `cells_in` and `in_cell` here); a service at a cell's DSN serves
+that cell, and at the `public` DSN every cell (`cells_served_at`,
+api/cells_front.py); a maintenance command at the database's own DSN reaches each
 (`deployments_of`). A database-level `reporting` schema reads the cell of
 the session that calls it (`reporting_over_cells`). What this module does
 not do yet (docs/scaling.md says what comes next): upgrade a cell built by
