@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from llmquota.api.cells_routing import Route, authorization_of, route_of
-from llmquota.domain.cells import sliced_bodies, summed
+from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings
 from llmquota.domain.errors import InvalidRequest
+from llmquota.store.cells import cell_named_in, in_cell
 
 
 @pytest.mark.parametrize(
@@ -33,7 +34,7 @@ from llmquota.domain.errors import InvalidRequest
         ("GET", "/healthz", Route("health")),
         ("GET", "/metrics", Route("metrics")),
         ("GET", "/v1/tenants", Route("unserved")),
-        ("GET", "/v1/ceilings", Route("unserved")),
+        ("GET", "/v1/ceilings", Route("summed")),
         ("GET", "/v1/ceilings/openai/oversubscription", Route("unserved")),
         ("POST", "/v1/admin/keys", Route("unserved")),
         ("GET", "/console", Route("unserved")),
@@ -87,3 +88,28 @@ def test_the_cells_answers_add_up_to_the_whole_limit_and_its_balance() -> None:
     assert whole["token_burst"] == 1_000 and whole["remaining_tokens"] == 700
     assert whole["utilization"] == 0.3
     assert whole["max_in_flight"] is None and whole["policy_version"] == 4
+
+
+def test_the_ceilings_listing_adds_up_each_ceiling_by_name() -> None:
+    first = {"ceilings": [{"ceiling": "a", "token_burst": 5}, {"ceiling": "b", "token_burst": 1}]}
+    second = {"ceilings": [{"ceiling": "b", "token_burst": 2}, {"ceiling": "a", "token_burst": 4}]}
+    assert summed_ceilings([first, second]) == {
+        "ceilings": [{"ceiling": "a", "token_burst": 9}, {"ceiling": "b", "token_burst": 3}]
+    }
+    lacking = {"ceilings": [{"ceiling": "a", "token_burst": 4}]}
+    assert summed_ceilings([first, lacking])["ceilings"][1] == {"ceiling": "b", "token_burst": 1}
+
+
+def test_a_whole_number_written_as_a_float_is_split_too() -> None:
+    """The API takes 100000.0 as 100000: unsplit, every cell would hold it all."""
+    assert sliced_bodies({"tokens_per_minute": 5.0, "token_burst": 1.5}, 2) == [
+        {"tokens_per_minute": 3, "token_burst": 1.5},
+        {"tokens_per_minute": 2, "token_burst": 1.5},
+    ]
+
+
+def test_the_cell_a_dsn_names_is_read_from_its_search_path() -> None:
+    assert cell_named_in(in_cell("postgresql://u@h/db", "cell_2")) == "cell_2"
+    assert cell_named_in(in_cell("postgresql://u@h/db?sslmode=off", "cell_12")) == "cell_12"
+    assert cell_named_in("postgresql://u@h/db") is None
+    assert cell_named_in("postgresql://u@h/db?search_path=app") is None

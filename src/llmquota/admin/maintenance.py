@@ -49,6 +49,11 @@ class MaintenanceLeader:
         self._interval = sweep_interval_seconds
         self._retry = retry_seconds
 
+    @property
+    def leading(self) -> bool:
+        """Whether this process holds the lock now (and so sweeps)."""
+        return self._lock.held
+
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop`: wait for the lock, lead while it holds, give it up at the end."""
         try:

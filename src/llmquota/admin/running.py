@@ -11,7 +11,8 @@ from llmquota.admin.maintenance import MaintenanceLeader
 from llmquota.admin.sweeper import Sweeper
 from llmquota.config import Settings
 from llmquota.metrics import Metrics
-from llmquota.store.leader import LeaderLock
+from llmquota.store.cells import cell_named_in
+from llmquota.store.leader import MAINTENANCE_LOCK_NAME, LeaderLock
 from llmquota.store.store import Store
 
 log = logging.getLogger("llmquota.maintenance")
@@ -37,8 +38,12 @@ async def maintenance_running(
             )
         yield None
         return
+    # The cells of one database share its advisory locks: each cell's
+    # services lead their own cell (a deployment without cells: the one lock).
+    cell = cell_named_in(dsn)
+    name = MAINTENANCE_LOCK_NAME if cell is None else f"{MAINTENANCE_LOCK_NAME}:{cell}"
     leader = MaintenanceLeader(
-        LeaderLock(target),
+        LeaderLock(target, name),
         Sweeper(store, settings, metrics),
         metrics,
         sweep_interval_seconds=settings.sweep_interval_seconds,

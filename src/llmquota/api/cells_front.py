@@ -22,8 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -32,10 +31,23 @@ from starlette.types import Message, Receive, Scope, Send
 from llmquota.admission.heap import settle_after_startup
 from llmquota.admission.rebalancer import REBALANCER_LOCK_NAME, SliceRebalancer
 from llmquota.api.app import create_app
+from llmquota.api.auth import TooManyFailedAuthentications
+from llmquota.api.bodylimit import BodyRefused, BodyTooLarge, BodyTooSlow
+from llmquota.api.cells_answers import (
+    Answer,
+    joined,
+    json_object,
+    refused_if_match,
+    replay,
+    send_summed,
+    send_throttled,
+    tenant_in,
+)
 from llmquota.api.cells_routing import KeyCells, authorization_of, route_of
 from llmquota.api.errors import send_error
+from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.config import Settings
-from llmquota.domain.cells import cell_of, sliced_bodies, summed
+from llmquota.domain.cells import cell_of, sliced_bodies
 from llmquota.domain.errors import InvalidRequest
 from llmquota.store.cells import CellsError, cells_in, in_cell
 from llmquota.store.leader import LeaderLock
@@ -45,7 +57,6 @@ __all__ = ["CellsFront", "create_front_from_env"]
 log = logging.getLogger(__name__)
 
 REBALANCE_SECONDS = 1.0
-_DROPPED_HEADERS = frozenset({b"content-length", b"etag"})
 
 
 @dataclass
@@ -53,34 +64,6 @@ class _Cell:
     name: str
     app: FastAPI
     state: dict[str, Any]
-
-
-@dataclass
-class _Answer:
-    """A cell's whole answer, held back until the front decides to send it."""
-
-    status: int = 500
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: bytes = b""
-
-    async def take(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            self.headers = list(message.get("headers", []))
-        elif message["type"] == "http.response.body":
-            self.body += message.get("body", b"")
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    async def send(self, send: Send, body: bytes | None = None) -> None:
-        headers = self.headers
-        if body is not None:
-            headers = [(k, v) for k, v in headers if k.lower() not in _DROPPED_HEADERS]
-            headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await send({"type": "http.response.body", "body": self.body if body is None else body})
 
 
 class CellsFront:
@@ -94,17 +77,20 @@ class CellsFront:
         self.keys = KeyCells([], settings)
         self._stack = contextlib.AsyncExitStack()
         self._rebalancer: SliceRebalancer | None = None
+        # One shared write at a time in this process, so that two do not
+        # interleave cell by cell (docs/scaling.md: across processes they may).
+        self._shared_writes = asyncio.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await self._lifespan(scope, receive, send)
         elif scope["type"] == "http":
             await self._serve(scope, receive, send)
         else:
             await self._pass(0, scope, receive, send)
 
     # -- lifespan ------------------------------------------------------------
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
+    async def _lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
         try:
             await self.start()
@@ -112,12 +98,18 @@ class CellsFront:
             log.exception("cells: the service did not start")
             await send({"type": "lifespan.startup.failed", "message": str(exc)})
             return
+        if isinstance(scope.get("state"), dict):
+            # the server's head limits, as each cell's app would give them
+            scope["state"][HEAD_LIMITS_STATE_KEY] = HeadLimits.from_settings(self.settings)
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
         try:
             await self.stop()
-        finally:
-            await send({"type": "lifespan.shutdown.complete"})
+        except Exception as exc:
+            log.exception("cells: the service did not stop cleanly")
+            await send({"type": "lifespan.shutdown.failed", "message": str(exc)})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
 
     async def start(self) -> None:
         """Start every cell's service (all of them, or none), then the rebalancer."""
@@ -129,20 +121,24 @@ class CellsFront:
                 app = create_app(self._settings_in(name), in_cell(self.dsn, name))
                 state = await self._stack.enter_async_context(app.router.lifespan_context(app))
                 self.cells.append(_Cell(name, app, dict(state or {})))
+            lookups = [cell.app.state.admin.find_key for cell in self.cells]
+            self.keys = KeyCells(lookups, self.settings)
+            self._rebalancer = self._rebalancing()
         except BaseException:
             await self.stop()
             raise
-        self.keys = KeyCells([cell.app.state.admin.find_key for cell in self.cells], self.settings)
-        self._rebalancer = self._rebalancing()
         if self.server_worker:
             settle_after_startup()
 
     async def stop(self) -> None:
         """Stop rebalancing, then every cell's service (each finishes its work first)."""
-        if self._rebalancer is not None:
-            await self._rebalancer.stop()
-        await self._stack.aclose()
-        self.cells = []
+        rebalancer, self._rebalancer = self._rebalancer, None
+        try:
+            if rebalancer is not None:
+                await rebalancer.stop()
+        finally:
+            self.cells = []
+            await self._stack.aclose()
 
     def _settings_in(self, name: str) -> Settings:
         """The settings of one cell's service: its LISTEN DSN names the cell too."""
@@ -174,6 +170,16 @@ class CellsFront:
 
     # -- requests ------------------------------------------------------------
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._route(scope, receive, send)
+        except BodyRefused as refused:
+            headers = [(b"connection", b"close")]
+            message = str(refused.detail)
+            await send_error(
+                send, refused.status_code, refused.error_type, headers=headers, message=message
+            )
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = route_of(scope["method"], scope["path"])
         kind = route.kind
         if kind == "tenant" and route.tenant is not None:
@@ -190,6 +196,9 @@ class CellsFront:
             await self._health(scope, receive, send)
         elif kind == "metrics":
             await self._metrics(scope, receive, send)
+        elif kind == "first" and scope["path"].startswith("/v1/"):
+            # a plan's or webhook's version is each cell's own: no ETag
+            await (await self._call(0, scope, b"", receive)).send(send, etag=False)
         elif kind == "first":
             await self._pass(0, scope, receive, send)
         else:
@@ -215,64 +224,86 @@ class CellsFront:
         authorization = authorization_of(scope["headers"])
         if not self.keys.is_admin(authorization):
             client = scope["client"][0] if scope.get("client") else ""
-            await self._pass(await self.keys.cell_of(authorization, client), scope, receive, send)
+            try:
+                cell = await self.keys.cell_of(authorization, client)
+            except TooManyFailedAuthentications as refused:
+                await send_throttled(scope, send, refused)
+                return
+            await self._pass(cell, scope, receive, send)
             return
         if kind == "key":  # the admin key cannot call providers: a cell says so
             await self._pass(0, scope, receive, send)
             return
-        body, whole = await self._read_body(receive)
-        replayed = _replay(body, receive)
-        if kind == "caller" or not whole:
-            tenant = _tenant_in(body) if whole else None
-            cell = 0 if tenant is None else self._cell_of(tenant)
-            await self._pass(cell, scope, replayed, send)
+        body = await self._read_body(receive)
+        if body is None:
             return
-        content = _joined(body)
-        for index in range(len(self.cells) - 1):
+        if kind == "caller":
+            tenant = tenant_in(body)
+            cell = 0 if tenant is None else self._cell_of(tenant)
+            await self._pass(cell, scope, replay(body, receive), send)
+            return
+        await self._each_cell_until_found(scope, joined(body), receive, send)
+
+    async def _each_cell_until_found(
+        self, scope: Scope, content: bytes, receive: Receive, send: Send
+    ) -> None:
+        """A reservation's request with the admin key, to each cell in turn: a
+        cell that does not hold it answers 404 and changes nothing. A cell
+        that fails (5xx) is passed over; its failure is the answer only if
+        no cell holds the reservation."""
+        failed: Answer | None = None
+        for index in range(len(self.cells)):
             answer = await self._call(index, scope, content, receive)
-            if answer.status != 404:
+            if answer.status >= 500:
+                failed = failed or answer
+            elif answer.status != 404:
                 await answer.send(send)
                 return
-        await self._pass(len(self.cells) - 1, scope, replayed, send)
+            elif index == len(self.cells) - 1:
+                await (failed or answer).send(send)
 
     async def _write_split(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A shared limit's write: each cell its slice, smallest first."""
-        body, whole = await self._read_body(receive)
-        parsed = _json_object(_joined(body)) if whole else None
+        body = await self._read_body(receive)
+        if body is None or await refused_if_match(scope, send):
+            return
+        parsed = json_object(joined(body))
         if parsed is None:  # a cell refuses it, as one database would
-            await self._pass(0, scope, _replay(body, receive), send)
+            await self._pass(0, scope, replay(body, receive), send)
             return
         try:
             bodies = sliced_bodies(parsed, len(self.cells))
         except InvalidRequest as exc:
             await send_error(send, 422, "invalid_request_error", message=str(exc))
             return
-        answers: list[_Answer] = []
-        for index in reversed(range(len(self.cells))):
-            answer = await self._call(index, scope, json.dumps(bodies[index]).encode(), receive)
-            if not answer.ok:
-                await answer.send(send)
-                return
-            answers.insert(0, answer)
-        await _send_summed(answers, send)
+        answers: list[Answer] = []
+        async with self._shared_writes:
+            for index in reversed(range(len(self.cells))):
+                content = json.dumps(bodies[index]).encode()
+                answer = await self._call(index, scope, content, receive)
+                if not answer.ok:
+                    await answer.send(send)
+                    return
+                answers.insert(0, answer)
+        await send_summed(answers, send)
 
     async def _write_every(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A write of what every cell holds whole: each cell in order, stopping
         at a refusal; a cell that lacks what is deleted (a retry) is no refusal."""
-        body, whole = await self._read_body(receive)
-        if not whole:
-            await self._pass(0, scope, _replay(body, receive), send)
+        body = await self._read_body(receive)
+        if body is None or await refused_if_match(scope, send):
             return
-        content, first_done = _joined(body), None
+        content, done = joined(body), None
         answers = []
-        for index in range(len(self.cells)):
-            answer = await self._call(index, scope, content, receive)
-            if not answer.ok and answer.status != 404:
-                await answer.send(send)
-                return
-            answers.append(answer)
-            first_done = first_done or (answer if answer.ok else None)
-        await (first_done or answers[0]).send(send)
+        async with self._shared_writes:
+            for index in range(len(self.cells)):
+                answer = await self._call(index, scope, content, receive)
+                if not answer.ok and answer.status != 404:
+                    await answer.send(send)
+                    return
+                answers.append(answer)
+                done = done or (answer if answer.ok else None)
+        await (done or answers[0]).send(send, etag=False)
 
     async def _read_summed(self, scope: Scope, receive: Receive, send: Send) -> None:
         answers = []
@@ -282,7 +313,7 @@ class CellsFront:
                 await answer.send(send)
                 return
             answers.append(answer)
-        await _send_summed(answers, send)
+        await send_summed(answers, send)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Healthy when every cell is: the first cell's answer, or the first failing one."""
@@ -305,9 +336,9 @@ class CellsFront:
             message=f"metrics are per cell over cells: /metrics?cell= one of {', '.join(names)}",
         )
 
-    async def _call(self, index: int, scope: Scope, body: bytes, receive: Receive) -> _Answer:
+    async def _call(self, index: int, scope: Scope, body: bytes, receive: Receive) -> Answer:
         """Cell `index`'s whole answer to the request with `body`, not yet sent."""
-        cell, answer, sent = self.cells[index], _Answer(), False
+        cell, answer, sent = self.cells[index], Answer(), False
 
         async def once() -> Message:
             nonlocal sent
@@ -321,67 +352,30 @@ class CellsFront:
         await cell.app(dict(scope, headers=headers, state=dict(cell.state)), once, answer.take)
         return answer
 
-    async def _read_body(self, receive: Receive) -> tuple[list[Message], bool]:
-        """The request's body as received, and whether it is whole: a body over
-        the size limit, or slower than the read timeout, is passed on as far
-        as it was read (the cell's request limits answer it)."""
-        deadline = asyncio.get_running_loop().time() + self.settings.body_read_timeout_seconds
+    async def _read_body(self, receive: Receive) -> list[Message] | None:
+        """The request's whole body as received; None when the client left.
+        BodyTooLarge or BodyTooSlow past the limits each cell's service
+        applies: the front never hands on part of a body (a cell would read
+        the rest under a fresh deadline, and a shared write reach one cell)."""
+        limit = self.settings.max_body_bytes
+        timeout = self.settings.body_read_timeout_seconds
         messages: list[Message] = []
         size = 0
         try:
             # one deadline for the whole body (not a task per message, as wait_for makes)
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout(timeout):
                 while True:
                     message = await receive()
-                    messages.append(message)
                     if message["type"] != "http.request":
-                        return messages, False
+                        return None
+                    messages.append(message)
                     size += len(message.get("body", b""))
-                    if size > self.settings.max_body_bytes:
-                        return messages, False
+                    if size > limit:
+                        raise BodyTooLarge(limit)
                     if not message.get("more_body", False):
-                        return messages, True
+                        return messages
         except TimeoutError:
-            return messages, False
-
-
-def _replay(messages: list[Message], receive: Receive) -> Callable[[], Awaitable[Message]]:
-    """A receive that gives back what was read, then goes on receiving."""
-    pending = list(messages)
-
-    async def replayed() -> Message:
-        return pending.pop(0) if pending else await receive()
-
-    return replayed
-
-
-def _joined(messages: list[Message]) -> bytes:
-    return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request")
-
-
-def _json_object(content: bytes) -> dict[str, object] | None:
-    try:
-        parsed = json.loads(content)
-    except ValueError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
-
-
-def _tenant_in(messages: list[Message]) -> str | None:
-    """The `tenant` of a JSON body (None: none, or not a body a cell would accept)."""
-    parsed = _json_object(_joined(messages))
-    tenant = None if parsed is None else parsed.get("tenant")
-    return tenant if isinstance(tenant, str) and tenant else None
-
-
-async def _send_summed(answers: list[_Answer], send: Send) -> None:
-    """The cells' answers about a shared limit as one: its slices added up."""
-    parsed = [_json_object(answer.body) for answer in answers]
-    if any(p is None for p in parsed):
-        await answers[0].send(send)
-        return
-    whole = summed([p for p in parsed if p is not None])
-    await answers[0].send(send, json.dumps(whole, separators=(",", ":")).encode())
+            raise BodyTooSlow(timeout) from None
 
 
 def create_front_from_env() -> CellsFront:

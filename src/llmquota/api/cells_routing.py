@@ -16,6 +16,7 @@ console, stored admin keys) is refused with 501 and says so.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -23,8 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from llmquota.api.auth import AuthenticationFailed, KeyLookup, bearer_token
+from llmquota.api.auth import (
+    AuthenticationFailed,
+    KeyLookup,
+    TooManyFailedAuthentications,
+    bearer_token,
+)
 from llmquota.api.failures import FailureBudget
+from llmquota.api.provider_errors import PROXY_PATHS
 from llmquota.config import Settings
 from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.keys import key_digest
@@ -57,9 +64,6 @@ _RESERVATION_PATH = re.compile(r"^/v1/reservations/[^/]+/(?:settle|release|heart
 _SHARED_LIMIT_PATH = re.compile(r"^/v1/(?:policies/global|ceilings/[^/]+)$")
 _WHOLE_EVERYWHERE_PATH = re.compile(r"^/v1/(?:plans|webhooks)(?:/[^/]+)?$")
 _CALLER_PATHS = frozenset({"/v1/admit", "/v1/tokens/count"})
-_PROXY_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages"}
-)
 _DOCUMENT_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _READS = frozenset({"GET", "HEAD"})
 
@@ -71,7 +75,7 @@ def route_of(method: str, path: str) -> Route:
         return Route("tenant", tenant.group(1))
     if path in _CALLER_PATHS:
         return Route("caller")
-    if path in _PROXY_PATHS:
+    if path.rstrip("/") in PROXY_PATHS:
         return Route("key")
     if _RESERVATION_PATH.match(path):
         return Route("reservation")
@@ -79,6 +83,8 @@ def route_of(method: str, path: str) -> Route:
         if method in _READS:
             return Route("summed")
         return Route("split" if method in ("PUT", "PATCH") else "every")
+    if path == "/v1/ceilings" and method in _READS:
+        return Route("summed")
     if _WHOLE_EVERYWHERE_PATH.match(path):
         return Route("first" if method in _READS else "every")
     if path in _DOCUMENT_PATHS:
@@ -110,14 +116,22 @@ MAX_KEYS = 100_000
 
 class KeyCells:
     """Which cell holds each key this process has seen (a key never moves: its
-    tenant's cell is fixed), and whether a key is the admin's."""
+    tenant's cell is fixed), and whether a key is the admin's.
+
+    A digest is looked up in each cell once, however many requests carry it
+    at once. A digest no cell holds is remembered as such for the key cache's
+    negative window, and each such miss is a failed authentication of its
+    client: a client out of that budget is refused here, before any lookup
+    (a budget spent only on misses: a gateway's burst of first requests with
+    a valid key is never refused for it)."""
 
     def __init__(self, lookups: Sequence[KeyLookup], settings: Settings) -> None:
         self._lookups = lookups
         self._admin = key_digest(settings.admin_key) if settings.admin_key else None
         self._cells: dict[bytes, int] = {}
-        # A digest no cell knows costs K lookups; a client sending many is
-        # held to the failed-authentication budget each cell holds it to.
+        self._unknown: dict[bytes, float] = {}  # digest -> until when no cell holds it
+        self._unknown_seconds = settings.key_negative_cache_seconds
+        self._running: dict[bytes, asyncio.Task[int | None]] = {}
         self._failures = FailureBudget(
             settings.auth_failures_per_second, settings.auth_failure_burst
         )
@@ -132,8 +146,9 @@ class KeyCells:
 
     async def cell_of(self, authorization: str | None, client: str) -> int:
         """The cell (0-based) whose service answers this key: the one that holds
-        it; cell 0 for a key none holds (it answers 401, or 429 to a client
-        out of its budget) or whose lookup failed (it answers 503)."""
+        it; cell 0 for a key none holds (it answers 401) or whose lookup
+        failed (503). TooManyFailedAuthentications for a client whose
+        unknown keys have used up its budget."""
         digest = _digest(authorization)
         if digest is None:
             return 0
@@ -141,20 +156,37 @@ class KeyCells:
         if known is not None:
             return known
         now = time.monotonic()
-        if self._failures.spend(client, now) is not None:
+        if self._unknown.get(digest, 0.0) > now:
             return 0
+        retry_after_ms = self._failures.retry_after_ms(client, now)
+        if retry_after_ms is not None:
+            raise TooManyFailedAuthentications(retry_after_ms)
+        running = self._running.get(digest)
+        if running is None:
+            running = self._running[digest] = asyncio.create_task(self._look_up(digest))
+            running.add_done_callback(lambda _t: self._running.pop(digest, None))
+        cell = await asyncio.shield(running)
+        if cell is None:
+            self._failures.spend(client, time.monotonic())
+            return 0
+        return cell
+
+    async def _look_up(self, digest: bytes) -> int | None:
+        """The cell that holds the key, or None: none does (remembered a while)."""
         for cell, lookup in enumerate(self._lookups):
             try:
                 owner = await lookup(digest)
             except StoreUnavailable:
-                return cell
+                return cell  # its service meets the same outage, and says so
             if owner is not None:
-                self._failures.refund(client, time.monotonic())
                 if len(self._cells) >= MAX_KEYS:
                     self._cells.clear()
                 self._cells[digest] = cell
                 return cell
-        return 0
+        if len(self._unknown) >= MAX_KEYS:
+            self._unknown.clear()
+        self._unknown[digest] = time.monotonic() + self._unknown_seconds
+        return None
 
 
 def _digest(authorization: str | None) -> bytes | None:

@@ -91,33 +91,37 @@ def _proxy_lines(settings: Settings) -> list[str]:
     ]
 
 
+def _cells_to_serve(dsn: str, args: argparse.Namespace, settings: Settings) -> list[str] | None:
+    """The cells a service at `dsn` serves (none: a database without cells, or
+    one cell's DSN), or None after saying why it cannot serve them."""
+    from llmquota.store.cells import CellsError, cells_served_at
+
+    try:
+        cells = asyncio.run(cells_served_at(dsn))
+    except CellsError as error:
+        print(f"llmquota serve: {error}", file=sys.stderr)
+        return None
+    refusal = None
+    if cells and args.migrate:
+        refusal = f"`llmquota migrate --cells {len(cells)}` builds and checks them"
+    elif cells and not settings.admin_key:
+        refusal = "set LLMQUOTA_ADMIN_KEY (an admin key stored in the database lives in one cell)"
+    if refusal is not None:
+        print(f"llmquota serve: the database holds {len(cells)} cells: {refusal}", file=sys.stderr)
+        return None
+    return cells
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     """Run the REST API (migrating an embedded database first)."""
     import uvicorn
 
     from llmquota.api.protocols import http_protocol_class
     from llmquota.store import migrate
-    from llmquota.store.cells import CellsError, cells_served_at
 
     with open_database(settings.database_url, settings.data_dir) as db:
-        try:
-            cells = asyncio.run(cells_served_at(db.dsn))
-        except CellsError as error:
-            print(f"llmquota serve: {error}", file=sys.stderr)
-            return 2
-        if cells and args.migrate:
-            print(
-                f"llmquota serve: the database holds {len(cells)} cells: "
-                f"`llmquota migrate --cells {len(cells)}` builds and checks them",
-                file=sys.stderr,
-            )
-            return 2
-        if cells and not settings.admin_key:
-            print(
-                f"llmquota serve: the database holds {len(cells)} cells: set LLMQUOTA_ADMIN_KEY "
-                "(an admin key stored in the database lives in one cell only)",
-                file=sys.stderr,
-            )
+        cells = _cells_to_serve(db.dsn, args, settings)
+        if cells is None:
             return 2
         if (db.embedded or args.migrate) and not cells:
             try:

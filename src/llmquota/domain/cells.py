@@ -24,7 +24,15 @@ from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import Policy
 
-__all__ = ["SPLIT_LIMITS", "ceiling_slice_of", "cell_of", "slice_of", "sliced_bodies", "summed"]
+__all__ = [
+    "SPLIT_LIMITS",
+    "ceiling_slice_of",
+    "cell_of",
+    "slice_of",
+    "sliced_bodies",
+    "summed",
+    "summed_ceilings",
+]
 
 # The limits of a shared policy or ceiling that are split over the cells.
 SPLIT_LIMITS = (
@@ -100,6 +108,8 @@ def sliced_bodies(body: dict[str, object], cells: int) -> list[dict[str, object]
     limits: dict[str, int | None] = {}
     for name in SPLIT_LIMITS:
         value = body.get(name)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 2.0 is the whole number 2 to the API, and so to its split
         if isinstance(value, int) and not isinstance(value, bool):
             limits[name] = value
     return [{**body, **_slices(limits, cell, cells)} for cell in range(1, cells + 1)]
@@ -119,6 +129,19 @@ def summed(answers: list[dict[str, object]]) -> dict[str, object]:
     if "utilization" in whole and isinstance(burst, int) and isinstance(remaining, int) and burst:
         whole["utilization"] = round(1.0 - remaining / burst, 6)
     return whole
+
+
+def summed_ceilings(answers: list[dict[str, object]]) -> dict[str, object]:
+    """The ceilings listing over cells: each of the first cell's ceilings
+    summed with the same-named ceiling of every other cell (while a write is
+    under way a cell may lack one: then the cells that hold it are summed)."""
+    by_name: list[dict[str, dict[str, object]]] = []
+    for answer in answers:
+        items = answer.get("ceilings")
+        named = items if isinstance(items, list) else []
+        by_name.append({str(c.get("ceiling")): c for c in named if isinstance(c, dict)})
+    whole = [summed([cells[name] for cells in by_name if name in cells]) for name in by_name[0]]
+    return {**answers[0], "ceilings": whole}
 
 
 # What a ceiling's answer says of its balances now, also held per cell.

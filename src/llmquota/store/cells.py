@@ -30,7 +30,9 @@ message).
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
@@ -44,6 +46,7 @@ __all__ = [
     "CellsError",
     "build_cells",
     "cell_name",
+    "cell_named_in",
     "cells_in",
     "cells_served_at",
     "deployments_of",
@@ -81,6 +84,13 @@ def in_cell(dsn: str, cell: str) -> str:
     cell connects (asyncpg passes a query parameter it does not know on to the
     server as a setting)."""
     return f"{dsn}{'&' if '?' in dsn else '?'}search_path={_quoted(cell)}"
+
+
+def cell_named_in(dsn: str) -> str | None:
+    """The cell a DSN's search_path names (as `in_cell` writes it), or None."""
+    paths = parse_qs(urlsplit(dsn).query).get("search_path", [])
+    path = paths[-1].strip().strip('"') if paths else ""
+    return path if re.fullmatch(r"cell_[0-9]+", path) else None
 
 
 async def cells_in(dsn: str) -> list[str]:

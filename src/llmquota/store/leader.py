@@ -25,14 +25,6 @@ from llmquota.store.connection import UNAVAILABLE
 # The lock's name; its key is hashtextextended(name, 0), as the other named
 # advisory locks of llmquota (sql/global_layer.sql, sql/ledger.sql) take theirs.
 MAINTENANCE_LOCK_NAME = "llmquota.maintenance"
-# A cell's session (search_path cell_k) takes the lock of its cell, so that
-# each of the cells in one database has a leader of its own; `public` keeps the
-# name's own key, as before cells.
-_TRY_LOCK = (
-    "SELECT pg_try_advisory_lock(hashtextextended("
-    "CASE WHEN current_schema() IS DISTINCT FROM 'public'"
-    " THEN $1::text || ':' || coalesce(current_schema(), '') ELSE $1::text END, 0))"
-)
 CONNECT_TIMEOUT_SECONDS = 5.0
 
 
@@ -68,7 +60,7 @@ class LeaderLock:
         try:
             taken = bool(
                 await connection.fetchval(
-                    _TRY_LOCK,
+                    "SELECT pg_try_advisory_lock(hashtextextended($1::text, 0))",
                     self._name,
                     timeout=CONNECT_TIMEOUT_SECONDS,
                 )
