@@ -65,13 +65,23 @@ async def test_a_statement_held_past_its_deadline_rolls_back(
         tx = locker.transaction()
         await tx.start()
         await locker.execute("SELECT 1 FROM limit_layers WHERE tenant = 'acme' FOR UPDATE")
-        deadline = await admitter.fetchval("SELECT clock_timestamp() + interval '0.3 s'")
+        pid = admitter.get_server_pid()
+        # Time enough to start (prepare, plan, check the deadline) on a loaded machine.
+        deadline = await admitter.fetchval("SELECT clock_timestamp() + interval '2 s'")
         arguments = admit_arguments([request], 1000)
         admit = asyncio.ensure_future(
             admitter.fetch(queries()["admit"], *arguments[:17], deadline, None, *arguments[17:])
         )
-        await asyncio.sleep(0.6)
-        assert not admit.done()  # waiting on the lock, well past its deadline
+        # Until it waits on the lock, and then until the database's clock is past its deadline.
+        waited = time.monotonic() + 30
+        # (read outside the locker's transaction, which would keep one snapshot of it)
+        while not await db.fetchval(
+            "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = $1", pid
+        ) or not await db.fetchval("SELECT clock_timestamp() > $1", deadline):
+            assert not admit.done(), admit
+            assert time.monotonic() < waited, "the admission never waited on the lock"
+            await asyncio.sleep(0.05)
+        assert not admit.done()  # waiting on the lock, past its deadline
         await tx.rollback()
         with pytest.raises(asyncpg.PostgresError, match="ran past its deadline") as raised:
             await admit

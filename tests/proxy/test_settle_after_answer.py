@@ -58,7 +58,7 @@ async def settlement_held(dsn: str, model: str = "gpt-4o") -> AsyncIterator[None
     holder = await asyncpg.connect(dsn)
     active = "FROM reservations WHERE state = 'active' AND model = $1"
     try:
-        for _ in range(200):
+        for _ in range(1_000):  # 10 s: the provider thinks for 2
             if await holder.fetchval(f"SELECT count(*) {active}", model):
                 break
             await asyncio.sleep(0.01)
@@ -75,8 +75,9 @@ async def test_the_answer_goes_first_and_the_tenants_next_request_behind_its_set
     fake: tuple[FakeProvider, str], *, database_dsn: str, db: asyncpg.Connection
 ) -> None:
     provider = fake[0]
-    # Time to lock the reservation while the provider thinks (then it answers).
-    provider.scenario, provider.hang_seconds = "hang", 0.5
+    # Time to lock the reservation while the provider thinks (then it answers),
+    # on a loaded machine too.
+    provider.scenario, provider.hang_seconds = "hang", 2.0
     async with stack_for(fake, database_dsn, ONE_AT_A_TIME) as stack:
         assert (await stack.admin.put("/v1/tenants/beta/policy", json=ONE_AT_A_TIME)).is_success
         beta_key = (await stack.admin.post("/v1/tenants/beta/keys")).json()["key"]
@@ -111,7 +112,7 @@ async def test_a_paraphrase_sent_at_once_is_still_served_from_the_semantic_cache
 ) -> None:
     provider = fake[0]
     provider.semantic_embeddings = True
-    provider.scenario, provider.hang_seconds = "hang", 0.5
+    provider.scenario, provider.hang_seconds = "hang", 2.0
     async with stack_for(fake, database_dsn, {**ONE_AT_A_TIME, "cache": SEMANTIC}) as stack:
         client = stack.openai()
 
@@ -151,7 +152,7 @@ async def test_a_worker_told_to_stop_settles_what_it_answered_before_it_exits(
     fake: tuple[FakeProvider, str], *, database_dsn: str, db: asyncpg.Connection
 ) -> None:
     provider, fake_url = fake
-    provider.scenario, provider.hang_seconds = "hang", 0.5
+    provider.scenario, provider.hang_seconds = "hang", 2.0
     async with server_process(database_dsn, fake_url) as (process, url):
         async with httpx.AsyncClient(base_url=url, headers=ADMIN) as admin:
             assert (await admin.put("/v1/tenants/acme/policy", json=GENEROUS)).is_success
