@@ -334,8 +334,33 @@ async def test_concurrent_admits_over_both_cells_never_pass_the_global_burst(
     assert 20_000 <= float(room) + int(active) <= 20_000 + 5, (room, active)
 
 
+async def test_the_tenant_directory_pages_through_every_cells_tenants_once(
+    client: httpx.AsyncClient,
+) -> None:
+    tenants = IN_CELL[1][:4] + IN_CELL[2][:3]
+    await put_tenants(client, tenants)
+    seen: list[str] = []
+    params: dict[str, str | int] = {"limit": 3}
+    for _ in range(10):
+        page = await client.get("/v1/tenants", params=params, headers=ADMIN)
+        assert page.status_code == 200, page.text
+        assert len(page.json()["tenants"]) <= 3
+        seen += [t["tenant"] for t in page.json()["tenants"]]
+        if page.json()["next_cursor"] is None:
+            break
+        params["cursor"] = page.json()["next_cursor"]
+    assert sorted(seen) == sorted(tenants) and len(seen) == len(tenants)
+    bad = await client.get("/v1/tenants", params={"cursor": "cells.e30"}, headers=ADMIN)
+    assert bad.status_code == 422, bad.text
+    too_many = await client.get("/v1/tenants", params={"limit": 5_000}, headers=ADMIN)
+    assert too_many.status_code == 422, too_many.text
+    key = (await client.post(f"/v1/tenants/{ONE}/keys", headers=ADMIN)).json()["key"]
+    tenant = await client.get("/v1/tenants", headers={"Authorization": f"Bearer {key}"})
+    assert tenant.status_code in (401, 403), tenant.text  # the admin's listing
+
+
 async def test_what_no_cell_answers_alone_is_refused_with_501(client: httpx.AsyncClient) -> None:
-    listing = await client.get("/v1/tenants", headers=ADMIN)
+    listing = await client.get("/v1/ceilings/openai/oversubscription", headers=ADMIN)
     assert listing.status_code == 501
     assert listing.json()["error"]["type"] == "not_served_over_cells"
     assert (await client.get("/metrics")).status_code == 501

@@ -3,9 +3,13 @@ write is split and its reads added up (api/cells_routing.py, domain/cells.py).""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import Route, authorization_of, route_of
+from llmquota.api.routes.tenant_directory import encode_cursor
 from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings
 from llmquota.domain.errors import InvalidRequest
 from llmquota.store.cells import cell_named_in, in_cell
@@ -33,7 +37,7 @@ from llmquota.store.cells import cell_named_in, in_cell
         ("GET", "/openapi.json", Route("first")),
         ("GET", "/healthz", Route("health")),
         ("GET", "/metrics", Route("metrics")),
-        ("GET", "/v1/tenants", Route("unserved")),
+        ("GET", "/v1/tenants", Route("listing")),
         ("GET", "/v1/ceilings", Route("summed")),
         ("GET", "/v1/ceilings/openai/oversubscription", Route("unserved")),
         ("POST", "/v1/admin/keys", Route("unserved")),
@@ -113,3 +117,34 @@ def test_the_cell_a_dsn_names_is_read_from_its_search_path() -> None:
     assert cell_named_in(in_cell("postgresql://u@h/db?sslmode=off", "cell_12")) == "cell_12"
     assert cell_named_in("postgresql://u@h/db") is None
     assert cell_named_in("postgresql://u@h/db?search_path=app") is None
+
+
+def _page(names: list[str], more: bool) -> dict[str, object]:
+    return {"tenants": [{"tenant": n} for n in names], "next_cursor": "x" if more else None}
+
+
+def test_the_tenant_directory_over_cells_pages_through_every_tenant_once() -> None:
+    """Three cells' tenants, pages of 2: each turn takes the smallest head, so
+    each cell's part of a page is a prefix of its own page, and the cursor
+    says where each cell stands."""
+    cells = [["a", "d", "g"], ["b", "c"], ["e"]]
+    places = places_of(None, 3)
+    seen: list[str] = []
+    for _ in range(10):
+        pages: list[dict[str, Any] | None] = []
+        for names, place in zip(cells, places, strict=True):
+            if place is False:
+                pages.append(None)
+                continue
+            rest = [n for n in names if place is None or n > str(place)]
+            pages.append(_page(rest[:2], len(rest) > 2))
+        merged = merged_page(places, pages, 2)
+        seen += [t["tenant"] for t in merged["tenants"]]
+        if merged["next_cursor"] is None:
+            break
+        places = places_of(merged["next_cursor"], 3)
+    assert seen == ["a", "b", "c", "d", "e", "g"]
+    # A cursor of one database is each cell's place; anything else is refused.
+    assert places_of(encode_cursor("m"), 2) == ["m", "m"]
+    with pytest.raises(InvalidRequest, match="cursor"):
+        places_of("cells.bm90IGpzb24", 2)

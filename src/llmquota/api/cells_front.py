@@ -24,6 +24,7 @@ import json
 import logging
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode
 
 from fastapi import FastAPI
 from starlette.types import Message, Receive, Scope, Send
@@ -43,9 +44,11 @@ from llmquota.api.cells_answers import (
     send_throttled,
     tenant_in,
 )
+from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, authorization_of, route_of
 from llmquota.api.errors import send_error
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
+from llmquota.api.routes.tenant_directory import DEFAULT_PAGE, MAX_PAGE, encode_cursor
 from llmquota.config import Settings
 from llmquota.domain.cells import cell_of, sliced_bodies
 from llmquota.domain.errors import InvalidRequest
@@ -190,6 +193,8 @@ class CellsFront:
             await self._write_split(scope, receive, send)
         elif kind == "every":
             await self._write_every(scope, receive, send)
+        elif kind == "listing":
+            await self._list_tenants(scope, receive, send)
         elif kind == "summed":
             await self._read_summed(scope, receive, send)
         elif kind == "health":
@@ -304,6 +309,43 @@ class CellsFront:
                 answers.append(answer)
                 done = done or (answer if answer.ok else None)
         await (done or answers[0]).send(send, etag=False)
+
+    async def _list_tenants(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/tenants over cells: each cell's page after its place, merged
+        (cells_listing.py). A limit a cell would refuse goes to cell 1 to say so."""
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+        given = dict(query)
+        try:
+            limit = int(given.get("limit", DEFAULT_PAGE))
+            places = places_of(given.get("cursor"), len(self.cells))
+        except ValueError:
+            limit, places = 0, []
+        except InvalidRequest as exc:
+            await send_error(send, 422, "invalid_request_error", message=str(exc))
+            return
+        if not 1 <= limit <= MAX_PAGE:
+            await self._pass(0, scope, receive, send)
+            return
+        kept = [(k, v) for k, v in query if k not in ("cursor", "limit")]
+        pages: list[dict[str, Any] | None] = []
+        first: Answer | None = None
+        for index, place in enumerate(places):
+            if place is False:
+                pages.append(None)
+                continue
+            mine = [*kept, ("limit", str(limit))]
+            if isinstance(place, str):
+                mine.append(("cursor", encode_cursor(place)))
+            asked = dict(scope, query_string=urlencode(mine).encode())
+            answer = await self._call(index, asked, b"", receive)
+            if not answer.ok:
+                await answer.send(send)
+                return
+            first = first or answer
+            pages.append(json_object(answer.body))
+        page = json.dumps(merged_page(places, pages, limit), separators=(",", ":"))
+        assert first is not None  # a cell that is done has answered an earlier page
+        await first.send(send, page.encode())
 
     async def _read_summed(self, scope: Scope, receive: Receive, send: Send) -> None:
         answers = []

@@ -9,9 +9,11 @@ or heartbeat goes to its key's cell; with the admin key it goes to each cell
 in turn until one knows the id (docs/scaling.md says what that costs).
 
 A limit no tenant owns is written to every cell: the global policy and the
-provider ceilings as K slices (cells_shared.py), plans and webhooks whole.
-What has no single cell to answer it yet (listings over every tenant, the
-console, stored admin keys) is refused with 501 and says so.
+provider ceilings as K slices (domain/cells.py, `sliced_bodies`), plans
+and webhooks whole; reads of them add the slices up. The tenant directory
+is every cell's pages merged (cells_listing.py). What has no single cell to
+answer it yet (a ceiling's oversubscription, the console, stored admin
+keys) is refused with 501 and says so.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ Kind = Literal[
     "key",  # the key's tenant (the proxy: the admin key cannot call providers)
     "reservation",  # the key's cell, or with the admin key each cell in turn
     "split",  # a shared limit's write: each cell its slice
+    "listing",  # the tenant directory: every cell's page, merged
     "summed",  # a shared limit's read: the slices added up
     "every",  # a write of what every cell holds whole (plans, webhooks)
     "first",  # what every cell answers alike (plans, webhooks, the OpenAPI document)
@@ -63,9 +66,19 @@ _TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)(?:/|$)")
 _RESERVATION_PATH = re.compile(r"^/v1/reservations/[^/]+/(?:settle|release|heartbeat)$")
 _SHARED_LIMIT_PATH = re.compile(r"^/v1/(?:policies/global|ceilings/[^/]+)$")
 _WHOLE_EVERYWHERE_PATH = re.compile(r"^/v1/(?:plans|webhooks)(?:/[^/]+)?$")
-_CALLER_PATHS = frozenset({"/v1/admit", "/v1/tokens/count"})
-_DOCUMENT_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _READS = frozenset({"GET", "HEAD"})
+
+
+# Paths answered by one rule whatever they name; reads of listings over cells.
+_FIXED: dict[str, Kind] = {
+    **dict.fromkeys(PROXY_PATHS, "key"),
+    "/v1/admit": "caller",
+    "/v1/tokens/count": "caller",
+    **dict.fromkeys(("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"), "first"),
+    "/healthz": "health",
+    "/metrics": "metrics",
+}
+_LISTINGS: dict[str, Kind] = {"/v1/tenants": "listing", "/v1/ceilings": "summed"}
 
 
 def route_of(method: str, path: str) -> Route:
@@ -73,26 +86,19 @@ def route_of(method: str, path: str) -> Route:
     tenant = _TENANT_PATH.match(path)
     if tenant is not None:
         return Route("tenant", tenant.group(1))
-    if path in _CALLER_PATHS:
-        return Route("caller")
-    if path.rstrip("/") in PROXY_PATHS:
-        return Route("key")
+    fixed = _FIXED.get(path.rstrip("/") if path != "/" else path)
+    if fixed is not None:
+        return Route(fixed)
+    if method in _READS and path in _LISTINGS:
+        return Route(_LISTINGS[path])
     if _RESERVATION_PATH.match(path):
         return Route("reservation")
     if _SHARED_LIMIT_PATH.match(path):
         if method in _READS:
             return Route("summed")
         return Route("split" if method in ("PUT", "PATCH") else "every")
-    if path == "/v1/ceilings" and method in _READS:
-        return Route("summed")
     if _WHOLE_EVERYWHERE_PATH.match(path):
         return Route("first" if method in _READS else "every")
-    if path in _DOCUMENT_PATHS:
-        return Route("first")
-    if path == "/healthz":
-        return Route("health")
-    if path == "/metrics":
-        return Route("metrics")
     return Route("unserved")
 
 
