@@ -363,6 +363,14 @@ async def test_what_no_cell_answers_alone_is_refused_with_501(client: httpx.Asyn
     listing = await client.get("/v1/ceilings/openai/oversubscription", headers=ADMIN)
     assert listing.status_code == 501
     assert listing.json()["error"]["type"] == "not_served_over_cells"
+    # The front's own answers carry the request's id, as every answer does.
+    assert listing.json()["request_id"] == listing.headers["x-request-id"]
+    mine = await client.get("/v1/admin/keys", headers={**ADMIN, "x-request-id": "req-mine-1"})
+    assert mine.headers["x-request-id"] == "req-mine-1" == mine.json()["request_id"]
+    # One id for the front and the cell that answered.
+    healthy = await client.get("/v1/plans", headers={**ADMIN, "x-request-id": "req-mine-2"})
+    assert healthy.status_code == 200
+    assert healthy.headers.get_list("x-request-id") == ["req-mine-2"]
     assert (await client.get("/metrics")).status_code == 501
     one = await client.get("/metrics", params={"cell": "cell_2"})
     assert one.status_code == 200 and "llmquota_" in one.text

@@ -48,6 +48,7 @@ from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, authorization_of, route_of
 from llmquota.api.errors import send_error
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
+from llmquota.api.requestids import HEADER, RequestIds, incoming_request_id, new_request_id
 from llmquota.api.routes.tenant_directory import DEFAULT_PAGE, MAX_PAGE, encode_cursor
 from llmquota.config import Settings
 from llmquota.domain.cells import cell_of, sliced_bodies
@@ -83,6 +84,8 @@ class CellsFront:
         # One shared write at a time in this process, so that two do not
         # interleave cell by cell (docs/scaling.md: across processes they may).
         self._shared_writes = asyncio.Lock()
+        # The front's own answers carry the request's id too, as a cell's do.
+        self._with_ids = RequestIds(self._answer)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -173,6 +176,13 @@ class CellsFront:
 
     # -- requests ------------------------------------------------------------
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request, with one id for the front and every cell it reaches
+        (theirs is the one it came with, or one made here)."""
+        if incoming_request_id(scope) is None:
+            scope = dict(scope, headers=[*scope["headers"], (HEADER, new_request_id().encode())])
+        await self._with_ids(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._route(scope, receive, send)
         except BodyRefused as refused:
