@@ -352,8 +352,11 @@ async def test_the_tenant_directory_pages_through_every_cells_tenants_once(
     assert sorted(seen) == sorted(tenants) and len(seen) == len(tenants)
     bad = await client.get("/v1/tenants", params={"cursor": "cells.e30"}, headers=ADMIN)
     assert bad.status_code == 422, bad.text
-    too_many = await client.get("/v1/tenants", params={"limit": 5_000}, headers=ADMIN)
-    assert too_many.status_code == 422, too_many.text
+    for limit in ("5000", "abc", ""):
+        wrong = await client.get("/v1/tenants", params={"limit": limit}, headers=ADMIN)
+        assert wrong.status_code == 422, (limit, wrong.text)
+    blank_plan = await client.get("/v1/tenants", params={"plan": ""}, headers=ADMIN)
+    assert blank_plan.status_code == 422, blank_plan.text  # as one database answers it
     key = (await client.post(f"/v1/tenants/{ONE}/keys", headers=ADMIN)).json()["key"]
     tenant = await client.get("/v1/tenants", headers={"Authorization": f"Bearer {key}"})
     assert tenant.status_code in (401, 403), tenant.text  # the admin's listing
@@ -371,6 +374,12 @@ async def test_what_no_cell_answers_alone_is_refused_with_501(client: httpx.Asyn
     healthy = await client.get("/v1/plans", headers={**ADMIN, "x-request-id": "req-mine-2"})
     assert healthy.status_code == 200
     assert healthy.headers.get_list("x-request-id") == ["req-mine-2"]
+    # An id not fit to keep is replaced, by one id for the front and its cell.
+    replaced = await client.get(
+        "/v1/tenants/nobody/status", headers={**ADMIN, "x-request-id": "a b"}
+    )
+    (made,) = replaced.headers.get_list("x-request-id")
+    assert made.startswith("req_") and replaced.json()["request_id"] == made
     assert (await client.get("/metrics")).status_code == 501
     one = await client.get("/metrics", params={"cell": "cell_2"})
     assert one.status_code == 200 and "llmquota_" in one.text

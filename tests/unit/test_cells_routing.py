@@ -3,15 +3,20 @@ write is split and its reads added up (api/cells_routing.py, domain/cells.py).""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from typing import Any
 
 import pytest
 
+from llmquota.api.auth import KeyLookup, TooManyFailedAuthentications
 from llmquota.api.cells_listing import merged_page, places_of
-from llmquota.api.cells_routing import Route, authorization_of, route_of
+from llmquota.api.cells_routing import KeyCells, Route, authorization_of, route_of
 from llmquota.api.routes.tenant_directory import encode_cursor
+from llmquota.config import Settings
 from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings
-from llmquota.domain.errors import InvalidRequest
+from llmquota.domain.errors import InvalidRequest, StoreUnavailable
+from llmquota.domain.keys import KeyOwner, key_digest
 from llmquota.store.cells import cell_named_in, in_cell
 
 
@@ -146,5 +151,47 @@ def test_the_tenant_directory_over_cells_pages_through_every_tenant_once() -> No
     assert seen == ["a", "b", "c", "d", "e", "g"]
     # A cursor of one database is each cell's place; anything else is refused.
     assert places_of(encode_cursor("m"), 2) == ["m", "m"]
-    with pytest.raises(InvalidRequest, match="cursor"):
-        places_of("cells.bm90IGpzb24", 2)
+    hostile = [
+        "cells.bm90IGpzb24",  # not JSON
+        "cells." + base64.urlsafe_b64encode(b"[false,false]").decode(),  # a finished listing
+        "cells." + base64.urlsafe_b64encode(b"[" * 5_000).decode(),  # nested past recursion
+        "cells." + "A" * 20_000,  # too long to be one of ours
+        "cells." + base64.urlsafe_b64encode(b'["a b",null]').decode(),  # not a name
+    ]
+    for cursor in hostile:
+        with pytest.raises(InvalidRequest, match="cursor"):
+            places_of(cursor, 2)
+
+
+async def test_a_key_is_looked_up_once_and_a_cell_that_fails_is_passed_over() -> None:
+    """Cell 1 is down; the key lives in cell 2: found there, once for three
+    requests at once, and the client's failed-authentication budget is paid back."""
+    asked: list[int] = []
+
+    def lookup(cell: int, holds: bool, down: bool = False) -> KeyLookup:
+        async def find(digest: bytes) -> KeyOwner | None:
+            asked.append(cell)
+            await asyncio.sleep(0.01)
+            if down:
+                raise StoreUnavailable(f"cell {cell + 1} is down")
+            return KeyOwner(key_id=1, tenant="acme") if holds and digest == held else None
+
+        return find
+
+    held = key_digest("lq_k")
+    settings = Settings(auth_failure_burst=1, _env_file=None)  # type: ignore[call-arg]
+    keys = KeyCells([lookup(0, False, down=True), lookup(1, True), lookup(2, False)], settings)
+    cells = await asyncio.gather(*(keys.cell_of("Bearer lq_k", "10.0.0.1") for _ in range(3)))
+    assert cells == [1, 1, 1] and asked == [0, 1]
+    assert await keys.cell_of("Bearer lq_k", "10.0.0.1") == 1 and asked == [0, 1]
+    # A key none holds while a cell is down: that cell's service answers (503).
+    assert await keys.cell_of("Bearer lq_unknown", "10.0.0.2") == 0
+    # With every cell up: a key none holds costs the client its one failure,
+    # and the next wrong key is refused here, before any lookup.
+    keys = KeyCells([lookup(0, False), lookup(1, True), lookup(2, False)], settings)
+    asked.clear()
+    assert await keys.cell_of("Bearer lq_unknown", "10.0.0.1") == 0 and asked == [0, 1, 2]
+    with pytest.raises(TooManyFailedAuthentications):
+        await keys.cell_of("Bearer lq_other", "10.0.0.1")
+    assert asked == [0, 1, 2]
+    assert await keys.cell_of("Bearer lq_k", "10.0.0.3") == 1  # another client is not held

@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator
 from llmquota.admin.maintenance import MaintenanceLeader
 from llmquota.admin.sweeper import Sweeper
 from llmquota.config import Settings
+from llmquota.domain.errors import StoreUnavailable
 from llmquota.metrics import Metrics
-from llmquota.store.cells import cell_named_in
+from llmquota.store.cells import cell_served_at
 from llmquota.store.leader import MAINTENANCE_LOCK_NAME, LeaderLock
 from llmquota.store.store import Store
 
@@ -40,7 +41,12 @@ async def maintenance_running(
         return
     # The cells of one database share its advisory locks: each cell's
     # services lead their own cell (a deployment without cells: the one lock).
-    cell = cell_named_in(dsn)
+    try:
+        cell = await cell_served_at(dsn)
+    except StoreUnavailable:
+        # Named by the DSN when it can be; a role's search_path needs the server.
+        log.warning("maintenance: could not ask which cell this service serves; leading as one")
+        cell = None
     name = MAINTENANCE_LOCK_NAME if cell is None else f"{MAINTENANCE_LOCK_NAME}:{cell}"
     leader = MaintenanceLeader(
         LeaderLock(target, name),

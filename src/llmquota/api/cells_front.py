@@ -23,10 +23,11 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode
 
 from fastapi import FastAPI
+from pydantic import Field, TypeAdapter, ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
 from llmquota.admission.heap import settle_after_startup
@@ -61,6 +62,8 @@ __all__ = ["CellsFront", "create_front_from_env"]
 log = logging.getLogger(__name__)
 
 REBALANCE_SECONDS = 1.0
+# The directory's `limit`, read as its route reads it (routes/tenant_directory.py).
+_PAGE_LIMIT = TypeAdapter(Annotated[int, Field(ge=1, le=MAX_PAGE)])
 
 
 @dataclass
@@ -178,8 +181,9 @@ class CellsFront:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The request, with one id for the front and every cell it reaches
         (theirs is the one it came with, or one made here)."""
-        if incoming_request_id(scope) is None:
-            scope = dict(scope, headers=[*scope["headers"], (HEADER, new_request_id().encode())])
+        if incoming_request_id(scope) is None:  # none, or one not fit to keep: ours instead
+            headers = [(k, v) for k, v in scope["headers"] if k != HEADER]
+            scope = dict(scope, headers=[*headers, (HEADER, new_request_id().encode())])
         await self._with_ids(scope, receive, send)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -267,6 +271,7 @@ class CellsFront:
         that fails (5xx) is passed over; its failure is the answer only if
         no cell holds the reservation."""
         failed: Answer | None = None
+        answer = Answer()
         for index in range(len(self.cells)):
             answer = await self._call(index, scope, content, receive)
             if answer.status >= 500:
@@ -274,8 +279,7 @@ class CellsFront:
             elif answer.status != 404:
                 await answer.send(send)
                 return
-            elif index == len(self.cells) - 1:
-                await (failed or answer).send(send)
+        await (failed or answer).send(send)
 
     async def _write_split(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A shared limit's write: each cell its slice, smallest first."""
@@ -323,18 +327,17 @@ class CellsFront:
     async def _list_tenants(self, scope: Scope, receive: Receive, send: Send) -> None:
         """GET /v1/tenants over cells: each cell's page after its place, merged
         (cells_listing.py). A limit a cell would refuse goes to cell 1 to say so."""
-        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"))
+        query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         given = dict(query)
         try:
-            limit = int(given.get("limit", DEFAULT_PAGE))
+            limit = _PAGE_LIMIT.validate_python(given.get("limit", DEFAULT_PAGE))
             places = places_of(given.get("cursor"), len(self.cells))
-        except ValueError:
-            limit, places = 0, []
+        except ValidationError:
+            message = f"limit: a whole number from 1 to {MAX_PAGE}"
+            await send_error(send, 422, "invalid_request_error", message=message)
+            return
         except InvalidRequest as exc:
             await send_error(send, 422, "invalid_request_error", message=str(exc))
-            return
-        if not 1 <= limit <= MAX_PAGE:
-            await self._pass(0, scope, receive, send)
             return
         kept = [(k, v) for k, v in query if k not in ("cursor", "limit")]
         pages: list[dict[str, Any] | None] = []

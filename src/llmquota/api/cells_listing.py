@@ -29,6 +29,8 @@ __all__ = ["Place", "merged_page", "places_of"]
 Place = str | None | bool
 
 _PREFIX = "cells."
+# A cursor names a place per cell: 64 cells of 128-character names, encoded.
+MAX_CURSOR_CHARS = 16_384
 
 
 def places_of(cursor: str | None, cells: int) -> list[Place]:
@@ -37,15 +39,18 @@ def places_of(cursor: str | None, cells: int) -> list[Place]:
         return [None] * cells
     if not cursor.startswith(_PREFIX):
         return [decode_cursor(cursor)] * cells
-    try:
-        raw = cursor[len(_PREFIX) :]
-        places = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        places = None
+    places: object = None
+    raw = cursor[len(_PREFIX) :]
+    if len(raw) <= MAX_CURSOR_CHARS:
+        try:
+            places = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+        except (binascii.Error, UnicodeDecodeError, ValueError, RecursionError):
+            places = None
     if (
         not isinstance(places, list)
         or len(places) != cells
         or not all(p is None or p is False or (isinstance(p, str) and is_name(p)) for p in places)
+        or all(p is False for p in places)  # a listing that is done has no cursor
     ):
         raise InvalidRequest("cursor: not a cursor this API returned")
     return places

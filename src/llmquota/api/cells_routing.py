@@ -126,10 +126,10 @@ class KeyCells:
 
     A digest is looked up in each cell once, however many requests carry it
     at once. A digest no cell holds is remembered as such for the key cache's
-    negative window, and each such miss is a failed authentication of its
-    client: a client out of that budget is refused here, before any lookup
-    (a budget spent only on misses: a gateway's burst of first requests with
-    a valid key is never refused for it)."""
+    negative window. Each lookup is paid for from its client's
+    failed-authentication budget first and paid back when a cell holds the
+    key (as Authenticator does): a client out of that budget is refused
+    here, before any lookup, and a flood of wrong keys cannot overdraw it."""
 
     def __init__(self, lookups: Sequence[KeyLookup], settings: Settings) -> None:
         self._lookups = lookups
@@ -137,7 +137,7 @@ class KeyCells:
         self._cells: dict[bytes, int] = {}
         self._unknown: dict[bytes, float] = {}  # digest -> until when no cell holds it
         self._unknown_seconds = settings.key_negative_cache_seconds
-        self._running: dict[bytes, asyncio.Task[int | None]] = {}
+        self._running: dict[bytes, asyncio.Task[tuple[int, bool]]] = {}
         self._failures = FailureBudget(
             settings.auth_failures_per_second, settings.auth_failure_burst
         )
@@ -164,35 +164,43 @@ class KeyCells:
         now = time.monotonic()
         if self._unknown.get(digest, 0.0) > now:
             return 0
-        retry_after_ms = self._failures.retry_after_ms(client, now)
-        if retry_after_ms is not None:
-            raise TooManyFailedAuthentications(retry_after_ms)
         running = self._running.get(digest)
+        pays = running is None  # a request joining a lookup under way costs none
         if running is None:
+            # Paid before the lookup, paid back if a cell holds the key: many
+            # wrong keys at once cannot overdraw the budget.
+            retry_after_ms = self._failures.spend(client, now)
+            if retry_after_ms is not None:
+                raise TooManyFailedAuthentications(retry_after_ms)
             running = self._running[digest] = asyncio.create_task(self._look_up(digest))
             running.add_done_callback(lambda _t: self._running.pop(digest, None))
-        cell = await asyncio.shield(running)
-        if cell is None:
-            self._failures.spend(client, time.monotonic())
-            return 0
+        cell, found = await asyncio.shield(running)
+        if found and pays:
+            self._failures.refund(client, time.monotonic())
         return cell
 
-    async def _look_up(self, digest: bytes) -> int | None:
-        """The cell that holds the key, or None: none does (remembered a while)."""
+    async def _look_up(self, digest: bytes) -> tuple[int, bool]:
+        """(the cell that answers the key, whether it holds it). None holds it:
+        cell 0, remembered a while; unless a cell did not answer: that cell,
+        whose service meets the same outage and says so (503)."""
+        failed: int | None = None
         for cell, lookup in enumerate(self._lookups):
             try:
                 owner = await lookup(digest)
             except StoreUnavailable:
-                return cell  # its service meets the same outage, and says so
+                failed = cell if failed is None else failed
+                continue
             if owner is not None:
                 if len(self._cells) >= MAX_KEYS:
                     self._cells.clear()
                 self._cells[digest] = cell
-                return cell
+                return cell, True
+        if failed is not None:
+            return failed, False
         if len(self._unknown) >= MAX_KEYS:
             self._unknown.clear()
         self._unknown[digest] = time.monotonic() + self._unknown_seconds
-        return None
+        return 0, False
 
 
 def _digest(authorization: str | None) -> bytes | None:

@@ -47,6 +47,7 @@ __all__ = [
     "build_cells",
     "cell_name",
     "cell_named_in",
+    "cell_served_at",
     "cells_in",
     "cells_served_at",
     "deployments_of",
@@ -91,6 +92,22 @@ def cell_named_in(dsn: str) -> str | None:
     paths = parse_qs(urlsplit(dsn).query).get("search_path", [])
     path = paths[-1].strip().strip('"') if paths else ""
     return path if re.fullmatch(r"cell_[0-9]+", path) else None
+
+
+async def cell_served_at(dsn: str) -> str | None:
+    """The cell a service at `dsn` works in: the one its search_path names,
+    else its session's schema when that is a cell (a search_path set in
+    `options` or on the role), else None."""
+    named = cell_named_in(dsn)
+    if named is not None:
+        return named
+    with translate_errors():
+        connection = await asyncpg.connect(dsn, statement_cache_size=0)
+        try:
+            schema = await connection.fetchval("SELECT current_schema()")
+        finally:
+            await connection.close()
+    return schema if isinstance(schema, str) and re.fullmatch(r"cell_[0-9]+", schema) else None
 
 
 async def cells_in(dsn: str) -> list[str]:
