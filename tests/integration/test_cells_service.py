@@ -437,8 +437,10 @@ async def test_each_cell_has_a_maintenance_leader_of_its_own(cells_dsn: str) -> 
     metrics = Metrics()
     async with contextlib.AsyncExitStack() as stack:
         leaders = []
-        for k in (1, 2):
-            limiter = await Limiter.connect(in_cell(dsn, f"cell_{k}"), settings)
+        # Cell 2's service has its search_path in `options`: its session says its cell.
+        options = f"{dsn}{'&' if '?' in dsn else '?'}options=-csearch_path%3Dcell_2"
+        for cell_dsn in (in_cell(dsn, "cell_1"), options):
+            limiter = await Limiter.connect(cell_dsn, settings)
             stack.push_async_callback(limiter.close)
             running = maintenance_running(limiter.store, settings, metrics, limiter.store.dsn)
             leaders.append(await stack.enter_async_context(running))
