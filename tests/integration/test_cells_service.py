@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 import asyncpg
 import httpx
 import pytest
-import uvicorn
 
 from llmquota.admin.running import maintenance_running
 from llmquota.admission.limiter import Limiter
@@ -33,12 +32,13 @@ from llmquota.domain.cells import cell_of
 from llmquota.metrics import Metrics
 from llmquota.store.cells import build_cells, in_cell
 from llmquota.store.leader import LeaderLock
+from tests.api.conftest import ADMIN_KEY, api_settings
 from tests.ports import reserved_port
+from tests.proxy.conftest import serving
 from tests.support import APP_ROLE, dsn_as, run_cli
 
 pytestmark = pytest.mark.citus
 
-ADMIN_KEY = "lq_test_admin_key_cells_0123456789"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 CELLS = 2
 TENANTS = [f"tenant-{i:02d}" for i in range(40)]
@@ -47,36 +47,10 @@ ONE, TWO = IN_CELL[1][0], IN_CELL[2][0]
 REQUEST = {"model": "gpt-4o", "input_tokens": 100, "max_tokens": 900}  # 1,000 tokens
 
 
-def front_settings(**extra: object) -> Settings:
-    return Settings(  # type: ignore[call-arg]
-        admin_key=ADMIN_KEY,
-        pool_min_size=1,
-        pool_max_size=4,
-        decision_deadline_ms=60_000,
-        ceiling_alerts=False,
-        serve_sweeper=True,  # tests/conftest.py turns it off for the other tests
-        sweep_interval_seconds=0.5,
-        _env_file=None,
-        **extra,
-    )
-
-
-@contextlib.asynccontextmanager
-async def serving(front: CellsFront) -> AsyncIterator[httpx.AsyncClient]:
-    """The front in a real uvicorn server on a loopback port; a client of it."""
-    config = uvicorn.Config(front, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        assert not task.done(), "uvicorn did not start"
-        await asyncio.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
-            yield client
-    finally:
-        server.should_exit = True
-        await task
+def front_settings() -> Settings:
+    """The API tests' settings, with each cell's sweeper on (tests/conftest.py
+    turns it off for the other tests) and quick."""
+    return api_settings(serve_sweeper=True, sweep_interval_seconds=0.5)
 
 
 @pytest.fixture
@@ -87,7 +61,8 @@ async def cells_dsn(empty_database_dsn: str) -> str:
 
 @pytest.fixture
 async def client(cells_dsn: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with serving(CellsFront(front_settings(), dsn_as(cells_dsn, APP_ROLE))) as c:
+    front = CellsFront(front_settings(), dsn_as(cells_dsn, APP_ROLE))
+    async with serving(front) as url, httpx.AsyncClient(base_url=url, timeout=60) as c:
         yield c
 
 
