@@ -122,7 +122,7 @@ MAX_KEYS = 100_000
 
 class KeyCells:
     """Which cell holds each key this process has seen (a key never moves: its
-    tenant's cell is fixed), and whether a key is the admin's.
+    tenant's cell is fixed), or that a key is the admin's.
 
     A digest is looked up in each cell once, however many requests carry it
     at once. A digest no cell holds is remembered as such for the key cache's
@@ -142,22 +142,17 @@ class KeyCells:
             settings.auth_failures_per_second, settings.auth_failure_burst
         )
 
-    def is_admin(self, authorization: str | None) -> bool:
-        digest = _digest(authorization)
-        return (
-            digest is not None
-            and self._admin is not None
-            and hmac.compare_digest(digest, self._admin)
-        )
-
-    async def cell_of(self, authorization: str | None, client: str) -> int:
+    async def cell_of(self, authorization: str | None, client: str) -> int | None:
         """The cell (0-based) whose service answers this key: the one that holds
         it; cell 0 for a key none holds (it answers 401) or whose lookup
-        failed (503). TooManyFailedAuthentications for a client whose
+        failed (503); None for the admin key (any cell knows it: the request
+        says where it goes). TooManyFailedAuthentications for a client whose
         unknown keys have used up its budget."""
         digest = _digest(authorization)
         if digest is None:
             return 0
+        if self._admin is not None and hmac.compare_digest(digest, self._admin):
+            return None
         known = self._cells.get(digest)
         if known is not None:
             return known

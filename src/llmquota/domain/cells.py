@@ -73,13 +73,7 @@ def _slices(limits: dict[str, int | None], cell: int, cells: int) -> dict[str, i
 def slice_of(policy: Policy, cell: int, cells: int) -> Policy:
     """Cell `cell`'s slice (1-based) of a shared `policy` split over `cells`."""
     p = policy.resolved()
-    limits = {
-        "tokens_per_minute": p.tokens_per_minute,
-        "token_burst": p.token_burst,
-        "requests_per_minute": p.requests_per_minute,
-        "request_burst": p.request_burst,
-        "max_in_flight": p.max_in_flight,
-    }
+    limits = {name: getattr(p, name) for name in SPLIT_LIMITS}
     return p.model_copy(update=_slices(limits, cell, cells))
 
 

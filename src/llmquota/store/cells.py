@@ -60,6 +60,8 @@ MAX_CELLS = 64
 # Held for the whole build, so that two `migrate --cells` queue: a cell is
 # migrated in `public` and renamed, and two builds must not share `public`.
 CELLS_LOCK = "llmquota.cells"
+# What a cell's schema is called: cell_<number> (cell_name).
+_CELL_NAME = re.compile(r"cell_[0-9]+")
 
 
 class CellsError(Exception):
@@ -91,7 +93,7 @@ def cell_named_in(dsn: str) -> str | None:
     """The cell a DSN's search_path names (as `in_cell` writes it), or None."""
     paths = parse_qs(urlsplit(dsn).query).get("search_path", [])
     path = paths[-1].strip().strip('"') if paths else ""
-    return path if re.fullmatch(r"cell_[0-9]+", path) else None
+    return path if _CELL_NAME.fullmatch(path) else None
 
 
 async def cell_served_at(dsn: str) -> str | None:
@@ -107,7 +109,7 @@ async def cell_served_at(dsn: str) -> str | None:
             schema = await connection.fetchval("SELECT current_schema()")
         finally:
             await connection.close()
-    return schema if isinstance(schema, str) and re.fullmatch(r"cell_[0-9]+", schema) else None
+    return schema if isinstance(schema, str) and _CELL_NAME.fullmatch(schema) else None
 
 
 async def cells_in(dsn: str) -> list[str]:
