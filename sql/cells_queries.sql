@@ -174,6 +174,32 @@ BEGIN
 END
 $$
 
+-- stamp_ledger_rows_on_their_node --
+-- On Citus, each ledger row of the cell carries the id of the transaction
+-- that wrote it on the cell's node, whoever sent the INSERT. The column's
+-- default, pg_current_xact_id(), is not enough there: a statement the
+-- coordinator plans itself (a function call Citus does not delegate, as
+-- inside a transaction block) has its defaults evaluated on the
+-- coordinator, whose transaction ids are another count than the node's.
+-- The billing export's horizon is the node's (lq_export_ledger, ledger.sql),
+-- so such a row could be numbered after rows that committed later, or,
+-- once the node's ids had run past the coordinator's, never. A trigger runs
+-- where the row is stored, in the node's own transaction, so the ids every
+-- row carries and the horizon the export takes are of one count. Made on
+-- every build (CREATE OR REPLACE), so a cell built before it gains it.
+DO $$
+DECLARE
+    cell name := current_setting('llmquota.cell');
+BEGIN
+    PERFORM set_config('citus.enable_unsafe_triggers', 'on', true);
+    EXECUTE format('CREATE OR REPLACE FUNCTION %I.lq_ledger_stamp_xact() RETURNS trigger '
+                   'LANGUAGE plpgsql SET search_path = pg_catalog AS %L', cell,
+                   E'BEGIN\n    NEW.xact_id := pg_current_xact_id();\n    RETURN NEW;\nEND');
+    EXECUTE format('CREATE OR REPLACE TRIGGER usage_ledger_xact BEFORE INSERT ON %I.usage_ledger '
+                   'FOR EACH ROW EXECUTE FUNCTION %I.lq_ledger_stamp_xact()', cell, cell);
+END
+$$
+
 -- distribute_schema --
 -- Make the cell a distributed schema (Citus): each of its tables a
 -- single-shard table, all on one node. Its triggers (the ledger's append-only

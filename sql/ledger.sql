@@ -268,6 +268,30 @@ END
 $$;
 
 
+-- Is the ledger stored on the node this runs on? Always, but on Citus for a
+-- cell's ledger (a distributed schema's table, on one worker) read from
+-- anywhere else, such as the coordinator. Unpinned, so usage_ledger resolves
+-- under the pin of the caller; Citus's catalogs are only read where the
+-- extension is.
+CREATE OR REPLACE FUNCTION lq_ledger_is_local()
+RETURNS boolean
+LANGUAGE plpgsql STABLE
+AS $$
+BEGIN
+    -- Two statements: PL/pgSQL plans the second only where it runs.
+    IF to_regclass('pg_catalog.pg_dist_partition') IS NULL THEN
+        RETURN true;
+    END IF;
+    RETURN NOT EXISTS (SELECT FROM pg_dist_partition
+                        WHERE logicalrelid = 'usage_ledger'::regclass)
+        OR EXISTS (SELECT FROM pg_dist_shard AS s
+                     JOIN pg_dist_placement AS p USING (shardid)
+                    WHERE s.logicalrelid = 'usage_ledger'::regclass
+                      AND p.groupid = (SELECT groupid FROM pg_dist_local_group));
+END
+$$;
+
+
 -- The billing export: ledger rows in a gapless order, after a cursor.
 --
 -- Why not simply "entry_id > cursor ORDER BY entry_id": entry_id comes from a
@@ -347,7 +371,19 @@ BEGIN
 
     -- (2) The horizon, taken after the lock: rows of transactions below it
     -- are final. The statements below take newer snapshots, which see at
-    -- least everything that had finished by now.
+    -- least everything that had finished by now. It must be the horizon of
+    -- the node that holds the ledger: on Citus a cell's rows carry that
+    -- node's transaction ids (cells_queries.sql,
+    -- stamp_ledger_rows_on_their_node), and a call Citus did not send there
+    -- (one inside a transaction block) runs on the coordinator, whose ids
+    -- are another count: compared with them, a row could be skipped.
+    IF NOT lq_ledger_is_local() THEN
+        RAISE EXCEPTION 'the billing export must run on the node that holds the ledger'
+            USING ERRCODE = 'feature_not_supported',
+                  DETAIL = 'On Citus a cell''s export runs there only as a statement of its own: '
+                           'Citus runs a call inside a transaction block on the coordinator.',
+                  HINT = 'Call it outside BEGIN ... COMMIT (llmquota ledger export does).';
+    END IF;
     horizon := pg_snapshot_xmin(pg_current_snapshot());
 
     -- (3) Number the next final rows, in (xact_id, entry_id) order, continuing

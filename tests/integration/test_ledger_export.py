@@ -27,40 +27,49 @@ async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order
     limiter: Limiter, app_dsn: str, db: asyncpg.Connection
 ) -> None:
     # One tenant each: settlements of one tenant queue on its layer's row lock.
-    for tenant in ("acme", "beta", "gamma"):
+    tenants = ("acme", "beta", "gamma", "delta")
+    for tenant in tenants:
         await limiter.store.ensure_tenant(tenant)
     held = [
         await limiter.admit(tenant=tenant, model="gpt-4o", input_tokens=1, max_tokens=10)
-        for tenant in ("acme", "beta", "gamma")
+        for tenant in tenants
     ]
     older = await asyncpg.connect(app_dsn)
     younger = await asyncpg.connect(app_dsn)
     store = LedgerStore(db)
     try:
-        # `older` takes its transaction id first; `younger` then writes the
-        # lower entry_id and stays open while `older` writes a higher one and
-        # commits. By entry_id the committed row comes after an invisible one;
-        # by transaction it comes before. A cursor on entry_id would move past
-        # the open row and never return to it.
+        # `older` takes its transaction id first, by writing where the ledger
+        # is (on Citus a cell's node: pg_current_xact_id() would take the
+        # coordinator's); `younger` then writes the lower entry_id and stays
+        # open while `older` writes a higher one and commits. By entry_id the
+        # committed row comes after an invisible one; by transaction it comes
+        # before. A cursor on entry_id would move past the open row and never
+        # return to it.
         older_tx = older.transaction()
         await older_tx.start()
-        await older.fetchval("SELECT pg_current_xact_id()")
+        assert await older.fetchval(SETTLE, held[3].reservation_id, 1, 1) == "settled"
         younger_tx = younger.transaction()
         await younger_tx.start()
         assert await younger.fetchval(SETTLE, held[0].reservation_id, 1, 2) == "settled"
         assert await older.fetchval(SETTLE, held[1].reservation_id, 1, 3) == "settled"
         await older_tx.commit()
-        first_id = await db.fetchval("SELECT max(entry_id) FROM usage_ledger")
+        older_ids = [
+            await db.fetchval(
+                "SELECT entry_id FROM usage_ledger WHERE reservation_id = $1", h.reservation_id
+            )
+            for h in (held[3], held[1])
+        ]
+        first_id = max(older_ids)
 
         first = await _export(store, 0)
-        assert [(e.export_id, e.entry_id) for e in first] == [(1, first_id)]
+        assert [(e.export_id, e.entry_id) for e in first] == [(1, older_ids[0]), (2, first_id)]
 
         # Committed later while `younger` is still open: held back, not skipped.
         await held[2].settle(input_tokens=1, output_tokens=4)
-        assert await _export(store, 1) == []
+        assert await _export(store, 2) == []
 
         await younger_tx.commit()
-        second = await _export(store, 1)
+        second = await _export(store, 2)
         second_id = await db.fetchval(
             "SELECT entry_id FROM usage_ledger WHERE reservation_id = $1", held[0].reservation_id
         )
@@ -70,7 +79,7 @@ async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order
         await younger.close()
 
     exported = first + second
-    assert [e.export_id for e in exported] == [1, 2, 3]
+    assert [e.export_id for e in exported] == [1, 2, 3, 4]
     assert sorted(e.entry_id for e in exported) == sorted(
         r["entry_id"] for r in await db.fetch("SELECT entry_id FROM usage_ledger")
     )

@@ -203,6 +203,10 @@ async def _build(dsn: str, count: int) -> list[Cell]:
                 status = "built"
             if citus and await _distribute(connection, cell):
                 status = "built"
+            if citus:
+                async with connection.transaction():
+                    await connection.execute(queries["name_the_cell"], cell, count)
+                    await connection.execute(queries["stamp_ledger_rows_on_their_node"])
             cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
         await connection.execute(queries["reporting_over_cells"])
         return cells
