@@ -18,7 +18,9 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import httpx
@@ -28,6 +30,7 @@ from llmquota.admin.running import maintenance_running
 from llmquota.admission.limiter import Limiter
 from llmquota.api.cells_front import CellsFront
 from llmquota.config import Settings
+from llmquota.domain.cell_hints import hinted_cell, with_cell_hint
 from llmquota.domain.cells import cell_of
 from llmquota.metrics import Metrics
 from llmquota.store.cells import build_cells, in_cell
@@ -157,6 +160,51 @@ async def test_each_tenants_requests_are_decided_settled_and_swept_in_its_own_ce
         " + (SELECT count(*) FROM cell_2.usage_ledger)"
     )
     assert ledger == 1 * 10 + 2  # the swept one in cell 1; the settled and swept in cell 2
+
+
+async def test_an_admin_keys_settle_asks_the_cell_its_reservation_id_names_and_no_other(
+    cells_dsn: str, db: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, it asked each cell in turn: a 404 from every cell before the
+    # one that held it (and for a slice's id, a journal interval's wait in
+    # each). Each cell's service now names its cell in the ids it makes.
+    front = CellsFront(front_settings(), dsn_as(cells_dsn, APP_ROLE))
+    asked: list[tuple[str, int]] = []
+    call = front._call
+
+    async def recorded(index: int, scope: Any, body: bytes, receive: Any) -> Any:
+        asked.append((scope["path"].rsplit("/", 1)[-1], index))
+        return await call(index, scope, body, receive)
+
+    monkeypatch.setattr(front, "_call", recorded)
+    async with serving(front) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await put_tenants(client, [ONE, TWO])
+        for cell, tenant in ((1, ONE), (2, TWO)):
+            for action in ("heartbeat", "settle"):
+                admitted = await client.post(
+                    "/v1/admit", json={**REQUEST, "tenant": tenant}, headers=ADMIN
+                )
+                assert admitted.status_code == 201, admitted.text
+                reservation = uuid.UUID(admitted.json()["reservation_id"])
+                assert hinted_cell(reservation, CELLS) == cell - 1
+                asked.clear()
+                body = {"input_tokens": 100, "output_tokens": 150} if action == "settle" else {}
+                answer = await client.post(
+                    f"/v1/reservations/{reservation}/{action}", json=body, headers=ADMIN
+                )
+                assert answer.status_code == 200, answer.text
+                assert asked == [(action, cell - 1)]
+        # An id no cell made still finds its answer, from every cell in turn.
+        asked.clear()
+        unknown = uuid.UUID(int=with_cell_hint(uuid.uuid4().int, 1))
+        answer = await client.post(f"/v1/reservations/{unknown}/release", headers=ADMIN)
+        assert answer.status_code == 404
+        assert asked == [("release", 1), ("release", 0)]
+    settled = await db.fetchval(
+        "SELECT (SELECT count(*) FROM cell_1.usage_ledger) * 10"
+        " + (SELECT count(*) FROM cell_2.usage_ledger)"
+    )
+    assert settled == 1 * 10 + 1
 
 
 async def test_shared_limits_are_written_as_slices_and_read_whole(

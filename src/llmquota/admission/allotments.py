@@ -116,6 +116,7 @@ class Allotments:
         settings: Settings,
         policies: PolicyCache,
         count: Callable[[Sequence[AdmitDecision]], None],
+        cell: int | None = None,
     ) -> None:
         self.store = store
         self.policies = policies
@@ -124,7 +125,7 @@ class Allotments:
         self.count = count
         self._uncounted: list[AdmitDecision] = []
         self.holder = f"worker-{uuid.uuid4().hex[:12]}"
-        self.ids = SliceIds()
+        self.ids = SliceIds(cell)  # hinting at the cell (domain/cell_hints.py), if any
         self.journal_seconds = settings.allotment_journal_ms / 1000.0
         self.hold_seconds = settings.allotment_hold_seconds
         self.share = settings.allotment_share

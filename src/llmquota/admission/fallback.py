@@ -33,12 +33,7 @@ from llmquota.admission.outage import JournalFull, OutageEntry, OutageJournal
 from llmquota.admission.policy_cache import LayerKey, PolicyCache
 from llmquota.domain.errors import ReservationConflict, ReservationNotFound
 from llmquota.domain.local_bucket import NEVER_MS, LocalLayer, admit_locally, give_back_locally
-from llmquota.domain.local_budget import (
-    BudgetHold,
-    BudgetRefusal,
-    CeilingFigures,
-    LocalBudgets,
-)
+from llmquota.domain.local_budget import BudgetHold, BudgetRefusal, CeilingFigures, LocalBudgets
 from llmquota.domain.outage_ids import is_signed_outage_id, new_outage_id
 from llmquota.domain.policy import CallWeight, call_weight
 from llmquota.domain.records import (
@@ -71,8 +66,10 @@ class Fallback:
         journal: OutageJournal,
         local_fraction: float,
         concurrency_retry_ms: int,
+        cell: int | None = None,
     ) -> None:
         self.policies = policies
+        self.cell = cell  # the cell its ids hint at (domain/cell_hints.py), if any
         self.journal = journal
         self.local_fraction = local_fraction
         self.concurrency_retry_ms = concurrency_retry_ms
@@ -197,7 +194,7 @@ class Fallback:
             give_back_locally(local_layers, cost, weight.requests, now, weight.permits)
             return FallbackDecision("closed", None, "no outage id key loaded yet")
         entry = OutageEntry(
-            reservation_id=new_outage_id(self.id_key),
+            reservation_id=new_outage_id(self.id_key, self.cell),
             request=request,
             mode=mode,
             policy_version=max(layer.policy_version for layer in layers),

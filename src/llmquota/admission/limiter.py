@@ -91,7 +91,7 @@ class Limiter:
         self.counter = TokenCounter(settings, server_key=lambda: self.fallback.id_key)
         self.accounting = TokenAccounting(self.metrics)
         self.allotments = Allotments(
-            store.allotments, settings, self.policies, self.accounting.decided
+            store.allotments, settings, self.policies, self.accounting.decided, store.cell_index
         )
         # Releases of admissions whose caller was cancelled or left.
         self.orphans = BackgroundReleases(self.release)

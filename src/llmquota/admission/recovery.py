@@ -26,6 +26,7 @@ from llmquota.admission.outage import FlushReport, JournalFull, OutageJournal
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.admission.reservation import Admission
 from llmquota.config import Settings
+from llmquota.domain.cell_hints import new_reservation_id
 from llmquota.domain.errors import ReservationNotFound, StoreTimeout, StoreUnavailable
 from llmquota.domain.outage_ids import is_outage_id
 from llmquota.domain.records import AdmitDecision, AdmitRequest, FinishRequest, FinishResult
@@ -61,6 +62,7 @@ class OutageRecovery:
             self.journal,
             settings.outage_local_fraction,
             settings.concurrency_retry_ms,
+            store.cell_index,
         )
         # Admission statements abandoned at their deadline (abandoned.py).
         self.abandoned = AbandonedAdmissions(
@@ -144,7 +146,8 @@ class OutageRecovery:
         for its answer any more (its deadline passed, its connection was lost, its
         caller was cancelled), whatever it made is released once the store answers
         (abandoned.py), so the failure mode's answer is the only one."""
-        reservation_ids = [uuid.uuid4() for _ in requests]
+        cell = self._store.cell_index
+        reservation_ids = [new_reservation_id(cell) for _ in requests]
         try:
             return await self._store.admit(
                 requests, deadline_seconds=deadline_seconds, reservation_ids=reservation_ids

@@ -46,7 +46,7 @@ from llmquota.api.cells_answers import (
     tenant_in,
 )
 from llmquota.api.cells_listing import merged_page, places_of
-from llmquota.api.cells_routing import KeyCells, authorization_of, route_of
+from llmquota.api.cells_routing import KeyCells, authorization_of, cells_to_ask, route_of
 from llmquota.api.errors import send_error
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.requestids import HEADER, RequestIds, incoming_request_id, new_request_id
@@ -265,13 +265,13 @@ class CellsFront:
     async def _each_cell_until_found(
         self, scope: Scope, content: bytes, receive: Receive, send: Send
     ) -> None:
-        """A reservation's request with the admin key, to each cell in turn: a
-        cell that does not hold it answers 404 and changes nothing. A cell
-        that fails (5xx) is passed over; its failure is the answer only if
-        no cell holds the reservation."""
+        """A reservation's request with the admin key, to each cell in turn,
+        first the one its id hints at: a cell that does not hold it answers
+        404 and changes nothing. A cell that fails (5xx) is passed over; its
+        failure is the answer only if no cell holds the reservation."""
         failed: Answer | None = None
         answer = Answer()
-        for index in range(len(self.cells)):
+        for index in cells_to_ask(scope["path"], len(self.cells)):
             answer = await self._call(index, scope, content, receive)
             if answer.status >= 500:
                 failed = failed or answer

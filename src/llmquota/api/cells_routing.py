@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import re
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -35,10 +36,11 @@ from llmquota.api.auth import (
 from llmquota.api.failures import FailureBudget
 from llmquota.api.provider_errors import PROXY_PATHS
 from llmquota.config import Settings
+from llmquota.domain.cell_hints import hinted_cell
 from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.keys import key_digest
 
-__all__ = ["KeyCells", "Route", "route_of"]
+__all__ = ["KeyCells", "Route", "cells_to_ask", "route_of"]
 
 Kind = Literal[
     "tenant",  # the path names the tenant
@@ -63,7 +65,7 @@ class Route:
 
 
 _TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)(?:/|$)")
-_RESERVATION_PATH = re.compile(r"^/v1/reservations/[^/]+/(?:settle|release|heartbeat)$")
+_RESERVATION_PATH = re.compile(r"^/v1/reservations/([^/]+)/(?:settle|release|heartbeat)$")
 _SHARED_LIMIT_PATH = re.compile(r"^/v1/(?:policies/global|ceilings/[^/]+)$")
 _WHOLE_EVERYWHERE_PATH = re.compile(r"^/v1/(?:plans|webhooks)(?:/[^/]+)?$")
 _READS = frozenset({"GET", "HEAD"})
@@ -100,6 +102,18 @@ def route_of(method: str, path: str) -> Route:
     if _WHOLE_EVERYWHERE_PATH.match(path):
         return Route("first" if method in _READS else "every")
     return Route("unserved")
+
+
+def cells_to_ask(path: str, cells: int) -> list[int]:
+    """The order in which a reservation's request with the admin key asks the
+    cells: first the one its id hints at (domain/cell_hints.py), then the
+    others in order. An id that is not a UUID gives no hint."""
+    found = _RESERVATION_PATH.match(path)
+    try:
+        first = hinted_cell(uuid.UUID(found.group(1)), cells) if found else 0
+    except ValueError:
+        first = 0
+    return [first, *(index for index in range(cells) if index != first)]
 
 
 def authorization_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:

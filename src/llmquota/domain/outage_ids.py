@@ -19,16 +19,21 @@ import hmac
 import secrets
 import uuid
 
+from llmquota.domain.cell_hints import with_cell_hint
+
 OUTAGE_ID_VERSION = 8
 # Bytes of key the database holds (migration 0007).
 OUTAGE_ID_KEY_BYTES = 32
 
 
-def new_outage_id(key: bytes) -> uuid.UUID:
-    """A random reservation id, marked as made by a worker and signed with `key`."""
+def new_outage_id(key: bytes, cell: int | None = None) -> uuid.UUID:
+    """A random reservation id, marked as made by a worker, hinting at its
+    `cell` (cell_hints.py: in the random head, so signed too) and signed
+    with `key`."""
     head = bytearray(secrets.token_bytes(8))
     head[6] = (head[6] & 0x0F) | (OUTAGE_ID_VERSION << 4)
-    return uuid.UUID(bytes=bytes(head) + _tail(key, bytes(head)))
+    hinted = with_cell_hint(int.from_bytes(bytes(head) + bytes(8)), cell).to_bytes(16)[:8]
+    return uuid.UUID(bytes=hinted + _tail(key, hinted))
 
 
 def is_outage_id(reservation_id: uuid.UUID) -> bool:

@@ -24,6 +24,8 @@ import os
 import time
 import uuid
 
+from llmquota.domain.cell_hints import with_cell_hint
+
 SLICE_ID_VERSION = 7
 _RANDOM_BYTES = 10  # 80 drawn, 74 used: 12 beside the version, 62 beside the variant
 _BLOCK = 256 * _RANDOM_BYTES
@@ -33,15 +35,17 @@ _LOW_62 = (1 << 62) - 1
 class SliceIds:
     """Makes version-7 reservation ids, drawing randomness a block at a time."""
 
-    __slots__ = ("_at", "_pid", "_random")
+    __slots__ = ("_at", "_cell", "_pid", "_random")
 
-    def __init__(self) -> None:
+    def __init__(self, cell: int | None = None) -> None:
         self._random = b""
         self._at = 0
         self._pid = os.getpid()
+        self._cell = cell  # the cell the ids hint at (cell_hints.py), if any
 
     def new(self) -> uuid.UUID:
-        """A fresh id: the time now in milliseconds, then 74 random bits."""
+        """A fresh id: the time now in milliseconds, then 74 random bits (six
+        of them the cell's hint in a cell's service)."""
         at = self._at
         if at + _RANDOM_BYTES > len(self._random) or self._pid != os.getpid():
             self._random, at, self._pid = os.urandom(_BLOCK), 0, os.getpid()
@@ -55,7 +59,7 @@ class SliceIds:
             | 0b10 << 62  # the RFC 4122 / 9562 variant
             | bits & _LOW_62
         )
-        return uuid.UUID(int=value)
+        return uuid.UUID(int=with_cell_hint(value, self._cell))
 
 
 def may_be_journaled_later(reservation_id: uuid.UUID) -> bool:

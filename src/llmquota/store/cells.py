@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
+from llmquota.domain.cell_hints import HINTED_CELLS
 from llmquota.store import migrate
 from llmquota.store.connection import translate_errors
 from llmquota.store.sqlfiles import named_queries, repeatable_scripts
@@ -55,8 +56,9 @@ __all__ = [
 ]
 
 # Tenants are placed by hashing their name over the cells, so the count is
-# fixed once cells exist; 64 is more nodes than a cluster of this kind runs.
-MAX_CELLS = 64
+# fixed once cells exist; 64 is more nodes than a cluster of this kind runs,
+# and as many as a reservation id's hint can name (domain/cell_hints.py).
+MAX_CELLS = HINTED_CELLS
 # Held for the whole build, so that two `migrate --cells` queue: a cell is
 # migrated in `public` and renamed, and two builds must not share `public`.
 CELLS_LOCK = "llmquota.cells"
@@ -94,6 +96,15 @@ def cell_named_in(dsn: str) -> str | None:
     paths = parse_qs(urlsplit(dsn).query).get("search_path", [])
     path = paths[-1].strip().strip('"') if paths else ""
     return path if _CELL_NAME.fullmatch(path) else None
+
+
+def cell_index_named_in(dsn: str | None) -> int | None:
+    """The 0-based index of the cell a DSN's search_path names, or None: what
+    a cell's service hints at in the reservation ids it makes
+    (domain/cell_hints.py). A search_path set in `options` or on the role
+    gives no hint, which only costs an admin key's settle its old way."""
+    named = None if dsn is None else cell_named_in(dsn)
+    return None if named is None else int(named.removeprefix("cell_")) - 1
 
 
 async def cell_served_at(dsn: str) -> str | None:

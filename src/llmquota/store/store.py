@@ -38,6 +38,7 @@ from llmquota.store.admit_statement import AdmitStatement
 from llmquota.store.allotments import AllotmentStore
 from llmquota.store.budget_moves import BudgetMoveStore
 from llmquota.store.catalog import Catalog
+from llmquota.store.cells import cell_index_named_in
 from llmquota.store.connection import Row
 from llmquota.store.decisions import (
     finish_arguments,
@@ -84,6 +85,9 @@ class Store:
         # The last policy snapshot's layers, kept where unchanged (store/policy_rows.py).
         self._snapshot_layers = SnapshotLayers()
         self.dsn: str | None = None  # set by connect: what a listener connects to
+        # Set by connect: the 0-based cell the DSN names, if any, which the
+        # reservation ids its worker makes name (domain/cell_hints.py).
+        self.cell_index: int | None = None
         self._admit = AdmitStatement(
             pool, self._sql, concurrency_retry_ms, admission_synchronous_commit
         )
@@ -115,7 +119,7 @@ class Store:
             concurrency_retry_ms=concurrency_retry_ms,
             admission_synchronous_commit=admission_synchronous_commit,
         )
-        store.dsn = dsn
+        store.dsn, store.cell_index = dsn, cell_index_named_in(dsn)
         return store
 
     @property
