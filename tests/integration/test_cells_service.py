@@ -357,6 +357,40 @@ async def test_concurrent_admits_over_both_cells_never_pass_the_global_burst(
     assert 20_000 <= float(room) + int(active) <= 20_000 + 5, (room, active)
 
 
+async def test_a_tenant_key_on_an_admin_path_is_refused_by_its_own_cell_and_costs_no_budget(
+    cells_dsn: str,
+) -> None:
+    # Sent to every cell, a tenant's valid key was a failed authentication
+    # (401) in each other cell, counted against its client: a gateway that
+    # polled the directory with one spent its address's budget, then got 429.
+    settings = api_settings(auth_failure_burst=3, auth_failures_per_second=0.001)
+    front = CellsFront(settings, dsn_as(cells_dsn, APP_ROLE))
+    async with serving(front) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await put_tenants(client, [ONE, TWO])
+        made = await client.post(f"/v1/tenants/{TWO}/keys", headers=ADMIN)
+        assert made.status_code == 201, made.text
+        key = {"Authorization": f"Bearer {made.json()['key']}"}
+        global_policy = {"tokens_per_minute": 1_000, "token_burst": 1_000}
+        statuses = []
+        for _ in range(3):
+            statuses += [
+                (await client.get("/v1/tenants", headers=key)).status_code,
+                (await client.get("/v1/policies/global", headers=key)).status_code,
+                (
+                    await client.put("/v1/policies/global", json=global_policy, headers=key)
+                ).status_code,
+                (await client.get("/v1/ceilings", headers=key)).status_code,
+                (await client.get("/v1/plans", headers=key)).status_code,
+            ]
+        assert statuses == [403] * 15
+        # The client's budget of failed authentications is whole: three wrong keys, then 429.
+        wrong = {"Authorization": "Bearer lq_not_a_key"}
+        answers = [(await client.get("/v1/tenants", headers=wrong)).status_code for _ in range(4)]
+        assert answers == [401, 401, 401, 429]
+        admitted = await client.post("/v1/admit", json={**REQUEST, "tenant": TWO}, headers=key)
+        assert admitted.status_code == 201, admitted.text
+
+
 async def test_the_tenant_directory_pages_through_every_cells_tenants_once(
     client: httpx.AsyncClient,
 ) -> None:

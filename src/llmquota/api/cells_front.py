@@ -189,6 +189,8 @@ class CellsFront:
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._route(scope, receive, send)
+        except TooManyFailedAuthentications as refused:  # looking up the key's cell
+            await send_throttled(scope, send, refused)
         except BodyRefused as refused:
             headers = [(b"connection", b"close")]
             message = str(refused.detail)
@@ -203,23 +205,12 @@ class CellsFront:
             await self._pass(self._cell_of(route.tenant), scope, receive, send)
         elif kind in ("caller", "key", "reservation"):
             await self._by_caller(kind, scope, receive, send)
-        elif kind == "split":
-            await self._write_split(scope, receive, send)
-        elif kind == "every":
-            await self._write_every(scope, receive, send)
-        elif kind == "listing":
-            await self._list_tenants(scope, receive, send)
-        elif kind == "summed":
-            await self._read_summed(scope, receive, send)
+        elif kind in ("split", "every", "listing", "summed", "first"):
+            await self._by_the_admin(kind, scope, receive, send)
         elif kind == "health":
             await self._health(scope, receive, send)
         elif kind == "metrics":
             await self._metrics(scope, receive, send)
-        elif kind == "first" and scope["path"].startswith("/v1/"):
-            # a plan's or webhook's version is each cell's own: no ETag
-            await (await self._call(0, scope, b"", receive)).send(send, etag=False)
-        elif kind == "first":
-            await self._pass(0, scope, receive, send)
         else:
             await send_error(
                 send,
@@ -240,12 +231,7 @@ class CellsFront:
     async def _by_caller(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
         """A tenant's key goes to its cell; the admin key by the body's tenant
         (admit, count) or to each cell in turn (a reservation)."""
-        client = scope["client"][0] if scope.get("client") else ""
-        try:
-            cell = await self.keys.cell_of(authorization_of(scope["headers"]), client)
-        except TooManyFailedAuthentications as refused:
-            await send_throttled(scope, send, refused)
-            return
+        cell = await self._cell_of_key(scope)
         if cell is not None:  # a tenant's key (or none: its cell refuses it)
             await self._pass(cell, scope, receive, send)
             return
@@ -261,6 +247,30 @@ class CellsFront:
             await self._pass(cell, scope, replay(body, receive), send)
             return
         await self._each_cell_until_found(scope, joined(body), receive, send)
+
+    async def _by_the_admin(self, kind: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """What the admin key asks of every cell (shared limits, the tenant
+        directory) or of any (plans, webhooks, the documentation). Another key
+        goes to the cell that answers it as one database would: a tenant's to
+        its own (403), a wrong key or none to cell 1 (401). Sent to every cell,
+        a valid tenant key was a failed authentication in each of the others."""
+        if kind == "first" and not scope["path"].startswith("/v1/"):  # the documentation
+            await self._pass(0, scope, receive, send)
+            return
+        cell = await self._cell_of_key(scope)
+        if kind == "first":  # a plan's or webhook's version is each cell's own: no ETag
+            await (await self._call(cell or 0, scope, b"", receive)).send(send, etag=False)
+        elif cell is not None:
+            await self._pass(cell, scope, receive, send)
+        else:
+            writes = {"split": self._write_split, "every": self._write_every}
+            reads = {"listing": self._list_tenants, "summed": self._read_summed}
+            await (writes | reads)[kind](scope, receive, send)
+
+    async def _cell_of_key(self, scope: Scope) -> int | None:
+        """The cell that answers the request's key (KeyCells.cell_of)."""
+        client = scope["client"][0] if scope.get("client") else ""
+        return await self.keys.cell_of(authorization_of(scope["headers"]), client)
 
     async def _each_cell_until_found(
         self, scope: Scope, content: bytes, receive: Receive, send: Send
