@@ -42,6 +42,7 @@ from llmquota.domain.plans import Ceiling
 from llmquota.domain.policy import MAX_LEASE_SECONDS, Policy
 from llmquota.domain.quotas import QuotaSpec
 from llmquota.domain.validation import MAX_TOKEN_COUNT
+from llmquota.finance.ledger import LedgerStore
 from llmquota.store.store import Store
 from tests.faults.conftest import Worker, fault_settings
 from tests.faults.proxy import PgProxy
@@ -74,6 +75,7 @@ ALL_KINDS = (
     "outage",
     "outage_kill",
     "late_statement",
+    "export",
 )
 # Relative frequencies (admissions and settlements dominate, as in traffic).
 WEIGHTS = {
@@ -90,6 +92,7 @@ WEIGHTS = {
     "outage": 12,
     "outage_kill": 2,
     "late_statement": 8,
+    "export": 15,
 }
 TENANTS = ("t0", "t1", "t2", "t3")
 FIRST_MODES = {"t0": "open", "t1": "local", "t2": "open", "t3": "closed"}
@@ -117,6 +120,10 @@ ADMIT_SLACK_TOKENS = 1.0
 OUTAGE_DEADLINE_MS = 250
 REPLAY_WAIT_SECONDS = 20.0
 PROGRESS_EVERY = 5_000  # a line on stdout for the long runs
+# Page sizes and numbering limits a billing consumer reads the export with.
+EXPORT_PAGES = (1, 3, 50)
+# How long a row may be held back (a transaction still running): never skipped.
+EXPORT_CATCH_UP_SECONDS = 5.0
 MALFORMED: tuple[Any, ...] = (-1, 1.5, "42", True, None, MAX_TOKEN_COUNT + 1, float("nan"))
 
 
@@ -157,6 +164,9 @@ class World:
         self.permits = {tenant: 0 if tenant in NO_PERMIT_TENANTS else 1 for tenant in TENANTS}
         self.last_now: Any = None
         self.spool = Path(tempfile.mkdtemp(prefix="llmquota-model-spool-"))
+        # What the billing export gave so far (entry id: its tokens), and its cursor.
+        self.exported: dict[int, tuple[int, int]] = {}
+        self.export_cursor = 0
 
     # -- setup and teardown -------------------------------------------------------
     async def open(self) -> None:
@@ -635,6 +645,45 @@ class World:
             self._record([(held, None)])
             self.tally["late statement admitted by the failure mode"] += 1
 
+    async def step_export(self) -> None:
+        """Finance's billing export, read from its cursor as a consumer pages it:
+        ids 1, 2, 3, ... without a gap, each ledger row once and as the ledger
+        holds it, and every row exported within EXPORT_CATCH_UP_SECONDS (a
+        transaction still running holds rows back; none is ever skipped)."""
+        store = LedgerStore(self.db)
+        pages, numbering = self.rng.choice(EXPORT_PAGES), self.rng.choice(EXPORT_PAGES)
+        deadline = time.monotonic() + EXPORT_CATCH_UP_SECONDS
+        while True:
+            async for entry in store.export(
+                self.export_cursor, limit=None, page_rows=pages, number_limit=numbering
+            ):
+                if entry.export_id != self.export_cursor + 1:
+                    raise self.fail("export ids", f"{entry.export_id} after {self.export_cursor}")
+                if entry.entry_id in self.exported:
+                    raise self.fail("export", f"entry {entry.entry_id} exported twice")
+                self.exported[entry.entry_id] = (entry.input_tokens, entry.output_tokens)
+                self.export_cursor = entry.export_id
+            ledger = {
+                row["entry_id"]: (row["input_tokens"], row["output_tokens"])
+                for row in await self.db.fetch(
+                    "SELECT entry_id, input_tokens, output_tokens FROM usage_ledger"
+                )
+            }
+            wrong = {e: t for e, t in self.exported.items() if ledger.get(e) != t}
+            if wrong:
+                raise self.fail("exported rows as the ledger holds them", f"{wrong}")
+            missing = sorted(ledger.keys() - self.exported.keys())
+            if not missing:
+                self.tally["export caught up"] += 1
+                return
+            if time.monotonic() > deadline:
+                raise self.fail(
+                    "every ledger row exported",
+                    f"{len(missing)} rows not exported in {EXPORT_CATCH_UP_SECONDS} s: "
+                    f"{missing[:5]}",
+                )
+            await asyncio.sleep(0.05)
+
     async def _until_admit_statements_done(self) -> None:
         """Wait (at most REPLAY_WAIT_SECONDS) until no backend runs an admission."""
         deadline = time.monotonic() + REPLAY_WAIT_SECONDS
@@ -873,7 +922,11 @@ async def walk(dsn: str, seed: int, steps: int, kinds: frozenset[str]) -> Outcom
     world = World(dsn, seed, kinds)
     await world.open()
     try:
-        return await world.run(steps)
+        outcome = await world.run(steps)
+        if "export" in world.kinds:
+            world.kind = "final export"
+            await world.step_export()  # however the walk ended, billing has every row
+        return outcome
     except Broken:
         print(f"model: what the walk did until it broke: {dict(sorted(world.tally.items()))}")
         raise

@@ -6,7 +6,9 @@ provider ceiling and a sharded global layer, against the real PostgreSQL
 every step: per-layer conservation of tokens, in-flight counts, the holds of
 every open reservation, ledger = settled usage (per reservation, exactly
 once), each credit balance = its model and its ledger, each quota window =
-its charges and open holds, and lq_audit() clean.
+its charges and open holds, and lq_audit() clean. At its export steps and at
+the end, the billing export read from its cursor has given every ledger row
+once, as the ledger holds it, under ids without a gap.
 
 CI runs one walk of LLMQUOTA_MODEL_STEPS (2,000) steps with seed
 LLMQUOTA_MODEL_SEED (20) over the step kinds in ENABLED;
