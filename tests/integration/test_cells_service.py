@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -36,8 +37,10 @@ from llmquota.metrics import Metrics
 from llmquota.store.cells import build_cells, in_cell
 from llmquota.store.leader import LeaderLock
 from tests.api.conftest import ADMIN_KEY, api_settings
+from tests.faults.conftest import worker_env
 from tests.ports import reserved_port
 from tests.proxy.conftest import serving
+from tests.receiver import Receiver
 from tests.support import APP_ROLE, dsn_as, run_cli
 
 pytestmark = pytest.mark.citus
@@ -295,6 +298,125 @@ async def test_shared_limits_are_written_as_slices_and_read_whole(
             await db.fetchval(f"SELECT tokens_per_minute FROM cell_{k}.plans WHERE plan = 'pro'")
             == 5_000
         )
+
+
+async def test_a_ceilings_alert_watches_its_slices_added_up_and_fires_once(
+    cells_dsn: str, db: asyncpg.Connection
+) -> None:
+    # Each cell's service watched its own slice: a slice at 90% alerted while
+    # the ceiling was at 45%, and a crossing of the whole alerted once per cell.
+    settings = api_settings(ceiling_alert_interval_seconds=0.1).model_copy(
+        update={"ceiling_alerts": True}
+    )
+    front = CellsFront(settings, dsn_as(cells_dsn, APP_ROLE))
+    ceiling = {"models": ["gpt-4o"], "tokens_per_minute": 2, "token_burst": 10_000}
+    alerts = "SELECT count(*) FROM cell_{}.alert_outbox WHERE event_type = 'ceiling.utilization'"
+    episodes = "SELECT count(*) FROM cell_{}.ceiling_alert_episodes WHERE episode_start IS NOT NULL"
+    async with serving(front) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        await put_tenants(client, [ONE, TWO])
+        put = await client.put(
+            "/v1/ceilings/openai", json={**ceiling, "alert_at": [0.8]}, headers=ADMIN
+        )
+        assert put.status_code == 200, put.text
+        nine_tenths = {"model": "gpt-4o", "input_tokens": 100, "max_tokens": 4_400}
+        first = await client.post("/v1/admit", json={**nine_tenths, "tenant": ONE}, headers=ADMIN)
+        assert first.status_code == 201, first.text
+        whole = (await client.get("/v1/ceilings/openai", headers=ADMIN)).json()
+        assert whole["utilization"] == pytest.approx(0.45, abs=0.001)
+        await asyncio.sleep(1.0)  # ten rounds of the detector
+        assert [await db.fetchval(alerts.format(k)) for k in (1, 2)] == [0, 0]
+        assert [await db.fetchval(episodes.format(k)) for k in (1, 2)] == [0, 0]
+
+        # 4,000 more, wherever the rebalancer has moved the room by now: 85% of the whole.
+        admitted, deadline = 0, time.monotonic() + 20
+        while admitted < 4:
+            assert time.monotonic() < deadline, f"only {admitted} of 4 more admitted in 20 s"
+            tenant = (ONE, TWO)[admitted % 2]
+            more = await client.post("/v1/admit", json={**REQUEST, "tenant": tenant}, headers=ADMIN)
+            assert more.status_code in (201, 429), more.text
+            admitted += more.status_code == 201
+            await asyncio.sleep(0 if more.status_code == 201 else 0.2)
+        deadline = time.monotonic() + 10
+        while await db.fetchval(alerts.format(1)) == 0:
+            assert time.monotonic() < deadline, "no alert at 85% of the whole ceiling in 10 s"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+        assert [await db.fetchval(alerts.format(k)) for k in (1, 2)] == [1, 0]
+        assert [await db.fetchval(episodes.format(k)) for k in (1, 2)] == [1, 0]
+        (utilization,) = await db.fetch(
+            "SELECT utilization FROM cell_1.ceiling_alert_episodes WHERE episode_start IS NOT NULL"
+        )
+        assert utilization["utilization"] == pytest.approx(0.85, abs=0.001)
+
+
+async def test_sweep_loop_over_cells_watches_each_ceiling_whole_and_delivers_its_alert_once(
+    cells_dsn: str, db: asyncpg.Connection, tmp_path: Path
+) -> None:
+    # `llmquota sweep --loop` at the database's DSN ran a detector per cell,
+    # each on its slice: the same per-slice alerts as the service had.
+    receiver = await Receiver().start()
+    settings = api_settings(webhook_allowed_networks="127.0.0.0/8")
+    front = CellsFront(settings, dsn_as(cells_dsn, APP_ROLE))
+    log = tmp_path / "sweep.log"
+    sweep = None
+    try:
+        async with serving(front) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+            await put_tenants(client, [ONE, TWO])
+            ceiling = {"models": ["gpt-4o"], "tokens_per_minute": 2, "token_burst": 10_000}
+            put = await client.put(
+                "/v1/ceilings/openai", json={**ceiling, "alert_at": [0.8]}, headers=ADMIN
+            )
+            assert put.status_code == 200, put.text
+            hook = {"url": receiver.url, "secret": "whsec_cells_sweep_0123"}
+            made = await client.put("/v1/webhooks/ops", json=hook, headers=ADMIN)
+            assert made.status_code == 201, made.text
+            with log.open("ab") as out:
+                sweep = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "llmquota.cli", "sweep", "--loop", "5",
+                    stdout=out, stderr=out,
+                    env=worker_env(
+                        LLMQUOTA_DATABASE_URL=dsn_as(cells_dsn, APP_ROLE),
+                        LLMQUOTA_CEILING_ALERT_INTERVAL_SECONDS="0.05",
+                        LLMQUOTA_ALERT_DELIVERY_INTERVAL_SECONDS="0.05",
+                        LLMQUOTA_WEBHOOK_ALLOWED_NETWORKS="127.0.0.0/8",
+                    ),
+                )  # fmt: skip
+            deadline = time.monotonic() + 60
+            while "swept:" not in log.read_text(errors="replace"):
+                assert time.monotonic() < deadline, log.read_text(errors="replace")
+                await asyncio.sleep(0.1)
+            # 90% of cell 1's slice, 45% of the ceiling: no alert.
+            nine_tenths = {"model": "gpt-4o", "input_tokens": 100, "max_tokens": 4_400}
+            first = await client.post(
+                "/v1/admit", json={**nine_tenths, "tenant": ONE}, headers=ADMIN
+            )
+            assert first.status_code == 201, first.text
+            await asyncio.sleep(1.0)
+            assert receiver.delivered() == []
+            # 85% of the whole: one alert, delivered once.
+            admitted, deadline = 0, time.monotonic() + 20
+            while admitted < 4:
+                assert time.monotonic() < deadline, f"only {admitted} of 4 more admitted"
+                more = await client.post(
+                    "/v1/admit", json={**REQUEST, "tenant": (ONE, TWO)[admitted % 2]}, headers=ADMIN
+                )
+                assert more.status_code in (201, 429), more.text
+                admitted += more.status_code == 201
+                await asyncio.sleep(0 if more.status_code == 201 else 0.2)
+            deadline = time.monotonic() + 20
+            while not receiver.delivered():
+                assert time.monotonic() < deadline, log.read_text(errors="replace")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)
+    finally:
+        if sweep is not None and sweep.returncode is None:
+            sweep.send_signal(signal.SIGTERM)
+            await sweep.wait()
+        await receiver.stop()
+    (event,) = [r.json() for r in receiver.delivered()]
+    assert (event["ceiling"], event["threshold"]) == ("openai", "0.8")
+    alerts = "SELECT count(*) FROM cell_{}.alert_outbox WHERE event_type = 'ceiling.utilization'"
+    assert [await db.fetchval(alerts.format(k)) for k in (1, 2)] == [1, 0]
 
 
 async def test_concurrent_admits_over_both_cells_never_pass_the_global_burst(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -14,9 +15,10 @@ from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, Route, authorization_of, route_of
 from llmquota.api.routes.tenant_directory import encode_cursor
 from llmquota.config import Settings
-from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings
+from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings, whole_ceilings
 from llmquota.domain.errors import InvalidRequest, StoreUnavailable
 from llmquota.domain.keys import KeyOwner, key_digest
+from llmquota.domain.plans import Ceiling, StoredCeiling
 from llmquota.store.cells import cell_named_in, in_cell
 
 
@@ -107,6 +109,31 @@ def test_the_ceilings_listing_adds_up_each_ceiling_by_name() -> None:
     }
     lacking = {"ceilings": [{"ceiling": "a", "token_burst": 4}]}
     assert summed_ceilings([first, lacking])["ceilings"][1] == {"ceiling": "b", "token_burst": 1}
+
+
+def _stored(name: str, burst: int, tokens: float, seconds: int, **limits: Any) -> StoredCeiling:
+    ceiling = Ceiling(models=["gpt-4o"], token_burst=burst, tokens_per_minute=burst, **limits)
+    read_at = datetime(2026, 12, 6, 12, 0, seconds, tzinfo=UTC)
+    return StoredCeiling(name, ceiling, 7, tokens, None, 2, read_at)
+
+
+def test_a_ceilings_alerts_watch_its_slices_added_up() -> None:
+    cells = [
+        [_stored("openai", 5_000, 500.0, 1, max_in_flight=4), _stored("new", 10, 10.0, 1)],
+        [_stored("openai", 5_000, 4_500.0, 3, max_in_flight=5)],  # `new` not written here yet
+    ]
+    openai, new = whole_ceilings(cells)
+    assert (openai.name, openai.ceiling.token_burst, openai.ceiling.max_in_flight) == (
+        "openai",
+        10_000,
+        9,
+    )
+    assert (openai.tokens, openai.requests, openai.in_flight) == (5_000.0, None, 4)
+    assert openai.utilization == pytest.approx(0.5)  # cell 1's slice alone: 0.9
+    assert openai.read_at == datetime(2026, 12, 6, 12, 0, 3, tzinfo=UTC)
+    assert (openai.ceiling.request_burst, openai.ceiling.models) == (None, ["gpt-4o"])
+    assert (new.ceiling.token_burst, new.tokens, new.utilization) == (10, 10.0, 0.0)
+    assert whole_ceilings([]) == []
 
 
 def test_a_whole_number_written_as_a_float_is_split_too() -> None:

@@ -19,6 +19,13 @@ its alert is written once, whichever worker saw the crossing first, and a
 worker killed during the statement leaves nothing half done. Once a minute
 (PRUNE_EVERY_SECONDS) a worker forgets the state of ceilings and thresholds
 that are gone.
+
+Over cells (docs/scaling.md) each cell holds a slice of every ceiling, and a
+detector per cell saw its slice's utilization: up to K episodes and alerts
+for one crossing, and an alert for a slice that filled while the ceiling
+had room. There one detector per process watches every cell's slices added
+up (CeilingsOverCells) and records in the first cell, whose delivery loop
+sends the alert (webhooks are written to every cell whole).
 """
 
 from __future__ import annotations
@@ -28,14 +35,18 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import datetime
+from typing import Protocol
 
 from llmquota.config import Settings
 from llmquota.domain.ceiling_alerts import AlertDefaults, CeilingSample, ceiling_samples
+from llmquota.domain.cells import whole_ceilings
 from llmquota.domain.errors import LimiterError
+from llmquota.domain.plans import StoredCeiling
 from llmquota.store.alerts import AlertStore
 from llmquota.store.catalog import Catalog
+from llmquota.store.store import Store
 
 log = logging.getLogger("llmquota.alerts")
 
@@ -43,12 +54,36 @@ log = logging.getLogger("llmquota.alerts")
 PRUNE_EVERY_SECONDS = 60.0
 
 
+class CeilingReader(Protocol):
+    """Where a detector reads every ceiling with its balances (store/catalog.py)."""
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]: ...
+
+
+class CeilingsOverCells:
+    """Every ceiling as the cells hold it together: each cell's slice read (one
+    statement per cell, on its own clock) and added up (domain/cells.py)."""
+
+    def __init__(self, catalogs: Sequence[Catalog]) -> None:
+        self._catalogs = list(catalogs)
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]:
+        """Each ceiling (or the one named) summed over the cells."""
+        return whole_ceilings(
+            [await c.get_ceilings(name, deadline_seconds=deadline_seconds) for c in self._catalogs]
+        )
+
+
 class CeilingAlertDetector:
     """Reads the ceilings' utilization and records threshold crossings, once each."""
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CeilingReader,
         alerts: AlertStore,
         defaults: AlertDefaults | None = None,
         *,
@@ -103,7 +138,7 @@ class CeilingAlertDetector:
 
 @contextlib.asynccontextmanager
 async def ceiling_alerts_running(
-    catalog: Catalog, alerts: AlertStore, settings: Settings
+    catalog: CeilingReader, alerts: AlertStore, settings: Settings
 ) -> AsyncIterator[CeilingAlertDetector | None]:
     """Run the detector in the background for the block (unless
     LLMQUOTA_CEILING_ALERTS=false); stop it after, a statement in flight cut."""
@@ -132,3 +167,12 @@ async def ceiling_alerts_running(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def ceiling_alerts_over_cells(
+    stores: Sequence[Store], settings: Settings
+) -> contextlib.AbstractAsyncContextManager[CeilingAlertDetector | None]:
+    """One detector over the ceilings of every cell added up (CeilingsOverCells),
+    recording in the first cell; each cell's own service runs none."""
+    alerts = AlertStore(stores[0].pool, deadline_seconds=settings.statement_timeout_ms / 1000 + 1)
+    return ceiling_alerts_running(CeilingsOverCells([s.catalog for s in stores]), alerts, settings)

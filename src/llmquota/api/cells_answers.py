@@ -7,6 +7,7 @@ send it to several cells; these are its pieces that are not routing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from starlette.types import Message, Receive, Scope, Send
 
 from llmquota.api.auth import TooManyFailedAuthentications
+from llmquota.api.bodylimit import BodyTooLarge, BodyTooSlow
 from llmquota.api.errors import send_auth_refusal, send_error
 from llmquota.api.provider_errors import proxy_kind, send_provider_error
 from llmquota.domain.cells import summed, summed_ceilings
@@ -27,6 +29,7 @@ __all__ = [
     "send_summed",
     "send_throttled",
     "tenant_in",
+    "whole_body",
 ]
 
 _DROPPED_HEADERS = frozenset({b"content-length", b"etag"})
@@ -91,6 +94,31 @@ async def send_throttled(scope: Scope, send: Send, refused: TooManyFailedAuthent
         (b"retry-after-ms", str(ms).encode()),
     ]
     await send_provider_error(send, kind, 429, str(refused), headers=headers)
+
+
+async def whole_body(receive: Receive, limit: int, seconds: float) -> list[Message] | None:
+    """The request's whole body as received; None when the client left.
+    BodyTooLarge or BodyTooSlow past `limit` bytes or `seconds` seconds (each
+    cell's service's limits): the front never hands on part of a body (a cell
+    would read the rest under a fresh deadline, and a shared write reach one
+    cell)."""
+    messages: list[Message] = []
+    size = 0
+    try:
+        # one deadline for the whole body (not a task per message, as wait_for makes)
+        async with asyncio.timeout(seconds):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return None
+                messages.append(message)
+                size += len(message.get("body", b""))
+                if size > limit:
+                    raise BodyTooLarge(limit)
+                if not message.get("more_body", False):
+                    return messages
+    except TimeoutError:
+        raise BodyTooSlow(seconds) from None
 
 
 def replay(messages: list[Message], receive: Receive) -> Callable[[], Awaitable[Message]]:

@@ -30,11 +30,12 @@ from fastapi import FastAPI
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
+from llmquota.admin.ceiling_alerts import ceiling_alerts_over_cells
 from llmquota.admission.heap import settle_after_startup
 from llmquota.admission.rebalancer import REBALANCER_LOCK_NAME, SliceRebalancer
 from llmquota.api.app import create_app
 from llmquota.api.auth import TooManyFailedAuthentications
-from llmquota.api.bodylimit import BodyRefused, BodyTooLarge, BodyTooSlow
+from llmquota.api.bodylimit import BodyRefused
 from llmquota.api.cells_answers import (
     Answer,
     joined,
@@ -44,6 +45,7 @@ from llmquota.api.cells_answers import (
     send_summed,
     send_throttled,
     tenant_in,
+    whole_body,
 )
 from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, authorization_of, cells_to_ask, route_of
@@ -130,6 +132,8 @@ class CellsFront:
                 app = create_app(self._settings_in(name), in_cell(self.dsn, name))
                 state = await self._stack.enter_async_context(app.router.lifespan_context(app))
                 self.cells.append(_Cell(name, app, dict(state or {})))
+            stores = [cell.app.state.limiter.store for cell in self.cells]
+            await self._stack.enter_async_context(ceiling_alerts_over_cells(stores, self.settings))
             lookups = [cell.app.state.admin.find_key for cell in self.cells]
             self.keys = KeyCells(lookups, self.settings)
             self._rebalancer = self._rebalancing()
@@ -150,10 +154,12 @@ class CellsFront:
             await self._stack.aclose()
 
     def _settings_in(self, name: str) -> Settings:
-        """The settings of one cell's service: its LISTEN DSN names the cell too."""
+        """The settings of one cell's service: its LISTEN DSN names the cell too;
+        the front watches the ceilings, whole (admin/ceiling_alerts.py)."""
         listen = self.settings.listen_database_url
         return self.settings.model_copy(
             update={"listen_database_url": in_cell(listen, name) if listen else None}
+            | {"ceiling_alerts": False}
         )
 
     def _rebalancing(self) -> SliceRebalancer | None:
@@ -417,29 +423,9 @@ class CellsFront:
         return answer
 
     async def _read_body(self, receive: Receive) -> list[Message] | None:
-        """The request's whole body as received; None when the client left.
-        BodyTooLarge or BodyTooSlow past the limits each cell's service
-        applies: the front never hands on part of a body (a cell would read
-        the rest under a fresh deadline, and a shared write reach one cell)."""
-        limit = self.settings.max_body_bytes
-        timeout = self.settings.body_read_timeout_seconds
-        messages: list[Message] = []
-        size = 0
-        try:
-            # one deadline for the whole body (not a task per message, as wait_for makes)
-            async with asyncio.timeout(timeout):
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":
-                        return None
-                    messages.append(message)
-                    size += len(message.get("body", b""))
-                    if size > limit:
-                        raise BodyTooLarge(limit)
-                    if not message.get("more_body", False):
-                        return messages
-        except TimeoutError:
-            raise BodyTooSlow(timeout) from None
+        """The request's whole body, within the limits each cell's service applies."""
+        limits = self.settings.max_body_bytes, self.settings.body_read_timeout_seconds
+        return await whole_body(receive, *limits)
 
 
 def create_front_from_env() -> CellsFront:

@@ -19,9 +19,10 @@ still has room (the price of never crossing the total; docs/scaling.md).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable, Sequence
 
 from llmquota.domain.errors import InvalidRequest
-from llmquota.domain.plans import Ceiling
+from llmquota.domain.plans import Ceiling, StoredCeiling
 from llmquota.domain.policy import Policy
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "sliced_bodies",
     "summed",
     "summed_ceilings",
+    "whole_ceilings",
 ]
 
 # The limits of a shared policy or ceiling that are split over the cells.
@@ -140,3 +142,41 @@ def summed_ceilings(answers: list[dict[str, object]]) -> dict[str, object]:
 
 # What a ceiling's answer says of its balances now, also held per cell.
 _BALANCES = ("remaining_tokens", "remaining_requests", "in_flight")
+
+
+def whole_ceilings(per_cell: Sequence[Sequence[StoredCeiling]]) -> list[StoredCeiling]:
+    """The first cell's ceilings, each added up with its slices in the other
+    cells (limits, balances, calls in flight): a ceiling as one database would
+    hold it, for its alerts (admin/ceiling_alerts.py). Read at the latest of
+    the cells' clocks; a cell that lacks a ceiling (a write under way) adds
+    nothing to it."""
+    if not per_cell:
+        return []
+    named = [{stored.name: stored for stored in cell} for cell in per_cell]
+    whole = []
+    for first in per_cell[0]:
+        slices = [cell[first.name] for cell in named if first.name in cell]
+        limits = {
+            name: sum(getattr(s.ceiling, name) for s in slices)
+            for name in SPLIT_LIMITS
+            if all(getattr(s.ceiling, name) is not None for s in slices)
+        }
+        read = [s.read_at for s in slices if s.read_at is not None]
+        whole.append(
+            StoredCeiling(
+                name=first.name,
+                ceiling=first.ceiling.model_copy(update=limits),
+                policy_version=first.policy_version,
+                tokens=_sum_of(s.tokens for s in slices),
+                requests=_sum_of(s.requests for s in slices),
+                in_flight=sum(s.in_flight for s in slices),
+                read_at=max(read) if len(read) == len(slices) else None,
+            )
+        )
+    return whole
+
+
+def _sum_of(values: Iterable[float | None]) -> float | None:
+    """The sum, or None when any is None (a limit the ceiling does not have)."""
+    listed = list(values)
+    return None if any(v is None for v in listed) else sum(v for v in listed if v is not None)
