@@ -361,6 +361,30 @@ $$;
 --   credit_charge          what credits charged for a month's usage against
 --                          the invoice of the same usage (lq_audit_credit_charges,
 --                          quotas.sql)
+--   export_skipped         a ledger row at or below the billing export's
+--                          cursor without an export id: never exported
+
+
+-- The billing export skipped no row: every ledger row at or below the
+-- export's cursor, in its (xact_id, entry_id) order (lq_export_ledger), has
+-- its export id. A row that committed after the cursor had passed its place
+-- would sit below it, never numbered: what a row stamped with another
+-- node's transaction id did on Citus before the cells' ledger trigger
+-- (docs/scaling.md, "The billing export of a cell"). Expected 1 export id,
+-- actual 0, per such row. Reads every exported row once (an anti-join).
+CREATE OR REPLACE FUNCTION lq_audit_export()
+RETURNS TABLE (check_name text, subject text, expected bigint, actual bigint)
+LANGUAGE plpgsql STABLE
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    SELECT 'export_skipped', format('ledger entry %s', l.entry_id), 1::bigint, 0::bigint
+      FROM ledger_export_state AS st
+      JOIN usage_ledger AS l ON (l.xact_id, l.entry_id) <= (st.last_xact_id, st.last_entry_id)
+     WHERE NOT EXISTS (SELECT FROM ledger_export_positions AS p WHERE p.entry_id = l.entry_id);
+END
+$$;
 
 
 -- A layer's permits in flight against the active reservations holding them
@@ -706,6 +730,7 @@ BEGIN
     RETURN QUERY SELECT * FROM lq_audit_quota_windows();
     RETURN QUERY SELECT * FROM lq_audit_relayed();
     RETURN QUERY SELECT * FROM lq_audit_credit_charges();
+    RETURN QUERY SELECT * FROM lq_audit_export();
 END
 $$;
 

@@ -91,3 +91,39 @@ async def test_rows_committed_out_of_id_order_are_exported_once_in_gapless_order
     ]
     assert isinstance(again[0].reservation_id, uuid.UUID)
     assert again[0].to_json()["id"] == 1
+
+
+@pytest.mark.constructs_drift
+async def test_the_audit_finds_a_ledger_row_the_export_passed_without_numbering(
+    limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    # How a row is skipped: its transaction commits after the export's cursor
+    # passed its place (a row stamped with another node's transaction id did,
+    # in a Citus cell). Built here by the owner moving the cursor past it.
+    await limiter.store.ensure_tenant("acme")
+    held = [
+        await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=1, max_tokens=10)
+        for _ in range(2)
+    ]
+    for h in held:
+        await h.settle(input_tokens=1, output_tokens=2)
+    store = LedgerStore(db)
+    exported = [e async for e in store.export(0, limit=None, page_rows=10, number_limit=10)]
+    assert len(exported) == 2
+    assert await db.fetch("SELECT * FROM lq_audit() WHERE check_name = 'export_skipped'") == []
+
+    late = await limiter.admit(tenant="acme", model="gpt-4o", input_tokens=1, max_tokens=10)
+    await late.settle(input_tokens=1, output_tokens=2)
+    row = await db.fetchrow(
+        "SELECT entry_id, xact_id FROM usage_ledger WHERE reservation_id = $1", late.reservation_id
+    )
+    await db.execute(
+        "UPDATE ledger_export_state SET last_xact_id = $1, last_entry_id = $2",
+        row["xact_id"],
+        row["entry_id"],
+    )
+    assert [e async for e in store.export(2, limit=None, page_rows=10, number_limit=10)] == []
+    findings = await db.fetch("SELECT * FROM lq_audit() WHERE check_name = 'export_skipped'")
+    assert [(f["subject"], f["expected"], f["actual"]) for f in findings] == [
+        (f"ledger entry {row['entry_id']}", 1, 0)
+    ]

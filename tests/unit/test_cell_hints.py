@@ -79,3 +79,8 @@ def test_a_cells_service_learns_its_index_from_its_dsn() -> None:
     assert cell_index_named_in(base) is None
     assert cell_index_named_in(None) is None
     assert cell_index_named_in(f"{base}?search_path=public") is None
+    # Names no build makes give no hint (an index past the hint's six bits
+    # would fail every admission).
+    assert cell_index_named_in(in_cell(base, "cell_64")) == 63
+    assert cell_index_named_in(f"{base}?search_path=cell_0") is None
+    assert cell_index_named_in(f"{base}?search_path=cell_65") is None

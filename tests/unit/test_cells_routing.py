@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from llmquota.admin.ceiling_alerts import CeilingsOverCells
 from llmquota.api.auth import KeyLookup, TooManyFailedAuthentications
 from llmquota.api.cells_listing import merged_page, places_of
-from llmquota.api.cells_routing import KeyCells, Route, authorization_of, route_of
+from llmquota.api.cells_routing import KeyCells, Route, StoredAdminKey, authorization_of, route_of
 from llmquota.api.routes.tenant_directory import encode_cursor
 from llmquota.config import Settings
 from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings, whole_ceilings
 from llmquota.domain.errors import InvalidRequest, StoreUnavailable
 from llmquota.domain.keys import KeyOwner, key_digest
 from llmquota.domain.plans import Ceiling, StoredCeiling
+from llmquota.store.budget_moves import Undelivered
 from llmquota.store.cells import cell_named_in, in_cell
 
 
@@ -136,6 +139,31 @@ def test_a_ceilings_alerts_watch_its_slices_added_up() -> None:
     assert whole_ceilings([]) == []
 
 
+def test_room_the_rebalancer_is_moving_counts_with_its_sender() -> None:
+    # Cell 2 sent 4,000 tokens to cell 1, debited but not yet credited: in
+    # neither balance, 40% of the ceiling that is not in use.
+    cells = [[_stored("openai", 5_000, 500.0, 1)], [_stored("openai", 5_000, 1_000.0, 1)]]
+    (moving,) = whole_ceilings(cells, [{}, {"openai": (4_000.0, 0.0)}])
+    assert moving.tokens == 5_500.0 and moving.utilization == pytest.approx(0.45)
+    (unseen,) = whole_ceilings(cells)
+    assert unseen.utilization == pytest.approx(0.85)
+
+
+def test_slices_written_apart_add_up_by_the_capacity_each_has() -> None:
+    # A write adding a token burst reached cell 2 first: cell 1 still has a
+    # minute of refill as its capacity, cell 2 the burst.
+    without = Ceiling(models=["gpt-4o"], tokens_per_minute=50_000)
+    with_burst = Ceiling(models=["gpt-4o"], tokens_per_minute=50_000, token_burst=10_000)
+    read_at = datetime(2026, 12, 6, tzinfo=UTC)
+    (whole,) = whole_ceilings(
+        [
+            [StoredCeiling("openai", without, 1, 50_000.0, None, 0, read_at)],
+            [StoredCeiling("openai", with_burst, 2, 10_000.0, None, 0, read_at)],
+        ]
+    )
+    assert whole.ceiling.effective_token_burst == 60_000 and whole.utilization == 0.0
+
+
 def test_a_whole_number_written_as_a_float_is_split_too() -> None:
     """The API takes 100000.0 as 100000: unsplit, every cell would hold it all."""
     assert sliced_bodies({"tokens_per_minute": 5.0, "token_burst": 1.5}, 2) == [
@@ -222,3 +250,55 @@ async def test_a_key_is_looked_up_once_and_a_cell_that_fails_is_passed_over() ->
         await keys.cell_of("Bearer lq_other", "10.0.0.1")
     assert asked == [0, 1, 2]
     assert await keys.cell_of("Bearer lq_k", "10.0.0.3") == 1  # another client is not held
+
+
+async def test_an_admin_key_stored_in_a_cell_is_refused_not_sent_to_that_cell() -> None:
+    # Sent there, it wrote a shared limit whole into one cell (each holds a
+    # slice) and decided other cells' tenants in that one.
+    asked: list[int] = []
+
+    def lookup(cell: int) -> KeyLookup:
+        async def find(digest: bytes) -> KeyOwner | None:
+            asked.append(cell)
+            return KeyOwner(key_id=7, tenant=None) if cell == 1 and digest == stored else None
+
+        return find
+
+    stored = key_digest("lq_stored_admin")
+    settings = Settings(auth_failure_burst=1, _env_file=None)  # type: ignore[call-arg]
+    keys = KeyCells([lookup(0), lookup(1)], settings)
+    for _ in range(3):  # looked up once, then remembered; the budget paid back each time
+        with pytest.raises(StoredAdminKey):
+            await keys.cell_of("Bearer lq_stored_admin", "10.0.0.1")
+    assert asked == [0, 1]
+    assert await keys.cell_of("Bearer lq_unknown", "10.0.0.1") == 0  # its one failure left
+
+
+class _FakeCell:
+    """A cell's store as CeilingsOverCells reads it: its slices, its moves."""
+
+    def __init__(self, tokens: list[float], moving: float = 0.0) -> None:
+        self.tokens, self.moving = tokens, moving
+        self.catalog, self.budget_moves = self, self
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]:
+        return [_stored("openai", 5_000, self.tokens.pop(0), 1)]
+
+    async def undelivered(self, limit: int) -> list[Undelivered]:
+        return [Undelivered(uuid.uuid4(), "openai", "cell_1", self.moving, 0.0)]
+
+
+async def test_a_crossing_over_cells_must_show_in_two_reads_in_a_row() -> None:
+    # The second read raced a whole move (credited and confirmed between the
+    # reads of the two cells): it shows 90% for one read, and is not believed.
+    cells = [_FakeCell([4_000.0, 500.0, 500.0, 500.0]), _FakeCell([4_000.0, 500.0, 500.0, 500.0])]
+    reader = CeilingsOverCells(cells)  # type: ignore[arg-type]
+    first = (await reader.get_ceilings())[0].utilization
+    raced = (await reader.get_ceilings())[0].utilization
+    held = (await reader.get_ceilings())[0].utilization
+    assert (first, raced, held) == (pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.9))
+    # A move sent and not yet confirmed counts with its sender.
+    sent = CeilingsOverCells([_FakeCell([500.0]), _FakeCell([500.0], moving=4_000.0)])  # type: ignore[list-item]
+    assert (await sent.get_ceilings())[0].utilization == pytest.approx(0.5)

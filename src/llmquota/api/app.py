@@ -104,8 +104,16 @@ async def _background_tasks(
             ),
             delivery_running(delivery_store, settings, limiter.metrics),
             # Every worker watches the ceilings too: the record statement's
-            # guarded upsert writes each crossing's alert once.
-            ceiling_alerts_running(limiter.store.catalog, delivery_store, settings),
+            # guarded upsert writes each crossing's alert once. But not one
+            # cell's service: a cell holds a slice of each ceiling, watched
+            # whole by the front or `sweep --loop` at the database's DSN.
+            ceiling_alerts_running(
+                limiter.store.catalog,
+                delivery_store,
+                settings
+                if limiter.store.cell_index is None
+                else settings.model_copy(update={"ceiling_alerts": False}),
+            ),
             maintenance_running(limiter.store, settings, limiter.metrics, dsn),
         ):
             yield

@@ -48,7 +48,13 @@ from llmquota.api.cells_answers import (
     whole_body,
 )
 from llmquota.api.cells_listing import merged_page, places_of
-from llmquota.api.cells_routing import KeyCells, authorization_of, cells_to_ask, route_of
+from llmquota.api.cells_routing import (
+    KeyCells,
+    StoredAdminKey,
+    authorization_of,
+    cells_to_ask,
+    route_of,
+)
 from llmquota.api.errors import send_error
 from llmquota.api.protocols import HEAD_LIMITS_STATE_KEY, HeadLimits
 from llmquota.api.requestids import HEADER, RequestIds, incoming_request_id, new_request_id
@@ -197,6 +203,9 @@ class CellsFront:
             await self._route(scope, receive, send)
         except TooManyFailedAuthentications as refused:  # looking up the key's cell
             await send_throttled(scope, send, refused)
+        except StoredAdminKey:
+            message = "over cells the admin key is LLMQUOTA_ADMIN_KEY, not one stored in a cell"
+            await send_error(send, 403, "permission_error", message=message)
         except BodyRefused as refused:
             headers = [(b"connection", b"close")]
             message = str(refused.detail)

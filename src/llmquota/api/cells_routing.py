@@ -40,7 +40,7 @@ from llmquota.domain.cell_hints import hinted_cell
 from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.keys import key_digest
 
-__all__ = ["KeyCells", "Route", "cells_to_ask", "route_of"]
+__all__ = ["KeyCells", "Route", "StoredAdminKey", "cells_to_ask", "route_of"]
 
 Kind = Literal[
     "tenant",  # the path names the tenant
@@ -132,6 +132,14 @@ def authorization_of(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
 
 # Keys remembered per process; past this many the memory starts again.
 MAX_KEYS = 100_000
+# What KeyCells remembers for an admin key stored in a cell.
+_STORED_ADMIN = -1
+
+
+class StoredAdminKey(Exception):
+    """An admin key stored in one cell (made by a service of that cell alone):
+    it would write a shared limit whole into that cell, or decide another
+    cell's tenant there. Over cells the admin key is LLMQUOTA_ADMIN_KEY."""
 
 
 class KeyCells:
@@ -161,13 +169,16 @@ class KeyCells:
         it; cell 0 for a key none holds (it answers 401) or whose lookup
         failed (503); None for the admin key (any cell knows it: the request
         says where it goes). TooManyFailedAuthentications for a client whose
-        unknown keys have used up its budget."""
+        unknown keys have used up its budget; StoredAdminKey for an admin key
+        a cell holds."""
         digest = _digest(authorization)
         if digest is None:
             return 0
         if self._admin is not None and hmac.compare_digest(digest, self._admin):
             return None
         known = self._cells.get(digest)
+        if known == _STORED_ADMIN:
+            raise StoredAdminKey
         if known is not None:
             return known
         now = time.monotonic()
@@ -186,6 +197,8 @@ class KeyCells:
         cell, found = await asyncio.shield(running)
         if found and pays:
             self._failures.refund(client, time.monotonic())
+        if cell == _STORED_ADMIN:
+            raise StoredAdminKey
         return cell
 
     async def _look_up(self, digest: bytes) -> tuple[int, bool]:
@@ -202,8 +215,8 @@ class KeyCells:
             if owner is not None:
                 if len(self._cells) >= MAX_KEYS:
                     self._cells.clear()
-                self._cells[digest] = cell
-                return cell, True
+                self._cells[digest] = cell if owner.tenant is not None else _STORED_ADMIN
+                return self._cells[digest], True
         if failed is not None:
             return failed, False
         if len(self._unknown) >= MAX_KEYS:

@@ -23,20 +23,21 @@ if TYPE_CHECKING:
 def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     """Expire reservations whose lease ran out; once, or every --loop seconds.
     In a database of cells (its `public` DSN), every cell is swept, and with
-    --loop one ceiling alert detector watches the cells' slices added up."""
+    --loop one ceiling alert detector watches the cells' slices added up; at
+    one cell's DSN, none does (a cell holds a slice of each ceiling)."""
     from llmquota.admin.ceiling_alerts import ceiling_alerts_over_cells
     from llmquota.store.cells import deployments_of
 
     async def run(dsn: str) -> None:
         deployments = await deployments_of(dsn)
-        cells = len(deployments) > 1  # the public DSN of a database of cells
+        cells = deployments[0][0] is not None
         each = settings.model_copy(update={"ceiling_alerts": False}) if cells else settings
         async with contextlib.AsyncExitStack() as stack:
             sweepers = [
                 (cell, await stack.enter_async_context(_sweeping(cell_dsn, args, each)))
                 for cell, cell_dsn in deployments
             ]
-            if cells and args.loop:
+            if cells and args.loop and deployments[0][1] != dsn:  # the database's own DSN
                 stores = [sweeper.store for _cell, sweeper in sweepers]
                 await stack.enter_async_context(ceiling_alerts_over_cells(stores, settings))
             await _sweep_loop(sweepers, args)

@@ -19,7 +19,7 @@ still has room (the price of never crossing the total; docs/scaling.md).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.plans import Ceiling, StoredCeiling
@@ -144,31 +144,46 @@ def summed_ceilings(answers: list[dict[str, object]]) -> dict[str, object]:
 _BALANCES = ("remaining_tokens", "remaining_requests", "in_flight")
 
 
-def whole_ceilings(per_cell: Sequence[Sequence[StoredCeiling]]) -> list[StoredCeiling]:
+def whole_ceilings(
+    per_cell: Sequence[Sequence[StoredCeiling]],
+    in_transit: Sequence[Mapping[str, tuple[float, float]]] = (),
+) -> list[StoredCeiling]:
     """The first cell's ceilings, each added up with its slices in the other
     cells (limits, balances, calls in flight): a ceiling as one database would
-    hold it, for its alerts (admin/ceiling_alerts.py). Read at the latest of
-    the cells' clocks; a cell that lacks a ceiling (a write under way) adds
-    nothing to it."""
+    hold it, for its alerts (admin/ceiling_alerts.py). `in_transit`: per cell,
+    by ceiling, the (tokens, requests) it sent another cell that the receiver
+    has not confirmed (the rebalancer's moves): room that is in neither
+    slice's balance meanwhile, counted with its sender. Each slice's bucket
+    counts with the capacity it has (a burst, else a minute of refill), so
+    slices written apart (a write under way) still add up. Read at the latest
+    of the cells' clocks; a cell that lacks a ceiling adds nothing to it."""
     if not per_cell:
         return []
     named = [{stored.name: stored for stored in cell} for cell in per_cell]
+    moving = [*in_transit, *([{}] * (len(per_cell) - len(in_transit)))]
     whole = []
     for first in per_cell[0]:
-        slices = [cell[first.name] for cell in named if first.name in cell]
+        held = [(k, cell[first.name]) for k, cell in enumerate(named) if first.name in cell]
+        slices = [s for _k, s in held]
         limits = {
             name: sum(getattr(s.ceiling, name) for s in slices)
             for name in SPLIT_LIMITS
             if all(getattr(s.ceiling, name) is not None for s in slices)
         }
+        for burst, effective in (("token_burst", "effective_token_burst"),
+                                 ("request_burst", "effective_request_burst")):  # fmt: skip
+            capacities = [getattr(s.ceiling, effective) for s in slices]
+            if all(c is not None for c in capacities):
+                limits[burst] = sum(c for c in capacities if c is not None)
+        sent = [moving[k].get(first.name, (0.0, 0.0)) for k, _s in held]
         read = [s.read_at for s in slices if s.read_at is not None]
         whole.append(
             StoredCeiling(
                 name=first.name,
                 ceiling=first.ceiling.model_copy(update=limits),
                 policy_version=first.policy_version,
-                tokens=_sum_of(s.tokens for s in slices),
-                requests=_sum_of(s.requests for s in slices),
+                tokens=_sum_of([*(s.tokens for s in slices), *(t for t, _r in sent)]),
+                requests=_sum_of([*(s.requests for s in slices), *(r for _t, r in sent)]),
                 in_flight=sum(s.in_flight for s in slices),
                 read_at=max(read) if len(read) == len(slices) else None,
             )
@@ -176,7 +191,6 @@ def whole_ceilings(per_cell: Sequence[Sequence[StoredCeiling]]) -> list[StoredCe
     return whole
 
 
-def _sum_of(values: Iterable[float | None]) -> float | None:
+def _sum_of(values: list[float | None]) -> float | None:
     """The sum, or None when any is None (a limit the ceiling does not have)."""
-    listed = list(values)
-    return None if any(v is None for v in listed) else sum(v for v in listed if v is not None)
+    return None if any(v is None for v in values) else sum(v for v in values if v is not None)

@@ -102,9 +102,11 @@ def cell_index_named_in(dsn: str | None) -> int | None:
     """The 0-based index of the cell a DSN's search_path names, or None: what
     a cell's service hints at in the reservation ids it makes
     (domain/cell_hints.py). A search_path set in `options` or on the role
-    gives no hint, which only costs an admin key's settle its old way."""
+    gives no hint, which only costs an admin key's settle its old way; so
+    does a name no build makes (cell_0, past MAX_CELLS)."""
     named = None if dsn is None else cell_named_in(dsn)
-    return None if named is None else int(named.removeprefix("cell_")) - 1
+    index = None if named is None else int(named.removeprefix("cell_")) - 1
+    return index if index is not None and 0 <= index < MAX_CELLS else None
 
 
 async def cell_served_at(dsn: str) -> str | None:
