@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from llmquota.admin.running import maintenance_running
+from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
 from llmquota.api.cells_front import CellsFront
 from llmquota.config import Settings
@@ -511,6 +512,31 @@ async def test_a_tenant_key_on_an_admin_path_is_refused_by_its_own_cell_and_cost
         assert answers == [401, 401, 401, 429]
         admitted = await client.post("/v1/admit", json={**REQUEST, "tenant": TWO}, headers=key)
         assert admitted.status_code == 201, admitted.text
+
+
+async def test_an_admin_key_stored_in_one_cell_is_refused_and_writes_nothing(
+    cells_dsn: str, db: asyncpg.Connection, client: httpx.AsyncClient
+) -> None:
+    # A service of cell 1 alone, started without LLMQUOTA_ADMIN_KEY, stores an
+    # admin key there. Handed to cell 1, it wrote a ceiling whole into its slice.
+    async with await Limiter.connect(in_cell(dsn_as(cells_dsn, APP_ROLE), "cell_1")) as limiter:
+        made = await AdminService(limiter.store).keys.create(None, label="cell 1's own")
+    stored = {"Authorization": f"Bearer {made.key}"}
+    ceiling = {"models": ["gpt-4o"], "tokens_per_minute": 100_000}
+    for method, path, body in (
+        ("PUT", "/v1/ceilings/openai", ceiling),
+        ("GET", "/v1/tenants", None),
+        ("POST", "/v1/admit", {**REQUEST, "tenant": TWO}),
+    ):
+        answer = await client.request(method, path, json=body, headers=stored)
+        assert answer.status_code == 403, answer.text
+        assert "LLMQUOTA_ADMIN_KEY" in answer.json()["error"]["message"]
+    for k in (1, 2):
+        assert (
+            await db.fetchval(f"SELECT count(*) FROM cell_{k}.limit_layers WHERE scope = 'ceiling'")
+            == 0
+        )
+        assert await db.fetchval(f"SELECT count(*) FROM cell_{k}.reservations") == 0
 
 
 async def test_the_tenant_directory_pages_through_every_cells_tenants_once(
