@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from llmquota.admin.ceiling_alerts import CeilingsOverCells
+from llmquota.admin.ceilings_over_cells import IN_TRANSIT_SECONDS, CeilingsOverCells
 from llmquota.api.auth import KeyLookup, TooManyFailedAuthentications
 from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, Route, StoredAdminKey, authorization_of, route_of
@@ -278,7 +278,7 @@ class _FakeCell:
     """A cell's store as CeilingsOverCells reads it: its slices, its moves."""
 
     def __init__(self, tokens: list[float], moving: float = 0.0) -> None:
-        self.tokens, self.moving = tokens, moving
+        self.tokens, self.moving, self.move_id = tokens, moving, uuid.uuid4()
         self.catalog, self.budget_moves = self, self
 
     async def get_ceilings(
@@ -287,18 +287,31 @@ class _FakeCell:
         return [_stored("openai", 5_000, self.tokens.pop(0), 1)]
 
     async def undelivered(self, limit: int) -> list[Undelivered]:
-        return [Undelivered(uuid.uuid4(), "openai", "cell_1", self.moving, 0.0)]
+        return (
+            [Undelivered(self.move_id, "openai", "cell_1", self.moving, 0.0)] if self.moving else []
+        )
 
 
 async def test_a_crossing_over_cells_must_show_in_two_reads_in_a_row() -> None:
-    # The second read raced a whole move (credited and confirmed between the
-    # reads of the two cells): it shows 90% for one read, and is not believed.
-    cells = [_FakeCell([4_000.0, 500.0, 500.0, 500.0]), _FakeCell([4_000.0, 500.0, 500.0, 500.0])]
+    # The second call's read raced a whole move (credited and confirmed
+    # between the reads of the two cells): 90% for one read, not believed.
+    slices = [4_000.0] * 2 + [500.0] * 2
+    cells = [_FakeCell(list(slices)), _FakeCell(list(slices))]
     reader = CeilingsOverCells(cells)  # type: ignore[arg-type]
-    first = (await reader.get_ceilings())[0].utilization
+    first = (await reader.get_ceilings())[0].utilization  # two reads at once: none before
     raced = (await reader.get_ceilings())[0].utilization
     held = (await reader.get_ceilings())[0].utilization
     assert (first, raced, held) == (pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.9))
-    # A move sent and not yet confirmed counts with its sender.
-    sent = CeilingsOverCells([_FakeCell([500.0]), _FakeCell([500.0], moving=4_000.0)])  # type: ignore[list-item]
-    assert (await sent.get_ceilings())[0].utilization == pytest.approx(0.5)
+    assert cells[0].tokens == []
+
+
+async def test_a_move_not_yet_confirmed_counts_with_its_sender_for_a_few_seconds() -> None:
+    now = [0.0]
+    sender = _FakeCell([500.0] * 6, moving=4_000.0)
+    reader = CeilingsOverCells([_FakeCell([500.0] * 6), sender], lambda: now[0])  # type: ignore[list-item]
+    assert (await reader.get_ceilings())[0].utilization == pytest.approx(0.5)
+    # Stranded past IN_TRANSIT_SECONDS (a round cut short, no rebalancer since):
+    # room neither slice admits from, as the ceiling's admissions see it.
+    now[0] = IN_TRANSIT_SECONDS + 1
+    await reader.get_ceilings()
+    assert (await reader.get_ceilings())[0].utilization == pytest.approx(0.9)

@@ -20,41 +20,31 @@ worker killed during the statement leaves nothing half done. Once a minute
 (PRUNE_EVERY_SECONDS) a worker forgets the state of ceilings and thresholds
 that are gone.
 
-Over cells (docs/scaling.md) each cell holds a slice of every ceiling, and a
-detector per cell saw its slice's utilization: up to K episodes and alerts
-for one crossing, and an alert for a slice that filled while the ceiling
-had room. There one detector per process watches every cell's slices added
-up (CeilingsOverCells) and records in the first cell, whose delivery loop
-sends the alert (webhooks are written to every cell whole).
+Over cells each cell holds a slice of every ceiling: there the detector
+reads the slices added up (ceilings_over_cells.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Protocol
 
 from llmquota.config import Settings
 from llmquota.domain.ceiling_alerts import AlertDefaults, CeilingSample, ceiling_samples
-from llmquota.domain.cells import whole_ceilings
 from llmquota.domain.errors import LimiterError
 from llmquota.domain.plans import StoredCeiling
 from llmquota.store.alerts import AlertStore
-from llmquota.store.store import Store
 
 log = logging.getLogger("llmquota.alerts")
 
 # How often a detector prunes the state of what no ceiling watches any more.
 PRUNE_EVERY_SECONDS = 60.0
-# Unconfirmed moves a detector over cells reads per cell (the rebalancer
-# delivers them again before it moves more: there are few).
-MAX_MOVES_READ = 1_000
 
 
 class CeilingReader(Protocol):
@@ -63,61 +53,6 @@ class CeilingReader(Protocol):
     async def get_ceilings(
         self, name: str | None = None, *, deadline_seconds: float | None = None
     ) -> list[StoredCeiling]: ...
-
-
-class CeilingsOverCells:
-    """Every ceiling as the cells hold it together: each cell's slice read (one
-    statement per cell, on its own clock) and added up (domain/cells.py).
-
-    The rebalancer moves room between the slices meanwhile (debit the
-    sender, credit the receiver, confirm: three statements). A move not yet
-    confirmed is counted with its sender, read after its slice, so a read of
-    the receiver before the credit and of the sender after the debit still
-    counts it. What is left, a whole move credited and confirmed between the
-    reads of two cells, could make one read show less room than there is:
-    so each bucket's room is the larger of this read's and the last one's,
-    and a crossing must show in two reads in a row (one interval later) to
-    open an episode (from the second read on). A room counted twice only
-    ever delays an alert."""
-
-    def __init__(self, stores: Sequence[Store]) -> None:
-        self._stores = list(stores)
-        self._last: dict[str, StoredCeiling] = {}
-
-    async def get_ceilings(
-        self, name: str | None = None, *, deadline_seconds: float | None = None
-    ) -> list[StoredCeiling]:
-        """Each ceiling (or the one named) summed over the cells."""
-        per_cell, in_transit = [], []
-        for store in self._stores:
-            per_cell.append(
-                await store.catalog.get_ceilings(name, deadline_seconds=deadline_seconds)
-            )
-            sent: dict[str, tuple[float, float]] = {}
-            for move in await store.budget_moves.undelivered(MAX_MOVES_READ):
-                if move.ceiling is not None:
-                    tokens, requests = sent.get(move.ceiling, (0.0, 0.0))
-                    sent[move.ceiling] = (tokens + move.tokens, requests + move.requests)
-            in_transit.append(sent)
-        whole = whole_ceilings(per_cell, in_transit)
-        last, self._last = self._last, {c.name: c for c in whole}
-        return [_roomier(c, last.get(c.name)) for c in whole]
-
-
-def _roomier(now: StoredCeiling, before: StoredCeiling | None) -> StoredCeiling:
-    """`now` with each bucket's room the larger of its own and `before`'s (the
-    same ceiling as written, read one interval earlier)."""
-    if before is None or before.ceiling != now.ceiling:
-        return now
-    return dataclasses.replace(
-        now,
-        tokens=_larger(now.tokens, before.tokens),
-        requests=_larger(now.requests, before.requests),
-    )
-
-
-def _larger(a: float | None, b: float | None) -> float | None:
-    return a if b is None or (a is not None and a >= b) else b
 
 
 class CeilingAlertDetector:
@@ -209,12 +144,3 @@ async def ceiling_alerts_running(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def ceiling_alerts_over_cells(
-    stores: Sequence[Store], settings: Settings
-) -> contextlib.AbstractAsyncContextManager[CeilingAlertDetector | None]:
-    """One detector over the ceilings of every cell added up (CeilingsOverCells),
-    recording in the first cell; each cell's own service runs none."""
-    alerts = AlertStore(stores[0].pool, deadline_seconds=settings.statement_timeout_ms / 1000 + 1)
-    return ceiling_alerts_running(CeilingsOverCells(stores), alerts, settings)

@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from starlette.types import Scope
 
 from llmquota.admin.alerts import AlertService
-from llmquota.admin.ceiling_alerts import ceiling_alerts_running
+from llmquota.admin.ceilings_over_cells import ceiling_alerts_of_the_deployment
 from llmquota.admin.console import ConsoleService
 from llmquota.admin.decision_flush import decision_counts_flushing
 from llmquota.admin.gauges import UtilizationGauges
@@ -103,17 +103,9 @@ async def _background_tasks(
                 settings.decision_counts_flush_seconds,
             ),
             delivery_running(delivery_store, settings, limiter.metrics),
-            # Every worker watches the ceilings too: the record statement's
-            # guarded upsert writes each crossing's alert once. But not one
-            # cell's service: a cell holds a slice of each ceiling, watched
-            # whole by the front or `sweep --loop` at the database's DSN.
-            ceiling_alerts_running(
-                limiter.store.catalog,
-                delivery_store,
-                settings
-                if limiter.store.cell_index is None
-                else settings.model_copy(update={"ceiling_alerts": False}),
-            ),
+            # Every worker watches the ceilings too (not one cell's service):
+            # the record statement's guarded upsert writes each crossing once.
+            ceiling_alerts_of_the_deployment(limiter.store, delivery_store, settings, dsn),
             maintenance_running(limiter.store, settings, limiter.metrics, dsn),
         ):
             yield

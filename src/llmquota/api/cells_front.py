@@ -30,7 +30,7 @@ from fastapi import FastAPI
 from pydantic import Field, TypeAdapter, ValidationError
 from starlette.types import Message, Receive, Scope, Send
 
-from llmquota.admin.ceiling_alerts import ceiling_alerts_over_cells
+from llmquota.admin.ceilings_over_cells import ceiling_alerts_over_cells
 from llmquota.admission.heap import settle_after_startup
 from llmquota.admission.rebalancer import REBALANCER_LOCK_NAME, SliceRebalancer
 from llmquota.api.app import create_app

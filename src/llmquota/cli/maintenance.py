@@ -25,7 +25,7 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
     In a database of cells (its `public` DSN), every cell is swept, and with
     --loop one ceiling alert detector watches the cells' slices added up; at
     one cell's DSN, none does (a cell holds a slice of each ceiling)."""
-    from llmquota.admin.ceiling_alerts import ceiling_alerts_over_cells
+    from llmquota.admin.ceilings_over_cells import ceiling_alerts_over_cells
     from llmquota.store.cells import deployments_of
 
     async def run(dsn: str) -> None:
@@ -40,6 +40,8 @@ def cmd_sweep(args: argparse.Namespace, settings: Settings) -> int:
             if cells and args.loop and deployments[0][1] != dsn:  # the database's own DSN
                 stores = [sweeper.store for _cell, sweeper in sweepers]
                 await stack.enter_async_context(ceiling_alerts_over_cells(stores, settings))
+            elif cells and args.loop:
+                print("ceiling alerts: watched whole at the database's DSN, not per cell")
             await _sweep_loop(sweepers, args)
 
     with open_database(settings.database_url, settings.data_dir) as db:

@@ -153,7 +153,8 @@ def whole_ceilings(
     hold it, for its alerts (admin/ceiling_alerts.py). `in_transit`: per cell,
     by ceiling, the (tokens, requests) it sent another cell that the receiver
     has not confirmed (the rebalancer's moves): room that is in neither
-    slice's balance meanwhile, counted with its sender. Each slice's bucket
+    slice's balance meanwhile, counted with its sender, the sum never past
+    the whole capacity. Each slice's bucket
     counts with the capacity it has (a burst, else a minute of refill), so
     slices written apart (a write under way) still add up. Read at the latest
     of the cells' clocks; a cell that lacks a ceiling adds nothing to it."""
@@ -177,13 +178,16 @@ def whole_ceilings(
                 limits[burst] = sum(c for c in capacities if c is not None)
         sent = [moving[k].get(first.name, (0.0, 0.0)) for k, _s in held]
         read = [s.read_at for s in slices if s.read_at is not None]
+        ceiling = first.ceiling.model_copy(update=limits)
+        tokens = _sum_of([*(s.tokens for s in slices), *(t for t, _r in sent)])
+        requests = _sum_of([*(s.requests for s in slices), *(r for _t, r in sent)])
         whole.append(
             StoredCeiling(
                 name=first.name,
-                ceiling=first.ceiling.model_copy(update=limits),
+                ceiling=ceiling,
                 policy_version=first.policy_version,
-                tokens=_sum_of([*(s.tokens for s in slices), *(t for t, _r in sent)]),
-                requests=_sum_of([*(s.requests for s in slices), *(r for _t, r in sent)]),
+                tokens=_at_most(tokens, ceiling.effective_token_burst),
+                requests=_at_most(requests, ceiling.effective_request_burst),
                 in_flight=sum(s.in_flight for s in slices),
                 read_at=max(read) if len(read) == len(slices) else None,
             )
@@ -194,3 +198,8 @@ def whole_ceilings(
 def _sum_of(values: list[float | None]) -> float | None:
     """The sum, or None when any is None (a limit the ceiling does not have)."""
     return None if any(v is None for v in values) else sum(v for v in values if v is not None)
+
+
+def _at_most(room: float | None, capacity: int | None) -> float | None:
+    """Room counted twice (a move read with both cells) never past the capacity."""
+    return room if room is None or capacity is None else min(room, float(capacity))

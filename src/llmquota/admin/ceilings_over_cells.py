@@ -1,0 +1,154 @@
+"""A provider ceiling's alerts over cells: its slices read and added up.
+
+Over cells (docs/scaling.md) each cell holds a slice of every ceiling, and a
+detector per cell saw its slice's utilization: up to K episodes and alerts
+for one crossing, and an alert for a slice that filled while the ceiling had
+room (the rebalancer moves room to where the traffic is, so a busy cell's
+slice runs full by design). So a cell's own service runs no detector, and
+one per process of the front (and `llmquota sweep --loop` at the database's
+DSN) reads every cell's slices, adds them up and records episodes and
+alerts in the first cell, whose delivery loop sends them (webhooks are
+written to every cell whole). The record statement's guarded upsert writes
+each crossing once, however many processes watch.
+
+The rebalancer moves room between the slices while they are read (debit the
+sender, credit the receiver, confirm: three statements):
+
+- A move sent and not yet confirmed is counted with its sender, read after
+  the sender's slice: a read of the receiver before the credit and of the
+  sender after the debit still counts it. Only for IN_TRANSIT_SECONDS after
+  this process first saw it: a move stranded longer (a round cut short and
+  no rebalancer since) is room neither slice can admit from, as the
+  ceiling's admissions see it.
+- A whole move credited and confirmed between the reads of two cells hides
+  its room from one read. So each bucket's room is the larger of this read
+  and the one before it (a second read at once when there is none, or the
+  ceiling was written since): a crossing must show in two reads in a row.
+- Room counted twice (a slice read before a debit, its move after) only
+  delays an alert, by two reads at most; the sum never exceeds the
+  ceiling's capacity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from llmquota.admin.ceiling_alerts import CeilingAlertDetector, ceiling_alerts_running
+from llmquota.config import Settings
+from llmquota.domain.cells import whole_ceilings
+from llmquota.domain.errors import StoreUnavailable
+from llmquota.domain.plans import StoredCeiling
+from llmquota.store.alerts import AlertStore
+from llmquota.store.cells import cell_served_at
+from llmquota.store.store import Store
+
+__all__ = ["CeilingsOverCells", "ceiling_alerts_of_the_deployment", "ceiling_alerts_over_cells"]
+
+log = logging.getLogger("llmquota.alerts")
+
+# Unconfirmed moves read per cell (the rebalancer delivers them again before
+# it moves more: there are few).
+MAX_MOVES_READ = 1_000
+# How long a move not yet confirmed counts as room: the race it covers lasts
+# milliseconds; a rebalancer round is REBALANCE_SECONDS (1 s).
+IN_TRANSIT_SECONDS = 5.0
+
+
+class CeilingsOverCells:
+    """Every ceiling as the cells hold it together, for its alerts."""
+
+    def __init__(
+        self, stores: Sequence[Store], monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._stores = list(stores)
+        self._monotonic = monotonic
+        self._last: dict[str, StoredCeiling] = {}
+        self._first_seen: dict[uuid.UUID, float] = {}  # unconfirmed moves
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]:
+        """Each ceiling (or the one named) summed over the cells, its room the
+        larger of two reads in a row."""
+        whole = await self._read(name, deadline_seconds)
+        last = self._last
+        if any(not _comparable(c, last.get(c.name)) for c in whole):
+            last = {c.name: c for c in whole}
+            whole = await self._read(name, deadline_seconds)
+        self._last = {c.name: c for c in whole}
+        return [_roomier(c, last.get(c.name)) for c in whole]
+
+    async def _read(self, name: str | None, deadline_seconds: float | None) -> list[StoredCeiling]:
+        """One read of every cell: its slices, then its moves not yet confirmed."""
+        now = self._monotonic()
+        per_cell, in_transit, seen = [], [], {}
+        for store in self._stores:
+            per_cell.append(
+                await store.catalog.get_ceilings(name, deadline_seconds=deadline_seconds)
+            )
+            sent: dict[str, tuple[float, float]] = {}
+            for move in await store.budget_moves.undelivered(MAX_MOVES_READ):
+                seen[move.transfer_id] = self._first_seen.get(move.transfer_id, now)
+                if move.ceiling is not None and now - seen[move.transfer_id] <= IN_TRANSIT_SECONDS:
+                    tokens, requests = sent.get(move.ceiling, (0.0, 0.0))
+                    sent[move.ceiling] = (tokens + move.tokens, requests + move.requests)
+            in_transit.append(sent)
+        self._first_seen = seen
+        return whole_ceilings(per_cell, in_transit)
+
+
+def _comparable(now: StoredCeiling, before: StoredCeiling | None) -> bool:
+    """Whether `before` is a read of the same ceiling as written now."""
+    return before is not None and before.ceiling == now.ceiling
+
+
+def _roomier(now: StoredCeiling, before: StoredCeiling | None) -> StoredCeiling:
+    """`now` with each bucket's room the larger of its own and `before`'s."""
+    if before is None or not _comparable(now, before):
+        return now
+    return dataclasses.replace(
+        now,
+        tokens=_larger(now.tokens, before.tokens),
+        requests=_larger(now.requests, before.requests),
+    )
+
+
+def _larger(a: float | None, b: float | None) -> float | None:
+    return a if b is None or (a is not None and a >= b) else b
+
+
+def ceiling_alerts_over_cells(
+    stores: Sequence[Store], settings: Settings
+) -> contextlib.AbstractAsyncContextManager[CeilingAlertDetector | None]:
+    """One detector over the ceilings of every cell added up, recording in the
+    first cell; each cell's own service runs none."""
+    alerts = AlertStore(stores[0].pool, deadline_seconds=settings.statement_timeout_ms / 1000 + 1)
+    return ceiling_alerts_running(CeilingsOverCells(stores), alerts, settings)
+
+
+@contextlib.asynccontextmanager
+async def ceiling_alerts_of_the_deployment(
+    store: Store, alerts: AlertStore, settings: Settings, dsn: str
+) -> AsyncIterator[CeilingAlertDetector | None]:
+    """A service's detector (ceiling_alerts_running), unless the service is
+    one cell's: the cell its DSN's search_path names, or its session's schema
+    (a search_path set in `options` or on the role)."""
+    try:
+        cell = await cell_served_at(dsn)
+    except StoreUnavailable:
+        cell = None if store.cell_index is None else f"cell_{store.cell_index + 1}"
+    if cell is not None and settings.ceiling_alerts:
+        log.info(
+            "ceiling alerts: %s holds a slice of each ceiling; they are watched whole by the "
+            "service over cells or `llmquota sweep --loop` at the database's DSN",
+            cell,
+        )
+        yield None
+        return
+    async with ceiling_alerts_running(store.catalog, alerts, settings) as detector:
+        yield detector
