@@ -109,7 +109,7 @@ def _comparable(now: StoredCeiling, before: StoredCeiling | None) -> bool:
 
 def _roomier(now: StoredCeiling, before: StoredCeiling | None) -> StoredCeiling:
     """`now` with each bucket's room the larger of its own and `before`'s."""
-    if before is None or not _comparable(now, before):
+    if before is None or not _comparable(now, before):  # (checked here for the type checker)
         return now
     return dataclasses.replace(
         now,

@@ -39,8 +39,10 @@ def with_cell_hint(value: int, index: int | None) -> int:
 
 
 def new_reservation_id(index: int | None) -> uuid.UUID:
-    """A random (version 4) reservation id hinting at cell `index`."""
-    return uuid.UUID(int=with_cell_hint(uuid.uuid4().int, index))
+    """A random (version 4) reservation id hinting at cell `index` (outside
+    cells a plain uuid4: the admission path makes one per request)."""
+    made = uuid.uuid4()
+    return made if index is None else uuid.UUID(int=with_cell_hint(made.int, index))
 
 
 def hinted_cell(reservation_id: uuid.UUID, cells: int) -> int:

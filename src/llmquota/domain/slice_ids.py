@@ -59,7 +59,7 @@ class SliceIds:
             | 0b10 << 62  # the RFC 4122 / 9562 variant
             | bits & _LOW_62
         )
-        return uuid.UUID(int=with_cell_hint(value, self._cell))
+        return uuid.UUID(int=value if self._cell is None else with_cell_hint(value, self._cell))
 
 
 def may_be_journaled_later(reservation_id: uuid.UUID) -> bool:
