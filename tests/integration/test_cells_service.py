@@ -27,6 +27,7 @@ import asyncpg
 import httpx
 import pytest
 
+from llmquota.admin.ceilings_over_cells import ceiling_alerts_of_the_deployment
 from llmquota.admin.running import maintenance_running
 from llmquota.admin.service import AdminService
 from llmquota.admission.limiter import Limiter
@@ -35,8 +36,10 @@ from llmquota.config import Settings
 from llmquota.domain.cell_hints import hinted_cell, with_cell_hint
 from llmquota.domain.cells import cell_of
 from llmquota.metrics import Metrics
+from llmquota.store.alerts import AlertStore
 from llmquota.store.cells import build_cells, in_cell
 from llmquota.store.leader import LeaderLock
+from llmquota.store.store import Store
 from tests.api.conftest import ADMIN_KEY, api_settings
 from tests.faults.conftest import worker_env
 from tests.ports import reserved_port
@@ -658,3 +661,21 @@ async def test_each_cell_has_a_maintenance_leader_of_its_own(cells_dsn: str) -> 
             assert await public.try_acquire()
         finally:
             await public.release()
+
+
+async def test_one_cells_service_watches_no_ceiling_a_plain_deployments_does(
+    cells_dsn: str, app_dsn: str
+) -> None:
+    # A cell holds a slice of each ceiling: its own detector alerted at 90%
+    # of its slice. Named by the DSN's search_path or by the session's
+    # schema (`options`), it now runs none; a deployment without cells does.
+    settings = api_settings().model_copy(update={"ceiling_alerts": True})
+    options = f"{cells_dsn}{'&' if '?' in cells_dsn else '?'}options=-csearch_path%3Dcell_2"
+    for dsn, watched in ((in_cell(cells_dsn, "cell_1"), False), (options, False), (app_dsn, True)):
+        store = await Store.connect(dsn, min_size=1, max_size=1)
+        try:
+            alerts = AlertStore(store.pool)
+            async with ceiling_alerts_of_the_deployment(store, alerts, settings, dsn) as detector:
+                assert (detector is not None) == watched, dsn
+        finally:
+            await store.close()
