@@ -1,4 +1,6 @@
-"""An allotment worker's background tasks are waited for without spinning.
+"""An allotment worker's background tasks: waited for without spinning, and
+a journal write begun before the store came back does not answer for a later
+one.
 
 A finished task leaves `Allotments._tasks` by a done callback, which runs on
 the next turn of the event loop. On Python 3.12+, awaiting `asyncio.gather`
@@ -11,11 +13,17 @@ out in it. On 3.11 gather yields, so there this test passes either way.
 from __future__ import annotations
 
 import asyncio
+import uuid
+from collections.abc import Sequence
 from typing import Any, cast
 
-from llmquota.admission.allotments import Allotments
+import pytest
+
+from llmquota.admission.allotments import Allotments, Slice
 from llmquota.admission.policy_cache import PolicyCache
 from llmquota.config import Settings
+from llmquota.domain.errors import StoreUnavailable
+from llmquota.store.allotments import SliceAdmission, SliceKey
 
 
 async def test_background_done_returns_while_a_finished_task_is_still_in_the_set() -> None:
@@ -31,3 +39,63 @@ async def test_background_done_returns_while_a_finished_task_is_still_in_the_set
     assert allotments._tasks and all(task.done() for task in allotments._tasks)
     await allotments.background_done()
     assert not allotments._tasks
+
+
+class ScriptedJournal:
+    """The journal's store: the first write fails once `fail` is set (the
+    store was away when it began); every later write is taken."""
+
+    def __init__(self) -> None:
+        self.fail = asyncio.Event()
+        self.writes = 0
+        self.written: list[uuid.UUID] = []
+
+    async def journal(
+        self, admissions: Sequence[SliceAdmission], hold_seconds: int, deadline_seconds: float
+    ) -> dict[uuid.UUID, bool]:
+        self.writes += 1
+        if self.writes == 1:
+            await self.fail.wait()
+            raise StoreUnavailable("database unavailable: connection refused")
+        self.written += [a.reservation_id for a in admissions]
+        return {a.allotment_id: True for a in admissions}
+
+
+def journaled_once(store: ScriptedJournal) -> tuple[Allotments, SliceAdmission]:
+    settings = Settings(_env_file=None)  # type: ignore[call-arg]
+    policies = PolicyCache(refresh_seconds=10, max_stale_seconds=60)
+    allotments = Allotments(cast(Any, store), settings, policies, lambda _decisions: None)
+    held = Slice(SliceKey("acme", None, "gpt-4o", None))
+    admission = SliceAdmission(held.allotment_id, uuid.uuid4(), 100, False, 400, 500, None, None)
+    allotments.pending.append((held, admission))
+    return allotments, admission
+
+
+async def test_a_write_begun_while_the_store_was_away_does_not_fail_a_later_write_journal() -> None:
+    store = ScriptedJournal()
+    allotments, admission = journaled_once(store)
+    allotments._start_writing()  # the journal timer's write, begun while the store is away
+    await asyncio.sleep(0)
+    assert store.writes == 1
+
+    # The store is back; the old write's refusal arrives while this call waits on it.
+    waiting = asyncio.ensure_future(allotments.write_journal())
+    await asyncio.sleep(0)
+    store.fail.set()
+    await waiting
+
+    assert store.writes == 2
+    assert store.written == [admission.reservation_id]
+    assert not allotments.pending
+
+
+async def test_a_write_journal_whose_own_write_fails_says_so_and_keeps_the_admissions() -> None:
+    store = ScriptedJournal()
+    store.fail.set()
+    allotments, admission = journaled_once(store)
+    with pytest.raises(StoreUnavailable):
+        await allotments.write_journal()
+    assert store.writes == 1
+    assert [a for _s, a in allotments.pending] == [admission]
+    await allotments.write_journal()
+    assert store.written == [admission.reservation_id]

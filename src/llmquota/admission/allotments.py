@@ -328,16 +328,21 @@ class Allotments:
 
     async def write_journal(self) -> None:
         """Write every admission decided so far (and wait for a write under way);
-        StoreUnavailable when the store does not take them (they stay pending)."""
+        StoreUnavailable when the store does not take them (they stay pending).
+
+        Only a write begun here decides the answer: one under way since
+        before (a timer's, begun while the store was away) may fail after the
+        store is back, and then this call writes again itself."""
         while True:
-            if self._writing is None or self._writing.done():
+            begun_here = self._writing is None or self._writing.done()
+            if begun_here:
                 if not self.pending:
                     return
                 self._start_writing()
             writing = self._writing
             assert writing is not None
             await asyncio.wait([writing])
-            if writing.exception() is not None:
+            if writing.exception() is not None and begun_here:
                 raise StoreUnavailable("the allotment journal could not be written")
 
     async def journaled(self, reservation_ids: Iterable[uuid.UUID]) -> None:
