@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from llmquota.admin.ceiling_alerts import CeilingAlertDetector
 from llmquota.admin.ceilings_over_cells import IN_TRANSIT_SECONDS, CeilingsOverCells
 from llmquota.api.auth import KeyLookup, TooManyFailedAuthentications
 from llmquota.api.cells_listing import merged_page, places_of
 from llmquota.api.cells_routing import KeyCells, Route, StoredAdminKey, authorization_of, route_of
 from llmquota.api.routes.tenant_directory import encode_cursor
 from llmquota.config import Settings
-from llmquota.domain.cells import sliced_bodies, summed, summed_ceilings, whole_ceilings
+from llmquota.domain.ceiling_alerts import AlertDefaults, ceiling_samples
+from llmquota.domain.cells import (
+    refilled_since,
+    sliced_bodies,
+    summed,
+    summed_ceilings,
+    whole_ceilings,
+)
 from llmquota.domain.errors import InvalidRequest, StoreUnavailable
 from llmquota.domain.keys import KeyOwner, key_digest
 from llmquota.domain.plans import Ceiling, StoredCeiling
@@ -315,3 +324,62 @@ async def test_a_move_not_yet_confirmed_counts_with_its_sender_for_a_few_seconds
     now[0] = IN_TRANSIT_SECONDS + 1
     await reader.get_ceilings()
     assert (await reader.get_ceilings())[0].utilization == pytest.approx(0.9)
+
+
+def test_an_away_cells_slice_is_its_last_read_refilled_since() -> None:
+    last = _stored("openai", 5_000, 1_000.0, 0, requests_per_minute=60, request_burst=100)
+    last = dataclasses.replace(last, requests=10.0, in_flight=3)
+    thirty_seconds_later = datetime(2026, 12, 6, 12, 0, 30, tzinfo=UTC)
+    away = refilled_since(last, thirty_seconds_later)
+    # 5,000 tokens a minute for half a minute; 60 requests a minute, up to a burst of 100.
+    assert (away.tokens, away.requests, away.in_flight) == (3_500.0, 40.0, 0)
+    assert away.estimated and away.read_at == thirty_seconds_later
+    assert refilled_since(last, datetime(2026, 12, 6, 12, 5, tzinfo=UTC)).tokens == 5_000.0
+    assert refilled_since(last, None).tokens == 1_000.0  # no clock read: no refill
+    (whole,) = whole_ceilings([[_stored("openai", 5_000, 0.0, 30)], [away]])
+    assert whole.estimated and whole.utilization == pytest.approx(0.65)
+
+
+def test_an_estimated_ceiling_samples_only_the_thresholds_it_has_certainly_crossed() -> None:
+    ceiling = Ceiling(
+        models=["gpt-4o"], tokens_per_minute=1, token_burst=10_000, alert_at=[0.3, 0.5, 0.8]
+    )
+    read_at = datetime(2026, 12, 6, tzinfo=UTC)
+    at_60 = StoredCeiling("openai", ceiling, 1, 4_000.0, None, 0, read_at)
+    exact = ceiling_samples([at_60], AlertDefaults())
+    estimated = ceiling_samples([dataclasses.replace(at_60, estimated=True)], AlertDefaults())
+    assert [float(s.threshold) for s in exact] == [0.3, 0.5, 0.8]
+    assert [float(s.threshold) for s in estimated] == [0.3, 0.5]
+
+
+class _Reader:
+    def __init__(self, estimated: bool) -> None:
+        self.estimated = estimated
+
+    async def get_ceilings(
+        self, name: str | None = None, *, deadline_seconds: float | None = None
+    ) -> list[StoredCeiling]:
+        return [dataclasses.replace(_stored("openai", 5_000, 0.0, 1), estimated=self.estimated)]
+
+
+class _Alerts:
+    def __init__(self) -> None:
+        self.pruned = 0
+
+    async def record_ceiling_samples(self, samples: list[Any]) -> list[Any]:
+        return []
+
+    async def prune_ceiling_alert_states(self, samples: list[Any], read_at: Any) -> None:
+        self.pruned += 1
+
+
+async def test_a_read_with_a_cell_away_prunes_no_episode_state() -> None:
+    # It leaves samples out: pruning by them would forget episodes still open.
+    alerts = _Alerts()
+    reader = _Reader(estimated=True)
+    detector = CeilingAlertDetector(reader, alerts)  # type: ignore[arg-type]
+    await detector.run_once()
+    assert alerts.pruned == 0
+    reader.estimated = False
+    await detector.run_once()
+    assert alerts.pruned == 1

@@ -90,7 +90,10 @@ class CeilingAlertDetector:
                 event_id,
             )
         now = self._monotonic()
-        if self._pruned_at is None or now - self._pruned_at >= PRUNE_EVERY_SECONDS:
+        # A read with a cell away leaves samples out: their states are kept.
+        complete = not any(ceiling.estimated for ceiling in ceilings)
+        due = self._pruned_at is None or now - self._pruned_at >= PRUNE_EVERY_SECONDS
+        if complete and due:
             read_at: datetime | None = ceilings[0].read_at if ceilings else None
             await self._alerts.prune_ceiling_alert_states(samples, read_at)
             self._pruned_at = now

@@ -27,6 +27,12 @@ sender, credit the receiver, confirm: three statements):
 - Room counted twice (a slice read before a debit, its move after) only
   delays an alert, by two reads at most; the sum never exceeds the
   ceiling's capacity.
+
+A cell that does not answer is taken as last read, refilled since
+(domain/cells.py, refilled_since) with its moves as last seen: the whole is
+then `estimated`, its utilization at most the truth, and only crossings
+certain without the cell are recorded (domain/ceiling_alerts.py). A cell
+never read has nothing to estimate by: the read fails, as before.
 """
 
 from __future__ import annotations
@@ -40,10 +46,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from llmquota.admin.ceiling_alerts import CeilingAlertDetector, ceiling_alerts_running
 from llmquota.config import Settings
-from llmquota.domain.cells import whole_ceilings
+from llmquota.domain.cells import refilled_since, whole_ceilings
 from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.plans import StoredCeiling
 from llmquota.store.alerts import AlertStore
+from llmquota.store.budget_moves import Undelivered
 from llmquota.store.cells import cell_served_at
 from llmquota.store.store import Store
 
@@ -69,6 +76,11 @@ class CeilingsOverCells:
         self._monotonic = monotonic
         self._last: dict[str, StoredCeiling] = {}
         self._first_seen: dict[uuid.UUID, float] = {}  # unconfirmed moves
+        # Per cell (by index): its slices and unconfirmed moves as last read,
+        # and which cells did not answer the last read.
+        self._slices: dict[int, dict[str, StoredCeiling]] = {}
+        self._moves: dict[int, list[Undelivered]] = {}
+        self._away: set[int] = set()
 
     async def get_ceilings(
         self, name: str | None = None, *, deadline_seconds: float | None = None
@@ -84,22 +96,69 @@ class CeilingsOverCells:
         return [_roomier(c, last.get(c.name)) for c in whole]
 
     async def _read(self, name: str | None, deadline_seconds: float | None) -> list[StoredCeiling]:
-        """One read of every cell: its slices, then its moves not yet confirmed."""
+        """One read of every cell: its slices, then its moves not yet confirmed;
+        a cell that does not answer, as last read and refilled since."""
         now = self._monotonic()
-        per_cell, in_transit, seen = [], [], {}
-        for store in self._stores:
-            per_cell.append(
-                await store.catalog.get_ceilings(name, deadline_seconds=deadline_seconds)
-            )
+        per_cell: list[list[StoredCeiling] | None] = []
+        in_transit, seen = [], {}
+        for k, store in enumerate(self._stores):
+            try:
+                slices = await store.catalog.get_ceilings(name, deadline_seconds=deadline_seconds)
+                self._moves[k] = await store.budget_moves.undelivered(MAX_MOVES_READ)
+            except StoreUnavailable as exc:
+                if k not in self._slices:
+                    raise  # never read: nothing to estimate it by
+                self._cell_away(k, exc)
+                per_cell.append(None)
+            else:
+                self._cell_back(k, name, slices)
+                per_cell.append(slices)
             sent: dict[str, tuple[float, float]] = {}
-            for move in await store.budget_moves.undelivered(MAX_MOVES_READ):
+            for move in self._moves.get(k, []):
                 seen[move.transfer_id] = self._first_seen.get(move.transfer_id, now)
                 if move.ceiling is not None and now - seen[move.transfer_id] <= IN_TRANSIT_SECONDS:
                     tokens, requests = sent.get(move.ceiling, (0.0, 0.0))
                     sent[move.ceiling] = (tokens + move.tokens, requests + move.requests)
             in_transit.append(sent)
         self._first_seen = seen
-        return whole_ceilings(per_cell, in_transit)
+        return whole_ceilings(self._estimated(per_cell, name), in_transit)
+
+    def _cell_away(self, k: int, exc: StoreUnavailable) -> None:
+        if k not in self._away:
+            self._away.add(k)
+            log.warning(
+                "ceiling alerts: cell %d does not answer (%s); its slices are estimated from "
+                "their last read, and only crossings certain without it are recorded",
+                k + 1,
+                exc,
+            )
+
+    def _cell_back(self, k: int, name: str | None, slices: list[StoredCeiling]) -> None:
+        if k in self._away:
+            self._away.discard(k)
+            log.info("ceiling alerts: cell %d answers again", k + 1)
+        known = {} if name is None else dict(self._slices.get(k, {}))
+        known.pop(name or "", None)
+        self._slices[k] = known | {s.name: s for s in slices}
+
+    def _estimated(
+        self, per_cell: list[list[StoredCeiling] | None], name: str | None
+    ) -> list[list[StoredCeiling]]:
+        """Each away cell's slices as last read, refilled to the latest clock read."""
+        now = max(
+            (s.read_at for cell in per_cell for s in cell or [] if s.read_at is not None),
+            default=None,
+        )
+        return [
+            cell
+            if cell is not None
+            else [
+                refilled_since(last, now)
+                for last in self._slices[k].values()
+                if name is None or last.name == name
+            ]
+            for k, cell in enumerate(per_cell)
+        ]
 
 
 def _comparable(now: StoredCeiling, before: StoredCeiling | None) -> bool:

@@ -18,6 +18,11 @@ sql/alerts_queries.sql), so two workers racing decide it once:
 - anything else in an open episode (above, or dipping less than the
   hysteresis) keeps it open and forgets a run of samples below.
 
+A ceiling read with a cell away (over cells, `StoredCeiling.estimated`) has
+a utilization at most the truth: a sample of it at or above a threshold is
+certain and counts, one below is not and is left out (an episode is not
+ended, nor a run of samples below begun, by a cell's outage).
+
 A crossing that begins and ends between two samples is not seen: samples
 are LLMQUOTA_CEILING_ALERT_INTERVAL_SECONDS apart (1 s), and a bucket refills
 at most its rate per minute, so a ceiling stays near a threshold it reached
@@ -96,6 +101,8 @@ def ceiling_samples(
             if level is None or capacity is None or utilization is None:
                 continue
             for threshold in sorted({_decimal(t) for t in ceiling.alert_thresholds}):
+                if stored.estimated and utilization < float(threshold):
+                    continue
                 samples.append(
                     CeilingSample(
                         ceiling=stored.name,

@@ -287,6 +287,11 @@ class StoredCeiling:
     in_flight: int
     # The database clock the balances are of (get_ceilings' read_at).
     read_at: datetime | None = None
+    # Over cells: a cell holding a slice of it did not answer, so that slice's
+    # balance is its last read refilled since (domain/cells.py, refilled_since):
+    # what it holds if the cell admitted nothing meanwhile, else more than it
+    # holds. The utilization is then at most the truth.
+    estimated: bool = False
 
     @property
     def utilization(self) -> float | None:
