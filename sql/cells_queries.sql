@@ -4,8 +4,8 @@
 -- A cell is a whole copy of the schema in a schema of its own, cell_1 ...
 -- cell_K, in one database. On Citus each cell is a distributed schema: every
 -- table of a cell lives on one node, and a call of one of its functions is
--- sent to that node whole, so an admission is a single-node statement. Six
--- frozen revisions name `public` and `reporting`, so a cell is migrated as
+-- sent to that node whole, so an admission is a single-node statement. Seven
+-- frozen revisions name `public` or `reporting`, so a cell is migrated as
 -- `public` and then renamed; the statements below do the renaming and what it
 -- asks for. Named blocks, as in queries.sql.
 
@@ -56,31 +56,15 @@ SELECT set_config('llmquota.cell', $1::text, true),
 
 -- seal_cell --
 -- Rename the freshly migrated `public` to the cell (and `reporting` to
--- cell_k_reporting, its report functions made to name them), say on it how
--- many cells it is one of, give the database a new, empty `public` as PostgreSQL
--- makes it, hand back what an extension keeps in `public` (Citus's
--- citus_tables and citus_schemas views), and pin the cell's functions to it:
--- a function that named `public` in its search_path now names the cell, and
--- so does every PL/pgSQL or volatile SQL function, so that it resolves names
--- in the cell whatever the caller's path (on Citus it runs on the cell's
--- node, under that node's). Stable and immutable SQL functions (the refill
--- arithmetic, the tenant's shard) stay unpinned: a pin keeps the planner
--- from inlining a function into the statement that calls it, and those it
--- can inline are then that statement, resolved under its function's pin.
--- But not one that calls another function of ours (lq_...): where it is not
--- inlined (a conflict clause Citus runs on a worker) it would look that name
--- up under the worker's path, and not find it. (On Citus a SQL function
--- that reads a table is refused inside another statement either way:
--- lq_batch_layers and the audit's checks are PL/pgSQL for that.)
--- On Citus, the functions that force generic plans stop doing so: Citus
--- cannot plan a statement with parameters generically.
+-- cell_k_reporting), say on it how many cells it is one of, give the
+-- database a new, empty `public` as PostgreSQL makes it, and hand back what
+-- an extension keeps in `public` (Citus's citus_tables and citus_schemas
+-- views). Then pin_cell, in the same transaction.
 DO $$
 DECLARE
     cell      name := current_setting('llmquota.cell');
     reporting name := cell || '_reporting';
-    citus     boolean := EXISTS (SELECT FROM pg_extension WHERE extname = 'citus');
     member    record;
-    f         record;
 BEGIN
     EXECUTE format('ALTER SCHEMA public RENAME TO %I', cell);
     EXECUTE format('ALTER SCHEMA reporting RENAME TO %I', reporting);
@@ -104,6 +88,33 @@ BEGIN
     LOOP
         EXECUTE format('ALTER ROUTINE %s SET SCHEMA public', member.routine);
     END LOOP;
+END
+$$
+
+-- pin_cell --
+-- Pin the cell's functions to it (after seal_cell, and after an upgrade in
+-- place has made some of them again; every step can run again): a function
+-- that named `public` in its search_path now names the cell, and
+-- so does every PL/pgSQL or volatile SQL function, so that it resolves names
+-- in the cell whatever the caller's path (on Citus it runs on the cell's
+-- node, under that node's). Stable and immutable SQL functions (the refill
+-- arithmetic, the tenant's shard) stay unpinned: a pin keeps the planner
+-- from inlining a function into the statement that calls it, and those it
+-- can inline are then that statement, resolved under its function's pin.
+-- But not one that calls another function of ours (lq_...): where it is not
+-- inlined (a conflict clause Citus runs on a worker) it would look that name
+-- up under the worker's path, and not find it. (On Citus a SQL function
+-- that reads a table is refused inside another statement either way:
+-- lq_batch_layers and the audit's checks are PL/pgSQL for that.)
+-- On Citus, the functions that force generic plans stop doing so: Citus
+-- cannot plan a statement with parameters generically.
+DO $$
+DECLARE
+    cell      name := current_setting('llmquota.cell');
+    reporting name := cell || '_reporting';
+    citus     boolean := EXISTS (SELECT FROM pg_extension WHERE extname = 'citus');
+    f         record;
+BEGIN
     FOR f IN SELECT p.oid::regprocedure AS routine, l.lanname AS language,
                     EXISTS (SELECT FROM unnest(p.proconfig) AS c(setting)
                              WHERE c.setting LIKE 'search_path=%') AS pinned,
@@ -156,7 +167,7 @@ BEGIN
     FOR f IN SELECT c.relname AS name FROM pg_class AS c
               WHERE c.relnamespace = reporting::regnamespace AND c.relkind = 'v'
     LOOP
-        EXECUTE format('CREATE FUNCTION %I.%I() RETURNS SETOF %I.%I LANGUAGE sql STABLE '
+        EXECUTE format('CREATE OR REPLACE FUNCTION %I.%I() RETURNS SETOF %I.%I LANGUAGE sql STABLE '
                        'SECURITY DEFINER SET search_path = pg_catalog AS %L',
                        reporting, 'rows_of_' || f.name, reporting, f.name,
                        format('SELECT * FROM %I.%I', reporting, f.name));

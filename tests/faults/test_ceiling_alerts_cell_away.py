@@ -3,9 +3,9 @@
 Over cells a ceiling is watched whole: every cell's slice read and added up
 (admin/ceilings_over_cells.py). Before, one cell that did not answer stopped
 every ceiling's alerts, at the moment an operator most needs them. Now the
-away cell's slice is its last read refilled since (exact while the cell is
-down, more room than it has otherwise), so the whole's utilization is at most
-the truth: a crossing certain without the cell is recorded and alerted, once;
+away cell's slices count as full (their capacity: no credit takes a slice
+past it), so the whole's utilization is at most the truth: a crossing
+certain without the cell is recorded and alerted, once;
 a reading below a threshold is left out, so the outage neither ends an open
 episode nor makes the cell's return alert it again.
 

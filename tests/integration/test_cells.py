@@ -17,6 +17,7 @@ from collections import Counter
 
 import asyncpg
 import pytest
+from alembic import command
 
 from llmquota.admission.cells import CellLimiters
 from llmquota.admission.limiter import Limiter, Reservation
@@ -28,6 +29,7 @@ from llmquota.finance.ledger import LedgerStore
 from llmquota.store import migrate
 from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name, in_cell
 from llmquota.store.migrate import MigrationRefused
+from llmquota.store.sqlfiles import repeatable_scripts
 from tests.conftest import _admin as _execute
 from tests.conftest import audit_findings
 from tests.support import APP_ROLE, dsn_as, run_cli
@@ -253,26 +255,158 @@ async def test_a_deployment_in_public_is_never_taken_over(empty_database_dsn: st
         await connection.close()
 
 
-async def test_a_cell_behind_the_code_is_refused(cells_dsn: str) -> None:
+async def _cell_objects(dsn: str, cell: str) -> list[tuple[str, ...]]:
+    """A cell's functions (signature, language, settings, body, comment) and
+    its reporting schema's, and that schema's views with their comments, the
+    cell's name written as `cell_k`: what a build made, to compare one cell
+    with another."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT p.oid::regprocedure::text, l.lanname, coalesce(p.proconfig::text, ''),"
+            "       p.prosrc, coalesce(obj_description(p.oid, 'pg_proc'), '')"
+            "  FROM pg_proc AS p JOIN pg_language AS l ON l.oid = p.prolang"
+            " WHERE p.pronamespace IN ($1::regnamespace, ($1 || '_reporting')::regnamespace)"
+            " UNION ALL"
+            " SELECT c.relname, 'view', '', pg_get_viewdef(c.oid),"
+            "        coalesce(obj_description(c.oid, 'pg_class'), '')"
+            "  FROM pg_class AS c"
+            " WHERE c.relnamespace = ($1 || '_reporting')::regnamespace AND c.relkind = 'v'",
+            cell,
+        )
+        return sorted(
+            tuple(str(value).replace(cell, "cell_k") for value in row.values()) for row in rows
+        )
+    finally:
+        await connection.close()
+
+
+async def test_a_cell_behind_the_code_is_upgraded_in_place_to_what_a_build_makes(
+    cells_dsn: str, settings: Settings
+) -> None:
+    # Cell 2 as an older release left it: a revision behind (0034's own
+    # downgrade, run in the cell) and every script of another text (the
+    # finance reports and the grants included, which name its schemas).
+    await asyncio.to_thread(
+        command.downgrade, migrate.alembic_config(in_cell(cells_dsn, "cell_2")), "0033"
+    )
+    await _execute(cells_dsn, "UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)")
+    assert await _execute_fetch(cells_dsn, "SELECT to_regclass('cell_2.budget_transfers')") is None
+
+    cells = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+
+    every_script = ", ".join(script.name for script in repeatable_scripts())
+    assert [c.status for c in cells] == [
+        "up to date",
+        f"upgraded (revision 0033 to 0034; scripts {every_script})",
+    ]
+    # What a build of this code makes, function for function, setting for
+    # setting, body for body; nothing in `public`, no `reporting` of its own.
+    assert await _cell_objects(cells_dsn, "cell_2") == await _cell_objects(cells_dsn, "cell_1")
+    assert (
+        await _execute_fetch(
+            cells_dsn,
+            "SELECT count(*) FROM pg_proc WHERE pronamespace = 'public'::regnamespace"
+            " AND proname LIKE 'lq\\_%'",
+        )
+        == 0
+    )
+    assert await _execute_fetch(cells_dsn, "SELECT to_regclass('public.budget_transfers')") is None
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
+    again = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+    assert [c.status for c in again] == ["up to date", "up to date"]
+
+    # And it works as the service's role sees it, the rebalancer's table too.
+    cell = in_cell(cells_dsn, "cell_2")
+    await _give_room(cell, "acme", 2 * COST)
+    limiter = await Limiter.connect(dsn_as(cell, APP_ROLE), settings)
+    try:
+        reservation = await limiter.admit(**REQUEST)
+        await limiter.settle(reservation.reservation_id, input_tokens=100, output_tokens=50)
+    finally:
+        await limiter.close()
+    assert await _ledger_rows(cell) == 1
+    assert await _execute_fetch(cells_dsn, "SELECT count(*) FROM cell_2.budget_transfers") == 0
+    assert await audit_findings(cell) == []
+
+
+async def test_a_cell_is_upgraded_while_its_service_admits_and_settles_and_no_request_fails(
+    cells_dsn: str, settings: Settings
+) -> None:
+    # Every script applied again in one transaction, with its functions pinned:
+    # a call sees the old functions or the new ones, never none.
+    await _execute(cells_dsn, "UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)")
+    cell = in_cell(cells_dsn, "cell_2")
+    await _give_room(cell, "acme", 10**9)
+    limiter = await Limiter.connect(dsn_as(cell, APP_ROLE), settings)
+    settled, failures = 0, []
+    warm, upgraded = asyncio.Event(), asyncio.Event()
+
+    async def serve() -> None:
+        nonlocal settled
+        after = 0
+        while after < 20:  # until 20 more settled after the upgrade, each
+            try:
+                reservation = await limiter.admit(**REQUEST)
+                await limiter.settle(reservation.reservation_id, input_tokens=100, output_tokens=50)
+            except Exception as exc:  # what failed is the finding
+                failures.append(repr(exc))
+                warm.set()
+                return
+            settled += 1
+            after += upgraded.is_set()
+            if settled >= 20:
+                warm.set()
+
+    try:
+        clients = [asyncio.create_task(serve()) for _ in range(4)]
+        await warm.wait()
+        cells = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
+        upgraded.set()
+        await asyncio.gather(*clients)
+    finally:
+        await limiter.close()
+
+    assert cells[1].status.startswith("upgraded (scripts admission.sql, ")
+    assert failures == []
+    assert await _ledger_rows(cell) == settled >= 20 + 4 * 20
+    assert await audit_findings(cell) == []
+
+
+@pytest.mark.parametrize(
+    ("revision", "refusal"),
+    [
+        ("9999", "cell_2 is at revision 9999, which this code does not know"),
+        ("0025", "cell_2 is at revision 0025: revisions 0026 name a schema"),
+    ],
+)
+async def test_a_cell_that_cannot_be_upgraded_in_place_is_refused_and_nothing_changes(
+    cells_dsn: str, revision: str, refusal: str
+) -> None:
     await _execute(
         cells_dsn,
-        "UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)"
+        f"UPDATE cell_2.alembic_version SET version_num = '{revision}';"
+        " UPDATE cell_1.schema_repeatables SET checksum = repeat('0', 64)"
         " WHERE name = 'admission.sql'",
     )
 
-    with pytest.raises(CellsError, match=r"cell_2 is behind this code .*admission\.sql"):
+    with pytest.raises(CellsError, match=refusal):
         await asyncio.to_thread(build_cells, cells_dsn, CELLS)
 
-    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
-    connection = await asyncpg.connect(cells_dsn)
-    try:
-        assert (
-            await connection.fetchval(
-                "SELECT checksum FROM cell_2.schema_repeatables WHERE name = 'admission.sql'"
-            )
-            == "0" * 64
+    # Refused before any cell was touched: cell 1's scripts were not applied either.
+    assert (
+        await _execute_fetch(
+            cells_dsn, "SELECT checksum FROM cell_1.schema_repeatables WHERE name = 'admission.sql'"
         )
-        assert await connection.fetchval("SELECT to_regclass('public.limit_layers')") is None
+        == "0" * 64
+    )
+    assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
+
+
+async def _execute_fetch(dsn: str, query: str) -> object:
+    connection = await asyncpg.connect(dsn)
+    try:
+        return await connection.fetchval(query)
     finally:
         await connection.close()
 

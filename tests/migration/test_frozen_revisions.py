@@ -7,6 +7,7 @@ existed; nothing in sql/ may change it.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 from alembic.script import ScriptDirectory
@@ -50,3 +51,14 @@ def test_replaying_a_revision_gives_its_tables(fresh_dsn: str, revision: str) ->
     # At head the repeatable scripts ran too: they add no table.
     expected = _revisions()[-1] if revision == "head" else revision
     assert asyncio.run(table_snapshot(fresh_dsn)) == frozen_tables(expected)
+
+
+def test_every_revision_since_cells_exist_names_no_schema() -> None:
+    # A cell is upgraded in place by running the revisions it lacks with its
+    # own schema as the search_path (store/cells.py): a revision naming
+    # `public` or `reporting` would reach past it, so the build refuses one.
+    # Only the frozen ones before cells existed (up to 0026) name them.
+    naming = migrate.revisions_after("0026")
+    assert naming is not None and naming[0][0] == "0027"
+    assert [number for number, text in naming if re.search(r"\b(public|reporting)\b", text)] == []
+    assert migrate.revisions_after("9999") is None

@@ -61,7 +61,7 @@ class ScriptedJournal:
         return {a.allotment_id: True for a in admissions}
 
 
-def journaled_once(store: ScriptedJournal) -> tuple[Allotments, SliceAdmission]:
+def journaled_once(store: ScriptedJournal | AwayJournal) -> tuple[Allotments, SliceAdmission]:
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     policies = PolicyCache(refresh_seconds=10, max_stale_seconds=60)
     allotments = Allotments(cast(Any, store), settings, policies, lambda _decisions: None)
@@ -99,3 +99,39 @@ async def test_a_write_journal_whose_own_write_fails_says_so_and_keeps_the_admis
     assert [a for _s, a in allotments.pending] == [admission]
     await allotments.write_journal()
     assert store.written == [admission.reservation_id]
+
+
+class AwayJournal:
+    """The journal's store while the store stays away: every write fails, a
+    little later."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+
+    async def journal(
+        self, admissions: Sequence[SliceAdmission], hold_seconds: int, deadline_seconds: float
+    ) -> dict[uuid.UUID, bool]:
+        self.writes += 1
+        await asyncio.sleep(0.001)
+        raise StoreUnavailable("database unavailable: connection refused")
+
+
+async def test_a_write_journal_answers_while_the_store_stays_away_whatever_else_writes() -> None:
+    # Admissions keep beginning writes (a full batch starts one at once): the
+    # call still answers, from the first write it did not find under way.
+    store = AwayJournal()
+    allotments, _admission = journaled_once(cast(Any, store))
+    allotments._start_writing()  # under way when the call begins: excused once
+
+    async def admissions() -> None:
+        while True:
+            allotments._start_writing()
+            await asyncio.sleep(0)
+
+    busy = asyncio.ensure_future(admissions())
+    try:
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(allotments.write_journal(), timeout=5)
+    finally:
+        busy.cancel()
+    assert store.writes <= 4

@@ -21,7 +21,7 @@ from llmquota.api.routes.tenant_directory import encode_cursor
 from llmquota.config import Settings
 from llmquota.domain.ceiling_alerts import AlertDefaults, ceiling_samples
 from llmquota.domain.cells import (
-    refilled_since,
+    at_capacity,
     sliced_bodies,
     summed,
     summed_ceilings,
@@ -31,7 +31,7 @@ from llmquota.domain.errors import InvalidRequest, StoreUnavailable
 from llmquota.domain.keys import KeyOwner, key_digest
 from llmquota.domain.plans import Ceiling, StoredCeiling
 from llmquota.store.budget_moves import Undelivered
-from llmquota.store.cells import cell_named_in, in_cell
+from llmquota.store.cells import cell_named_in, in_cell, script_in_cell
 
 
 @pytest.mark.parametrize(
@@ -288,12 +288,13 @@ class _FakeCell:
 
     def __init__(self, tokens: list[float], moving: float = 0.0) -> None:
         self.tokens, self.moving, self.move_id = tokens, moving, uuid.uuid4()
+        self.extra: list[StoredCeiling] = []
         self.catalog, self.budget_moves = self, self
 
     async def get_ceilings(
         self, name: str | None = None, *, deadline_seconds: float | None = None
     ) -> list[StoredCeiling]:
-        return [_stored("openai", 5_000, self.tokens.pop(0), 1)]
+        return [_stored("openai", 5_000, self.tokens.pop(0), 1), *self.extra]
 
     async def undelivered(self, limit: int) -> list[Undelivered]:
         return (
@@ -326,18 +327,35 @@ async def test_a_move_not_yet_confirmed_counts_with_its_sender_for_a_few_seconds
     assert (await reader.get_ceilings())[0].utilization == pytest.approx(0.9)
 
 
-def test_an_away_cells_slice_is_its_last_read_refilled_since() -> None:
+def test_an_away_cells_slice_counts_as_full() -> None:
     last = _stored("openai", 5_000, 1_000.0, 0, requests_per_minute=60, request_burst=100)
     last = dataclasses.replace(last, requests=10.0, in_flight=3)
-    thirty_seconds_later = datetime(2026, 12, 6, 12, 0, 30, tzinfo=UTC)
-    away = refilled_since(last, thirty_seconds_later)
-    # 5,000 tokens a minute for half a minute; 60 requests a minute, up to a burst of 100.
-    assert (away.tokens, away.requests, away.in_flight) == (3_500.0, 40.0, 0)
-    assert away.estimated and away.read_at == thirty_seconds_later
-    assert refilled_since(last, datetime(2026, 12, 6, 12, 5, tzinfo=UTC)).tokens == 5_000.0
-    assert refilled_since(last, None).tokens == 1_000.0  # no clock read: no refill
+    away = at_capacity(last)
+    # Whatever it admitted or was moved since, it holds no more than its capacity.
+    assert (away.tokens, away.requests, away.in_flight) == (5_000.0, 100.0, 0)
+    assert away.estimated and away.read_at == last.read_at
     (whole,) = whole_ceilings([[_stored("openai", 5_000, 0.0, 30)], [away]])
-    assert whole.estimated and whole.utilization == pytest.approx(0.65)
+    assert whole.estimated and whole.utilization == pytest.approx(0.5)
+
+
+async def test_a_ceiling_an_away_cells_last_read_lacked_samples_nothing() -> None:
+    one, two = _FakeCell([500.0] * 4), _FakeCell([5_000.0] * 2)
+    reader = CeilingsOverCells([one, two])  # type: ignore[list-item]
+    assert (await reader.get_ceilings())[0].utilization == pytest.approx(0.45)
+
+    # Cell 2 goes away; cell 1 gains a ceiling cell 2 was never read with.
+    async def away(name: str | None = None, **_: Any) -> list[StoredCeiling]:
+        raise StoreUnavailable("database unavailable")
+
+    two.get_ceilings = away  # type: ignore[method-assign]
+    newer = _stored("newer", 5_000, 0.0, 2)
+    one.tokens = [500.0, 500.0]
+    one.extra = [newer]
+    openai, unknown = await reader.get_ceilings()
+    assert openai.estimated and openai.utilization == pytest.approx(0.45)
+    assert unknown.name == "newer" and unknown.estimated
+    assert (unknown.tokens, unknown.utilization) == (None, None)
+    assert ceiling_samples([unknown], AlertDefaults()) == []
 
 
 def test_an_estimated_ceiling_samples_only_the_thresholds_it_has_certainly_crossed() -> None:
@@ -383,3 +401,22 @@ async def test_a_read_with_a_cell_away_prunes_no_episode_state() -> None:
     reader.estimated = False
     await detector.run_once()
     assert alerts.pruned == 1
+
+
+def test_a_script_run_in_a_cell_names_its_schemas_and_leaves_roles_alone() -> None:
+    script = (
+        "GRANT USAGE ON SCHEMA public TO llmquota_app;\n"
+        "REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA public FROM PUBLIC;\n"
+        "SET search_path = pg_catalog, public\n"
+        "CREATE OR REPLACE FUNCTION reporting.usage_daily() ... FROM public.usage_ledger;\n"
+        "GRANT USAGE ON SCHEMA reporting TO llmquota_reporting;\n"
+        "SELECT 'public'::regnamespace, publicity, reporting_day;\n"
+    )
+    assert script_in_cell(script, "cell_3") == (
+        "GRANT USAGE ON SCHEMA cell_3 TO llmquota_app;\n"
+        "REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA cell_3 FROM PUBLIC;\n"
+        "SET search_path = pg_catalog, cell_3\n"
+        "CREATE OR REPLACE FUNCTION cell_3_reporting.usage_daily() ... FROM cell_3.usage_ledger;\n"
+        "GRANT USAGE ON SCHEMA cell_3_reporting TO llmquota_reporting;\n"
+        "SELECT 'cell_3'::regnamespace, publicity, reporting_day;\n"
+    )

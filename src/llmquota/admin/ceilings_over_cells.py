@@ -28,11 +28,14 @@ sender, credit the receiver, confirm: three statements):
   delays an alert, by two reads at most; the sum never exceeds the
   ceiling's capacity.
 
-A cell that does not answer is taken as last read, refilled since
-(domain/cells.py, refilled_since) with its moves as last seen: the whole is
-then `estimated`, its utilization at most the truth, and only crossings
-certain without the cell are recorded (domain/ceiling_alerts.py). A cell
-never read has nothing to estimate by: the read fails, as before.
+A cell that does not answer counts its slices, as last read, full (their
+capacity: no credit takes one past it, so whatever it admitted or the
+rebalancer moved into it meanwhile, it holds no more), with its moves as
+last seen: the whole is then `estimated`, its utilization at most the
+truth, and only crossings certain without the cell are recorded
+(domain/ceiling_alerts.py). A ceiling the away cell's last read lacked is
+not known whole meanwhile and samples nothing. A cell never read has
+nothing to estimate by: the read fails, as before.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from llmquota.admin.ceiling_alerts import CeilingAlertDetector, ceiling_alerts_running
 from llmquota.config import Settings
-from llmquota.domain.cells import refilled_since, whole_ceilings
+from llmquota.domain.cells import at_capacity, whole_ceilings
 from llmquota.domain.errors import StoreUnavailable
 from llmquota.domain.plans import StoredCeiling
 from llmquota.store.alerts import AlertStore
@@ -93,11 +96,11 @@ class CeilingsOverCells:
             last = {c.name: c for c in whole}
             whole = await self._read(name, deadline_seconds)
         self._last = {c.name: c for c in whole}
-        return [_roomier(c, last.get(c.name)) for c in whole]
+        return self._unknown_while_away([_roomier(c, last.get(c.name)) for c in whole])
 
     async def _read(self, name: str | None, deadline_seconds: float | None) -> list[StoredCeiling]:
         """One read of every cell: its slices, then its moves not yet confirmed;
-        a cell that does not answer, as last read and refilled since."""
+        a cell that does not answer, as last read, its slices full."""
         now = self._monotonic()
         per_cell: list[list[StoredCeiling] | None] = []
         in_transit, seen = [], {}
@@ -127,8 +130,8 @@ class CeilingsOverCells:
         if k not in self._away:
             self._away.add(k)
             log.warning(
-                "ceiling alerts: cell %d does not answer (%s); its slices are estimated from "
-                "their last read, and only crossings certain without it are recorded",
+                "ceiling alerts: cell %d does not answer (%s); its slices count as full, and "
+                "only crossings certain without it are recorded",
                 k + 1,
                 exc,
             )
@@ -144,20 +147,30 @@ class CeilingsOverCells:
     def _estimated(
         self, per_cell: list[list[StoredCeiling] | None], name: str | None
     ) -> list[list[StoredCeiling]]:
-        """Each away cell's slices as last read, refilled to the latest clock read."""
-        now = max(
-            (s.read_at for cell in per_cell for s in cell or [] if s.read_at is not None),
-            default=None,
-        )
+        """Each away cell's slices as last read, at their capacity."""
         return [
             cell
             if cell is not None
             else [
-                refilled_since(last, now)
+                at_capacity(last)
                 for last in self._slices[k].values()
                 if name is None or last.name == name
             ]
             for k, cell in enumerate(per_cell)
+        ]
+
+    def _unknown_while_away(self, whole: list[StoredCeiling]) -> list[StoredCeiling]:
+        """While a cell is away, a ceiling its last read lacked has no known
+        whole (its slice there has no capacity to count): no balances, so no
+        samples, and `estimated`, so its episodes' states are kept."""
+        if not self._away:
+            return whole
+        known = set.intersection(*(set(self._slices[k]) for k in self._away))
+        return [
+            c
+            if c.name in known
+            else dataclasses.replace(c, tokens=None, requests=None, estimated=True)
+            for c in whole
         ]
 
 

@@ -330,19 +330,23 @@ class Allotments:
         """Write every admission decided so far (and wait for a write under way);
         StoreUnavailable when the store does not take them (they stay pending).
 
-        Only a write begun here decides the answer: one under way since
-        before (a timer's, begun while the store was away) may fail after the
-        store is back, and then this call writes again itself."""
+        The write under way when this is called (a timer's, begun while the
+        store was away) may fail after the store is back: then this call
+        writes again itself. Any later write that fails answers the call, so
+        it returns while the store stays away, however many writes others begin."""
+        earlier = self._writing if self._writing is not None and not self._writing.done() else None
         while True:
-            begun_here = self._writing is None or self._writing.done()
-            if begun_here:
+            if self._writing is None or self._writing.done():
                 if not self.pending:
                     return
                 self._start_writing()
             writing = self._writing
             assert writing is not None
             await asyncio.wait([writing])
-            if writing.exception() is not None and begun_here:
+            if writing.exception() is not None:
+                if writing is earlier:
+                    earlier = None
+                    continue
                 raise StoreUnavailable("the allotment journal could not be written")
 
     async def journaled(self, reservation_ids: Iterable[uuid.UUID]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 
 from llmquota.domain.errors import InvalidRequest
 from llmquota.domain.plans import Ceiling, StoredCeiling
@@ -29,9 +28,9 @@ from llmquota.domain.policy import Policy
 
 __all__ = [
     "SPLIT_LIMITS",
+    "at_capacity",
     "ceiling_slice_of",
     "cell_of",
-    "refilled_since",
     "slice_of",
     "sliced_bodies",
     "summed",
@@ -199,38 +198,24 @@ def whole_ceilings(
     return whole
 
 
-def refilled_since(last: StoredCeiling, now: datetime | None) -> StoredCeiling:
-    """A slice whose cell does not answer, as of `now` (another cell's clock;
-    None: no cell answered with one): its last read's balances refilled at
-    its rates since, up to its capacity, nothing in flight. Exact if the cell
-    admitted nothing meanwhile (it is down: no request reaches it), more room
-    than it has if it did (only this reader lost it): never a utilization
-    above the truth."""
-    read_at = last.read_at or now
-    seconds = (now - read_at).total_seconds() if now and read_at else 0.0
-    minutes = max(0.0, seconds) / 60.0
+def at_capacity(last: StoredCeiling) -> StoredCeiling:
+    """A slice whose cell does not answer: as much room as it can hold (its
+    capacity, as last read; a credit is clamped at it), nothing in flight.
+    Whatever the cell admitted meanwhile, or the rebalancer moved into it, it
+    holds no more, so a whole added up with it has a utilization at most the
+    truth: `estimated`."""
     ceiling = last.ceiling
     return dataclasses.replace(
         last,
-        tokens=_refilled(
-            last.tokens, ceiling.tokens_per_minute, ceiling.effective_token_burst, minutes
-        ),
-        requests=_refilled(
-            last.requests, ceiling.requests_per_minute, ceiling.effective_request_burst, minutes
-        ),
+        tokens=_full(last.tokens, ceiling.effective_token_burst),
+        requests=_full(last.requests, ceiling.effective_request_burst),
         in_flight=0,
-        read_at=now or last.read_at,
         estimated=True,
     )
 
 
-def _refilled(
-    balance: float | None, per_minute: int | None, capacity: int | None, minutes: float
-) -> float | None:
-    if balance is None:
-        return None
-    refilled = balance + (per_minute or 0) * minutes
-    return refilled if capacity is None else min(refilled, float(capacity))
+def _full(balance: float | None, capacity: int | None) -> float | None:
+    return balance if balance is None or capacity is None else float(capacity)
 
 
 def _sum_of(values: list[float | None]) -> float | None:

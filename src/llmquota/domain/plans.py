@@ -287,10 +287,10 @@ class StoredCeiling:
     in_flight: int
     # The database clock the balances are of (get_ceilings' read_at).
     read_at: datetime | None = None
-    # Over cells: a cell holding a slice of it did not answer, so that slice's
-    # balance is its last read refilled since (domain/cells.py, refilled_since):
-    # what it holds if the cell admitted nothing meanwhile, else more than it
-    # holds. The utilization is then at most the truth.
+    # Over cells: a cell holding a slice of it did not answer, so that slice
+    # counts as full (domain/cells.py, at_capacity), or, if the cell's last
+    # read lacked it, the balances are unknown (None). The utilization is then
+    # at most the truth.
     estimated: bool = False
 
     @property

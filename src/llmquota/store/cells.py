@@ -10,7 +10,7 @@ each migrated by the same migrations and SQL files; a tenant is to live in
 the cell its name hashes to, and every admission, settlement and sweep of it
 runs on that cell's node, whole: its locks, its refill arithmetic, its clock.
 
-Six frozen revisions name `public` and `reporting`, so a cell is born as
+Seven frozen revisions name `public` or `reporting`, so a cell is born as
 `public` (the migrations run as they always do) and is then renamed, and its
 functions pinned to it (sql/cells_queries.sql, `seal_cell`). On Citus the cell
 then becomes a distributed schema, its functions are created on its node, and
@@ -21,10 +21,14 @@ per cell, `cells_in` and `in_cell` here); a service at a cell's DSN serves
 that cell, and at the `public` DSN every cell (`cells_served_at`,
 api/cells_front.py); a maintenance command at the database's own DSN reaches each
 (`deployments_of`). A database-level `reporting` schema reads the cell of
-the session that calls it (`reporting_over_cells`). What this module does
-not do yet (docs/scaling.md says what comes next): upgrade a cell built by
-an older release in place (a cell behind the code is refused with a
-message).
+the session that calls it (`reporting_over_cells`).
+
+A build with a newer release upgrades each existing cell in place
+(`_upgrade`): the revisions it lacks run with the cell as the search_path
+(every revision since cells exist names no schema; the build refuses a cell
+one would not reach), and the repeatable scripts that changed run with
+`public` and `reporting` rewritten to the cell's names, its functions
+pinned again in the same transaction.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import asyncpg
 from llmquota.domain.cell_hints import HINTED_CELLS
 from llmquota.store import migrate
 from llmquota.store.connection import translate_errors
-from llmquota.store.sqlfiles import named_queries, repeatable_scripts
+from llmquota.store.sqlfiles import named_queries
 
 __all__ = [
     "MAX_CELLS",
@@ -53,6 +57,7 @@ __all__ = [
     "cells_served_at",
     "deployments_of",
     "in_cell",
+    "script_in_cell",
 ]
 
 # Tenants are placed by hashing their name over the cells, so the count is
@@ -64,6 +69,12 @@ MAX_CELLS = HINTED_CELLS
 CELLS_LOCK = "llmquota.cells"
 # What a cell's schema is called: cell_<number> (cell_name).
 _CELL_NAME = re.compile(r"cell_[0-9]+")
+# The schemas a migration or a repeatable script may name, which a cell
+# renamed (seal_cell): `public` (the role PUBLIC is in capitals) and `reporting`
+# (`llmquota_reporting`, a role, is one word with it: no boundary).
+_PUBLIC = re.compile(r"\bpublic\b")
+_REPORTING = re.compile(r"(?<!')\breporting\b")
+_SCHEMA_NAMED = re.compile(r"\b(?:public|reporting)\b")
 
 
 class CellsError(Exception):
@@ -75,7 +86,7 @@ class Cell:
     """One cell after the build: its schema, what the build did, where it lives."""
 
     name: str
-    status: str  # "built" | "up to date"
+    status: str  # "built" | "up to date" | "upgraded (what was done)"
     node: str | None  # host:port of its Citus node; None on a plain PostgreSQL
 
 
@@ -203,8 +214,9 @@ async def _build(dsn: str, count: int) -> list[Cell]:
         citus = bool(await connection.fetchval(queries["is_citus"]))
         cells: list[Cell] = []
         for cell in (cell_name(k) for k in range(1, count + 1)):
-            status = "up to date"
-            if cell not in existing:
+            if cell in existing:
+                status = await _upgrade(connection, dsn, cell, count)
+            else:
                 await connection.execute(queries["drop_reporting_over_cells"])
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
@@ -213,15 +225,20 @@ async def _build(dsn: str, count: int) -> list[Cell]:
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["seal_cell"])
+                    await connection.execute(queries["pin_cell"])
                 status = "built"
-            if citus and await _distribute(connection, cell):
-                status = "built"
+            if citus and await _distribute(connection, cell) and status == "up to date":
+                status = "built"  # an interrupted build's distribution, finished
             if citus:
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["stamp_ledger_rows_on_their_node"])
             cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
-        await connection.execute(queries["reporting_over_cells"])
+        async with connection.transaction():
+            if any(c.status.startswith("upgraded") for c in cells):
+                # Made again whole: a report whose result changed cannot be replaced.
+                await connection.execute(queries["drop_reporting_over_cells"])
+            await connection.execute(queries["reporting_over_cells"])
         return cells
     finally:
         await connection.close()
@@ -239,7 +256,7 @@ async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: in
             "built, since tenants are placed by it"
         )
     for row in rows:
-        await _check_up_to_date(connection, row["cell"])
+        await _check_upgradable(connection, row["cell"])
     public = await connection.fetchrow(queries["public_state"])
     if public["schema"] != "public":
         raise CellsError(
@@ -264,23 +281,66 @@ async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: in
     return built
 
 
-async def _check_up_to_date(connection: asyncpg.Connection, cell: str) -> None:
-    """Refuse a cell whose revision or repeatable scripts are not this code's."""
-    head = migrate.head_revision()
-    quoted = _quoted(cell)
-    revision = await connection.fetchval(f"SELECT version_num FROM {quoted}.alembic_version")
-    recorded = {
-        row["name"]: row["checksum"]
-        for row in await connection.fetch(f"SELECT name, checksum FROM {quoted}.schema_repeatables")
-    }
-    changed = [s.name for s in migrate.scripts_due(repeatable_scripts(), recorded, force=False)]
-    if revision != head or changed:
-        behind = f"revision {revision}, this code's is {head}" if revision != head else ""
-        scripts = f"scripts changed since it was built: {', '.join(changed)}" if changed else ""
+async def _check_upgradable(connection: asyncpg.Connection, cell: str) -> None:
+    """Refuse a cell that cannot be upgraded in place: one at a revision this
+    code does not know (a newer release built it), or one a revision still to
+    run would not reach (it names a schema: the seven frozen ones up to 0026,
+    run before cells existed, name `public` or `reporting`)."""
+    revision = await connection.fetchval(f"SELECT version_num FROM {_quoted(cell)}.alembic_version")
+    due = migrate.revisions_after(revision)
+    if due is None:
         raise CellsError(
-            f"{cell} is behind this code ({'; '.join(p for p in (behind, scripts) if p)}): "
-            "upgrading a cell in place is not built yet (docs/scaling.md, Cells)"
+            f"{cell} is at revision {revision}, which this code does not know: a newer "
+            "release built it; build or upgrade cells with that release or a later one"
         )
+    naming = [number for number, text in due if _SCHEMA_NAMED.search(text)]
+    if naming:
+        raise CellsError(
+            f"{cell} is at revision {revision}: revisions {', '.join(naming)} name a schema "
+            "and cannot run in a cell in place; build the cells again (docs/scaling.md, Cells)"
+        )
+
+
+async def _upgrade(connection: asyncpg.Connection, dsn: str, cell: str, count: int) -> str:
+    """Bring a cell built by an older release up to this code, in place, while
+    its services run: its revisions still to run (their DDL names no schema,
+    so it lands in the cell its DSN's search_path names), then its repeatable
+    scripts that changed, rewritten to name the cell's schemas and applied with
+    its functions pinned again in one transaction (callers see the old
+    functions or the new ones, pinned). Its functions are pinned again on every
+    build (each step repeatable), so a build stopped between a revision and
+    its pin, or a release that changes only the pin's rules, is finished by
+    the next. Its status: "up to date" or what was done."""
+    queries = named_queries("cells_queries.sql")
+    at = in_cell(dsn, cell)
+    revision = await connection.fetchval(f"SELECT version_num FROM {_quoted(cell)}.alembic_version")
+    done = []
+    if revision != migrate.head_revision():
+        await asyncio.to_thread(migrate.upgrade_cell, at)
+        done.append(f"revision {revision} to {migrate.head_revision()}")
+
+    async def pin(session: asyncpg.Connection) -> None:
+        await session.execute(queries["name_the_cell"], cell, count)
+        await session.execute(queries["pin_cell"])
+
+    applied = await migrate.apply_repeatables_async(
+        at, rewrite=lambda text: script_in_cell(text, cell), finish=pin
+    )
+    if applied:
+        done.append(f"scripts {', '.join(script.name for script in applied)}")
+    else:  # a revision's new functions, or a build stopped before its pin: pinned all the same
+        async with connection.transaction():
+            await pin(connection)
+    return f"upgraded ({'; '.join(done)})" if done else "up to date"
+
+
+def script_in_cell(text: str, cell: str) -> str:
+    """A repeatable script as it runs in a cell: `public` (the schema; the
+    role PUBLIC is written in capitals) names the cell, `reporting` the
+    cell's reporting schema, as seal_cell renamed them; but not a text that
+    begins with `reporting` (a view's comment naming the report it shows, as
+    a build leaves it). SQL comments change too."""
+    return _REPORTING.sub(f"{cell}_reporting", _PUBLIC.sub(cell, text))
 
 
 async def _distribute(connection: asyncpg.Connection, cell: str) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +29,7 @@ import asyncpg
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 
 from llmquota.resources import migrations_dir
 from llmquota.store.sqlfiles import RepeatableScript, named_queries, repeatable_scripts
@@ -119,6 +120,18 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(_scripts_config()).get_current_head()
 
 
+def revisions_after(revision: str) -> list[tuple[str, str]] | None:
+    """Each revision after `revision` up to head, oldest first, with its
+    file's text; None when `revision` is not one of this code's (a newer
+    release's)."""
+    scripts = ScriptDirectory.from_config(_scripts_config())
+    try:
+        found = list(scripts.iterate_revisions("heads", revision))
+    except RevisionError:
+        return None
+    return [(s.revision, Path(s.path).read_text(encoding="utf-8")) for s in reversed(found)]
+
+
 def _is_head(revision: str) -> bool:
     return revision in ("head", "heads") or revision == head_revision()
 
@@ -167,6 +180,13 @@ async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
         )
 
 
+def upgrade_cell(cell_dsn: str) -> None:
+    """Migrate one cell in place to head: its DSN's search_path names the cell
+    (store/cells.py, which checks first that every revision still to run names
+    no schema, and applies the repeatable scripts after)."""
+    _outside_event_loop(command.upgrade, alembic_config(cell_dsn), "head")
+
+
 def downgrade(dsn: str, revision: str) -> None:
     """Migrate the database down to `revision` ("base": nothing at all).
 
@@ -194,9 +214,18 @@ def apply_repeatables(
 
 
 async def apply_repeatables_async(
-    dsn: str, *, sql_root: Path | None = None, force: bool = False
+    dsn: str,
+    *,
+    sql_root: Path | None = None,
+    force: bool = False,
+    rewrite: Callable[[str], str] | None = None,
+    finish: Callable[[asyncpg.Connection], Awaitable[object]] | None = None,
 ) -> list[AppliedScript]:
-    """apply_repeatables for an async caller (logs only scripts gone from sql/)."""
+    """apply_repeatables for an async caller (logs only scripts gone from sql/).
+
+    For a cell upgraded in place (store/cells.py): `rewrite` makes each
+    script's text name the cell's schemas, and `finish` runs in the same
+    transaction once any script was applied (the cell's functions pinned)."""
     scripts = repeatable_scripts(sql_root)
     connection = await asyncpg.connect(dsn)
     try:
@@ -216,7 +245,8 @@ async def apply_repeatables_async(
             applied = scripts_due(scripts, recorded, force)
             by_name = {script.name: script for script in scripts}
             for entry in applied:
-                await connection.execute(by_name[entry.name].text)
+                text = by_name[entry.name].text
+                await connection.execute(text if rewrite is None else rewrite(text))
                 await connection.execute(
                     "INSERT INTO schema_repeatables (name, checksum, applied_at)"
                     " VALUES ($1, $2, clock_timestamp())"
@@ -225,6 +255,8 @@ async def apply_repeatables_async(
                     entry.name,
                     entry.checksum,
                 )
+            if applied and finish is not None:
+                await finish(connection)
             # A script removed from sql/: its record goes, its objects stay
             # (dropping them is the job of a script or a versioned migration).
             gone = sorted(set(recorded) - set(by_name))
