@@ -449,6 +449,26 @@ def test_migrate_cells_from_the_command_line(empty_database_dsn: str) -> None:
     assert "this database has 2 cells (cell_1, cell_2)" in refused.stderr
 
 
+def test_migrate_cells_from_the_command_line_upgrades_a_cell_behind_it(
+    empty_database_dsn: str,
+) -> None:
+    run_cli("migrate", "--cells", "2", dsn=empty_database_dsn)
+    asyncio.run(
+        _execute(
+            empty_database_dsn,
+            "UPDATE cell_1.schema_repeatables SET checksum = repeat('0', 64)"
+            " WHERE name = 'ledger.sql'",
+        )
+    )
+
+    upgraded = run_cli("migrate", "--cells", "2", dsn=empty_database_dsn)
+
+    lines = upgraded.stdout.splitlines()
+    assert lines[0].startswith("cell_1: upgraded (scripts ledger.sql, roles.sql)")
+    assert lines[1].startswith("cell_2: up to date")
+    assert lines[2] == "database holds 2 cells at the latest schema"
+
+
 TENANTS = [f"tenant-{i:02d}" for i in range(40)]
 PER_TENANT = 5  # concurrent requests of each tenant: 200 in all
 TENANT_ROOM = 4  # the reservations each tenant's burst holds

@@ -541,6 +541,19 @@ async def test_an_admin_key_stored_in_one_cell_is_refused_and_writes_nothing(
         )
         assert await db.fetchval(f"SELECT count(*) FROM cell_{k}.reservations") == 0
 
+    # Revoked in cell 1, it is a key no cell holds once the front's memory of
+    # it lapses (the key cache's negative window): 401, as on one database.
+    async with await Limiter.connect(in_cell(dsn_as(cells_dsn, APP_ROLE), "cell_1")) as limiter:
+        keys = AdminService(limiter.store).keys
+        await keys.create(None, label="its successor")  # (the last one is never revoked)
+        await keys.revoke(None, made.record.key_id)
+    window = front_settings().key_negative_cache_seconds
+    deadline = time.monotonic() + window + 5
+    while (answer := await client.get("/v1/tenants", headers=stored)).status_code == 403:
+        assert time.monotonic() < deadline, f"still 403 {window + 5:.0f} s after the revocation"
+        await asyncio.sleep(0.2)
+    assert answer.status_code == 401, answer.text
+
 
 async def test_the_tenant_directory_pages_through_every_cells_tenants_once(
     client: httpx.AsyncClient,

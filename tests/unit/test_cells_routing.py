@@ -283,6 +283,27 @@ async def test_an_admin_key_stored_in_a_cell_is_refused_not_sent_to_that_cell() 
     assert await keys.cell_of("Bearer lq_unknown", "10.0.0.1") == 0  # its one failure left
 
 
+async def test_a_revoked_stored_admin_key_is_a_key_no_cell_holds_after_the_window() -> None:
+    # Refused at the front, its revocation reached no cell's authenticator:
+    # it stayed 403 until the process restarted.
+    revoked = False
+    stored = key_digest("lq_stored_admin")
+
+    async def find(digest: bytes) -> KeyOwner | None:
+        held = digest == stored and not revoked
+        return KeyOwner(key_id=7, tenant=None) if held else None
+
+    settings = Settings(key_negative_cache_seconds=0.05, _env_file=None)  # type: ignore[call-arg]
+    keys = KeyCells([find, find], settings)
+    with pytest.raises(StoredAdminKey):
+        await keys.cell_of("Bearer lq_stored_admin", "10.0.0.1")
+    revoked = True
+    with pytest.raises(StoredAdminKey):  # within the window: remembered
+        await keys.cell_of("Bearer lq_stored_admin", "10.0.0.1")
+    await asyncio.sleep(0.06)
+    assert await keys.cell_of("Bearer lq_stored_admin", "10.0.0.1") == 0  # cell 1 answers 401
+
+
 class _FakeCell:
     """A cell's store as CeilingsOverCells reads it: its slices, its moves."""
 

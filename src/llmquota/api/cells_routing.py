@@ -148,16 +148,20 @@ class KeyCells:
 
     A digest is looked up in each cell once, however many requests carry it
     at once. A digest no cell holds is remembered as such for the key cache's
-    negative window. Each lookup is paid for from its client's
-    failed-authentication budget first and paid back when a cell holds the
-    key (as Authenticator does): a client out of that budget is refused
-    here, before any lookup, and a flood of wrong keys cannot overdraw it."""
+    negative window, and so is an admin key a cell stores (refused here, so no
+    cell's answer would tell of its revocation: looked up again after the
+    window, a revoked one is then a key no cell holds, 401). Each lookup is
+    paid for from its client's failed-authentication budget first and paid
+    back when a cell holds the key (as Authenticator does): a client out of
+    that budget is refused here, before any lookup, and a flood of wrong keys
+    cannot overdraw it."""
 
     def __init__(self, lookups: Sequence[KeyLookup], settings: Settings) -> None:
         self._lookups = lookups
         self._admin = key_digest(settings.admin_key) if settings.admin_key else None
         self._cells: dict[bytes, int] = {}
         self._unknown: dict[bytes, float] = {}  # digest -> until when no cell holds it
+        self._stored_admin: dict[bytes, float] = {}  # digest -> until when it is one
         self._unknown_seconds = settings.key_negative_cache_seconds
         self._running: dict[bytes, asyncio.Task[tuple[int, bool]]] = {}
         self._failures = FailureBudget(
@@ -177,11 +181,11 @@ class KeyCells:
         if self._admin is not None and hmac.compare_digest(digest, self._admin):
             return None
         known = self._cells.get(digest)
-        if known == _STORED_ADMIN:
-            raise StoredAdminKey
         if known is not None:
             return known
         now = time.monotonic()
+        if self._stored_admin.get(digest, 0.0) > now:
+            raise StoredAdminKey
         if self._unknown.get(digest, 0.0) > now:
             return 0
         running = self._running.get(digest)
@@ -212,11 +216,16 @@ class KeyCells:
             except StoreUnavailable:
                 failed = cell if failed is None else failed
                 continue
+            if owner is not None and owner.tenant is None:
+                if len(self._stored_admin) >= MAX_KEYS:
+                    self._stored_admin.clear()
+                self._stored_admin[digest] = time.monotonic() + self._unknown_seconds
+                return _STORED_ADMIN, True
             if owner is not None:
                 if len(self._cells) >= MAX_KEYS:
                     self._cells.clear()
-                self._cells[digest] = cell if owner.tenant is not None else _STORED_ADMIN
-                return self._cells[digest], True
+                self._cells[digest] = cell
+                return cell, True
         if failed is not None:
             return failed, False
         if len(self._unknown) >= MAX_KEYS:
