@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 import pytest
 
+from llmquota.admission import allotments
 from llmquota.admission.limiter import Limiter
 from llmquota.config import Settings
 from llmquota.store import migrate
@@ -248,6 +249,21 @@ def settings() -> Settings:
     return Settings(  # type: ignore[call-arg]
         pool_min_size=1, pool_max_size=20, decision_deadline_ms=60_000, _env_file=None
     )
+
+
+@pytest.fixture
+def slices_off_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key warms to a slice after WARM_REQUESTS requests, and keeps it while
+    idle, however slow the machine is.
+
+    Tests that count the admissions taken from slices mean the count, not the
+    warm-up window: on a loaded 2-core machine WARM_REQUESTS exact decisions
+    over HTTP once took longer than WARM_SECONDS, the count started over, and
+    fewer requests came from slices (CI: "16 of 28"). The windows themselves
+    are tested in tests/unit/test_allotment_windows.py.
+    """
+    monkeypatch.setattr(allotments, "WARM_SECONDS", 3_600.0)
+    monkeypatch.setattr(allotments, "IDLE_SECONDS", 3_600.0)
 
 
 @pytest.fixture

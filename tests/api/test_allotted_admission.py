@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import asyncpg
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from llmquota.admission.allotments import WARM_REQUESTS
 from tests.api.conftest import make_tenant
+
+# Counted admissions from slices mean the count, not the warm-up's clock.
+pytestmark = pytest.mark.usefixtures("slices_off_the_clock")
 
 BODY = {"tenant": "acme", "model": "gpt-4o", "input_tokens": 100, "max_tokens": 400}
 

@@ -19,6 +19,9 @@ from llmquota.domain.errors import StoreUnavailable
 from tests.faults.conftest import count, fault_settings, put
 from tests.faults.proxy import PgProxy
 
+# Counted admissions from slices mean the count, not the warm-up's clock.
+pytestmark = pytest.mark.usefixtures("slices_off_the_clock")
+
 BURST = 1_000_000
 COST = 100 + 400
 

@@ -25,6 +25,9 @@ from llmquota.domain.policy import Policy
 from llmquota.domain.records import FinishRequest
 from llmquota.domain.slice_ids import SLICE_ID_VERSION
 
+# Counted admissions from slices mean the count, not the warm-up's clock.
+pytestmark = pytest.mark.usefixtures("slices_off_the_clock")
+
 BURST = 1_000_000
 COST = 300 + 2_000  # input + max_tokens of every request here
 

@@ -6,9 +6,13 @@ billed exactly once, as `/v1/admit`'s are."""
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from llmquota.admission.allotments import WARM_REQUESTS
 from tests.proxy.conftest import Stack, settled
+
+# Counted admissions from slices mean the count, not the warm-up's clock.
+pytestmark = pytest.mark.usefixtures("slices_off_the_clock")
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 CALLS = WARM_REQUESTS + 16
