@@ -150,7 +150,12 @@ BEGIN
            token_burst         = excluded.token_burst,
            requests_per_minute = excluded.requests_per_minute,
            request_burst       = excluded.request_burst,
-           max_in_flight       = excluded.max_in_flight,
+           -- permits the rebalancer moved stay moved (lq_send_permits)
+           max_in_flight       = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
+                                     greatest(1, excluded.max_in_flight + l.in_flight_moved) END,
+           in_flight_moved     = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
+                                     greatest(1, excluded.max_in_flight + l.in_flight_moved)
+                                     - excluded.max_in_flight ELSE 0 END,
            lease_seconds       = excluded.lease_seconds,
            failure_mode        = excluded.failure_mode,
            policy_version      = excluded.policy_version,
@@ -373,7 +378,7 @@ BEGIN
     RETURN QUERY
     SELECT t.transfer_id, t.ceiling, t.peer, t.tokens, t.requests
       FROM budget_transfers AS t
-     WHERE t.direction = 'out' AND t.delivered_at IS NULL
+     WHERE t.direction = 'out' AND t.delivered_at IS NULL AND t.permits = 0
      ORDER BY t.moved_at
      LIMIT p_limit;
 END
@@ -384,7 +389,9 @@ $$;
 -- a move no round could deliver for that long is room lost, never room
 -- made), and 'in' rows twice as old, so that an 'out' row still being
 -- delivered always finds its 'in' row whatever the two nodes' clocks say,
--- and is credited once. How many rows went.
+-- and is credited once. A move of permits is never given up (a permit does
+-- not refill: given up, it would be lost for good): its 'out' row stays
+-- until delivered. How many rows went.
 CREATE OR REPLACE FUNCTION lq_prune_budget_transfers(p_keep_seconds integer)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -395,9 +402,155 @@ DECLARE
 BEGIN
     DELETE FROM budget_transfers AS t
      WHERE t.moved_at < now_ts - make_interval(secs => p_keep_seconds)
-       AND (t.direction = 'out'
-            OR t.moved_at < now_ts - make_interval(secs => 2 * p_keep_seconds));
+       AND ((t.direction = 'out' AND (t.permits = 0 OR t.delivered_at IS NOT NULL))
+            OR (t.direction = 'in'
+                AND t.moved_at < now_ts - make_interval(secs => 2 * p_keep_seconds)));
     GET DIAGNOSTICS gone = ROW_COUNT;
     RETURN gone;
+END
+$$;
+
+
+
+-- In-flight permits moved between the slices of shared layers in cells
+-- (migration 0035), as room is above: debit the sender and journal an 'out'
+-- row (lq_send_permits), credit the receiver once under the same
+-- transfer_id (lq_receive_permits), then lq_confirm_budget. A permit moved
+-- changes the slice's cap: max_in_flight goes down in the sender and up in
+-- the receiver, and in_flight_moved keeps the count, so that a policy write
+-- keeps what was moved and admission reads the cap as it always has. A
+-- sender keeps at least one permit and never lends one in use. Stopped
+-- between the two, the permits are in neither cell (stranded, never
+-- created) until the next round delivers them; they are never given up.
+-- One corner is not exact: a policy write whose new share for a cell is at
+-- most what that cell has lent leaves it one permit (a cap is never below
+-- one), and the part of the loan it forgives stays with the borrowers, so
+-- the cells then cap up to that many permits more than the new total.
+
+
+-- The permits of this cell's slice of every shared layer that caps them:
+-- in flight now, the cap (moves included) and the policy's own share.
+CREATE OR REPLACE FUNCTION lq_shared_permits()
+RETURNS TABLE (ceiling text, in_flight integer, max_in_flight integer, share integer)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RETURN QUERY
+    SELECT l.ceiling, l.in_flight, l.max_in_flight, l.max_in_flight - l.in_flight_moved
+      FROM limit_layers AS l
+     WHERE l.scope IN ('global', 'ceiling') AND l.max_in_flight IS NOT NULL
+     ORDER BY l.ceiling NULLS FIRST;
+END
+$$;
+
+
+-- Lend up to p_permits of this cell's free permits of the shared layer
+-- p_ceiling to the cell p_to, keeping at least p_keep free (and one
+-- permit), and journal it; how many left. Called again with the same
+-- transfer_id it lends nothing more and answers what the first call did.
+CREATE OR REPLACE FUNCTION lq_send_permits(
+    p_transfer_id uuid,
+    p_ceiling     text,
+    p_to          text,
+    p_permits     integer,
+    p_keep        integer
+) RETURNS integer
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    layer_scope constant text := CASE WHEN p_ceiling IS NULL THEN 'global' ELSE 'ceiling' END;
+    layer       record;
+    missing     boolean;
+    sent        integer;
+BEGIN
+    IF p_permits < 0 OR p_keep < 0 THEN
+        RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+              MESSAGE = 'a permit move is of zero or more permits, keeping zero or more';
+    END IF;
+    SELECT l.layer_id, l.in_flight, l.max_in_flight INTO layer
+      FROM limit_layers AS l
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling
+       AND l.max_in_flight IS NOT NULL
+     ORDER BY l.layer_id
+     LIMIT 1
+       FOR UPDATE;
+    missing := NOT FOUND;
+    SELECT t.permits INTO sent FROM budget_transfers AS t
+     WHERE t.transfer_id = p_transfer_id AND t.direction = 'out';
+    IF FOUND THEN
+        RETURN sent;
+    ELSIF missing THEN
+        RETURN 0;
+    END IF;
+    sent := greatest(0, least(p_permits, layer.max_in_flight - layer.in_flight - p_keep,
+                              layer.max_in_flight - 1));
+    IF sent = 0 THEN
+        RETURN 0;
+    END IF;
+    UPDATE limit_layers AS l
+       SET max_in_flight = l.max_in_flight - sent,
+           in_flight_moved = l.in_flight_moved - sent
+     WHERE l.layer_id = layer.layer_id;
+    INSERT INTO budget_transfers (transfer_id, direction, ceiling, peer, tokens, requests,
+                                  permits, moved_at)
+    VALUES (p_transfer_id, 'out', p_ceiling, p_to, 0, 0, sent, clock_timestamp());
+    RETURN sent;
+END
+$$;
+
+
+-- Credit permits lent by the cell p_from to this cell's slice of the shared
+-- layer p_ceiling; true when credited now, false when this transfer was
+-- received before. A layer this cell no longer caps takes nothing (the
+-- permits are dropped with the cap: never more permits, only fewer).
+CREATE OR REPLACE FUNCTION lq_receive_permits(
+    p_transfer_id uuid,
+    p_ceiling     text,
+    p_from        text,
+    p_permits     integer
+) RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    layer_scope constant text := CASE WHEN p_ceiling IS NULL THEN 'global' ELSE 'ceiling' END;
+    target      bigint;
+BEGIN
+    SELECT l.layer_id INTO target
+      FROM limit_layers AS l
+     WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling
+       AND l.max_in_flight IS NOT NULL
+     ORDER BY l.layer_id
+     LIMIT 1
+       FOR UPDATE;
+    INSERT INTO budget_transfers (transfer_id, direction, ceiling, peer, tokens, requests,
+                                  permits, moved_at)
+    VALUES (p_transfer_id, 'in', p_ceiling, p_from, 0, 0, p_permits, clock_timestamp())
+    ON CONFLICT (transfer_id, direction) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE limit_layers AS l
+       SET max_in_flight = l.max_in_flight + p_permits,
+           in_flight_moved = l.in_flight_moved + p_permits
+     WHERE l.layer_id = target;
+    RETURN true;
+END
+$$;
+
+
+-- Permit moves this cell sent that no receiver has acknowledged, oldest
+-- first, at most p_limit: the rebalancer delivers them again before moving more.
+CREATE OR REPLACE FUNCTION lq_undelivered_permits(p_limit integer)
+RETURNS TABLE (transfer_id uuid, ceiling text, peer text, permits integer)
+LANGUAGE plpgsql
+AS $$
+#variable_conflict use_column
+BEGIN
+    RETURN QUERY
+    SELECT t.transfer_id, t.ceiling, t.peer, t.permits
+      FROM budget_transfers AS t
+     WHERE t.direction = 'out' AND t.delivered_at IS NULL AND t.permits > 0
+     ORDER BY t.moved_at
+     LIMIT p_limit;
 END
 $$;

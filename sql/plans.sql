@@ -263,7 +263,12 @@ BEGIN
            token_burst = excluded.token_burst,
            requests_per_minute = excluded.requests_per_minute,
            request_burst = excluded.request_burst,
-           max_in_flight = excluded.max_in_flight,
+           -- permits the rebalancer moved stay moved (lq_send_permits)
+           max_in_flight = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
+                               greatest(1, excluded.max_in_flight + l.in_flight_moved) END,
+           in_flight_moved = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
+                                 greatest(1, excluded.max_in_flight + l.in_flight_moved)
+                                 - excluded.max_in_flight ELSE 0 END,
            shed_above = excluded.shed_above,
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,

@@ -611,6 +611,22 @@ SELECT lq_confirm_budget($1::uuid)
 -- Moves this cell sent that no receiver has acknowledged yet, oldest first.
 SELECT transfer_id, ceiling, peer, tokens, requests FROM lq_undelivered_budget($1::integer)
 
+-- shared_permits --
+-- The in-flight permits of this cell's slice of each shared layer that caps them.
+SELECT ceiling, in_flight, max_in_flight, share FROM lq_shared_permits()
+
+-- send_permits --
+-- Lend free permits of this cell's slice of a shared layer to another cell, journaled.
+SELECT lq_send_permits($1::uuid, $2::text, $3::text, $4::integer, $5::integer) AS permits
+
+-- receive_permits --
+-- Credit permits lent by another cell to this cell's slice of a shared layer (once).
+SELECT lq_receive_permits($1::uuid, $2::text, $3::text, $4::integer) AS credited
+
+-- undelivered_permits --
+-- Permit moves this cell sent that no receiver has acknowledged yet, oldest first.
+SELECT transfer_id, ceiling, peer, permits FROM lq_undelivered_permits($1::integer)
+
 -- prune_budget_transfers --
 -- Forget moves older than $1 seconds ('in' rows twice as old).
 SELECT lq_prune_budget_transfers($1::integer) AS pruned

@@ -173,6 +173,11 @@ def _writes(key_id: int, reservation: uuid.UUID) -> list[tuple[str, str, list[An
         ("confirm_budget", "lq_confirm_budget", [moved]),
         ("receive_budget", "lq_receive_budget", [uuid.uuid4(), "c1", "cell_1", 500.0, 5.0]),
         ("prune_budget_transfers", "lq_prune_budget_transfers", [86_400]),
+        # and its moves of permits in flight
+        ("shared_permits", "lq_shared_permits", []),
+        ("send_permits", "lq_send_permits", [uuid.uuid4(), "c1", "cell_1", 1, 0]),
+        ("undelivered_permits", "lq_undelivered_permits", [10]),
+        ("receive_permits", "lq_receive_permits", [uuid.uuid4(), "c1", "cell_1", 1]),
     ]  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""domain/budget_moves.py: the moves that spread the global room over cells' slices."""
+"""domain/budget_moves.py: the moves that spread the global room, and the
+free permits in flight, over cells' slices."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmquota.domain.budget_moves import RESERVE, SHORTFALL, SliceRoom, plan_moves
+from llmquota.domain.budget_moves import (
+    RESERVE,
+    SHORTFALL,
+    SlicePermits,
+    SliceRoom,
+    plan_moves,
+    plan_permit_moves,
+)
 
 
 def test_before_any_spending_is_known_the_room_follows_the_bursts() -> None:
@@ -98,3 +106,61 @@ def test_no_slice_is_sent_more_than_its_burst_holds() -> None:
     four = [SliceRoom(50.0, None, 100, None)] + [SliceRoom(100.0, None, 100, None)] * 3
     moves = plan_moves(four, [(50.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0)])
     assert sum(m.tokens for m in moves) == pytest.approx(50.0)  # just what A can take
+
+
+# -- permits in flight ---------------------------------------------------------
+
+
+def test_an_idle_cell_lends_its_free_permits_to_a_busy_one_but_one() -> None:
+    # Cell 0 uses its whole slice, cell 1 none: of cell 1's 5 free permits,
+    # it keeps its part of the reserve (5 * RESERVE / 2, rounded up).
+    [move] = plan_permit_moves([SlicePermits(5, 5, 5), SlicePermits(0, 5, 5)])
+    assert (move.giver, move.taker, move.permits, move.keep) == (1, 0, 4, 1)
+
+
+def test_permits_follow_the_demand_back() -> None:
+    # Cell 0 borrowed 4 and is idle now; cell 1 uses the one it kept.
+    [move] = plan_permit_moves([SlicePermits(0, 9, 5), SlicePermits(1, 1, 5)])
+    assert (move.giver, move.taker, move.permits) == (0, 1, 7)
+
+
+def test_no_permit_in_use_is_lent_and_a_lone_free_one_stays() -> None:
+    assert plan_permit_moves([SlicePermits(9, 9, 5), SlicePermits(0, 1, 5)]) == []
+    assert plan_permit_moves([SlicePermits(5, 5, 5), SlicePermits(5, 5, 5)]) == []
+    assert plan_permit_moves([SlicePermits(0, 5, 5), None, SlicePermits(0, 5, 5)]) == []
+
+
+slices_strategy = st.lists(
+    st.one_of(
+        st.none(),
+        st.tuples(st.integers(1, 50), st.integers(-5, 40), st.integers(0, 60)).map(
+            lambda t: SlicePermits(min(t[2], t[0] + t[1] + 5), max(1, t[0] + t[1]), t[0])
+        ),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@given(slices_strategy)
+def test_permit_moves_lend_only_free_permits_and_make_none(
+    slices: list[SlicePermits | None],
+) -> None:
+    moves = plan_permit_moves(slices)
+    lent: dict[int, int] = {}
+    for move in moves:
+        assert move.permits >= 1 and move.giver != move.taker
+        assert slices[move.giver] is not None and slices[move.taker] is not None
+        lent[move.giver] = lent.get(move.giver, 0) + move.permits
+        lent.setdefault(move.taker, 0)
+        lent[move.taker] -= move.permits
+    for cell, net in lent.items():
+        given_slice = slices[cell]
+        assert given_slice is not None
+        free = given_slice.max_in_flight - given_slice.in_flight
+        if net > 0:
+            # never a permit in use, never below what it keeps, never its last
+            keep = max(m.keep for m in moves if m.giver == cell)
+            assert net <= free - keep
+            assert given_slice.max_in_flight - net >= 1
+    assert sum(lent.values()) == 0  # every permit lent is a permit taken

@@ -12,7 +12,10 @@ cell's still has room. A round of the rebalancer, layer by layer:
    the last round (domain/budget_moves.py);
 3. runs each move as three calls, each one transaction on one node: debit
    the giver and journal it (`send`), credit the taker once (`receive`),
-   mark the giver's journal row delivered (`confirm`).
+   mark the giver's journal row delivered (`confirm`);
+4. moves free in-flight permits of the layers that cap them the same way
+   (`send_permits`, `receive_permits`, `confirm`): a permit lent lowers the
+   giver's cap and raises the taker's.
 
 Interrupted anywhere, a round strands room in the giver's journal until
 the next round delivers it, and never creates any: the cells together never
@@ -32,14 +35,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llmquota.domain.budget_moves import Move, SliceRoom, plan_moves
-from llmquota.store.budget_moves import BudgetMoveStore, Undelivered
+from llmquota.domain.budget_moves import (
+    Move,
+    PermitMove,
+    SlicePermits,
+    SliceRoom,
+    plan_moves,
+    plan_permit_moves,
+)
+from llmquota.store.budget_moves import BudgetMoveStore, Undelivered, UndeliveredPermits
 from llmquota.store.leader import LeaderLock
 
 __all__ = ["REBALANCER_LOCK_NAME", "RoundReport", "SliceRebalancer"]
@@ -61,9 +72,10 @@ class RoundReport:
     """What one round did."""
 
     redelivered: int  # moves of an earlier round delivered now
-    moves: int
+    moves: int  # of room and of permits
     tokens: float  # moved this round (debited from givers)
     requests: float
+    permits: int = 0
 
 
 class SliceRebalancer:
@@ -114,6 +126,19 @@ class SliceRebalancer:
                 report.requests + moved.requests,
             )
         self._left = left
+        by_cell_permits = await asyncio.gather(
+            *(self._stores[name].permits() for name in self._names)
+        )
+        capped = sorted(
+            {layer for slices in by_cell_permits for layer in slices}, key=lambda c: c or ""
+        )
+        for layer in capped:
+            moves, permits = await self._move_permits(
+                layer, [slices.get(layer) for slices in by_cell_permits]
+            )
+            report = dataclasses.replace(
+                report, moves=report.moves + moves, permits=report.permits + permits
+            )
         return report
 
     async def _rebalance(
@@ -161,6 +186,33 @@ class SliceRebalancer:
             await self._deliver(giver, Undelivered(transfer_id, layer, taker, *sent))
         return sent
 
+    async def _move_permits(
+        self, layer: str | None, slices: list[SlicePermits | None]
+    ) -> tuple[int, int]:
+        """Move one shared layer's free permits: (moves, permits moved)."""
+        moves = permits = 0
+        for move in plan_permit_moves(slices):
+            sent = await self._send_permits(layer, move)
+            moves, permits = moves + (sent > 0), permits + sent
+        return moves, permits
+
+    async def _send_permits(self, layer: str | None, move: PermitMove) -> int:
+        giver, taker = self._names[move.giver], self._names[move.taker]
+        transfer_id = uuid.uuid4()
+        sent = await self._stores[giver].send_permits(
+            transfer_id, layer, taker, move.permits, keep=move.keep
+        )
+        if sent > 0:
+            await self._deliver_permits(giver, UndeliveredPermits(transfer_id, layer, taker, sent))
+        return sent
+
+    async def _deliver_permits(self, giver: str, sent: UndeliveredPermits) -> None:
+        """Credit permits `giver` lent to their taker, then mark the move delivered."""
+        taker = self._stores[sent.peer]
+        if await taker.receive_permits(sent.transfer_id, sent.ceiling, giver, sent.permits):
+            self._credited(sent.peer)
+        await self._stores[giver].confirm(sent.transfer_id)
+
     async def _deliver(self, giver: str, sent: Undelivered) -> None:
         """Credit a move `giver` sent to its taker, then mark it delivered."""
         taker = self._stores[sent.peer]
@@ -171,11 +223,19 @@ class SliceRebalancer:
     async def _redeliver(self) -> int:
         count = 0
         for giver in self._names:
-            for owed in await self._stores[giver].undelivered():
+            store = self._stores[giver]
+            owed_all: list[Undelivered | UndeliveredPermits] = [
+                *await store.undelivered(),
+                *await store.undelivered_permits(),
+            ]
+            for owed in owed_all:
                 if owed.peer not in self._stores:
                     log.warning("budget move %s names no cell %r", owed.transfer_id, owed.peer)
                     continue
-                await self._deliver(giver, owed)
+                if isinstance(owed, UndeliveredPermits):
+                    await self._deliver_permits(giver, owed)
+                else:
+                    await self._deliver(giver, owed)
                 count += 1
         return count
 

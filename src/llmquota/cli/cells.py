@@ -1,4 +1,5 @@
-"""`llmquota rebalance`: move unused room between the cells' slices of shared limits.
+"""`llmquota rebalance`: move unused room and free in-flight permits between the
+cells' slices of shared limits.
 
 A database of cells (`llmquota migrate --cells K`) serves each cell from a
 service of its own, and a cell's slice of the global layer (or of a provider
@@ -78,7 +79,8 @@ async def _rounds(rebalancer: SliceRebalancer, loop: float | None) -> None:
                 report = await rebalancer.run_round()
                 print(
                     f"rebalanced: redelivered={report.redelivered} moves={report.moves} "
-                    f"tokens={report.tokens:.0f} requests={report.requests:.2f}",
+                    f"tokens={report.tokens:.0f} requests={report.requests:.2f} "
+                    f"permits={report.permits}",
                     flush=True,
                 )
         except Exception as exc:

@@ -90,7 +90,8 @@ COMMAND_DEFAULTS: tuple[CommandDefault, ...] = (
         "rebalance",
         "--loop",
         "REBALANCE_LOOP_SECONDS",
-        "keep running, moving unused room between the cells' slices of shared limits every SECONDS",
+        "keep running, moving unused room and free in-flight permits between the cells' "
+        "slices of shared limits every SECONDS",
         "0",
     ),
     CommandDefault(

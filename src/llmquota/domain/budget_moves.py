@@ -26,14 +26,31 @@ admissions go on meanwhile); a slice short of it by more than SHORTFALL of
 its burst takes. Moves only spread
 what the slices hold: the planner never adds room, and the debit and credit
 in the database never create it (sql/global_layer.sql).
+
+Permits in flight (`max_in_flight`) move by the same rule, in whole permits:
+what is spread is the slices' free permits (cap less those in use), a
+reserve by each slice's share of the policy and the rest by the permits
+each cell has in use now (a permit is held for a call's length, so what is
+in use is the demand). A slice gives free permits only, down to its fair
+part, and keeps at least one permit (`plan_permit_moves`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["RESERVE", "SHORTFALL", "Move", "SliceRoom", "plan_moves"]
+__all__ = [
+    "RESERVE",
+    "SHORTFALL",
+    "Move",
+    "PermitMove",
+    "SlicePermits",
+    "SliceRoom",
+    "plan_moves",
+    "plan_permit_moves",
+]
 
 # The part of the room shared by burst whatever the demand: a reserve for
 # tenants that start asking between two rounds.
@@ -167,3 +184,67 @@ def plan_moves(
         )
         for giver, taker in sorted(tokens.keys() | requests.keys())
     ]
+
+
+class SlicePermits(NamedTuple):
+    """One cell's slice of a shared layer's permits now."""
+
+    in_flight: int
+    max_in_flight: int  # its cap, moves included
+    share: int  # the policy's share of it (the cap less what moves brought)
+
+
+class PermitMove(NamedTuple):
+    """Permits for `taker` from `giver` (indexes into the slices), and the free
+    permits the giver keeps."""
+
+    giver: int
+    taker: int
+    permits: int
+    keep: int
+
+
+def plan_permit_moves(slices: Sequence[SlicePermits | None]) -> list[PermitMove]:
+    """The moves that bring every slice's free permits to its fair part of
+    all of them. Cells without the layer (None) neither give nor take."""
+    cells = [(cell, s) for cell, s in enumerate(slices) if s is not None]
+    shares = sum(s.share for _, s in cells)
+    in_use = sum(s.in_flight for _, s in cells)
+    free = {cell: s.max_in_flight - s.in_flight for cell, s in cells}
+    total = sum(max(0, f) for f in free.values())
+    if shares <= 0 or total <= 0:
+        return []
+    fair = {
+        cell: total
+        * (
+            RESERVE * s.share / shares + (1 - RESERVE) * s.in_flight / in_use
+            if in_use > 0
+            else s.share / shares
+        )
+        for cell, s in cells
+    }
+    givers = sorted(
+        ((math.floor(free[c] - fair[c]), c) for c, _ in cells if free[c] - fair[c] >= 1),
+        reverse=True,
+    )
+    takers = sorted(
+        (
+            (math.floor(fair[c] - free[c]), c)
+            for c, s in cells
+            if fair[c] - free[c] >= max(1.0, SHORTFALL * s.share)
+        ),
+        reverse=True,
+    )
+    moves: list[PermitMove] = []
+    surplus = [amount for amount, _ in givers]
+    deficit = [amount for amount, _ in takers]
+    g = t = 0
+    while g < len(givers) and t < len(takers):
+        amount = min(surplus[g], deficit[t])
+        giver, taker = givers[g][1], takers[t][1]
+        moves.append(PermitMove(giver, taker, amount, math.ceil(fair[giver])))
+        surplus[g] -= amount
+        deficit[t] -= amount
+        g += surplus[g] == 0
+        t += deficit[t] == 0
+    return moves

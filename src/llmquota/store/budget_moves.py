@@ -12,11 +12,11 @@ from __future__ import annotations
 import uuid
 from typing import Any, NamedTuple
 
-from llmquota.domain.budget_moves import SliceRoom
+from llmquota.domain.budget_moves import SlicePermits, SliceRoom
 from llmquota.store.connection import Row
 from llmquota.store.pool import DeadlinePool
 
-__all__ = ["BudgetMoveStore", "Undelivered"]
+__all__ = ["BudgetMoveStore", "Undelivered", "UndeliveredPermits"]
 
 
 class Undelivered(NamedTuple):
@@ -27,6 +27,15 @@ class Undelivered(NamedTuple):
     peer: str
     tokens: float
     requests: float
+
+
+class UndeliveredPermits(NamedTuple):
+    """A move of permits this cell sent that its receiver has not acknowledged."""
+
+    transfer_id: uuid.UUID
+    ceiling: str | None
+    peer: str
+    permits: int
 
 
 class BudgetMoveStore:
@@ -99,3 +108,28 @@ class BudgetMoveStore:
         """Forget moves older than `keep_seconds` ('in' rows twice as old); how many."""
         rows = await self._fetch("prune_budget_transfers", keep_seconds)
         return int(rows[0]["pruned"])
+
+    async def permits(self) -> dict[str | None, SlicePermits]:
+        """This cell's slice of each shared layer that caps permits in flight."""
+        rows = await self._fetch("shared_permits")
+        return {row["ceiling"]: SlicePermits(*list(row.values())[1:]) for row in rows}
+
+    async def send_permits(
+        self, transfer_id: uuid.UUID, ceiling: str | None, to_cell: str, permits: int, *, keep: int
+    ) -> int:
+        """Lend up to `permits` free permits to `to_cell`, keeping `keep` free;
+        how many left (the same again for a repeated id)."""
+        rows = await self._fetch("send_permits", transfer_id, ceiling, to_cell, permits, keep)
+        return int(rows[0]["permits"])
+
+    async def receive_permits(
+        self, transfer_id: uuid.UUID, ceiling: str | None, from_cell: str, permits: int
+    ) -> bool:
+        """Credit lent permits; False: this move was received before."""
+        rows = await self._fetch("receive_permits", transfer_id, ceiling, from_cell, permits)
+        return bool(rows[0]["credited"])
+
+    async def undelivered_permits(self, limit: int = 100) -> list[UndeliveredPermits]:
+        """Permit moves sent from here and not acknowledged, oldest first."""
+        rows = await self._fetch("undelivered_permits", limit)
+        return [UndeliveredPermits(*row.values()) for row in rows]
