@@ -189,7 +189,10 @@ SELECT min(l.layer_id) AS layer_id,
                        clock_timestamp())) AS tokens,
        sum(lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at,
                        clock_timestamp())) AS requests,
-       max(l.shards) AS shards
+       max(l.shards) AS shards,
+       -- permits the rebalancer moved into this cell's slice (migration 0035):
+       -- max_in_flight is the cap, max_in_flight - in_flight_moved the policy's
+       sum(l.in_flight_moved)::integer AS in_flight_moved
   FROM limit_layers AS l
  WHERE l.scope = 'global'
 HAVING count(*) > 0;

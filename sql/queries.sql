@@ -127,14 +127,16 @@ SELECT * FROM lq_put_ceiling_if_match($1::text, $2::text[], $3::bigint, $4::bigi
 -- One ceiling ($1), or every one ($1 NULL), refilled to now (read only), with
 -- its utilization: the share of its token burst in use (1 - balance / burst).
 -- Every row's balances are of one moment of the database clock, read_at (the
--- ceiling alert detector orders its samples by it).
+-- ceiling alert detector orders its samples by it). max_in_flight is the
+-- policy's: in a cell, the slice's cap less the permits the rebalancer moved
+-- in (migration 0035), so that summed over the cells it is the whole.
 WITH clock AS (
     SELECT clock_timestamp() AS ts
 )
 SELECT l.ceiling, l.models, l.tokens_per_minute, l.token_burst, l.requests_per_minute,
-       l.request_burst, l.max_in_flight, l.shed_above, l.shed_admit, l.shed_small,
-       l.shed_queue_ms, l.alert_at, l.alert_hysteresis, l.alert_quiet_seconds, l.upstream,
-       l.policy_version, l.in_flight,
+       l.request_burst, l.max_in_flight - l.in_flight_moved AS max_in_flight, l.shed_above,
+       l.shed_admit, l.shed_small, l.shed_queue_ms, l.alert_at, l.alert_hysteresis,
+       l.alert_quiet_seconds, l.upstream, l.policy_version, l.in_flight,
        lq_refilled(l.tokens, l.tokens_per_minute, l.token_burst, l.refilled_at, c.ts) AS tokens,
        lq_refilled(l.requests, l.requests_per_minute, l.request_burst, l.refilled_at, c.ts)
            AS requests,
@@ -190,6 +192,9 @@ SELECT layer_id FROM gone
 -- One layer's policy, or no row; the global layer's summed over its shards.
 -- A tenant's output_estimate and cache are its effective ones (its own, else
 -- its plan's; own_policy says which it set itself); the global layer has neither.
+-- Its max_in_flight is the policy's: in a cell, the slice's cap less the
+-- permits the rebalancer moved in (migration 0035), so that summed over the
+-- cells it is the whole.
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
        max_in_flight, lease_seconds, failure_mode, policy_version, plan, fallback_models,
        prepaid, own_policy::text AS own_policy, output_estimate::text AS output_estimate,
@@ -200,8 +205,9 @@ SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
    AND route IS NOT DISTINCT FROM $3::text
 UNION ALL
 SELECT tokens_per_minute, token_burst, requests_per_minute, request_burst,
-       max_in_flight, lease_seconds, failure_mode, policy_version, NULL, '{}'::text[],
-       false, NULL, NULL, shards, NULL::integer, NULL::boolean, NULL::text, NULL::text
+       max_in_flight - in_flight_moved, lease_seconds, failure_mode, policy_version, NULL,
+       '{}'::text[], false, NULL, NULL, shards, NULL::integer, NULL::boolean, NULL::text,
+       NULL::text
   FROM global_layer
  WHERE $1::text = 'global'
 

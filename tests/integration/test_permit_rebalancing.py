@@ -88,6 +88,19 @@ async def _shares(cells: CellLimiters, ceiling: str | None = None) -> list[int]:
     ]
 
 
+async def _policy_totals(cells: CellLimiters) -> tuple[int, int]:
+    """The global policy's and the openai ceiling's max_in_flight as the API
+    reads them over the cells: each cell's slice summed (domain/cells.py)."""
+    global_total = ceiling_total = 0
+    for limiter in cells.limiters:
+        stored = await limiter.store.get_policy("global", None, None)
+        assert stored is not None
+        global_total += stored.policy.max_in_flight or 0
+        for ceiling in await limiter.store.catalog.get_ceilings("openai"):
+            ceiling_total += ceiling.ceiling.max_in_flight or 0
+    return global_total, ceiling_total
+
+
 async def _audited(dsn: str) -> None:
     for number in range(1, CELLS + 1):
         assert await audit_findings(in_cell(dsn, cell_name(number))) == []
@@ -132,8 +145,9 @@ async def test_a_permit_move_stopped_between_debit_and_credit_is_stranded_then_d
         assert await giver.send_permits(transfer, None, "cell_2", 3, keep=0) == 1
         # A retried send of the same move lends nothing more.
         assert await giver.send_permits(transfer, None, "cell_2", 3, keep=0) == 1
-        # Stranded: the permit is in neither cell.
+        # Stranded: the permit is in neither cell. The policy is what it was.
         assert await _caps(cells) == [4, 5]
+        assert await _policy_totals(cells) == (PERMITS, 0)
         assert [u.transfer_id for u in await giver.undelivered_permits()] == [transfer]
         assert await giver.undelivered() == []  # not a move of room
 
@@ -177,6 +191,7 @@ async def test_a_policy_write_keeps_the_permits_moved(
         )
         assert await _caps(cells) == [10, 2]
         assert await _shares(cells) == [6, 6]
+        assert await _policy_totals(cells) == (12, 0)  # read back as written
         # The documented corner (sql/global_layer.sql): a share below what a
         # cell lent leaves it one permit, and the borrower keeps the loan.
         await cells.put_global_policy(
@@ -207,6 +222,7 @@ async def test_a_provider_ceilings_permits_move_too_and_the_command_says_so(
         assert done.stdout.startswith("rebalanced: redelivered=0 moves=1 tokens=0 ")
         assert done.stdout.rstrip().endswith(" permits=3")
         assert await _caps(cells, "openai") == [1, 6]
+        assert (await _policy_totals(cells))[1] == 7  # the ceiling as it was written
         held += await _admit(cells, 2, 10)
         assert len(held) == 6
         assert await _admit(cells, 1, 3) != []  # cell 1 kept one
