@@ -45,6 +45,27 @@ def test_a_semicolon_inside_a_string_identifier_comment_or_body_ends_nothing(
     assert sql_statements(f"{statement};\nSELECT 3;") == [statement.strip(), "SELECT 3"]
 
 
+def test_a_sql_standard_routine_body_ends_at_the_semicolon_after_its_end() -> None:
+    # BEGIN ATOMIC ... END holds statements of its own, as psql reads it; a
+    # CASE ... END inside it closes nothing; BEGIN and END elsewhere are words.
+    function = (
+        "CREATE OR REPLACE FUNCTION f(x int) RETURNS int LANGUAGE sql\nBEGIN ATOMIC\n"
+        "    INSERT INTO t VALUES (x);\n"
+        "    SELECT CASE WHEN x > 0 THEN 1 ELSE 0 END;\nEND"
+    )
+    procedure = "-- a comment first\ncreate procedure p() begin atomic select 1; end"
+    script = f"{function};\nBEGIN;\n{procedure};\nSELECT 1 AS \"end\", 'begin;';\nEND;\n"
+    assert sql_statements(script) == [
+        function,
+        "BEGIN",
+        procedure,
+        "SELECT 1 AS \"end\", 'begin;'",
+        "END",
+    ]
+    sql_body = "CREATE FUNCTION g(x int) RETURNS int LANGUAGE sql RETURN CASE x WHEN 1 THEN 2 END"
+    assert sql_statements(f"{sql_body};\nSELECT 3;") == [sql_body, "SELECT 3"]
+
+
 def test_every_migration_script_splits_into_statements_that_each_start_with_sql() -> None:
     # Each piece of every revision's scripts starts with a keyword (or a
     # comment before one), never in the middle of a body or a string.

@@ -134,10 +134,13 @@ def repeatable_scripts(root: Path | None = None) -> list[RepeatableScript]:
 
 # What the statement splitter stops at: a semicolon, or the start of
 # something a semicolon inside does not end (a comment, a string, a quoted
-# identifier, a dollar-quoted body).
+# identifier, a dollar-quoted body), or a word that opens or closes a
+# SQL-standard routine body (BEGIN ATOMIC ... END, and CASE ... END inside it).
 _SPLIT_AT = re.compile(
     r";|--|/\*|\"|(?<![\w$])[Ee]'|'|(?<![\w$])\$(?:[A-Za-z_\x80-\uffff][\w\x80-\uffff]*)?\$"
+    r"|(?<![\w$])(?i:begin|case|end)(?![\w$])"
 )
+_ROUTINE = re.compile(r"create\s+(?:or\s+replace\s+)?(?:function|procedure)\b", re.IGNORECASE)
 _BLOCK_COMMENT = re.compile(r"/\*|\*/")
 _SPACE = re.compile(r"\s*")
 _STRING_END = re.compile(r"(?:[^']|'')*'")
@@ -155,11 +158,21 @@ def sql_statements(script: str) -> list[str]:
     which the worker refuses (a cell upgraded in place runs its migrations
     against distributed tables; store/migration_support.py)."""
     statements, start, at = [], 0, 0
+    # A CREATE FUNCTION or PROCEDURE with a SQL-standard body (BEGIN ATOMIC)
+    # ends at the semicolon after its END, as psql ends it: its depth.
+    depth, routine = 0, None
     while (found := _SPLIT_AT.search(script, at)) is not None:
         token, at = found.group(), found.end()
         if token == ";":
+            if depth:
+                continue
             statements.append(script[start : found.start()])
-            start = at
+            start, routine = at, None
+        elif token.isalpha():
+            if routine is None:
+                routine = _ROUTINE.match(script, _code_start(script, start)) is not None
+            if routine:
+                depth = depth + 1 if token.lower() != "end" else max(0, depth - 1)
         elif token == "--":
             newline = script.find("\n", at)
             at = len(script) if newline < 0 else newline + 1
@@ -173,16 +186,20 @@ def sql_statements(script: str) -> list[str]:
 
 def _holds_code(fragment: str) -> bool:
     """Whether anything but whitespace and comments is in `fragment`."""
-    at = 0
+    return _code_start(fragment, 0) < len(fragment)
+
+
+def _code_start(text: str, at: int) -> int:
+    """Where the code begins in `text` from `at`: past whitespace and comments."""
     while True:
-        at = _SPACE.match(fragment, at).end()  # type: ignore[union-attr]  # (\s* always matches)
-        if fragment.startswith("--", at):
-            newline = fragment.find("\n", at)
-            at = len(fragment) if newline < 0 else newline + 1
-        elif fragment.startswith("/*", at):
-            at = _end_of_block_comment(fragment, at + 2)
+        at = _SPACE.match(text, at).end()  # type: ignore[union-attr]  # (\s* always matches)
+        if text.startswith("--", at):
+            newline = text.find("\n", at)
+            at = len(text) if newline < 0 else newline + 1
+        elif text.startswith("/*", at):
+            at = _end_of_block_comment(text, at + 2)
         else:
-            return at < len(fragment)
+            return at
 
 
 def _end_of_block_comment(script: str, at: int) -> int:
