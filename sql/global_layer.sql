@@ -150,12 +150,9 @@ BEGIN
            token_burst         = excluded.token_burst,
            requests_per_minute = excluded.requests_per_minute,
            request_burst       = excluded.request_burst,
-           -- permits the rebalancer moved stay moved (lq_send_permits)
-           max_in_flight       = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
-                                     greatest(1, excluded.max_in_flight + l.in_flight_moved) END,
-           in_flight_moved     = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
-                                     greatest(1, excluded.max_in_flight + l.in_flight_moved)
-                                     - excluded.max_in_flight ELSE 0 END,
+           -- the new share, and the permits the rebalancer moved stay moved
+           -- (lq_send_permits; kept while there is no cap, for when there is)
+           max_in_flight       = excluded.max_in_flight + l.in_flight_moved,
            lease_seconds       = excluded.lease_seconds,
            failure_mode        = excluded.failure_mode,
            policy_version      = excluded.policy_version,
@@ -392,9 +389,12 @@ $$;
 -- a move no round could deliver for that long is room lost, never room
 -- made), and 'in' rows twice as old, so that an 'out' row still being
 -- delivered always finds its 'in' row whatever the two nodes' clocks say,
--- and is credited once. A move of permits is never given up (a permit does
+-- and is credited once. A move of permits is not given up (a permit does
 -- not refill: given up, it would be lost for good): its 'out' row stays
--- until delivered. How many rows went.
+-- until delivered, or until the row it debited is gone; its 'in' row is
+-- kept a week of p_keep_seconds, so that a move delivered whose
+-- acknowledgement was lost is credited once however long its sender was
+-- away (up to that). How many rows went.
 CREATE OR REPLACE FUNCTION lq_prune_budget_transfers(p_keep_seconds integer)
 RETURNS bigint
 LANGUAGE plpgsql
@@ -405,9 +405,13 @@ DECLARE
 BEGIN
     DELETE FROM budget_transfers AS t
      WHERE t.moved_at < now_ts - make_interval(secs => p_keep_seconds)
-       AND ((t.direction = 'out' AND (t.permits = 0 OR t.delivered_at IS NOT NULL))
+       AND ((t.direction = 'out'
+             AND (t.permits = 0 OR t.delivered_at IS NOT NULL
+                  OR NOT EXISTS (SELECT 1 FROM limit_layers AS l
+                                  WHERE l.layer_id = t.layer_id)))
             OR (t.direction = 'in'
-                AND t.moved_at < now_ts - make_interval(secs => 2 * p_keep_seconds)));
+                AND t.moved_at < now_ts - make_interval(
+                        secs => CASE WHEN t.permits > 0 THEN 7 ELSE 2 END * p_keep_seconds)));
     GET DIAGNOSTICS gone = ROW_COUNT;
     RETURN gone;
 END
@@ -421,14 +425,16 @@ $$;
 -- transfer_id (lq_receive_permits), then lq_confirm_budget. A permit moved
 -- changes the slice's cap: max_in_flight goes down in the sender and up in
 -- the receiver, and in_flight_moved keeps the count, so that a policy write
--- keeps what was moved and admission reads the cap as it always has. A
--- sender keeps at least one permit and never lends one in use. Stopped
--- between the two, the permits are in neither cell (stranded, never
--- created) until the next round delivers them; they are never given up.
--- One corner is not exact: a policy write whose new share for a cell is at
--- most what that cell has lent leaves it one permit (a cap is never below
--- one), and the part of the loan it forgives stays with the borrowers, so
--- the cells then cap up to that many permits more than the new total.
+-- keeps what was moved (the new share plus the moves) and admission reads
+-- the cap as it always has. A sender never lends a permit in use, nor its
+-- last one. Stopped between the two, the permits are in neither cell
+-- (stranded, never created) until a later round delivers them. The cells'
+-- caps plus the permits stranded always sum to the policy: a share lowered
+-- below what a cell lent leaves that cell a cap of zero or less, and it
+-- admits nothing until the borrowers give permits back. A move is
+-- delivered while the sender's row it debited exists: a ceiling deleted
+-- takes its debts with it, so its moves are not delivered (a recreated
+-- ceiling starts from its share in every cell).
 
 
 -- The permits of this cell's slice of every shared layer that caps them:
@@ -466,7 +472,7 @@ DECLARE
     missing     boolean;
     sent        integer;
 BEGIN
-    IF p_permits < 0 OR p_keep < 0 THEN
+    IF p_permits IS NULL OR p_keep IS NULL OR p_permits < 0 OR p_keep < 0 THEN
         RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
               MESSAGE = 'a permit move is of zero or more permits, keeping zero or more';
     END IF;
@@ -495,8 +501,9 @@ BEGIN
            in_flight_moved = l.in_flight_moved - sent
      WHERE l.layer_id = layer.layer_id;
     INSERT INTO budget_transfers (transfer_id, direction, ceiling, peer, tokens, requests,
-                                  permits, moved_at)
-    VALUES (p_transfer_id, 'out', p_ceiling, p_to, 0, 0, sent, clock_timestamp());
+                                  permits, layer_id, moved_at)
+    VALUES (p_transfer_id, 'out', p_ceiling, p_to, 0, 0, sent, layer.layer_id,
+            clock_timestamp());
     RETURN sent;
 END
 $$;
@@ -504,8 +511,9 @@ $$;
 
 -- Credit permits lent by the cell p_from to this cell's slice of the shared
 -- layer p_ceiling; true when credited now, false when this transfer was
--- received before. A layer this cell no longer caps takes nothing (the
--- permits are dropped with the cap: never more permits, only fewer).
+-- received before. A slice without a cap now keeps them in in_flight_moved
+-- for when it has one; a cell without the layer takes nothing (never more
+-- permits, only fewer).
 CREATE OR REPLACE FUNCTION lq_receive_permits(
     p_transfer_id uuid,
     p_ceiling     text,
@@ -521,7 +529,6 @@ BEGIN
     SELECT l.layer_id INTO target
       FROM limit_layers AS l
      WHERE l.scope = layer_scope AND l.ceiling IS NOT DISTINCT FROM p_ceiling
-       AND l.max_in_flight IS NOT NULL
      ORDER BY l.layer_id
      LIMIT 1
        FOR UPDATE;
@@ -542,7 +549,9 @@ $$;
 
 
 -- Permit moves this cell sent that no receiver has acknowledged, oldest
--- first, at most p_limit: the rebalancer delivers them again before moving more.
+-- first, at most p_limit: the rebalancer delivers them again before moving
+-- more. Not those whose row is gone (a deleted ceiling's: its debt went
+-- with it).
 CREATE OR REPLACE FUNCTION lq_undelivered_permits(p_limit integer)
 RETURNS TABLE (transfer_id uuid, ceiling text, peer text, permits integer)
 LANGUAGE plpgsql
@@ -553,6 +562,7 @@ BEGIN
     SELECT t.transfer_id, t.ceiling, t.peer, t.permits
       FROM budget_transfers AS t
      WHERE t.direction = 'out' AND t.delivered_at IS NULL AND t.permits > 0
+       AND EXISTS (SELECT 1 FROM limit_layers AS l WHERE l.layer_id = t.layer_id)
      ORDER BY t.moved_at
      LIMIT p_limit;
 END

@@ -263,12 +263,9 @@ BEGIN
            token_burst = excluded.token_burst,
            requests_per_minute = excluded.requests_per_minute,
            request_burst = excluded.request_burst,
-           -- permits the rebalancer moved stay moved (lq_send_permits)
-           max_in_flight = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
-                               greatest(1, excluded.max_in_flight + l.in_flight_moved) END,
-           in_flight_moved = CASE WHEN excluded.max_in_flight IS NOT NULL THEN
-                                 greatest(1, excluded.max_in_flight + l.in_flight_moved)
-                                 - excluded.max_in_flight ELSE 0 END,
+           -- the new share, and the permits the rebalancer moved stay moved
+           -- (lq_send_permits, sql/global_layer.sql)
+           max_in_flight = excluded.max_in_flight + l.in_flight_moved,
            shed_above = excluded.shed_above,
            shed_admit = excluded.shed_admit,
            shed_small = excluded.shed_small,

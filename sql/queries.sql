@@ -304,9 +304,11 @@ SELECT * FROM lq_suspend_tenant($1::text, $2::boolean)
 -- left too, debited from the row but not yet any request's: `tokens` and
 -- `requests` count it, and `allotted_tokens` and `allotted_requests` say how
 -- much of them it is. (An expired slice's room comes back to the row when the
--- sweeper returns it.)
+-- sweeper returns it.) The global layer's max_in_flight is the policy's: in a
+-- cell, its cap less the permits the rebalancer moved in (migration 0035).
 SELECT g.scope, g.tenant, g.route, g.plan, g.tokens_per_minute, g.token_burst,
-       g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
+       g.requests_per_minute, g.request_burst,
+       g.max_in_flight - g.in_flight_moved AS max_in_flight, g.lease_seconds,
        g.failure_mode, g.policy_version, g.in_flight,
        g.tokens + s.tokens AS tokens, g.requests + s.requests AS requests,
        '{}'::text[] AS fallback_models, false AS prepaid, g.shards,
@@ -380,7 +382,8 @@ SELECT partition_name, status FROM lq_ensure_ledger_partitions($1::integer)
 SELECT key FROM outage_id_key
 
 -- policy_snapshot --
--- Every layer's policy, for the per-worker cache that outlives an outage.
+-- Every layer's policy, for the per-worker cache that outlives an outage (the
+-- global layer's max_in_flight the policy's, as get_policy reads it).
 -- Provider ceilings are not in it: they come with the budgets
 -- (outage_budgets), which have no version; nor are API keys' layers (a key's
 -- own limits are not decided locally, only recorded at replay). The
@@ -410,7 +413,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
        LEFT JOIN LATERAL (
            -- the global layer summed over its shards, then the others
            SELECT g.layer_id, g.scope, g.tenant, g.route, g.tokens_per_minute, g.token_burst,
-                  g.requests_per_minute, g.request_burst, g.max_in_flight, g.lease_seconds,
+                  g.requests_per_minute, g.request_burst,
+                  g.max_in_flight - g.in_flight_moved AS max_in_flight, g.lease_seconds,
                   g.failure_mode, g.policy_version, NULL::text AS output_estimate,
                   NULL::integer AS request_cost, NULL::boolean AS uses_concurrency,
                   NULL::text AS cache, NULL::text[] AS fallback_models,
@@ -435,8 +439,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
 -- What a worker needs besides the policies to decide `local` admissions while
 -- the store is away (domain/local_budget.py), read afresh at every policy
 -- refresh because it moves with every admission: one row per item, `kind`
--- saying which. 'ceiling': a provider ceiling's limits and models (LIKE
--- patterns); 'quota': a blocking calendar quota, its limits and what its
+-- saying which. 'ceiling': a provider ceiling's limits (max_in_flight the
+-- policy's, as get_ceilings reads it) and models (LIKE patterns); 'quota': a blocking calendar quota, its limits and what its
 -- current window used (reserved + charged; a key's quotas are not decided
 -- locally, only recorded at replay); 'credits': a prepaid tenant and
 -- its available balance (balance - reserved, 0 without an account),
@@ -447,7 +451,8 @@ SELECT v.snapshot_version, v.layer_count, l.scope, l.tenant, l.route, l.tokens_p
 -- Its `upstream`: the deployment it is scoped to (migration 0027), if any.
 (SELECT 'ceiling'::text AS kind, ll.ceiling AS name, NULL::text AS tenant, NULL::text AS route,
         ll.model_patterns AS patterns, ll.tokens_per_minute, ll.token_burst,
-        ll.requests_per_minute, ll.request_burst, ll.max_in_flight, ll.policy_version,
+        ll.requests_per_minute, ll.request_burst,
+        ll.max_in_flight - ll.in_flight_moved AS max_in_flight, ll.policy_version,
         NULL::bigint AS quota_id, NULL::bigint AS tokens_limit, NULL::numeric AS cost_limit,
         NULL::bigint AS used_tokens, NULL::numeric AS used_cost,
         NULL::timestamptz AS window_end, NULL::numeric AS available,

@@ -8,10 +8,13 @@ room: debit the giver (its cap goes down), credit the taker (its cap goes
 up). Here: a busy cell borrows the idle cell's free permits and the cells
 never hold more calls than the cap; the permits follow the demand back; a
 move stopped between debit and credit is stranded until the next round
-delivers it, once, and is never given up; a policy write keeps what was
-moved; rounds as fast as they go beside admissions and releases in both
-cells never let the cells hold more than the cap. On CI's Citus leg the two
-cells are on the two workers.
+delivers it, once, and is not given up; a policy write keeps what was
+moved, also below what a cell lent, also through a cap removed and set again;
+a deleted ceiling's moves die with it; rounds as fast as they go beside
+admissions and releases in both cells never let the cells hold more than the
+cap. After each test the caps of every cell plus the permits stranded sum to
+the policy (`_conserved`). On CI's Citus leg the two cells are on the two
+workers.
 """
 
 from __future__ import annotations
@@ -101,6 +104,16 @@ async def _policy_totals(cells: CellLimiters) -> tuple[int, int]:
     return global_total, ceiling_total
 
 
+async def _conserved(cells: CellLimiters, total: int, ceiling: str | None = None) -> None:
+    """The cells' caps plus the permits stranded between them are the policy's."""
+    caps = sum(await _caps(cells, ceiling))
+    stranded = 0
+    for limiter in cells.limiters:
+        owed = await limiter.store.budget_moves.undelivered_permits()
+        stranded += sum(move.permits for move in owed if move.ceiling == ceiling)
+    assert caps + stranded == total, (await _caps(cells, ceiling), stranded)
+
+
 async def _audited(dsn: str) -> None:
     for number in range(1, CELLS + 1):
         assert await audit_findings(in_cell(dsn, cell_name(number))) == []
@@ -130,7 +143,7 @@ async def test_a_busy_cell_borrows_the_idle_cells_free_permits_and_never_more_th
         assert await _caps(cells) == [2, 8]
         idle += await _admit(cells, 2, 20)
         assert len(idle) == 8
-        assert sum(await _caps(cells)) == PERMITS
+        await _conserved(cells, PERMITS)
     await _audited(empty_database_dsn)
 
 
@@ -148,6 +161,7 @@ async def test_a_permit_move_stopped_between_debit_and_credit_is_stranded_then_d
         # Stranded: the permit is in neither cell. The policy is what it was.
         assert await _caps(cells) == [4, 5]
         assert await _policy_totals(cells) == (PERMITS, 0)
+        await _conserved(cells, PERMITS)
         assert [u.transfer_id for u in await giver.undelivered_permits()] == [transfer]
         assert await giver.undelivered() == []  # not a move of room
 
@@ -162,19 +176,23 @@ async def test_a_permit_move_stopped_between_debit_and_credit_is_stranded_then_d
             await reservation.release()
 
         # A move no round could deliver for days is still not given up: a
-        # permit does not refill as room does.
+        # permit does not refill as room does. Its receipt outlives it too.
         lost = uuid.uuid4()
         assert await giver.send_permits(lost, None, "cell_2", 1, keep=0) == 1
-        connection = await asyncpg.connect(in_cell(empty_database_dsn, cell_name(1)))
-        try:
-            then = datetime.now(UTC) - timedelta(days=3)
-            await connection.execute("UPDATE budget_transfers SET moved_at = $1", then)
-        finally:
-            await connection.close()
+        then = datetime.now(UTC) - timedelta(days=3)
+        for number in (1, 2):
+            connection = await asyncpg.connect(in_cell(empty_database_dsn, cell_name(number)))
+            try:
+                await connection.execute("UPDATE budget_transfers SET moved_at = $1", then)
+            finally:
+                await connection.close()
         await giver.prune(86_400)
+        await taker.prune(86_400)
         assert [u.transfer_id for u in await giver.undelivered_permits()] == [lost]
+        # The first move's receipt is kept a week: delivered again, credited once.
+        assert await taker.receive_permits(transfer, None, "cell_1", 1) is False
         await cells.rebalancer.run_round()
-        assert sum(await _caps(cells)) == PERMITS
+        await _conserved(cells, PERMITS)
     await _audited(empty_database_dsn)
 
 
@@ -192,20 +210,60 @@ async def test_a_policy_write_keeps_the_permits_moved(
         assert await _caps(cells) == [10, 2]
         assert await _shares(cells) == [6, 6]
         assert await _policy_totals(cells) == (12, 0)  # read back as written
-        # The documented corner (sql/global_layer.sql): a share below what a
-        # cell lent leaves it one permit, and the borrower keeps the loan.
+        # A share below what a cell lent: its cap is below zero, and it
+        # admits nothing until the borrower gives permits back.
         await cells.put_global_policy(
             Policy(tokens_per_minute=10**6, token_burst=10**7, max_in_flight=4)
         )
-        assert await _caps(cells) == [6, 1]
-        # No cap at all: nothing moved is kept.
+        assert await _caps(cells) == [6, -2]
+        assert await _policy_totals(cells) == (4, 0)
+        assert await _admit(cells, 2, 3) == []
+        for reservation in held:
+            await reservation.release()
+        await cells.rebalancer.run_round()
+        assert await _caps(cells) == [3, 1]
+        await _conserved(cells, 4)
+        # No cap at all, then one again: what was moved is still moved.
         await cells.put_global_policy(Policy(tokens_per_minute=10**6, token_burst=10**7))
         assert [await limiter.store.budget_moves.permits() for limiter in cells.limiters] == [
             {},
             {},
         ]
-        for reservation in held:
-            await reservation.release()
+        await cells.put_global_policy(
+            Policy(tokens_per_minute=10**6, token_burst=10**7, max_in_flight=PERMITS)
+        )
+        assert await _caps(cells) == [6, 4]
+        await _conserved(cells, PERMITS)
+    await _audited(empty_database_dsn)
+
+
+async def test_a_move_stranded_while_the_cap_is_removed_is_kept_and_a_deleted_ceilings_dies(
+    cells: CellLimiters, empty_database_dsn: str
+) -> None:
+    async with cells:
+        giver, _taker = (limiter.store.budget_moves for limiter in cells.limiters)
+        # Stranded, then the cap removed and set again, then delivered.
+        assert await giver.send_permits(uuid.uuid4(), None, "cell_2", 3, keep=0) == 3
+        await cells.put_global_policy(ROOMY)
+        assert (await cells.rebalancer.run_round()).redelivered == 1
+        await cells.put_global_policy(
+            Policy(tokens_per_minute=10**6, token_burst=10**7, max_in_flight=PERMITS)
+        )
+        assert await _caps(cells) == [2, 8]
+        await _conserved(cells, PERMITS)
+
+        # A ceiling's move stranded, then the ceiling deleted everywhere and
+        # made again: each cell starts from its share, and the move, whose
+        # debt went with the row it debited, is not delivered.
+        await cells.put_ceiling("openai", Ceiling(models=["gpt-4o"], max_in_flight=10))
+        assert await giver.send_permits(uuid.uuid4(), "openai", "cell_2", 3, keep=0) == 3
+        for limiter in cells.limiters:
+            assert await limiter.store.catalog.delete_ceiling("openai")
+        await cells.put_ceiling("openai", Ceiling(models=["gpt-4o"], max_in_flight=10))
+        report = await cells.rebalancer.run_round()
+        assert report.redelivered == 0
+        assert await _caps(cells, "openai") == [5, 5]
+        await _conserved(cells, 10, "openai")
     await _audited(empty_database_dsn)
 
 
@@ -227,6 +285,7 @@ async def test_a_provider_ceilings_permits_move_too_and_the_command_says_so(
         assert len(held) == 6
         assert await _admit(cells, 1, 3) != []  # cell 1 kept one
         assert await _admit(cells, 1, 3) == []
+        await _conserved(cells, 7, "openai")
     await _audited(empty_database_dsn)
 
 
@@ -259,6 +318,7 @@ async def test_rounds_beside_admissions_and_releases_never_let_the_cells_hold_mo
         assert moved > 0
         assert most <= PERMITS
         # Every permit is in some cell's cap again: none made, none lost.
+        await _conserved(cells, PERMITS)
         assert sum(await _caps(cells)) == PERMITS
         for reservation in held:
             await reservation.release()

@@ -133,8 +133,10 @@ def test_no_permit_in_use_is_lent_and_a_lone_free_one_stays() -> None:
 slices_strategy = st.lists(
     st.one_of(
         st.none(),
-        st.tuples(st.integers(1, 50), st.integers(-5, 40), st.integers(0, 60)).map(
-            lambda t: SlicePermits(min(t[2], t[0] + t[1] + 5), max(1, t[0] + t[1]), t[0])
+        # (share, moved, in flight): a cap below zero is a cell whose share
+        # was lowered below what it lent; calls in flight may pass any cap
+        st.tuples(st.integers(1, 50), st.integers(-60, 40), st.integers(0, 60)).map(
+            lambda t: SlicePermits(t[2], t[0] + t[1], t[0])
         ),
     ),
     min_size=1,
@@ -163,4 +165,3 @@ def test_permit_moves_lend_only_free_permits_and_make_none(
             keep = max(m.keep for m in moves if m.giver == cell)
             assert net <= free - keep
             assert given_slice.max_in_flight - net >= 1
-    assert sum(lent.values()) == 0  # every permit lent is a permit taken
