@@ -222,12 +222,15 @@ async def test_the_services_writes_are_each_one_statement_on_the_cells_worker(
         )
         assert dict(written) == {"quotas": 1, "webhooks": 1, "tenants": 2, "uses": 1}
         moves = await connection.fetch(
-            "SELECT direction, ceiling, tokens, delivered_at IS NOT NULL AS delivered"
-            " FROM budget_transfers ORDER BY direction DESC"
+            "SELECT direction, ceiling, tokens, permits, delivered_at IS NOT NULL AS delivered"
+            " FROM budget_transfers ORDER BY direction DESC, tokens DESC"
         )
+        # (the ceiling caps no permits: nothing to lend, and the permit
+        # received is kept for when it has a cap)
         assert [tuple(m) for m in moves] == [
-            ("out", None, 1000.0, True),
-            ("in", "c1", 500.0, False),
+            ("out", None, 1000.0, 0, True),
+            ("in", "c1", 500.0, 0, False),
+            ("in", "c1", 0.0, 1, False),
         ]
     finally:
         await connection.close()
