@@ -133,7 +133,9 @@ async def test_a_whole_answer_settled_while_the_store_is_frozen_lands_after_reco
     assert await ledger_rows(db) == [("usage", "ok", PROMPT_TOKENS, 10_000_000, "clamped")]
     reported = await db.fetchval("SELECT reported_output_tokens FROM usage_ledger")
     assert reported == 10**8
-    assert len(limiter.journal) == 0
+    # The replay commits, then forgets its entry: on a loaded machine the
+    # ledger row can be read between the two (CI's Python 3.13 leg once did).
+    await wait_for(lambda: _holds(limiter, 0), 5.0)
 
 
 async def _holds(limiter: Limiter, entries: int) -> bool:
