@@ -24,6 +24,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 
 from tests.support import APP_ROLE, dsn_as
 
@@ -42,7 +43,7 @@ PER_SECOND = 10  # requests the global layer refills a second
 TENANTS = [f"tenant-{i:02d}" for i in range(40)]
 
 
-def _stream(moving: bool) -> list[str]:
+def stream(moving: bool) -> list[str]:
     """The tenant of each request: cell 1's tenants, or each cell's in turn for 5 s."""
     by_cell = {k: [t for t in TENANTS if cell_of(t, 2) == k] for k in (1, 2)}
     count = int(RATE * RUN_SECONDS)
@@ -53,7 +54,9 @@ def _stream(moving: bool) -> list[str]:
     return tenants
 
 
-async def _admitted(server_dsn: str, cells: int, rebalance: float | None, stream: list[str]) -> int:
+async def _admitted(
+    server_dsn: str, cells: int, rebalance: float | None, tenants: list[str]
+) -> int:
     dsn = await fresh_cluster_database(server_dsn, "lq_rebalance_bench")
     await asyncio.to_thread(build_cells, dsn, cells)
     settings = Settings(ceiling_alerts=False, _env_file=None)  # type: ignore[call-arg]
@@ -69,12 +72,17 @@ async def _admitted(server_dsn: str, cells: int, rebalance: float | None, stream
         async def one(tenant: str) -> bool:
             return await admits(router.for_tenant(tenant), tenant, 100, 900)
 
-        started = time.monotonic()
-        calls = []
-        for i, tenant in enumerate(stream):
-            await asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))
-            calls.append(asyncio.create_task(one(tenant)))
-        return sum(await asyncio.gather(*calls))
+        return await paced(one, tenants)
+
+
+async def paced(one: Callable[[str], Awaitable[bool]], tenants: list[str]) -> int:
+    """Send `one` for each tenant at RATE a second; how many it admitted."""
+    started = time.monotonic()
+    calls = []
+    for i, tenant in enumerate(tenants):
+        await asyncio.sleep(max(0.0, started + i / RATE - time.monotonic()))
+        calls.append(asyncio.create_task(one(tenant)))
+    return sum(await asyncio.gather(*calls))
 
 
 async def run_all(server_dsn: str) -> None:
@@ -82,20 +90,29 @@ async def run_all(server_dsn: str) -> None:
         f"{RATE:.0f} requests/s for {RUN_SECONDS:.0f} s; global burst {BURST} requests,"
         f" refill {PER_SECOND}/s"
     )
+    await compare(server_dsn, _admitted, "slice")
+
+
+Admitted = Callable[[str, int, float | None, list[str]], Awaitable[int]]
+
+
+async def compare(server_dsn: str, admitted: Admitted, what: str) -> None:
+    """Both demands to the twin, two cells alone and two rebalanced; the
+    summary line `{what} false refusals: X of N (Y%)`."""
     false_refusals = sent = 0
     for name, moving in (("one cell busy", False), ("moving demand", True)):
-        stream = _stream(moving)
-        twin = await _admitted(server_dsn, 1, None, stream)
-        alone = await _admitted(server_dsn, 2, None, stream)
-        rebalanced = await _admitted(server_dsn, 2, 1.0, stream)
+        tenants = stream(moving)
+        twin = await admitted(server_dsn, 1, None, tenants)
+        alone = await admitted(server_dsn, 2, None, tenants)
+        rebalanced = await admitted(server_dsn, 2, 1.0, tenants)
         print(
             f"{name}: one layer admitted {twin}; 2 cells, no rebalancer {alone};"
-            f" 2 cells, rebalanced every 1 s {rebalanced} (of {len(stream)} sent)",
+            f" 2 cells, rebalanced every 1 s {rebalanced} (of {len(tenants)} sent)",
             flush=True,
         )
         false_refusals += max(0, twin - rebalanced)
-        sent += len(stream)
-    print(f"slice false refusals: {false_refusals} of {sent} ({100 * false_refusals / sent:.1f}%)")
+        sent += len(tenants)
+    print(f"{what} false refusals: {false_refusals} of {sent} ({100 * false_refusals / sent:.1f}%)")
 
 
 def main() -> None:
