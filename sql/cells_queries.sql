@@ -292,9 +292,16 @@ $$
 -- come through a function (a view cannot choose its table per session), so
 -- a filter on it is not pushed into the cell's view; the report functions
 -- call the cell's own, which are.
+-- In place, never dropped whole: what finance built on it (a view over a
+-- report) is kept through every build and upgrade. A report whose result
+-- changed cannot be replaced: it alone is dropped and made again, and if
+-- something of finance's stands on it the drop is refused, naming it, and
+-- nothing here changes (as a repeatable script's in one deployment would).
+-- A report the cells no longer have is dropped the same way.
 DO $build$
 DECLARE
     f record;
+    made text;
 BEGIN
     -- On Citus these live on the coordinator alone, where reports run: Citus
     -- would otherwise make them objects of every node, and refuses to
@@ -347,12 +354,18 @@ BEGIN
     LOOP
         -- The arguments are written into the call as literals: Citus plans no
         -- SQL function over distributed tables called with parameters.
-        EXECUTE format('CREATE OR REPLACE FUNCTION reporting.%I(%s) RETURNS %s LANGUAGE plpgsql '
+        made := format('CREATE OR REPLACE FUNCTION reporting.%I(%s) RETURNS %s LANGUAGE plpgsql '
                        'STABLE AS $f$ BEGIN RETURN QUERY EXECUTE format(%L, '
                        'reporting.session_reports()%s); END $f$',
                        f.name, f.arguments, f.result,
                        format('SELECT * FROM %%s.%I(%s)', f.name, f.literals),
                        coalesce(', ' || f.parameters, ''));
+        BEGIN
+            EXECUTE made;
+        EXCEPTION WHEN invalid_function_definition THEN  -- its result changed
+            EXECUTE format('DROP FUNCTION reporting.%I(%s)', f.name, f.identity);
+            EXECUTE made;
+        END;
         EXECUTE format('COMMENT ON FUNCTION reporting.%I(%s) IS %L', f.name, f.identity,
                        obj_description(f.oid, 'pg_proc'));
     END LOOP;
@@ -366,14 +379,42 @@ BEGIN
                        'format(%L, reporting.session_reports()); END $f$',
                        'rows_of_' || f.name, f.name,
                        format('SELECT * FROM %%s.%I()', 'rows_of_' || f.name));
-        EXECUTE format('CREATE OR REPLACE VIEW reporting.%I AS SELECT * FROM reporting.%I()',
-                       f.name,
-                       'rows_of_' || f.name);
+        made := format('CREATE OR REPLACE VIEW reporting.%I AS SELECT * FROM reporting.%I()',
+                       f.name, 'rows_of_' || f.name);
+        BEGIN
+            EXECUTE made;
+        EXCEPTION WHEN invalid_table_definition THEN  -- a column changed or went
+            EXECUTE format('DROP VIEW reporting.%I', f.name);
+            EXECUTE made;
+        END;
         EXECUTE format('COMMENT ON VIEW reporting.%I IS %L', f.name,
                        obj_description(f.oid, 'pg_class'));
         EXECUTE format('CREATE OR REPLACE TRIGGER read_only INSTEAD OF INSERT OR UPDATE OR DELETE '
                        'ON reporting.%I FOR EACH ROW EXECUTE FUNCTION reporting.read_only()',
                        f.name);
+    END LOOP;
+    -- What the cells no longer have: views first, then the functions under them.
+    FOR f IN SELECT c.relname AS name
+               FROM pg_class AS c
+              WHERE c.relnamespace = 'reporting'::regnamespace AND c.relkind = 'v'
+                AND to_regclass(format('cell_1_reporting.%I', c.relname)) IS NULL
+    LOOP
+        EXECUTE format('DROP VIEW reporting.%I', f.name);
+    END LOOP;
+    FOR f IN SELECT p.oid::regprocedure AS routine
+               FROM pg_proc AS p
+              WHERE p.pronamespace = 'reporting'::regnamespace
+                AND p.proname NOT IN ('session_reports', 'read_only')
+                AND NOT EXISTS (
+                    SELECT FROM pg_proc AS q
+                     WHERE q.pronamespace = 'cell_1_reporting'::regnamespace
+                       AND q.proname = p.proname AND q.prokind = 'f' AND q.proretset
+                       AND pg_get_function_identity_arguments(q.oid)
+                           = pg_get_function_identity_arguments(p.oid))
+                AND NOT (p.proname LIKE 'rows\_of\_%' AND to_regclass(
+                    format('cell_1_reporting.%I', substr(p.proname, 9))) IS NOT NULL)
+    LOOP
+        EXECUTE format('DROP FUNCTION %s', f.routine);
     END LOOP;
     GRANT SELECT ON ALL TABLES IN SCHEMA reporting TO llmquota_reporting, llmquota_app;
 END

@@ -186,3 +186,96 @@ async def test_building_again_keeps_what_finance_made_on_reporting(books: str) -
         assert [r["tenant"] for r in totals] == ["tenant-00", "tenant-01"]
     finally:
         await cell.close()
+
+
+# An older release's database-level reports: usage_daily with another result,
+# and a report and a view the cells no longer have.
+OLDER_REPORTS = (
+    "DROP FUNCTION reporting.usage_daily(date, date, text)",
+    "CREATE FUNCTION reporting.usage_daily(p_from date, p_to date, p_tenant text DEFAULT NULL)"
+    " RETURNS TABLE (stale integer) LANGUAGE sql AS 'SELECT 1'",
+    "CREATE FUNCTION reporting.retired_report() RETURNS SETOF integer LANGUAGE sql AS 'SELECT 1'",
+    "CREATE VIEW reporting.retired_view AS SELECT 1 AS x",
+)
+USAGE_DAILY_RESULT = (
+    "SELECT pg_get_function_result('reporting.usage_daily(date, date, text)'::regprocedure)"
+)
+
+
+async def _upgrade_due(books: str, *statements: str) -> None:
+    """`statements` at the database's DSN, and cell 2 as an older release left
+    its scripts, so that the next build upgrades it."""
+    connection = await asyncpg.connect(books)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+        await connection.execute("UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)")
+    finally:
+        await connection.close()
+
+
+async def test_an_upgrade_keeps_what_finance_made_and_replaces_only_the_changed_reports(
+    books: str,
+) -> None:
+    connection = await asyncpg.connect(books)
+    try:
+        made = await connection.fetchval(USAGE_DAILY_RESULT)
+    finally:
+        await connection.close()
+    await _upgrade_due(
+        books,
+        "CREATE VIEW public.finance_totals AS"
+        " SELECT tenant, sum(total_tokens) AS tokens FROM reporting.ledger_entries"
+        " GROUP BY tenant",
+        *OLDER_REPORTS,
+    )
+
+    again = await asyncio.to_thread(run_cli, "migrate", "--cells", "2", dsn=books)
+
+    assert "cell_2: upgraded (scripts " in again.stdout
+    cell = await asyncpg.connect(in_cell(books, "cell_1"))
+    try:
+        # finance's view was kept through the upgrade, and reads as before
+        totals = await cell.fetch("SELECT tenant FROM public.finance_totals ORDER BY 1")
+        assert [r["tenant"] for r in totals] == ["tenant-00", "tenant-01"]
+        # the changed report was made again with the cells' result, and runs
+        assert await cell.fetchval(USAGE_DAILY_RESULT) == made
+        today = datetime.now(UTC).date()
+        rows = await cell.fetch(
+            "SELECT tenant FROM reporting.usage_daily($1, $2) ORDER BY 1",
+            today,
+            today + timedelta(days=1),
+        )
+        assert [r["tenant"] for r in rows] == ["tenant-00", "tenant-01"]
+        # what the cells no longer have is gone
+        assert await cell.fetchval("SELECT to_regclass('reporting.retired_view')") is None
+        assert await cell.fetchval("SELECT to_regproc('reporting.retired_report')") is None
+    finally:
+        await cell.close()
+
+
+async def test_a_changed_report_that_finance_built_on_is_refused_naming_it_and_kept(
+    books: str,
+) -> None:
+    await _upgrade_due(
+        books,
+        *OLDER_REPORTS[:2],
+        "CREATE VIEW public.finance_daily AS"
+        " SELECT * FROM reporting.usage_daily(current_date, current_date + 1)",
+    )
+
+    refused = await asyncio.to_thread(run_cli, "migrate", "--cells", "2", dsn=books, check=False)
+
+    assert refused.returncode == 2
+    assert refused.stderr.startswith(
+        "llmquota migrate: the 2 cells are built, but the database's reporting schema is not"
+        " brought up to date: cannot drop function reporting.usage_daily(date,date,text)"
+    )
+    assert "view finance_daily depends on function reporting.usage_daily" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    connection = await asyncpg.connect(books)
+    try:  # nothing of the database's reporting changed, finance's view least of all
+        assert await connection.fetchval(USAGE_DAILY_RESULT) == "TABLE(stale integer)"
+        assert await connection.fetchval("SELECT to_regclass('public.finance_daily')") is not None
+    finally:
+        await connection.close()

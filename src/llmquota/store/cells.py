@@ -234,14 +234,25 @@ async def _build(dsn: str, count: int) -> list[Cell]:
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["stamp_ledger_rows_on_their_node"])
             cells.append(Cell(cell, status, await _node_of(connection, cell) if citus else None))
-        async with connection.transaction():
-            if any(c.status.startswith("upgraded") for c in cells):
-                # Made again whole: a report whose result changed cannot be replaced.
-                await connection.execute(queries["drop_reporting_over_cells"])
-            await connection.execute(queries["reporting_over_cells"])
+        await _report_over_cells(connection, cells)
         return cells
     finally:
         await connection.close()
+
+
+async def _report_over_cells(connection: asyncpg.Connection, cells: list[Cell]) -> None:
+    """Bring the database's `reporting` up to date, in place: what finance built
+    on it stays (sql/cells_queries.sql). A changed report that something of
+    finance's stands on is refused, naming it, and that schema is left as it was."""
+    try:
+        await connection.execute(named_queries("cells_queries.sql")["reporting_over_cells"])
+    except asyncpg.DependentObjectsStillExistError as error:
+        raise CellsError(
+            f"the {len(cells)} cells are built, but the database's reporting schema is not "
+            f"brought up to date: {error.message} ({error.detail}). A report changed "
+            "its result; drop what stands on it, run `migrate --cells` again, then make "
+            "it again over the new report"
+        ) from error
 
 
 async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: int) -> list[str]:
