@@ -9,6 +9,8 @@ functions taking the most CPU (own time, and own plus callees) are printed;
 cProfile slows everything down, so read its shares, not its microseconds.
 For a sampling profile with no such distortion run it under py-spy:
 `py-spy record -o profile.svg -- python bench/profile_admission.py`.
+`--one-allotted` measures instead one caller admitting from a slice (an
+allotted tenant's admissions, decided in this process), best of 5 rounds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import datetime
 import os
 import pstats
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[0] = str(ROOT)
 
 from bench import common, library, servers  # noqa: E402
-from llmquota import Limiter  # noqa: E402
+from llmquota import Limiter, settle_after_startup  # noqa: E402
 from llmquota.domain.errors import StoreUnavailable  # noqa: E402
 from llmquota.domain.records import AdmitDecision, AdmitRequest  # noqa: E402
 from llmquota.store.decisions import ADMIT_COLUMNS, admit_arguments, admit_decision  # noqa: E402
@@ -38,6 +41,8 @@ TENANTS = 10_000
 CALLERS = 64
 # Lines of the cProfile tables printed.
 TOP_FUNCTIONS = 30
+# Admissions per round of `--one-allotted`.
+ONE_CALLER_ADMISSIONS = 40_000
 
 
 def batch_sizes(limiter: Limiter) -> tuple[float, float]:
@@ -94,6 +99,38 @@ async def measure(dsn: str, seconds: float, profile: cProfile.Profile | None) ->
         f"python cpu {result.cpu_us_per_call:.1f} us per admission, "
         f"{requests / batches if batches else 0:.1f} per batch, "
         f"{100 * system / (user + system):.0f}% of it in the kernel ({common.machine_load()})"
+    )
+
+
+async def measure_one_allotted(dsn: str, rounds: int, profile: cProfile.Profile | None) -> None:
+    """`--one-allotted`: one caller, one tenant whose policy is allotted, a slice with
+    room: the process CPU of `limiter.admit` and the `asyncio.sleep(0)` after it,
+    best of `rounds` x ONE_CALLER_ADMISSIONS (BENCHMARKS.md, issue 25's eighth part)."""
+    tenants = await common.seed_tenants(dsn, 10)
+    await common.reset_state(dsn, admission="allotted")
+    limiter = await Limiter.connect(dsn, library.ALLOTTED.settings())
+    request = {"tenant": tenants[0], "model": "gpt-4o", "input_tokens": 300, "max_tokens": 2000}
+    try:
+        for _ in range(5_000):  # the slice taken and grown, the plans warm
+            await limiter.admit(**request)  # type: ignore[arg-type]
+            await asyncio.sleep(0)
+        settle_after_startup()
+        if profile is not None:
+            profile.enable()
+        per_call = []
+        for _ in range(rounds):
+            before = time.process_time()
+            for _ in range(ONE_CALLER_ADMISSIONS):
+                await limiter.admit(**request)  # type: ignore[arg-type]
+                await asyncio.sleep(0)
+            per_call.append((time.process_time() - before) / ONE_CALLER_ADMISSIONS * 1e6)
+        if profile is not None:
+            profile.disable()
+    finally:
+        await limiter.close()
+    print(
+        f"llmquota allotted, one caller: python cpu {min(per_call):.2f} us per admission "
+        f"(best of {rounds}: {' '.join(f'{x:.2f}' for x in per_call)}; {common.machine_load()})"
     )
 
 
@@ -188,6 +225,11 @@ def main() -> int:
         help="decide against a store that answers at once (the library's own Python only)",
     )
     parser.add_argument(
+        "--one-allotted",
+        action="store_true",
+        help="one caller admitting from a slice (allotted): CPU per admission, best of 5 rounds",
+    )
+    parser.add_argument(
         "--postgres",
         choices=("pg15", "embedded"),
         default="pg15" if servers.pg15_available() else "embedded",
@@ -197,7 +239,7 @@ def main() -> int:
     if args.no_database:
         asyncio.run(measure_without_database(args.seconds, profile))
     else:
-        run_with_database(args.postgres, args.seconds, profile)
+        run_with_database(args.postgres, args.seconds, profile, one_allotted=args.one_allotted)
     if profile is not None:
         profile.dump_stats(args.cprofile)
         stats = pstats.Stats(str(args.cprofile))
@@ -206,10 +248,15 @@ def main() -> int:
     return 0
 
 
-def run_with_database(kind: str, seconds: float, profile: cProfile.Profile | None) -> None:
+def run_with_database(
+    kind: str, seconds: float, profile: cProfile.Profile | None, *, one_allotted: bool = False
+) -> None:
     with servers.postgres(kind) as pg:
         dsn = asyncio.run(common.fresh_database(pg.dsn, "bench_profile"))
-        asyncio.run(measure(dsn, seconds, profile))
+        if one_allotted:
+            asyncio.run(measure_one_allotted(dsn, 5, profile))
+        else:
+            asyncio.run(measure(dsn, seconds, profile))
 
 
 if __name__ == "__main__":
