@@ -393,18 +393,22 @@ BEGIN
                        'ON reporting.%I FOR EACH ROW EXECUTE FUNCTION reporting.read_only()',
                        f.name);
     END LOOP;
-    -- What the cells no longer have: views first, then the functions under them.
+    -- What the cells no longer have: views first, then the functions under them;
+    -- only what this block made (its views are read only by its trigger, its
+    -- functions call session_reports), never an object finance put here.
     FOR f IN SELECT c.relname AS name
                FROM pg_class AS c
               WHERE c.relnamespace = 'reporting'::regnamespace AND c.relkind = 'v'
                 AND to_regclass(format('cell_1_reporting.%I', c.relname)) IS NULL
+                AND EXISTS (SELECT FROM pg_trigger AS t
+                             WHERE t.tgrelid = c.oid AND t.tgname = 'read_only')
     LOOP
         EXECUTE format('DROP VIEW reporting.%I', f.name);
     END LOOP;
     FOR f IN SELECT p.oid::regprocedure AS routine
                FROM pg_proc AS p
               WHERE p.pronamespace = 'reporting'::regnamespace
-                AND p.proname NOT IN ('session_reports', 'read_only')
+                AND p.prosrc LIKE '%reporting.session_reports()%'
                 AND NOT EXISTS (
                     SELECT FROM pg_proc AS q
                      WHERE q.pronamespace = 'cell_1_reporting'::regnamespace

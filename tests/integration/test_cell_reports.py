@@ -194,8 +194,11 @@ OLDER_REPORTS = (
     "DROP FUNCTION reporting.usage_daily(date, date, text)",
     "CREATE FUNCTION reporting.usage_daily(p_from date, p_to date, p_tenant text DEFAULT NULL)"
     " RETURNS TABLE (stale integer) LANGUAGE sql AS 'SELECT 1'",
-    "CREATE FUNCTION reporting.retired_report() RETURNS SETOF integer LANGUAGE sql AS 'SELECT 1'",
+    "CREATE FUNCTION reporting.retired_report() RETURNS SETOF integer LANGUAGE plpgsql"
+    " AS 'BEGIN RETURN QUERY EXECUTE format(''SELECT 1'', reporting.session_reports()); END'",
     "CREATE VIEW reporting.retired_view AS SELECT 1 AS x",
+    "CREATE TRIGGER read_only INSTEAD OF INSERT OR UPDATE OR DELETE ON reporting.retired_view"
+    " FOR EACH ROW EXECUTE FUNCTION reporting.read_only()",
 )
 USAGE_DAILY_RESULT = (
     "SELECT pg_get_function_result('reporting.usage_daily(date, date, text)'::regprocedure)"
@@ -227,6 +230,10 @@ async def test_an_upgrade_keeps_what_finance_made_and_replaces_only_the_changed_
         "CREATE VIEW public.finance_totals AS"
         " SELECT tenant, sum(total_tokens) AS tokens FROM reporting.ledger_entries"
         " GROUP BY tenant",
+        # finance's own objects in the schema itself are theirs too
+        "CREATE VIEW reporting.finance_own AS SELECT 1 AS x",
+        "CREATE FUNCTION reporting.finance_days() RETURNS SETOF date LANGUAGE sql"
+        " AS 'SELECT current_date'",
         *OLDER_REPORTS,
     )
 
@@ -247,9 +254,11 @@ async def test_an_upgrade_keeps_what_finance_made_and_replaces_only_the_changed_
             today + timedelta(days=1),
         )
         assert [r["tenant"] for r in rows] == ["tenant-00", "tenant-01"]
-        # what the cells no longer have is gone
+        # what the cells no longer have is gone; what finance put there is not
         assert await cell.fetchval("SELECT to_regclass('reporting.retired_view')") is None
         assert await cell.fetchval("SELECT to_regproc('reporting.retired_report')") is None
+        assert await cell.fetchval("SELECT x FROM reporting.finance_own") == 1
+        assert await cell.fetchval("SELECT count(*) FROM reporting.finance_days()") == 1
     finally:
         await cell.close()
 
