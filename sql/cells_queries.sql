@@ -280,6 +280,11 @@ BEGIN
 END
 $$
 
+-- reporting_refused --
+-- What the last reporting_over_cells of this session could not bring up to
+-- date (a line each; empty or NULL: nothing).
+SELECT current_setting('llmquota.reporting_refused', true)
+
 -- reporting_over_cells --
 -- A `reporting` schema for the whole database of cells, made (or brought up
 -- to date, in place) at the end of every build. Each of its report
@@ -292,16 +297,20 @@ $$
 -- come through a function (a view cannot choose its table per session), so
 -- a filter on it is not pushed into the cell's view; the report functions
 -- call the cell's own, which are.
--- In place, never dropped whole: what finance built on it (a view over a
--- report) is kept through every build and upgrade. A report whose result
--- changed cannot be replaced: it alone is dropped and made again, and if
--- something of finance's stands on it the drop is refused, naming it, and
--- nothing here changes (as a repeatable script's in one deployment would).
--- A report the cells no longer have is dropped the same way.
+-- In place on every build of existing cells, upgrades included: what
+-- finance built on it (a view over a report) is kept. A report whose result
+-- changed cannot be replaced: it alone is dropped and made again; one the
+-- cells no longer have is dropped. A drop that something of finance's
+-- stands on is refused and that report left as it was, the rest brought up
+-- to date: the refusals, one a line, are left in the session's setting
+-- llmquota.reporting_refused for the build to report (store/cells.py).
 DO $build$
 DECLARE
     f record;
     made text;
+    refused text[] := '{}';
+    why text;
+    detail text;
 BEGIN
     -- On Citus these live on the coordinator alone, where reports run: Citus
     -- would otherwise make them objects of every node, and refuses to
@@ -363,8 +372,14 @@ BEGIN
         BEGIN
             EXECUTE made;
         EXCEPTION WHEN invalid_function_definition THEN  -- its result changed
-            EXECUTE format('DROP FUNCTION reporting.%I(%s)', f.name, f.identity);
-            EXECUTE made;
+            BEGIN
+                EXECUTE format('DROP FUNCTION reporting.%I(%s)', f.name, f.identity);
+                EXECUTE made;
+            EXCEPTION WHEN dependent_objects_still_exist THEN
+                GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+                refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+                CONTINUE;
+            END;
         END;
         EXECUTE format('COMMENT ON FUNCTION reporting.%I(%s) IS %L', f.name, f.identity,
                        obj_description(f.oid, 'pg_proc'));
@@ -384,8 +399,14 @@ BEGIN
         BEGIN
             EXECUTE made;
         EXCEPTION WHEN invalid_table_definition THEN  -- a column changed or went
-            EXECUTE format('DROP VIEW reporting.%I', f.name);
-            EXECUTE made;
+            BEGIN
+                EXECUTE format('DROP VIEW reporting.%I', f.name);
+                EXECUTE made;
+            EXCEPTION WHEN dependent_objects_still_exist THEN
+                GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+                refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+                CONTINUE;
+            END;
         END;
         EXECUTE format('COMMENT ON VIEW reporting.%I IS %L', f.name,
                        obj_description(f.oid, 'pg_class'));
@@ -403,7 +424,12 @@ BEGIN
                 AND EXISTS (SELECT FROM pg_trigger AS t
                              WHERE t.tgrelid = c.oid AND t.tgname = 'read_only')
     LOOP
-        EXECUTE format('DROP VIEW reporting.%I', f.name);
+        BEGIN
+            EXECUTE format('DROP VIEW reporting.%I', f.name);
+        EXCEPTION WHEN dependent_objects_still_exist THEN
+            GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+            refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+        END;
     END LOOP;
     FOR f IN SELECT p.oid::regprocedure AS routine
                FROM pg_proc AS p
@@ -418,8 +444,14 @@ BEGIN
                 AND NOT (p.proname LIKE 'rows\_of\_%' AND to_regclass(
                     format('cell_1_reporting.%I', substr(p.proname, 9))) IS NOT NULL)
     LOOP
-        EXECUTE format('DROP FUNCTION %s', f.routine);
+        BEGIN
+            EXECUTE format('DROP FUNCTION %s', f.routine);
+        EXCEPTION WHEN dependent_objects_still_exist THEN
+            GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+            refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+        END;
     END LOOP;
     GRANT SELECT ON ALL TABLES IN SCHEMA reporting TO llmquota_reporting, llmquota_app;
+    PERFORM set_config('llmquota.reporting_refused', array_to_string(refused, E'\n'), false);
 END
 $build$

@@ -263,12 +263,12 @@ async def test_an_upgrade_keeps_what_finance_made_and_replaces_only_the_changed_
         await cell.close()
 
 
-async def test_a_changed_report_that_finance_built_on_is_refused_naming_it_and_kept(
+async def test_a_changed_report_that_finance_built_on_is_kept_and_named_and_the_rest_updated(
     books: str,
 ) -> None:
     await _upgrade_due(
         books,
-        *OLDER_REPORTS[:2],
+        *OLDER_REPORTS,
         "CREATE VIEW public.finance_daily AS"
         " SELECT * FROM reporting.usage_daily(current_date, current_date + 1)",
     )
@@ -277,14 +277,33 @@ async def test_a_changed_report_that_finance_built_on_is_refused_naming_it_and_k
 
     assert refused.returncode == 2
     assert refused.stderr.startswith(
-        "llmquota migrate: the 2 cells are built, but the database's reporting schema is not"
-        " brought up to date: cannot drop function reporting.usage_daily(date,date,text)"
+        "llmquota migrate: the 2 cells are built and the database's reporting schema is up to"
+        " date but for what finance built on reports this release changes or retires: cannot"
+        " drop function reporting.usage_daily(date,date,text) because other objects depend on"
+        " it (view finance_daily depends on function reporting.usage_daily(date,date,text))."
     )
-    assert "view finance_daily depends on function reporting.usage_daily" in refused.stderr
     assert "Traceback" not in refused.stderr
     connection = await asyncpg.connect(books)
-    try:  # nothing of the database's reporting changed, finance's view least of all
+    try:
+        # finance's view and the report it stands on are as they were ...
         assert await connection.fetchval(USAGE_DAILY_RESULT) == "TABLE(stale integer)"
         assert await connection.fetchval("SELECT to_regclass('public.finance_daily')") is not None
+        # ... and the rest is up to date: the retired report and view are gone
+        assert await connection.fetchval("SELECT to_regclass('reporting.retired_view')") is None
+        assert await connection.fetchval("SELECT to_regproc('reporting.retired_report')") is None
+    finally:
+        await connection.close()
+
+    # Done as told: finance's view dropped, the build again, the view made again.
+    await _upgrade_due(books, "DROP VIEW public.finance_daily")
+    again = await asyncio.to_thread(run_cli, "migrate", "--cells", "2", dsn=books)
+    assert "database holds 2 cells" in again.stdout
+    connection = await asyncpg.connect(books)
+    try:
+        assert await connection.fetchval(USAGE_DAILY_RESULT) != "TABLE(stale integer)"
+        await connection.execute(
+            "CREATE VIEW public.finance_daily AS"
+            " SELECT * FROM reporting.usage_daily(current_date, current_date + 1)"
+        )
     finally:
         await connection.close()

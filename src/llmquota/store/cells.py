@@ -242,17 +242,19 @@ async def _build(dsn: str, count: int) -> list[Cell]:
 
 async def _report_over_cells(connection: asyncpg.Connection, cells: list[Cell]) -> None:
     """Bring the database's `reporting` up to date, in place: what finance built
-    on it stays (sql/cells_queries.sql). A changed report that something of
-    finance's stands on is refused, naming it, and that schema is left as it was."""
-    try:
-        await connection.execute(named_queries("cells_queries.sql")["reporting_over_cells"])
-    except asyncpg.DependentObjectsStillExistError as error:
+    on it stays (sql/cells_queries.sql). A report that changed its result, or that
+    the cells no longer have, with something of finance's standing on it is left
+    as it was, the rest brought up to date, and CellsError names each."""
+    queries = named_queries("cells_queries.sql")
+    await connection.execute(queries["reporting_over_cells"])
+    refused = await connection.fetchval(queries["reporting_refused"])
+    if refused:
         raise CellsError(
-            f"the {len(cells)} cells are built, but the database's reporting schema is not "
-            f"brought up to date: {error.message} ({error.detail}). A report changed "
-            "its result; drop what stands on it, run `migrate --cells` again, then make "
-            "it again over the new report"
-        ) from error
+            f"the {len(cells)} cells are built and the database's reporting schema is up to "
+            f"date but for what finance built on reports this release changes or retires: "
+            f"{'; '.join(refused.splitlines())}. Drop it, run `migrate --cells` again, then "
+            "make it again over the reports as they are now"
+        )
 
 
 async def _refuse_what_cannot_be_built(connection: asyncpg.Connection, count: int) -> list[str]:
