@@ -310,7 +310,6 @@ DECLARE
     made text;
     refused text[] := '{}';
     why text;
-    detail text;
 BEGIN
     -- On Citus these live on the coordinator alone, where reports run: Citus
     -- would otherwise make them objects of every node, and refuses to
@@ -318,6 +317,21 @@ BEGIN
     IF EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
         PERFORM set_config('citus.enable_ddl_propagation', 'off', true);
     END IF;
+    -- One drop: NULL once done, else why it was refused (what stands on it).
+    CREATE OR REPLACE FUNCTION pg_temp.drop_unless_used(statement text) RETURNS text
+    LANGUAGE plpgsql
+    AS $f$
+    DECLARE
+        why text;
+        detail text;
+    BEGIN
+        EXECUTE statement;
+        RETURN NULL;
+    EXCEPTION WHEN dependent_objects_still_exist THEN
+        GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
+        RETURN format('%s (%s)', why, replace(detail, E'\n', '; '));
+    END
+    $f$;
     CREATE SCHEMA IF NOT EXISTS reporting;
     COMMENT ON SCHEMA reporting IS 'llmquota reporting over cells';
     GRANT USAGE ON SCHEMA reporting TO llmquota_reporting, llmquota_app;
@@ -372,14 +386,13 @@ BEGIN
         BEGIN
             EXECUTE made;
         EXCEPTION WHEN invalid_function_definition THEN  -- its result changed
-            BEGIN
-                EXECUTE format('DROP FUNCTION reporting.%I(%s)', f.name, f.identity);
-                EXECUTE made;
-            EXCEPTION WHEN dependent_objects_still_exist THEN
-                GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
-                refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+            why := pg_temp.drop_unless_used(
+                format('DROP FUNCTION reporting.%I(%s)', f.name, f.identity));
+            IF why IS NOT NULL THEN
+                refused := refused || why;
                 CONTINUE;
-            END;
+            END IF;
+            EXECUTE made;
         END;
         EXECUTE format('COMMENT ON FUNCTION reporting.%I(%s) IS %L', f.name, f.identity,
                        obj_description(f.oid, 'pg_proc'));
@@ -399,14 +412,12 @@ BEGIN
         BEGIN
             EXECUTE made;
         EXCEPTION WHEN invalid_table_definition THEN  -- a column changed or went
-            BEGIN
-                EXECUTE format('DROP VIEW reporting.%I', f.name);
-                EXECUTE made;
-            EXCEPTION WHEN dependent_objects_still_exist THEN
-                GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
-                refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
+            why := pg_temp.drop_unless_used(format('DROP VIEW reporting.%I', f.name));
+            IF why IS NOT NULL THEN
+                refused := refused || why;
                 CONTINUE;
-            END;
+            END IF;
+            EXECUTE made;
         END;
         EXECUTE format('COMMENT ON VIEW reporting.%I IS %L', f.name,
                        obj_description(f.oid, 'pg_class'));
@@ -423,13 +434,8 @@ BEGIN
                 AND to_regclass(format('cell_1_reporting.%I', c.relname)) IS NULL
                 AND EXISTS (SELECT FROM pg_trigger AS t
                              WHERE t.tgrelid = c.oid AND t.tgname = 'read_only')
-    LOOP
-        BEGIN
-            EXECUTE format('DROP VIEW reporting.%I', f.name);
-        EXCEPTION WHEN dependent_objects_still_exist THEN
-            GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
-            refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
-        END;
+    LOOP  -- (a drop done adds NULL, which array_to_string below leaves out)
+        refused := refused || pg_temp.drop_unless_used(format('DROP VIEW reporting.%I', f.name));
     END LOOP;
     FOR f IN SELECT p.oid::regprocedure AS routine
                FROM pg_proc AS p
@@ -444,14 +450,10 @@ BEGIN
                 AND NOT (p.proname LIKE 'rows\_of\_%' AND to_regclass(
                     format('cell_1_reporting.%I', substr(p.proname, 9))) IS NOT NULL)
     LOOP
-        BEGIN
-            EXECUTE format('DROP FUNCTION %s', f.routine);
-        EXCEPTION WHEN dependent_objects_still_exist THEN
-            GET STACKED DIAGNOSTICS why = MESSAGE_TEXT, detail = PG_EXCEPTION_DETAIL;
-            refused := refused || format('%s (%s)', why, replace(detail, E'\n', '; '));
-        END;
+        refused := refused || pg_temp.drop_unless_used(format('DROP FUNCTION %s', f.routine));
     END LOOP;
     GRANT SELECT ON ALL TABLES IN SCHEMA reporting TO llmquota_reporting, llmquota_app;
     PERFORM set_config('llmquota.reporting_refused', array_to_string(refused, E'\n'), false);
+    DROP FUNCTION pg_temp.drop_unless_used(text);
 END
 $build$
