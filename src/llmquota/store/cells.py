@@ -78,7 +78,7 @@ _SCHEMA_NAMED = re.compile(r"\b(?:public|reporting)\b")
 
 
 class CellsError(Exception):
-    """Cells cannot be built as asked; nothing was changed."""
+    """Cells cannot be built as asked, or were built but for what the message names."""
 
 
 @dataclass(frozen=True)
