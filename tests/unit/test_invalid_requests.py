@@ -90,11 +90,7 @@ def test_invalid_requests_are_refused_by_prepare(
         counter.prepare(**request)
 
 
-def test_a_valid_request_is_prepared() -> None:
+def test_a_valid_request_is_prepared(counter: TokenCounter) -> None:
     """The baseline every case above changes one field of is itself valid."""
-    counter = TokenCounter(Settings(_env_file=None))  # type: ignore[call-arg]
-    try:
-        prepared = counter.prepare(tenant="acme", model="gpt-4o", max_tokens=100, input_tokens=50)
-    finally:
-        counter.close()
+    prepared = counter.prepare(tenant="acme", model="gpt-4o", max_tokens=100, input_tokens=50)
     assert (prepared.tenant, prepared.input_tokens, prepared.max_tokens) == ("acme", 50, 100)
