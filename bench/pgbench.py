@@ -82,7 +82,7 @@ ADMITTED_AND_SETTLED = """SELECT count(*) FROM lq_finish(
 
 def settle_script(tenants: int, batch: int, *, outcome: str) -> str:
     """BATCHED for random tenants, settled in the same statement with `outcome`."""
-    admit = script(tenants, batch).strip().removeprefix("SELECT * FROM ").rstrip(";")
+    admit = statement(tenants, batch).strip().removeprefix("SELECT * FROM ").rstrip(";")
     return ADMITTED_AND_SETTLED.format(admit=f"SELECT * FROM {admit}", batch=batch, outcome=outcome)
 
 
@@ -104,14 +104,19 @@ def pgbench_available() -> bool:
 
 
 def script(tenants: int, batch: int, *, plain_update: bool = False) -> str:
-    if plain_update:
-        tenant = f"floor(random() * {tenants})::int" if tenants > 1 else "0"
-        return PLAIN_UPDATE.format(tenant=tenant, batch=batch)
-    if batch == 1:
+    """pgbench's script: one request per statement as SINGLE (its tenant a pgbench
+    variable), else `statement`."""
+    if batch == 1 and not plain_update:
         tenant = ":t" if tenants > 1 else "0"
         return SINGLE.format(last=max(0, tenants - 1), tenant=tenant)
+    return statement(tenants, batch, plain_update=plain_update)
+
+
+def statement(tenants: int, batch: int, *, plain_update: bool = False) -> str:
+    """`batch` requests (random tenants of `tenants`) as one plain SQL statement,
+    of any size: what statement_cpu_ms runs."""
     tenant = f"floor(random() * {tenants})::int" if tenants > 1 else "0"
-    return BATCHED.format(tenant=tenant, batch=batch)
+    return (PLAIN_UPDATE if plain_update else BATCHED).format(tenant=tenant, batch=batch)
 
 
 def run(

@@ -557,8 +557,9 @@ def compare_sql_ceiling(
     def cpu_ms(sql: str) -> float:
         return pgbench.statement_cpu_ms(dsn, sql, statements=statements, rounds=3)
 
-    admit_cpu, plain_cpu = (
-        cpu_ms(pgbench.script(TENANTS, pgbench.BATCH, plain_update=plain))
+    admit_cpu, plain_cpu, single_cpu, single_plain_cpu = (
+        cpu_ms(pgbench.statement(TENANTS, batch, plain_update=plain))
+        for batch in (pgbench.BATCH, 1)
         for plain in (False, True)
     )
     cpu_line = (
@@ -566,6 +567,14 @@ def compare_sql_ceiling(
         f"plain update {plain_cpu:.2f} ms (ratio {ratio(plain_cpu, admit_cpu):.2f})"
     )
     report.line(cpu_line, summary=True)
+    # At the load most deployments see, a batch is one request or two: what a
+    # statement costs per execution (locks, plans, constraints) is then the cost.
+    single_line = (
+        f"sql cpu per 1-request statement: lq_admit {single_cpu:.2f} ms, "
+        f"plain update {single_plain_cpu:.2f} ms "
+        f"(ratio {ratio(single_plain_cpu, single_cpu):.2f})"
+    )
+    report.line(single_line, summary=True)
     settled_ok, settled_error = (
         cpu_ms(pgbench.settle_script(TENANTS, pgbench.BATCH, outcome=outcome))
         for outcome in ("ok", "error")
@@ -614,6 +623,10 @@ def compare_sql_ceiling(
                 f"rounds of {statements} statements, 10,000 tenants):",
                 "",
                 f"`{cpu_line}`",
+                "",
+                "And one request per statement, the batch of a lightly loaded worker:",
+                "",
+                f"`{single_line}`",
                 "",
                 f"Settling a batch: the same {pgbench.BATCH} requests admitted and settled in",
                 "one statement (`bench/pgbench.py`, ADMITTED_AND_SETTLED), less the",
