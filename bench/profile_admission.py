@@ -10,7 +10,10 @@ cProfile slows everything down, so read its shares, not its microseconds.
 For a sampling profile with no such distortion run it under py-spy:
 `py-spy record -o profile.svg -- python bench/profile_admission.py`.
 `--one-allotted` measures instead one caller admitting from a slice (an
-allotted tenant's admissions, decided in this process), best of 5 rounds.
+allotted tenant's admissions, decided in this process), best of 5 rounds;
+`--one-exact` one caller whose every admission is a statement of its own
+(exact, one at a time, as at a low request rate): wall time and process CPU
+(user, kernel) per admission, best of 5 rounds.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ CALLERS = 64
 TOP_FUNCTIONS = 30
 # Admissions per round of `--one-allotted`.
 ONE_CALLER_ADMISSIONS = 40_000
+# Admissions per round of `--one-exact` (each a round trip), and its tenants.
+ONE_EXACT_ADMISSIONS = 1_500
+ONE_EXACT_TENANTS = 1_000
 
 
 def batch_sizes(limiter: Limiter) -> tuple[float, float]:
@@ -146,14 +152,23 @@ class NoDatabase:
 
     def __init__(self) -> None:
         self.estimates = self
+        self.cell_index: int | None = None  # not a database of cells
+        # Where the policy change listener connects: nothing listens there, so it
+        # keeps finding the database away, as its outage handling expects.
+        self.dsn = "postgresql://llmquota@127.0.0.1:1/none"
 
     async def admit(
-        self, requests: Sequence[AdmitRequest], *, deadline_seconds: float | None = None
+        self,
+        requests: Sequence[AdmitRequest],
+        *,
+        deadline_seconds: float | None = None,
+        reservation_ids: Sequence[uuid.UUID] | None = None,
     ) -> list[AdmitDecision]:
         admit_arguments(requests, 1_000)
         await asyncio.sleep(0)
         expires = datetime.datetime.now(datetime.UTC)
-        return [admit_decision(_admitted_row(r, expires)) for r in requests]
+        ids = reservation_ids or [uuid.uuid4() for _ in requests]
+        return [admit_decision(_admitted_row(r, expires, i)) for r, i in zip(requests, ids)]
 
     async def close(self) -> None:
         pass
@@ -165,12 +180,14 @@ class NoDatabase:
         return unavailable
 
 
-def _admitted_row(request: AdmitRequest, expires: datetime.datetime) -> tuple[Any, ...]:
+def _admitted_row(
+    request: AdmitRequest, expires: datetime.datetime, reservation_id: uuid.UUID
+) -> tuple[Any, ...]:
     """An admitted row of lq_admit, by position (ADMIT_COLUMNS) as asyncpg gives it."""
     row: dict[str, Any] = dict.fromkeys(ADMIT_COLUMNS)
     row.update(
         status="admitted",
-        reservation_id=uuid.uuid4(),
+        reservation_id=reservation_id,
         reserved_tokens=request.input_tokens + request.max_tokens,
         lease_expires_at=expires,
         lease_generation=1,
@@ -230,6 +247,11 @@ def main() -> int:
         help="one caller admitting from a slice (allotted): CPU per admission, best of 5 rounds",
     )
     parser.add_argument(
+        "--one-exact",
+        action="store_true",
+        help="one caller, exact admissions one at a time: wall and CPU per admission",
+    )
+    parser.add_argument(
         "--postgres",
         choices=("pg15", "embedded"),
         default="pg15" if servers.pg15_available() else "embedded",
@@ -239,7 +261,13 @@ def main() -> int:
     if args.no_database:
         asyncio.run(measure_without_database(args.seconds, profile))
     else:
-        run_with_database(args.postgres, args.seconds, profile, one_allotted=args.one_allotted)
+        run_with_database(
+            args.postgres,
+            args.seconds,
+            profile,
+            one_allotted=args.one_allotted,
+            one_exact=args.one_exact,
+        )
     if profile is not None:
         profile.dump_stats(args.cprofile)
         stats = pstats.Stats(str(args.cprofile))
@@ -248,13 +276,59 @@ def main() -> int:
     return 0
 
 
+async def measure_one_exact(dsn: str, rounds: int, profile: cProfile.Profile | None) -> None:
+    """`--one-exact`: one caller, exact admissions one at a time over
+    ONE_EXACT_TENANTS tenants, so each is a batch of one: wall time and process
+    CPU per admission, the round with the least CPU of `rounds` (BENCHMARKS.md,
+    issue 25's ninth part)."""
+    tenants = await common.seed_tenants(dsn, ONE_EXACT_TENANTS)
+    limiter = await Limiter.connect(dsn, library.LLMQUOTA.settings())
+    requests = [
+        {"tenant": tenant, "model": "gpt-4o", "input_tokens": 300, "max_tokens": 2000}
+        for tenant in tenants
+    ]
+    try:
+        for request in requests:  # connections, caches and plans warm
+            await limiter.admit(**request)  # type: ignore[arg-type]
+        settle_after_startup()
+        if profile is not None:
+            profile.enable()
+        best: tuple[float, float, float, float] | None = None
+        for _ in range(rounds):
+            started, before = time.perf_counter(), os.times()
+            for index in range(ONE_EXACT_ADMISSIONS):
+                await limiter.admit(**requests[index % len(requests)])  # type: ignore[arg-type]
+            wall, after = time.perf_counter() - started, os.times()
+            user, system = after.user - before.user, after.system - before.system
+            figures = tuple(1e6 * x / ONE_EXACT_ADMISSIONS for x in (user + system, user, system))
+            if best is None or figures[0] < best[1]:
+                best = (1e6 * wall / ONE_EXACT_ADMISSIONS, *figures)
+        if profile is not None:
+            profile.disable()
+    finally:
+        await limiter.close()
+    assert best is not None
+    print(
+        f"llmquota exact, one caller, one at a time: wall {best[0]:.0f} us, python cpu "
+        f"{best[1]:.0f} us per admission (user {best[2]:.0f}, kernel {best[3]:.0f}; the "
+        f"round with the least CPU of {rounds}; {common.machine_load()})"
+    )
+
+
 def run_with_database(
-    kind: str, seconds: float, profile: cProfile.Profile | None, *, one_allotted: bool = False
+    kind: str,
+    seconds: float,
+    profile: cProfile.Profile | None,
+    *,
+    one_allotted: bool = False,
+    one_exact: bool = False,
 ) -> None:
     with servers.postgres(kind) as pg:
         dsn = asyncio.run(common.fresh_database(pg.dsn, "bench_profile"))
         if one_allotted:
             asyncio.run(measure_one_allotted(dsn, 5, profile))
+        elif one_exact:
+            asyncio.run(measure_one_exact(dsn, 5, profile))
         else:
             asyncio.run(measure(dsn, seconds, profile))
 
