@@ -12,7 +12,12 @@ run, each target in turn request by request so drift hits all alike:
 - stream time to first token, one stream at a time (the first chunk with text);
 - completed streams per second at 64 concurrent streams.
 
-    python bench/proxy_overhead.py [--quick] [--litellm PATH]
+    python bench/proxy_overhead.py [--quick] [--litellm PATH] [--idle-ms MS]
+
+With --idle-ms each timed call of the first two runs waits that long first,
+as calls at a low rate do: a stream's first token otherwise comes after a
+longer idle spell than a non-stream call does (the other targets' streams
+run in between), and a process idle longer wakes slower on this machine.
 
 The last lines are the summary, in the form
 `proxy overhead: p50 +X ms, p99 +Y ms, ttft +Z ms (llmquota) vs ... (litellm)`,
@@ -251,14 +256,19 @@ async def interleaved(
     sdks: dict[str, openai.AsyncOpenAI],
     one: Callable[[openai.AsyncOpenAI], Awaitable[float]],
     count: int,
+    idle_s: float = 0.0,
 ) -> dict[str, list[float]]:
-    """`count` sequential calls per target, the targets taking turns; milliseconds."""
+    """`count` sequential calls per target, the targets taking turns; milliseconds.
+    `idle_s`: each timed call comes after that long with nothing sent, as at a
+    low request rate (a process idle that long wakes slower on this machine)."""
     for sdk in sdks.values():  # warm connections, caches, the JIT of nobody
         for _ in range(5):
             await one(sdk)
     times: dict[str, list[float]] = {name: [] for name in sdks}
     for _ in range(count):
         for name, sdk in sdks.items():
+            if idle_s:
+                await asyncio.sleep(idle_s)
             times[name].append(await one(sdk) * 1000)
     return times
 
@@ -283,11 +293,11 @@ async def streams_per_second(sdk: openai.AsyncOpenAI, seconds: float) -> dict[st
     return {"streams_per_s": done / elapsed, "failed": failed}
 
 
-async def measure(targets: dict[str, str], plan: Plan) -> dict[str, Any]:
+async def measure(targets: dict[str, str], plan: Plan, idle_s: float = 0.0) -> dict[str, Any]:
     sdks = {name: client(target) for name, target in targets.items()}
     try:
-        latency = await interleaved(sdks, completion, plan.requests)
-        ttft = await interleaved(sdks, first_token, plan.streams)
+        latency = await interleaved(sdks, completion, plan.requests, idle_s)
+        ttft = await interleaved(sdks, first_token, plan.streams, idle_s)
         load = {
             name: await streams_per_second(sdk, plan.load_seconds) for name, sdk in sdks.items()
         }
@@ -360,7 +370,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
                 targets["litellm"] = stack.enter_context(litellm(executable, fake_url))
             except RuntimeError as exc:
                 litellm_missing = f"did not start: {exc}"
-        report = asyncio.run(measure(targets, plan))
+        report = asyncio.run(measure(targets, plan, args.idle_ms / 1000))
         report["scrubbing"] = scrub_cost(fake_url)
         return report, litellm_missing
 
@@ -369,6 +379,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument("--litellm", help="the litellm executable (default: beside python, PATH)")
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each timed call of the latency and ttft runs (default 0)",
+    )
     args = parser.parse_args()
     report, litellm_missing = run(args)
     scrubbing = report.pop("scrubbing")
