@@ -168,7 +168,8 @@ class NoDatabase:
         await asyncio.sleep(0)
         expires = datetime.datetime.now(datetime.UTC)
         ids = reservation_ids or [uuid.uuid4() for _ in requests]
-        return [admit_decision(_admitted_row(r, expires, i)) for r, i in zip(requests, ids)]
+        rows = (_admitted_row(r, expires, i) for r, i in zip(requests, ids, strict=True))
+        return [admit_decision(row) for row in rows]
 
     async def close(self) -> None:
         pass
