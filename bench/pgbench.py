@@ -104,8 +104,8 @@ def pgbench_available() -> bool:
 
 
 def script(tenants: int, batch: int, *, plain_update: bool = False) -> str:
-    """pgbench's script: one request per statement as SINGLE (its tenant a pgbench
-    variable), else `statement`."""
+    """pgbench's script: lq_admit of one request as SINGLE (literal arrays; its
+    tenant a pgbench variable when there are several), else `statement`."""
     if batch == 1 and not plain_update:
         tenant = ":t" if tenants > 1 else "0"
         return SINGLE.format(last=max(0, tenants - 1), tenant=tenant)
@@ -114,7 +114,8 @@ def script(tenants: int, batch: int, *, plain_update: bool = False) -> str:
 
 def statement(tenants: int, batch: int, *, plain_update: bool = False) -> str:
     """`batch` requests (random tenants of `tenants`) as one plain SQL statement,
-    of any size: what statement_cpu_ms runs."""
+    of any size: what statement_cpu_ms runs (for one request too, in the batched
+    form, arrays built by sub-selects, not SINGLE's literals)."""
     tenant = f"floor(random() * {tenants})::int" if tenants > 1 else "0"
     return (PLAIN_UPDATE if plain_update else BATCHED).format(tenant=tenant, batch=batch)
 

@@ -14,10 +14,11 @@ run, each target in turn request by request so drift hits all alike:
 
     python bench/proxy_overhead.py [--quick] [--litellm PATH] [--idle-ms MS]
 
-With --idle-ms each timed call of the first two runs waits that long first,
-as calls at a low rate do: a stream's first token otherwise comes after a
-longer idle spell than a non-stream call does (the other targets' streams
-run in between), and a process idle longer wakes slower on this machine.
+With --idle-ms every timed call of the first two runs comes after that long
+with nothing sent, as calls at a low rate do: a process idle longer wakes
+slower on this machine. (Between two timed calls of one target the other
+targets' calls run too, so a stream still follows a longer spell than a
+non-stream call does: the others' streams.)
 
 The last lines are the summary, in the form
 `proxy overhead: p50 +X ms, p99 +Y ms, ttft +Z ms (llmquota) vs ... (litellm)`,
@@ -377,7 +378,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a short run (under a minute without --idle-ms)"
+    )
     parser.add_argument("--litellm", help="the litellm executable (default: beside python, PATH)")
     parser.add_argument(
         "--idle-ms",
