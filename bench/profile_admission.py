@@ -294,27 +294,26 @@ async def measure_one_exact(dsn: str, rounds: int, profile: cProfile.Profile | N
         settle_after_startup()
         if profile is not None:
             profile.enable()
-        best: tuple[float, float, float, float] | None = None
+        # Per round, in us per admission: (CPU, user, kernel, wall). getrusage
+        # counts microseconds (os.times 10 ms ticks: 6.7 us over a round).
+        measured: list[tuple[float, float, float, float]] = []
         for _ in range(rounds):
-            # getrusage to the microsecond (os.times counts 10 ms ticks: 6.7 us
-            # per admission over a round).
             started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             for index in range(ONE_EXACT_ADMISSIONS):
                 await limiter.admit(**requests[index % len(requests)])  # type: ignore[arg-type]
             wall = time.perf_counter() - started
             after = resource.getrusage(resource.RUSAGE_SELF)
             user, system = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
-            figures = tuple(1e6 * x / ONE_EXACT_ADMISSIONS for x in (user + system, user, system))
-            if best is None or figures[0] < best[1]:
-                best = (1e6 * wall / ONE_EXACT_ADMISSIONS, *figures)
+            per = 1e6 / ONE_EXACT_ADMISSIONS
+            measured.append((per * (user + system), per * user, per * system, per * wall))
         if profile is not None:
             profile.disable()
     finally:
         await limiter.close()
-    assert best is not None
+    cpu, user_us, system_us, wall_us = min(measured)
     print(
-        f"llmquota exact, one caller, one at a time: wall {best[0]:.0f} us, python cpu "
-        f"{best[1]:.0f} us per admission (user {best[2]:.0f}, kernel {best[3]:.0f}; the "
+        f"llmquota exact, one caller, one at a time: wall {wall_us:.0f} us, python cpu "
+        f"{cpu:.0f} us per admission (user {user_us:.0f}, kernel {system_us:.0f}; the "
         f"round with the least CPU of {rounds}; {common.machine_load()})"
     )
 
