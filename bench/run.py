@@ -589,10 +589,11 @@ def compare_sql_ceiling(
     )
     report.line(settle_line, summary=True)
     # `service`: comparison 1's library figure, None when this run left it out.
+    share = None if service is None else 100 * ratio(service, batch_10k)
     reached = (
         "the library was not measured (comparison 1 not run)"
-        if service is None
-        else f"library reaches {100 * ratio(service, batch_10k):.0f}% of the batched 10k ceiling"
+        if share is None
+        else f"library reaches {share:.0f}% of the batched 10k ceiling"
     )
     line = (
         f"sql ceiling (pgbench lq_admit, decisions/s): one per statement hot {single_hot:.0f} "
@@ -621,7 +622,7 @@ def compare_sql_ceiling(
                 "Comparison 1 was not run, so the library's figure is not here."
                 if service is None
                 else f"The library (comparison 1, 10,000 tenants, 64 callers) decides "
-                f"{service:,.0f}/s: {100 * ratio(service, batch_10k):.0f}% of the batched "
+                f"{service:,.0f}/s: {share:.0f}% of the batched "
                 "ceiling, measured on the same database in the same run.",
                 "",
                 f"`{line}`",
