@@ -1,10 +1,11 @@
 """Comparison 2: HTTP admission end to end, `llmquota serve` vs FastAPI + Redis-Lua.
 
-Both servers run 2 uvicorn workers on loopback and take the same request
-(the same JSON body, messages counted with tiktoken, the same bearer key),
-driven by the same load generator, wrk, at the same number of connections
-(closed loop, throughput at saturation), then at a fixed open-loop rate
-(bench/open_loop.py: latency at a load both can carry).
+Both servers run 2 uvicorn workers on loopback (then 1 each, `llmquota
+serve`'s default) and take the same request (the same JSON body, messages
+counted with tiktoken, the same bearer key), driven by the same load
+generator, wrk, at the same number of connections (closed loop, throughput at
+saturation), then at a fixed open-loop rate (bench/open_loop.py: latency at a
+load both can carry, and the CPU each request cost the server and its store).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import process_cpu
 from bench.servers import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +47,10 @@ end
 """
 
 
+# A server started: its process and the port it listens on.
+Started = tuple[subprocess.Popen[bytes], int]
+
+
 @dataclass(frozen=True)
 class HttpResult:
     system: str
@@ -54,6 +60,10 @@ class HttpResult:
     p50_ms: float
     p99_ms: float
     non_2xx: int
+    # Open loop only: CPU per request sent, in us, of the server's processes
+    # and of the store's (PostgreSQL's or Redis's), when their pids were given.
+    server_cpu_us: float | None = None
+    store_cpu_us: float | None = None
 
 
 def wrk() -> str:
@@ -93,7 +103,7 @@ def stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def start_llmquota(dsn: str, workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], int]:
+def start_llmquota(dsn: str, workers: int = WORKERS) -> Started:
     port = free_port()
     env = {
         **os.environ,
@@ -108,7 +118,7 @@ def start_llmquota(dsn: str, workers: int = WORKERS) -> tuple[subprocess.Popen[b
     return _start(command, env, port), port
 
 
-def start_bare_asgi(workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], int]:
+def start_bare_asgi(workers: int = WORKERS) -> Started:
     """bench/bare_asgi.py on uvicorn as `llmquota serve` runs it (its guarded
     httptools protocol, uvloop)."""
     port = free_port()
@@ -123,8 +133,12 @@ def start_bare_asgi(workers: int = WORKERS) -> tuple[subprocess.Popen[bytes], in
 
 
 def start_baseline(
-    redis_host: str, redis_port: int, client: str, app: str = "bench.baseline_app:app"
-) -> tuple[subprocess.Popen[bytes], int]:
+    redis_host: str,
+    redis_port: int,
+    client: str,
+    app: str = "bench.baseline_app:app",
+    workers: int = WORKERS,
+) -> Started:
     """A Redis-Lua baseline on uvicorn: FastAPI's (baseline_app.py) or the raw
     ASGI one (raw_baseline_app.py, on httptools and uvloop as `llmquota serve`)."""
     port = free_port()
@@ -139,7 +153,7 @@ def start_baseline(
         sys.executable,
         *("-m", "uvicorn", app, "--host", "127.0.0.1"),
         *("--http", "httptools", "--loop", "uvloop", "--no-access-log"),
-        *("--port", str(port), "--workers", str(WORKERS), "--log-level", "warning"),
+        *("--port", str(port), "--workers", str(workers), "--log-level", "warning"),
     ]
     return _start(command, env, port), port
 
@@ -196,9 +210,22 @@ def run_wrk(
     )
 
 
-def run_open_loop(port: int, *, system: str, tenants: int, rate: int, seconds: float) -> HttpResult:
+def run_open_loop(
+    port: int,
+    *,
+    system: str,
+    tenants: int,
+    rate: int,
+    seconds: float,
+    cpu_of: tuple[int, int] | None = None,
+) -> HttpResult:
     """bench/open_loop.py in a process of its own: `rate` requests/s whatever the
-    answers, latency from each request's due time (no coordinated omission)."""
+    answers, latency from each request's due time (no coordinated omission).
+
+    Given `cpu_of` (the server's pid, the store's pid), also the CPU each
+    process tree spent over the run, per request sent.
+    """
+    before = [process_cpu.tree_cpu_seconds(pid) for pid in cpu_of] if cpu_of else []
     out = subprocess.run(
         [
             sys.executable,
@@ -212,6 +239,10 @@ def run_open_loop(port: int, *, system: str, tenants: int, rate: int, seconds: f
         timeout=seconds + 120,
     ).stdout
     data = json.loads(out.splitlines()[-1])
+    per_request = [
+        (process_cpu.tree_cpu_seconds(pid) - spent) * 1e6 / data["sent_in_all"]
+        for pid, spent in zip(cpu_of or (), before, strict=True)
+    ]
     return HttpResult(
         system=system,
         workload=open_loop_workload(rate),
@@ -220,6 +251,8 @@ def run_open_loop(port: int, *, system: str, tenants: int, rate: int, seconds: f
         p50_ms=float(data["p50_ms"]),
         p99_ms=float(data["p99_ms"]),
         non_2xx=int(data["errors"]),
+        server_cpu_us=per_request[0] if per_request else None,
+        store_cpu_us=per_request[1] if per_request else None,
     )
 
 
@@ -228,16 +261,18 @@ def open_loop_workload(rate: int) -> str:
 
 
 def measure(
-    start: tuple[subprocess.Popen[bytes], int],
+    start: Started,
     *,
     system: str,
     workloads: dict[str, int],
     connections: int,
     seconds: float,
     open_loop: tuple[int, int] | None = None,
+    store_pid: int | None = None,
 ) -> list[HttpResult]:
     """Warm a started server up, then measure each workload (and, given
-    (tenants, rate), an open-loop run after them); always stop it."""
+    (tenants, rate), an open-loop run after them, with the CPU per request of
+    the server and of the store whose pid is `store_pid`); always stop it."""
     process, port = start
     try:
         # Both workers load their token encodings and open their pools before measuring.
@@ -256,7 +291,14 @@ def measure(
         if open_loop is not None:
             tenants, rate = open_loop
             results.append(
-                run_open_loop(port, system=system, tenants=tenants, rate=rate, seconds=seconds)
+                run_open_loop(
+                    port,
+                    system=system,
+                    tenants=tenants,
+                    rate=rate,
+                    seconds=seconds,
+                    cpu_of=None if store_pid is None else (process.pid, store_pid),
+                )
             )
         return results
     finally:

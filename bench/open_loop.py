@@ -46,6 +46,8 @@ class OpenLoopResult:
     rate: float
     seconds: float
     sent: int
+    # Sent in all, the warm-up's included: what the server's CPU over the run paid for.
+    sent_in_all: int
     answered: int
     errors: int
     p50_ms: float
@@ -153,6 +155,7 @@ async def run(
         rate=rate,
         seconds=seconds,
         sent=total - counted_from,
+        sent_in_all=total,
         answered=len(latencies) - errors,
         errors=errors,
         p50_ms=percentile(latencies, 0.50) * 1_000,

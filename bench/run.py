@@ -18,6 +18,7 @@ import platform
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -370,37 +371,17 @@ def compare_http(
     dsn = asyncio.run(prepare_http_database(pg))
     workloads = {"hot": 1, "10k": TENANTS}
     load = common.machine_load()
-    results = http_admission.measure(
-        http_admission.start_llmquota(dsn),
-        system="llmquota serve",
-        workloads=workloads,
-        connections=HTTP_CONNECTIONS,
-        seconds=plan.http_s,
-        open_loop=(TENANTS, HTTP_OPEN_LOOP_RATE),
+    results = measure_http_systems(
+        pg, dsn, redis, client, plan, workers=http_admission.WORKERS, workloads=workloads
     )
-    results += http_admission.measure(
-        http_admission.start_baseline(redis.host, redis.port, client.name),
-        system="FastAPI + Redis-Lua",
-        workloads=workloads,
-        connections=HTTP_CONNECTIONS,
-        seconds=plan.http_s,
-        open_loop=(TENANTS, HTTP_OPEN_LOOP_RATE),
-    )
-    results += http_admission.measure(
-        http_admission.start_baseline(
-            redis.host, redis.port, client.name, app="bench.raw_baseline_app:app"
-        ),
-        system=RAW_BASELINE,
-        workloads={"10k": TENANTS},
-        connections=HTTP_CONNECTIONS,
-        seconds=plan.http_s,
-        open_loop=(TENANTS, HTTP_OPEN_LOOP_RATE),
+    one_worker = measure_http_systems(
+        pg, dsn, redis, client, plan, workers=1, workloads={"10k": TENANTS}
     )
     rows = [
         "| server | tenants | admissions/s | p50 ms | p99 ms | non-2xx |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    for r in results:
+    for r in results + one_worker:
         report.line(
             f"  {r.system:20} {r.workload:3}: {r.per_second:8.0f}/s  p50 {ms(r.p50_ms)} ms  "
             f"p99 {ms(r.p99_ms)} ms  non-2xx {r.non_2xx}"
@@ -430,6 +411,8 @@ def compare_http(
         f"(llmquota/fastapi-redis-lua on {client.name}, 10k tenants, {WORKERS_TEXT}, "
         f"{HTTP_CONNECTIONS} connections); p99 {ms(ours.p99_ms)} ms vs {ms(theirs.p99_ms)} ms"
     )
+    cpu_line = open_loop_cpu_line(by)
+    one_line = one_worker_line({(r.system, r.workload): r for r in one_worker})
     report.sections.append(
         "\n".join(
             [
@@ -462,6 +445,20 @@ def compare_http(
                 "non-2xx column also counts connection errors and answers slower than 30 s.",
                 "",
                 f"`{open_line}`",
+                "",
+                "Over each open-loop run, the CPU the server's processes (the uvicorn",
+                "workers) and its store's (PostgreSQL's backends, or redis-server) spent,",
+                "per request sent (`bench/process_cpu.py`, from /proc). At a rate far",
+                "below saturation the latency follows it: what each request costs the",
+                "two cores the load generator, the server and the store share.",
+                "",
+                f"`{cpu_line}`",
+                "",
+                "The rows named `1 worker` run every server again on one uvicorn worker,",
+                "`llmquota serve`'s default: with PostgreSQL on the same two cores, one",
+                "worker batches twice what each of two does, and spends less per request.",
+                "",
+                f"`{one_line}`",
             ]
         )
     )
@@ -469,9 +466,108 @@ def compare_http(
     report.line(open_line, summary=True)
     for summary in raw_baseline_lines(by, client.name):
         report.line(summary, summary=True)
+    report.line(cpu_line, summary=True)
+    report.line(one_line, summary=True)
+
+
+def measure_http_systems(
+    pg: servers.Postgres,
+    dsn: str,
+    redis: servers.Redis,
+    client: redis_lua.Client,
+    plan: Plan,
+    *,
+    workers: int,
+    workloads: dict[str, int],
+) -> list[http_admission.HttpResult]:
+    """llmquota serve, FastAPI + Redis-Lua and the raw ASGI baseline, each on
+    `workers` uvicorn workers: wrk at each of `workloads` (the raw baseline at
+    10,000 tenants only), then the open loop, with the CPU per request of the
+    server's processes and of its store's. Systems on other than the usual
+    worker count are named with it ("llmquota serve, 1 worker")."""
+    named = "" if workers == http_admission.WORKERS else f", {workers} worker{'s' * (workers > 1)}"
+    raw_app = "bench.raw_baseline_app:app"
+    postgres, redis_server = pg.postmaster_pid(), redis.pid
+    systems: list[tuple[str, Callable[[], http_admission.Started], int, dict[str, int]]] = [
+        (
+            "llmquota serve",
+            lambda: http_admission.start_llmquota(dsn, workers),
+            postgres,
+            workloads,
+        ),
+        (
+            "FastAPI + Redis-Lua",
+            lambda: http_admission.start_baseline(
+                redis.host, redis.port, client.name, workers=workers
+            ),
+            redis_server,
+            workloads,
+        ),
+        (
+            RAW_BASELINE,
+            lambda: http_admission.start_baseline(
+                redis.host, redis.port, client.name, app=raw_app, workers=workers
+            ),
+            redis_server,
+            {"10k": TENANTS},
+        ),
+    ]
+    results: list[http_admission.HttpResult] = []
+    for system, start, store_pid, loads in systems:
+        results += http_admission.measure(
+            start(),
+            system=system + named,
+            workloads=loads,
+            connections=HTTP_CONNECTIONS,
+            seconds=plan.http_s,
+            open_loop=(TENANTS, HTTP_OPEN_LOOP_RATE),
+            store_pid=store_pid,
+        )
+    return results
+
+
+def open_loop_cpu_line(by: dict[tuple[str, str], http_admission.HttpResult]) -> str:
+    """Where the open loop's CPU goes, per request: the server's processes and
+    the store's. At a rate far below saturation, latency follows what each
+    request costs the two cores (BENCHMARKS.md, issue 25's tenth part)."""
+    open_loop = http_admission.open_loop_workload(HTTP_OPEN_LOOP_RATE)
+    parts = []
+    for system, store in OPEN_LOOP_STORES:
+        result = by[(system, open_loop)]
+        server, stored = result.server_cpu_us or 0.0, result.store_cpu_us or 0.0
+        parts.append(
+            f"{system} {server + stored:,.0f} us (server {server:,.0f}, {store} {stored:,.0f})"
+        )
+    return f"http open-loop {HTTP_OPEN_LOOP_RATE}/s cpu per request: " + "; ".join(parts)
+
+
+def one_worker_line(by: dict[tuple[str, str], http_admission.HttpResult]) -> str:
+    """Every server on one uvicorn worker (`llmquota serve`'s default): where
+    PostgreSQL shares the two cores, one worker batches twice what each of two
+    does (BENCHMARKS.md, issue 25's tenth part)."""
+    open_loop = http_admission.open_loop_workload(HTTP_OPEN_LOOP_RATE)
+    parts = []
+    for system, _ in OPEN_LOOP_STORES:
+        name = f"{system}, 1 worker"
+        saturated, opened = by[(name, "10k")], by[(name, open_loop)]
+        cpu = (opened.server_cpu_us or 0.0) + (opened.store_cpu_us or 0.0)
+        parts.append(
+            f"{system} {saturated.per_second:,.0f}/s, open loop p50 {ms(opened.p50_ms)} ms "
+            f"p99 {ms(opened.p99_ms)} ms, cpu {cpu:,.0f} us"
+        )
+    return (
+        f"http one worker each (10k tenants, wrk {HTTP_CONNECTIONS} connections; open loop "
+        f"{HTTP_OPEN_LOOP_RATE}/s): " + "; ".join(parts)
+    )
 
 
 RAW_BASELINE = "raw ASGI + Redis-Lua"
+# The systems of comparison 2, each with the store it calls.
+OPEN_LOOP_STORES = (
+    ("llmquota serve", "postgres"),
+    ("FastAPI + Redis-Lua", "redis"),
+    (RAW_BASELINE, "redis"),
+)
 
 
 def raw_baseline_lines(

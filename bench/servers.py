@@ -30,12 +30,18 @@ MAX_CONNECTIONS = 300
 
 @dataclass(frozen=True)
 class Postgres:
-    """A running PostgreSQL: its DSN, what it is, and host (or socket directory) and port."""
+    """A running PostgreSQL: its DSN, what it is, host (or socket directory),
+    port, and data directory."""
 
     dsn: str
     description: str
     host: str
     port: int
+    data: Path
+
+    def postmaster_pid(self) -> int:
+        """The server's first process, parent of every backend (postmaster.pid's first line)."""
+        return int((self.data / "postmaster.pid").read_text().split()[0])
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,7 @@ class Redis:
     host: str
     port: int
     description: str
+    pid: int
 
 
 def free_port() -> int:
@@ -102,6 +109,7 @@ class Pg15Cluster:
             "synchronous_commit on, fsync on, shared_buffers 256MB, wal_init_zero off",
             host="127.0.0.1",
             port=self.port,
+            data=self.data,
         )
 
     def start(self) -> None:
@@ -167,6 +175,7 @@ def _embedded() -> Iterator[Postgres]:
                 "synchronous_commit on",
                 host=query["host"][0],
                 port=int(query.get("port", ["5432"])[0]),
+                data=work / "pgdata",
             )
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -223,7 +232,10 @@ def redis() -> Iterator[Redis]:
             [REDIS_SERVER, "--version"], capture_output=True, text=True, check=True
         ).stdout.split()[2]
         yield Redis(
-            "127.0.0.1", port, f"Redis {version.removeprefix('v=')}, TCP loopback, no persistence"
+            "127.0.0.1",
+            port,
+            f"Redis {version.removeprefix('v=')}, TCP loopback, no persistence",
+            process.pid,
         )
     finally:
         process.terminate()
