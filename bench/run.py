@@ -1,4 +1,4 @@
-"""The benchmark lab: `python bench/run.py` (`--quick` for a run under two minutes).
+"""The benchmark lab: `python bench/run.py` (`--quick`: smaller runs, about five minutes).
 
 Starts what it needs on loopback (PostgreSQL, redis-server), runs every
 comparison side by side in this one run, prints one summary line per
@@ -447,16 +447,17 @@ def compare_http(
                 f"`{open_line}`",
                 "",
                 "Over each open-loop run, the CPU the server's processes (the uvicorn",
-                "workers) and its store's (PostgreSQL's backends, or redis-server) spent,",
-                "per request sent (`bench/process_cpu.py`, from /proc). At a rate far",
-                "below saturation the latency follows it: what each request costs the",
-                "two cores the load generator, the server and the store share.",
+                "workers) and its store's (PostgreSQL's backends and background",
+                "processes, or redis-server) spent, per request sent",
+                "(`bench/process_cpu.py`; their idle work included, under 2% at this",
+                "rate). At a rate far below saturation the latency follows it: what each",
+                "request costs the two cores the load generator, the server and the",
+                "store share.",
                 "",
                 f"`{cpu_line}`",
                 "",
                 "The rows named `1 worker` run every server again on one uvicorn worker,",
-                "`llmquota serve`'s default: with PostgreSQL on the same two cores, one",
-                "worker batches twice what each of two does, and spends less per request.",
+                "`llmquota serve`'s default.",
                 "",
                 f"`{one_line}`",
             ]
@@ -542,9 +543,8 @@ def open_loop_cpu_line(by: dict[tuple[str, str], http_admission.HttpResult]) -> 
 
 
 def one_worker_line(by: dict[tuple[str, str], http_admission.HttpResult]) -> str:
-    """Every server on one uvicorn worker (`llmquota serve`'s default): where
-    PostgreSQL shares the two cores, one worker batches twice what each of two
-    does (BENCHMARKS.md, issue 25's tenth part)."""
+    """Every server on one uvicorn worker (`llmquota serve`'s default), beside
+    the usual two (BENCHMARKS.md, issue 25's tenth part)."""
     open_loop = http_admission.open_loop_workload(HTTP_OPEN_LOOP_RATE)
     parts = []
     for system, _ in OPEN_LOOP_STORES:
