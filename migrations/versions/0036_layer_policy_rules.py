@@ -1,0 +1,217 @@
+"""A layer's policy rules checked when its policy is written, not at every debit.
+
+PostgreSQL checks every CHECK constraint of a table on every row an UPDATE
+writes, whatever columns it sets, and reads each constraint's expression
+from its stored text again in every statement that writes the table. On
+`limit_layers` that was 32 constraints, 27 KB of node text, read again by
+every admission and every settlement, which only ever set the four balance
+columns (`tokens`, `requests`, `in_flight`, `refilled_at`): about 0.08 ms of
+a lone admission's 0.5 ms of server CPU, and more of a settlement's
+(BENCHMARKS.md, issue 25's eleventh part).
+
+The 27 rules that name no balance column are now checked by one trigger,
+`limit_layers_policy_rules`, which fires on an INSERT and on an UPDATE that
+sets any column but the four balances: only a policy write pays for them. A
+rule that fails raises what its CHECK raised (SQLSTATE 23514, the same
+message, the rule's name as the constraint's), and the statement, as with
+a CHECK, changes nothing. The five rules that name a balance stay CHECK
+constraints: a debit is checked against them as before.
+
+The rules are the table's, frozen here as its CHECKs were (no repeatable
+script owns them); a new rule or a changed one is a new revision. The
+trigger's column list is every column but the balances: a column added
+later must be added to it (tests/integration/test_layer_policy_rules.py
+fails until it is).
+
+Revision ID: 0036
+Revises: 0035
+Create Date: 2026-12-07
+"""
+
+from llmquota.store.migration_support import execute_script
+
+revision = "0036"
+down_revision = "0035"
+branch_labels = None
+depends_on = None
+
+SCHEMA = r"""
+-- The rules a layer's policy keeps, each by the name its CHECK had. A rule
+-- that is NULL holds, as a CHECK's does (the row is left out by NOT). Of
+-- several broken, the first by name is named, as PostgreSQL names the first
+-- CHECK. It fires after the row is written, where a CHECK refused it before:
+-- a row that breaks a foreign key too is refused by the key's trigger first
+-- (RI_ConstraintTrigger_... sorts before limit_layers_policy_rules).
+CREATE FUNCTION lq_layer_policy_rules() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog
+AS $$
+DECLARE
+    broken text;
+BEGIN
+    SELECT rule.name INTO broken
+      FROM (VALUES
+        -- what the layer's scope asks of the row
+        ('limit_layers_scope_check',
+         NEW.scope IN ('global', 'tenant', 'route', 'ceiling', 'key')),
+        ('limit_layers_shared_check',
+         (NEW.scope IN ('global', 'ceiling')) = (NEW.tenant IS NULL)),
+        ('limit_layers_check1', (NEW.scope = 'route') = (NEW.route IS NOT NULL)),
+        ('limit_layers_api_key_check', (NEW.scope = 'key') = (NEW.api_key_id IS NOT NULL)),
+        ('limit_layers_ceiling_layer_check',
+         (NEW.scope = 'ceiling') = (NEW.ceiling IS NOT NULL AND NEW.model_patterns IS NOT NULL)),
+        ('limit_layers_shard_check',
+         NEW.shards BETWEEN 1 AND 64 AND NEW.shard >= 0 AND NEW.shard < NEW.shards
+         AND (NEW.scope = 'global' OR NEW.shards = 1)),
+        ('limit_layers_plan_check', NEW.plan IS NULL OR NEW.scope = 'tenant'),
+        ('limit_layers_allowed_models_check', NEW.allowed_models IS NULL OR NEW.scope = 'key'),
+        ('limit_layers_upstream_ceiling', NEW.upstream IS NULL OR NEW.scope = 'ceiling'),
+        ('limit_layers_admission',
+         NEW.admission IS NULL
+         OR (NEW.admission IN ('exact', 'allotted') AND NEW.scope IN ('tenant', 'route'))),
+        ('limit_layers_cache_scope_check', NEW.cache IS NULL OR NEW.scope IN ('tenant', 'route')),
+        ('limit_layers_output_estimate_scope_check',
+         NEW.output_estimate IS NULL OR NEW.scope IN ('tenant', 'route')),
+        -- names
+        ('limit_layers_route_check', NEW.route ~ '^[A-Za-z0-9._:-]{1,128}$'),
+        ('limit_layers_ceiling_check', NEW.ceiling ~ '^[A-Za-z0-9._:-]{1,128}$'),
+        -- rates and their bursts, both or neither
+        ('limit_layers_tokens_per_minute_check', NEW.tokens_per_minute > 0),
+        ('limit_layers_token_burst_check', NEW.token_burst > 0),
+        ('limit_layers_check2', (NEW.tokens_per_minute IS NULL) = (NEW.token_burst IS NULL)),
+        ('limit_layers_requests_per_minute_check', NEW.requests_per_minute > 0),
+        ('limit_layers_request_burst_check', NEW.request_burst > 0),
+        ('limit_layers_check3', (NEW.requests_per_minute IS NULL) = (NEW.request_burst IS NULL)),
+        -- the cap on permits: the policy's own share, moves aside (0035)
+        ('limit_layers_max_in_flight_check', NEW.max_in_flight - NEW.in_flight_moved > 0),
+        -- options
+        ('limit_layers_lease_seconds_check', NEW.lease_seconds >= 1 AND NEW.lease_seconds <= 86400),
+        ('limit_layers_priority_check', NEW.priority >= 0 AND NEW.priority <= 3),
+        ('limit_layers_failure_mode_check', NEW.failure_mode IN ('closed', 'open', 'local')),
+        ('limit_layers_ladder_check',
+         cardinality(NEW.shed_above) IS NOT DISTINCT FROM cardinality(NEW.shed_admit)
+         AND cardinality(NEW.shed_above) IS NOT DISTINCT FROM cardinality(NEW.shed_small)),
+        ('limit_layers_cache_mode', NEW.cache IS NULL OR NEW.cache ? 'mode'),
+        ('limit_layers_output_estimate_check',
+         NEW.output_estimate IS NULL OR NEW.output_estimate ? 'strategy')
+      ) AS rule (name, holds)
+     WHERE NOT rule.holds
+     ORDER BY rule.name  -- the one its CHECK named: PostgreSQL checks by name
+     LIMIT 1;
+    IF broken IS NOT NULL THEN
+        RAISE EXCEPTION 'new row for relation "%" violates check constraint "%"',
+                        TG_TABLE_NAME, broken
+              USING ERRCODE = 'check_violation', CONSTRAINT = broken,
+                    TABLE = TG_TABLE_NAME, SCHEMA = TG_TABLE_SCHEMA,
+                    DETAIL = format('Failing row contains %s.', NEW);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+-- A cell upgraded in place on Citus has its tables distributed already:
+-- their triggers run on the cell's node, beside the rows (as on a cell
+-- built new, sql/cells_queries.sql). Elsewhere a setting nothing reads.
+SELECT set_config('citus.enable_unsafe_triggers', 'on', true);
+
+-- Every column but the four balances a debit sets (tokens, requests,
+-- in_flight, refilled_at): an admission or a settlement fires nothing.
+CREATE TRIGGER limit_layers_policy_rules
+    AFTER INSERT OR UPDATE OF
+        admission, alert_at, alert_hysteresis, alert_quiet_seconds, allowed_models,
+        api_key_id, cache, ceiling, failure_mode, fallback_models, in_flight_moved,
+        layer_id, lease_seconds, max_in_flight, model_patterns, models, output_estimate,
+        own_policy, plan, policy_version, prepaid, priority, request_burst, request_cost,
+        requests_per_minute, route, scope, shard, shards, shed_above, shed_admit,
+        shed_queue_ms, shed_small, tenant, token_burst, tokens_per_minute, upstream,
+        uses_concurrency
+    ON limit_layers
+    FOR EACH ROW EXECUTE FUNCTION lq_layer_policy_rules();
+
+ALTER TABLE limit_layers
+    DROP CONSTRAINT limit_layers_admission,
+    DROP CONSTRAINT limit_layers_allowed_models_check,
+    DROP CONSTRAINT limit_layers_api_key_check,
+    DROP CONSTRAINT limit_layers_cache_mode,
+    DROP CONSTRAINT limit_layers_cache_scope_check,
+    DROP CONSTRAINT limit_layers_ceiling_check,
+    DROP CONSTRAINT limit_layers_ceiling_layer_check,
+    DROP CONSTRAINT limit_layers_check1,
+    DROP CONSTRAINT limit_layers_check2,
+    DROP CONSTRAINT limit_layers_check3,
+    DROP CONSTRAINT limit_layers_failure_mode_check,
+    DROP CONSTRAINT limit_layers_ladder_check,
+    DROP CONSTRAINT limit_layers_lease_seconds_check,
+    DROP CONSTRAINT limit_layers_max_in_flight_check,
+    DROP CONSTRAINT limit_layers_output_estimate_check,
+    DROP CONSTRAINT limit_layers_output_estimate_scope_check,
+    DROP CONSTRAINT limit_layers_plan_check,
+    DROP CONSTRAINT limit_layers_priority_check,
+    DROP CONSTRAINT limit_layers_request_burst_check,
+    DROP CONSTRAINT limit_layers_requests_per_minute_check,
+    DROP CONSTRAINT limit_layers_route_check,
+    DROP CONSTRAINT limit_layers_scope_check,
+    DROP CONSTRAINT limit_layers_shard_check,
+    DROP CONSTRAINT limit_layers_shared_check,
+    DROP CONSTRAINT limit_layers_token_burst_check,
+    DROP CONSTRAINT limit_layers_tokens_per_minute_check,
+    DROP CONSTRAINT limit_layers_upstream_ceiling;
+"""
+
+# Back to 0035: the CHECKs as 0035 left them (every row already keeps them).
+DOWNGRADE = r"""
+DROP TRIGGER limit_layers_policy_rules ON limit_layers;
+DROP FUNCTION lq_layer_policy_rules();
+ALTER TABLE limit_layers
+    ADD CONSTRAINT limit_layers_admission CHECK (admission IS NULL
+        OR (admission IN ('exact', 'allotted') AND scope IN ('tenant', 'route'))),
+    ADD CONSTRAINT limit_layers_allowed_models_check
+        CHECK (allowed_models IS NULL OR scope = 'key'),
+    ADD CONSTRAINT limit_layers_api_key_check CHECK ((scope = 'key') = (api_key_id IS NOT NULL)),
+    ADD CONSTRAINT limit_layers_cache_mode CHECK (cache IS NULL OR cache ? 'mode'),
+    ADD CONSTRAINT limit_layers_cache_scope_check
+        CHECK (cache IS NULL OR scope IN ('tenant', 'route')),
+    ADD CONSTRAINT limit_layers_ceiling_check CHECK (ceiling ~ '^[A-Za-z0-9._:-]{1,128}$'),
+    ADD CONSTRAINT limit_layers_ceiling_layer_check
+        CHECK ((scope = 'ceiling') = (ceiling IS NOT NULL AND model_patterns IS NOT NULL)),
+    ADD CONSTRAINT limit_layers_check1 CHECK ((scope = 'route') = (route IS NOT NULL)),
+    ADD CONSTRAINT limit_layers_check2
+        CHECK ((tokens_per_minute IS NULL) = (token_burst IS NULL)),
+    ADD CONSTRAINT limit_layers_check3
+        CHECK ((requests_per_minute IS NULL) = (request_burst IS NULL)),
+    ADD CONSTRAINT limit_layers_failure_mode_check
+        CHECK (failure_mode IN ('closed', 'open', 'local')),
+    ADD CONSTRAINT limit_layers_ladder_check
+        CHECK (NOT (cardinality(shed_above) IS DISTINCT FROM cardinality(shed_admit))
+               AND NOT (cardinality(shed_above) IS DISTINCT FROM cardinality(shed_small))),
+    ADD CONSTRAINT limit_layers_lease_seconds_check
+        CHECK (lease_seconds >= 1 AND lease_seconds <= 86400),
+    ADD CONSTRAINT limit_layers_max_in_flight_check CHECK (max_in_flight - in_flight_moved > 0),
+    ADD CONSTRAINT limit_layers_output_estimate_check
+        CHECK (output_estimate IS NULL OR output_estimate ? 'strategy'),
+    ADD CONSTRAINT limit_layers_output_estimate_scope_check
+        CHECK (output_estimate IS NULL OR scope IN ('tenant', 'route')),
+    ADD CONSTRAINT limit_layers_plan_check CHECK (plan IS NULL OR scope = 'tenant'),
+    ADD CONSTRAINT limit_layers_priority_check CHECK (priority >= 0 AND priority <= 3),
+    ADD CONSTRAINT limit_layers_request_burst_check CHECK (request_burst > 0),
+    ADD CONSTRAINT limit_layers_requests_per_minute_check CHECK (requests_per_minute > 0),
+    ADD CONSTRAINT limit_layers_route_check CHECK (route ~ '^[A-Za-z0-9._:-]{1,128}$'),
+    ADD CONSTRAINT limit_layers_scope_check
+        CHECK (scope IN ('global', 'tenant', 'route', 'ceiling', 'key')),
+    ADD CONSTRAINT limit_layers_shard_check
+        CHECK (shards BETWEEN 1 AND 64 AND shard >= 0 AND shard < shards
+               AND (scope = 'global' OR shards = 1)),
+    ADD CONSTRAINT limit_layers_shared_check
+        CHECK ((scope IN ('global', 'ceiling')) = (tenant IS NULL)),
+    ADD CONSTRAINT limit_layers_token_burst_check CHECK (token_burst > 0),
+    ADD CONSTRAINT limit_layers_tokens_per_minute_check CHECK (tokens_per_minute > 0),
+    ADD CONSTRAINT limit_layers_upstream_ceiling CHECK (upstream IS NULL OR scope = 'ceiling');
+"""
+
+
+def upgrade() -> None:
+    execute_script(SCHEMA)
+
+
+def downgrade() -> None:
+    execute_script(DOWNGRADE)

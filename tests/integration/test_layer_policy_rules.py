@@ -1,0 +1,245 @@
+"""A layer's policy rules: checked on every policy write, never on a debit.
+
+Migration 0036 moved the 27 CHECK constraints of `limit_layers` that name no
+balance column into one trigger (`limit_layers_policy_rules`, fired by an
+INSERT or an UPDATE of any column but the balances), so that admission and
+settlement stop paying for them. These tests hold it to what the CHECKs did:
+each rule refuses what its CHECK refused, with the same SQLSTATE, constraint
+name and message, and changes nothing; the trigger's columns are every
+column but the balances (a column added later must join them); and an
+admission or a settlement never fires it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from llmquota.admission.limiter import Limiter
+from llmquota.config import Settings
+from llmquota.store import migrate
+from tests.integration.support import put
+
+BALANCES = {"tokens", "requests", "in_flight", "refilled_at"}
+
+# The rows every statement below starts from, on both databases.
+ROWS = """
+INSERT INTO plans (plan) VALUES ('pro');
+INSERT INTO tenants (tenant) VALUES ('acme');
+INSERT INTO limit_layers (scope, tenant, route, tokens_per_minute, token_burst, tokens,
+                          requests_per_minute, request_burst, requests, max_in_flight)
+VALUES ('global', NULL, NULL, 60000, 60000, 60000, 600, 600, 600, 40),
+       ('tenant', 'acme', NULL, 6000, 6000, 6000, 60, 60, 60, 4),
+       ('route', 'acme', 'chat', 600, 600, 600, 6, 6, 6, NULL);
+"""
+TENANT = "WHERE scope = 'tenant'"
+GLOBAL = "WHERE scope = 'global'"
+ROUTE = "WHERE scope = 'route'"
+
+# Each rule, and a write that breaks it first (by name, as PostgreSQL checks).
+BREAKS = {
+    "limit_layers_admission": f"UPDATE limit_layers SET admission = 'lazy' {TENANT}",
+    "limit_layers_allowed_models_check": (
+        f"UPDATE limit_layers SET allowed_models = '{{gpt-4o}}' {TENANT}"
+    ),
+    "limit_layers_api_key_check": f"UPDATE limit_layers SET scope = 'key' {TENANT}",
+    "limit_layers_cache_mode": f"""UPDATE limit_layers SET cache = '{{"ttl": 5}}' {TENANT}""",
+    "limit_layers_cache_scope_check": (
+        f"""UPDATE limit_layers SET cache = '{{"mode": "exact"}}' {GLOBAL}"""
+    ),
+    "limit_layers_ceiling_check": f"UPDATE limit_layers SET ceiling = 'no spaces' {TENANT}",
+    "limit_layers_ceiling_layer_check": (
+        f"UPDATE limit_layers SET ceiling = 'gpt', model_patterns = '{{gpt-*}}' {TENANT}"
+    ),
+    "limit_layers_check1": f"UPDATE limit_layers SET route = 'chat' {TENANT}",
+    "limit_layers_check2": f"UPDATE limit_layers SET token_burst = NULL {TENANT}",
+    "limit_layers_check3": f"UPDATE limit_layers SET request_burst = NULL {TENANT}",
+    "limit_layers_failure_mode_check": f"UPDATE limit_layers SET failure_mode = 'maybe' {TENANT}",
+    "limit_layers_ladder_check": f"UPDATE limit_layers SET shed_above = '{{0.5}}' {TENANT}",
+    "limit_layers_lease_seconds_check": f"UPDATE limit_layers SET lease_seconds = 0 {TENANT}",
+    "limit_layers_max_in_flight_check": f"UPDATE limit_layers SET max_in_flight = 0 {TENANT}",
+    "limit_layers_output_estimate_check": (
+        f"""UPDATE limit_layers SET output_estimate = '{{"tokens": 5}}' {TENANT}"""
+    ),
+    "limit_layers_output_estimate_scope_check": (
+        f"""UPDATE limit_layers SET output_estimate = '{{"strategy": "fixed"}}' {GLOBAL}"""
+    ),
+    "limit_layers_plan_check": f"UPDATE limit_layers SET plan = 'pro' {GLOBAL}",
+    "limit_layers_priority_check": f"UPDATE limit_layers SET priority = 7 {TENANT}",
+    "limit_layers_request_burst_check": (
+        f"UPDATE limit_layers SET request_burst = 0, requests = 0 {TENANT}"
+    ),
+    "limit_layers_requests_per_minute_check": (
+        f"UPDATE limit_layers SET requests_per_minute = 0 {TENANT}"
+    ),
+    "limit_layers_route_check": f"UPDATE limit_layers SET route = 'no spaces' {ROUTE}",
+    "limit_layers_scope_check": f"UPDATE limit_layers SET scope = 'planet' {TENANT}",
+    "limit_layers_shard_check": f"UPDATE limit_layers SET shards = 2 {TENANT}",
+    "limit_layers_shared_check": f"UPDATE limit_layers SET tenant = NULL {TENANT}",
+    "limit_layers_token_burst_check": (
+        f"UPDATE limit_layers SET token_burst = 0, tokens = 0 {TENANT}"
+    ),
+    "limit_layers_tokens_per_minute_check": (
+        f"UPDATE limit_layers SET tokens_per_minute = 0 {TENANT}"
+    ),
+    "limit_layers_upstream_ceiling": f"UPDATE limit_layers SET upstream = 'azure' {TENANT}",
+}
+# An INSERT is held to the same rules: a route layer without its route.
+INSERT_BREAKS = (
+    "INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)"
+    " VALUES ('route', 'acme', 600, 600, 600)"
+)
+EVERY_ROW = "SELECT * FROM limit_layers ORDER BY layer_id"
+
+
+@pytest.fixture
+async def checks_dsn(empty_database_dsn: str) -> AsyncIterator[str]:
+    """A database at revision 0035, where the rules were CHECK constraints, with ROWS."""
+    await asyncio.to_thread(migrate.upgrade, empty_database_dsn, "0035")
+    connection = await asyncpg.connect(empty_database_dsn)
+    try:
+        await connection.execute(ROWS)
+    finally:
+        await connection.close()
+    yield empty_database_dsn
+
+
+@pytest.fixture
+async def rules_db(db: asyncpg.Connection) -> asyncpg.Connection:
+    """The test database at head, with ROWS."""
+    await db.execute(ROWS)
+    return db
+
+
+async def _refusal(connection: asyncpg.Connection, statement: str) -> tuple[str, str, str]:
+    """What `statement` raised: SQLSTATE, constraint name, message (the detail,
+    the failing row, is written another way: PostgreSQL's own form is not
+    PL/pgSQL's); and that it changed nothing."""
+    before = await connection.fetch(EVERY_ROW)
+    with pytest.raises(asyncpg.PostgresError) as raised:
+        await connection.execute(statement)
+    assert await connection.fetch(EVERY_ROW) == before
+    error = raised.value
+    return error.sqlstate, error.constraint_name, error.message  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rule", sorted(BREAKS))
+async def test_each_rule_refuses_what_its_check_refused_and_changes_nothing(
+    rules_db: asyncpg.Connection, checks_dsn: str, rule: str
+) -> None:
+    with_checks = await asyncpg.connect(checks_dsn)
+    try:
+        before = await _refusal(with_checks, BREAKS[rule])
+    finally:
+        await with_checks.close()
+    assert before == ("23514", rule, before[2])
+    assert before[2] == f'new row for relation "limit_layers" violates check constraint "{rule}"'
+    assert await _refusal(rules_db, BREAKS[rule]) == before
+
+
+async def test_an_insert_is_held_to_the_rules(rules_db: asyncpg.Connection) -> None:
+    sqlstate, constraint, _ = await _refusal(rules_db, INSERT_BREAKS)
+    assert (sqlstate, constraint) == ("23514", "limit_layers_check1")
+    await rules_db.execute(
+        INSERT_BREAKS.replace("(scope, tenant,", "(scope, tenant, route,").replace(
+            "('route', 'acme',", "('route', 'acme', 'summary',"
+        )
+    )
+    assert await rules_db.fetchval("SELECT count(*) FROM limit_layers") == 4
+
+
+async def test_a_write_that_keeps_every_rule_goes_through(rules_db: asyncpg.Connection) -> None:
+    updated = await rules_db.execute(
+        "UPDATE limit_layers SET priority = 2, lease_seconds = 60, failure_mode = 'open',"
+        f""" cache = '{{"mode": "exact"}}', shed_above = '{{0.5}}', shed_admit = '{{1}}',"""
+        f" shed_small = '{{100}}' {TENANT}"
+    )
+    assert updated == "UPDATE 1"
+
+
+async def test_the_trigger_covers_every_column_but_the_balances(
+    rules_db: asyncpg.Connection,
+) -> None:
+    columns = {
+        row["attname"]
+        for row in await rules_db.fetch(
+            "SELECT attname FROM pg_attribute WHERE attrelid = 'limit_layers'::regclass"
+            " AND attnum > 0 AND NOT attisdropped"
+        )
+    }
+    triggered = {
+        row["attname"]
+        for row in await rules_db.fetch(
+            """SELECT a.attname
+                 FROM pg_trigger AS t
+                 JOIN pg_attribute AS a
+                   ON a.attrelid = t.tgrelid AND a.attnum = ANY (t.tgattr::int2[])
+                WHERE t.tgrelid = 'limit_layers'::regclass
+                  AND t.tgname = 'limit_layers_policy_rules'"""
+        )
+    }
+    assert columns >= BALANCES
+    assert triggered == columns - BALANCES
+    # The CHECKs left each name a balance: a debit is checked against them.
+    for row in await rules_db.fetch(
+        """SELECT conname, ARRAY(SELECT attname FROM pg_attribute
+                                  WHERE attrelid = conrelid AND attnum = ANY (conkey)) AS names
+             FROM pg_constraint
+            WHERE conrelid = 'limit_layers'::regclass AND contype = 'c'"""
+    ):
+        assert set(row["names"]) & BALANCES, row["conname"]
+
+
+async def test_admissions_and_settlements_never_fire_the_rules(
+    owner_dsn: str, app_dsn: str, settings: Settings, limiter: Limiter, db: asyncpg.Connection
+) -> None:
+    await put(
+        limiter,
+        "tenant",
+        "acme",
+        tokens_per_minute=60_000,
+        requests_per_minute=600,
+        max_in_flight=8,
+    )
+    # Sessions that start from now on count their function calls (the policy
+    # write above, which fired the rules, was not counted).
+    database = await db.fetchval("SELECT current_database()")
+    await db.execute(f"ALTER DATABASE \"{database}\" SET track_functions = 'all'")
+    counted = await Limiter.connect(app_dsn, settings)
+    try:
+        for _ in range(5):
+            reservation = await counted.admit(
+                tenant="acme", model="gpt-4o", input_tokens=10, max_tokens=100
+            )
+            await counted.settle(reservation.reservation_id, input_tokens=10, output_tokens=20)
+    finally:
+        await counted.close()  # its sessions end, and their counts reach the statistics
+    calls = await _function_calls(owner_dsn, "lq_finish")
+    assert calls["lq_finish"] >= 5
+    assert "lq_layer_policy_rules" not in calls
+    # And the counting would have seen them: a policy write fires them.
+    writer = await Limiter.connect(app_dsn, settings)
+    try:
+        await put(writer, "tenant", "acme", tokens_per_minute=30_000, requests_per_minute=600)
+    finally:
+        await writer.close()
+    assert (await _function_calls(owner_dsn, "lq_layer_policy_rules"))["lq_layer_policy_rules"] >= 1
+
+
+async def _function_calls(owner_dsn: str, awaited: str) -> dict[str, int]:
+    """Calls per function, as the sessions that ended reported them, once
+    `awaited` is among them (their statistics reach the server as they end)."""
+    for _ in range(50):
+        fresh = await asyncpg.connect(owner_dsn)
+        try:
+            rows = await fresh.fetch("SELECT funcname, calls FROM pg_stat_user_functions")
+        finally:
+            await fresh.close()
+        calls = {row["funcname"]: row["calls"] for row in rows}
+        if awaited in calls:
+            return calls
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no call of {awaited} was counted")
