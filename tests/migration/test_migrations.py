@@ -83,3 +83,35 @@ def test_downgrade_to_nothing_and_upgrade_again_gives_the_same_schema(empty_dsn:
 
     migrate.upgrade(empty_dsn)
     assert asyncio.run(_snapshot(empty_dsn)) == first
+
+
+def test_a_revision_that_fails_half_way_changes_nothing(empty_dsn: str) -> None:
+    """Each revision is one transaction, the first of a run and those after it
+    alike: from 0034, 0035 applies, then 0036 creates a function and a
+    trigger and drops 27 constraints, one of which is already gone, so its
+    last statement fails; 0036 then leaves nothing behind."""
+    migrate.upgrade(empty_dsn, "0034")
+    asyncio.run(
+        _admin(empty_dsn, "ALTER TABLE limit_layers DROP CONSTRAINT limit_layers_upstream_ceiling")
+    )
+
+    with pytest.raises(asyncpg.UndefinedObjectError, match="limit_layers_upstream_ceiling"):
+        migrate.upgrade(empty_dsn)
+
+    assert asyncio.run(_fetch(empty_dsn, "SELECT version_num FROM alembic_version")) == "0035"
+    assert asyncio.run(_fetch(empty_dsn, "SELECT to_regproc('lq_layer_policy_rules')")) is None
+    triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'limit_layers_policy_rules'"
+    assert asyncio.run(_fetch(empty_dsn, triggers)) == 0
+    checks = (
+        "SELECT count(*) FROM pg_constraint"
+        " WHERE conrelid = 'limit_layers'::regclass AND contype = 'c'"
+    )
+    assert asyncio.run(_fetch(empty_dsn, checks)) == 31  # 0035's 32, less the one dropped
+
+
+async def _fetch(dsn: str, query: str) -> object:
+    connection = await asyncpg.connect(dsn)
+    try:
+        return await connection.fetchval(query)
+    finally:
+        await connection.close()

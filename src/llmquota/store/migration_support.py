@@ -19,9 +19,21 @@ from llmquota.store.sqlfiles import sql_statements
 
 
 def execute_script(sql: str) -> None:
-    """Run a multi-statement SQL script in the current migration transaction."""
-    raw = op.get_bind().connection.driver_connection
+    """Run a multi-statement SQL script in the current migration transaction.
+
+    SQLAlchemy's asyncpg adapter sends its BEGIN lazily, before the first
+    statement it runs itself, and the script goes to the driver underneath:
+    without one statement through SQLAlchemy first, each of the script's
+    would commit on its own, and a revision that failed half-way would leave
+    half its changes behind an alembic_version that does not name it (and a
+    setting made for the transaction would last one statement).
+    """
+    bind = op.get_bind()
+    bind.exec_driver_sql("SELECT 1")
+    raw = bind.connection.driver_connection
     if raw is None:
         raise RuntimeError("no driver connection for the migration")
+    if not raw.is_in_transaction():
+        raise RuntimeError("the migration's transaction has not begun")
     for statement in sql_statements(sql):
         await_only(raw.execute(statement))
