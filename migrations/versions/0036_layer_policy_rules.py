@@ -9,13 +9,22 @@ columns (`tokens`, `requests`, `in_flight`, `refilled_at`): about 0.08 ms of
 a lone admission's 0.5 ms of server CPU, and more of a settlement's
 (BENCHMARKS.md, issue 25's eleventh part).
 
-The 27 rules that name no balance column are now checked by one trigger,
-`limit_layers_policy_rules`, which fires on an INSERT and on an UPDATE that
-sets any column but the four balances: only a policy write pays for them. A
-rule that fails raises what its CHECK raised (SQLSTATE 23514, the same
-message, the rule's name as the constraint's), and the statement, as with
-a CHECK, changes nothing. The five rules that name a balance stay CHECK
-constraints: a debit is checked against them as before.
+The 27 rules that name no balance column are now checked by one function,
+`lq_layer_policy_rules`, run by two triggers: before each row an INSERT
+writes (`limit_layers_policy_rules_on_insert`), where a CHECK tested it,
+so an upsert's proposed row is refused before any conflict is looked at;
+and after each row an UPDATE writes when it sets any column but the four
+balances (`limit_layers_policy_rules_on_update`: an AFTER trigger, since
+a BEFORE UPDATE row trigger makes PostgreSQL fetch and lock every row an
+UPDATE writes before it looks at the trigger's columns). Only a policy
+write pays for them. A rule that fails raises what its CHECK raised
+(SQLSTATE 23514, the same message, the rule's name as the constraint's;
+the DETAIL's failing row is PL/pgSQL's rendering of it), and the
+statement, as with a CHECK, changes nothing. One order differs: an UPDATE
+that breaks a rule and a unique or foreign key too is refused by the key,
+which PostgreSQL checks before the AFTER trigger runs (it checked CHECKs
+first). The five rules that name a balance stay CHECK constraints: a debit
+is checked against them as before.
 
 The rules are the table's, frozen here as its CHECKs were (no repeatable
 script owns them); a new rule or a changed one is a new revision. The
@@ -36,12 +45,16 @@ branch_labels = None
 depends_on = None
 
 SCHEMA = r"""
+-- First the table, whole: a session of the service that has locked a
+-- layer's row and has yet to update it would otherwise wait for this
+-- transaction's next lock while it waits for theirs (a deadlock, one of the
+-- two aborted).
+LOCK TABLE limit_layers IN ACCESS EXCLUSIVE MODE;
+
 -- The rules a layer's policy keeps, each by the name its CHECK had. A rule
 -- that is NULL holds, as a CHECK's does (the row is left out by NOT). Of
--- several broken, the first by name is named, as PostgreSQL names the first
--- CHECK. It fires after the row is written, where a CHECK refused it before:
--- a row that breaks a foreign key too is refused by the key's trigger first
--- (RI_ConstraintTrigger_... sorts before limit_layers_policy_rules).
+-- several broken, the first by name (in bytes, as PostgreSQL orders CHECKs)
+-- is named. The relation is named as the table, also on a Citus shard.
 CREATE FUNCTION lq_layer_policy_rules() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog
@@ -96,16 +109,16 @@ BEGIN
          NEW.output_estimate IS NULL OR NEW.output_estimate ? 'strategy')
       ) AS rule (name, holds)
      WHERE NOT rule.holds
-     ORDER BY rule.name  -- the one its CHECK named: PostgreSQL checks by name
+     ORDER BY rule.name COLLATE "C"
      LIMIT 1;
     IF broken IS NOT NULL THEN
-        RAISE EXCEPTION 'new row for relation "%" violates check constraint "%"',
-                        TG_TABLE_NAME, broken
+        RAISE EXCEPTION 'new row for relation "limit_layers" violates check constraint "%"',
+                        broken
               USING ERRCODE = 'check_violation', CONSTRAINT = broken,
-                    TABLE = TG_TABLE_NAME, SCHEMA = TG_TABLE_SCHEMA,
+                    TABLE = 'limit_layers', SCHEMA = TG_TABLE_SCHEMA,
                     DETAIL = format('Failing row contains %s.', NEW);
     END IF;
-    RETURN NULL;
+    RETURN NEW;  -- the row as it came (an AFTER trigger's answer is not read)
 END
 $$;
 
@@ -114,10 +127,13 @@ $$;
 -- built new, sql/cells_queries.sql). Elsewhere a setting nothing reads.
 SELECT set_config('citus.enable_unsafe_triggers', 'on', true);
 
+CREATE TRIGGER limit_layers_policy_rules_on_insert
+    BEFORE INSERT ON limit_layers
+    FOR EACH ROW EXECUTE FUNCTION lq_layer_policy_rules();
 -- Every column but the four balances a debit sets (tokens, requests,
 -- in_flight, refilled_at): an admission or a settlement fires nothing.
-CREATE TRIGGER limit_layers_policy_rules
-    AFTER INSERT OR UPDATE OF
+CREATE TRIGGER limit_layers_policy_rules_on_update
+    AFTER UPDATE OF
         admission, alert_at, alert_hysteresis, alert_quiet_seconds, allowed_models,
         api_key_id, cache, ceiling, failure_mode, fallback_models, in_flight_moved,
         layer_id, lease_seconds, max_in_flight, model_patterns, models, output_estimate,
@@ -161,7 +177,8 @@ ALTER TABLE limit_layers DROP CONSTRAINT limit_layers_upstream_ceiling;
 # Back to 0035: the CHECKs as 0035 left them (every row already keeps them).
 DOWNGRADE = r"""
 SELECT set_config('citus.enable_unsafe_triggers', 'on', true);  -- as above
-DROP TRIGGER limit_layers_policy_rules ON limit_layers;
+DROP TRIGGER limit_layers_policy_rules_on_update ON limit_layers;
+DROP TRIGGER limit_layers_policy_rules_on_insert ON limit_layers;
 DROP FUNCTION lq_layer_policy_rules();
 ALTER TABLE limit_layers ADD CONSTRAINT limit_layers_admission
     CHECK (admission IS NULL

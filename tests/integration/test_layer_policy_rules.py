@@ -1,11 +1,12 @@
 """A layer's policy rules: checked on every policy write, never on a debit.
 
 Migration 0036 moved the 27 CHECK constraints of `limit_layers` that name no
-balance column into one trigger (`limit_layers_policy_rules`, fired by an
-INSERT or an UPDATE of any column but the balances), so that admission and
-settlement stop paying for them. These tests hold it to what the CHECKs did:
-each rule refuses what its CHECK refused, with the same SQLSTATE, constraint
-name and message, and changes nothing; the trigger's columns are every
+balance column into one function run by two triggers (before each row an
+INSERT writes, and after each row an UPDATE of any column but the balances
+writes), so that admission and settlement stop paying for them. These tests
+hold it to what the CHECKs did: each rule refuses what its CHECK refused,
+with the same SQLSTATE, constraint name and message, and changes nothing,
+an upsert's proposed row included; the UPDATE trigger's columns are every
 column but the balances (a column added later must join them); and an
 admission or a settlement never fires it.
 """
@@ -92,6 +93,20 @@ INSERT_BREAKS = (
     "INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)"
     " VALUES ('route', 'acme', 600, 600, 600)"
 )
+# Rows an INSERT proposes, refused before any key is looked at, as by a CHECK:
+# the tenant's layer again (a duplicate key) with a priority out of range,
+# plainly and as upserts.
+DUPLICATE = (
+    "INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens,"
+    " requests_per_minute, request_burst, requests, priority)"
+    " VALUES ('tenant', 'acme', 6000, 6000, 6000, 60, 60, 60, 9)"
+)
+ON_KEY = " ON CONFLICT (scope, tenant, route, ceiling, shard, api_key_id)"
+PROPOSED_BREAKS = {
+    "a duplicate": DUPLICATE,
+    "do nothing": DUPLICATE + ON_KEY + " DO NOTHING",
+    "a balance update": DUPLICATE + ON_KEY + " DO UPDATE SET tokens = 1",
+}
 EVERY_ROW = "SELECT * FROM limit_layers ORDER BY layer_id"
 
 
@@ -140,6 +155,19 @@ async def test_each_rule_refuses_what_its_check_refused_and_changes_nothing(
     assert await _refusal(rules_db, BREAKS[rule]) == before
 
 
+@pytest.mark.parametrize("case", sorted(PROPOSED_BREAKS))
+async def test_a_proposed_row_is_refused_before_its_key_as_by_its_check(
+    rules_db: asyncpg.Connection, checks_dsn: str, case: str
+) -> None:
+    with_checks = await asyncpg.connect(checks_dsn)
+    try:
+        before = await _refusal(with_checks, PROPOSED_BREAKS[case])
+    finally:
+        await with_checks.close()
+    assert before[:2] == ("23514", "limit_layers_priority_check")
+    assert await _refusal(rules_db, PROPOSED_BREAKS[case]) == before
+
+
 async def test_an_insert_is_held_to_the_rules(rules_db: asyncpg.Connection) -> None:
     sqlstate, constraint, _ = await _refusal(rules_db, INSERT_BREAKS)
     assert (sqlstate, constraint) == ("23514", "limit_layers_check1")
@@ -160,7 +188,7 @@ async def test_a_write_that_keeps_every_rule_goes_through(rules_db: asyncpg.Conn
     assert updated == "UPDATE 1"
 
 
-async def test_the_trigger_covers_every_column_but_the_balances(
+async def test_the_update_trigger_covers_every_column_but_the_balances(
     rules_db: asyncpg.Connection,
 ) -> None:
     columns = {
@@ -178,11 +206,21 @@ async def test_the_trigger_covers_every_column_but_the_balances(
                  JOIN pg_attribute AS a
                    ON a.attrelid = t.tgrelid AND a.attnum = ANY (t.tgattr::int2[])
                 WHERE t.tgrelid = 'limit_layers'::regclass
-                  AND t.tgname = 'limit_layers_policy_rules'"""
+                  AND t.tgname = 'limit_layers_policy_rules_on_update'"""
         )
     }
     assert columns >= BALANCES
     assert triggered == columns - BALANCES
+    triggers = {
+        row["tgname"]: row["definition"]
+        for row in await rules_db.fetch(
+            "SELECT tgname, pg_get_triggerdef(oid) AS definition FROM pg_trigger"
+            " WHERE tgrelid = 'limit_layers'::regclass AND tgname LIKE '%policy_rules%'"
+        )
+    }
+    assert " BEFORE INSERT ON " in triggers["limit_layers_policy_rules_on_insert"]
+    assert " AFTER UPDATE OF " in triggers["limit_layers_policy_rules_on_update"]
+    assert len(triggers) == 2
     # The CHECKs left each name a balance: a debit is checked against them.
     for row in await rules_db.fetch(
         """SELECT conname, ARRAY(SELECT attname FROM pg_attribute
@@ -219,6 +257,7 @@ async def test_admissions_and_settlements_never_fire_the_rules(
         await counted.close()  # its sessions end, and their counts reach the statistics
     calls = await _function_calls(owner_dsn, "lq_finish")
     assert calls["lq_finish"] >= 5
+    assert calls["lq_admit"] >= 5
     assert "lq_layer_policy_rules" not in calls
     # And the counting would have seen them: a policy write fires them.
     writer = await Limiter.connect(app_dsn, settings)

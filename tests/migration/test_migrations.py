@@ -115,3 +115,29 @@ async def _fetch(dsn: str, query: str) -> object:
         return await connection.fetchval(query)
     finally:
         await connection.close()
+
+
+async def test_0036_waits_for_a_debit_between_its_lock_and_its_update(empty_dsn: str) -> None:
+    """A live admission locks its layers' rows, then updates them in a later
+    statement. 0036, migrating meanwhile, takes the whole table first: it waits
+    for the admission's transaction and then runs; neither is aborted as a
+    deadlock (as when it took a weaker lock for the trigger first, then asked
+    for a stronger one while the debit waited on the weaker)."""
+    await asyncio.to_thread(migrate.upgrade, empty_dsn, "0035")
+    debit = await asyncpg.connect(empty_dsn)
+    try:
+        await debit.execute(
+            "INSERT INTO limit_layers (scope, tokens_per_minute, token_burst, tokens)"
+            " VALUES ('global', 600, 600, 600)"
+        )
+        async with debit.transaction():
+            await debit.execute("SELECT * FROM limit_layers FOR UPDATE")
+            migrating = asyncio.create_task(asyncio.to_thread(migrate.upgrade, empty_dsn))
+            await asyncio.sleep(1.5)  # the migration queues on the table
+            assert not migrating.done()
+            await debit.execute("UPDATE limit_layers SET tokens = tokens - 100")
+        await migrating
+        assert await debit.fetchval("SELECT tokens FROM limit_layers") == 500
+        assert await debit.fetchval("SELECT version_num FROM alembic_version") == "0036"
+    finally:
+        await debit.close()
