@@ -106,3 +106,12 @@ async def announcements_applied(app: FastAPI, dsn: str) -> None:
                     await asyncio.wait_for(heard.wait(), 0.5)
     finally:
         await db.close()
+
+
+async def fetch_value(dsn: str, query: str) -> object:
+    """The first column of the first row `query` returns, on a connection of its own."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        return await connection.fetchval(query)
+    finally:
+        await connection.close()

@@ -32,7 +32,7 @@ from llmquota.store.migrate import MigrationRefused
 from llmquota.store.sqlfiles import repeatable_scripts
 from tests.conftest import _admin as _execute
 from tests.conftest import audit_findings
-from tests.support import APP_ROLE, dsn_as, run_cli
+from tests.support import APP_ROLE, dsn_as, fetch_value, run_cli
 
 from .support import attempt
 
@@ -292,7 +292,7 @@ async def test_a_cell_behind_the_code_is_upgraded_in_place_to_what_a_build_makes
         command.downgrade, migrate.alembic_config(in_cell(cells_dsn, "cell_2")), "0033"
     )
     await _execute(cells_dsn, "UPDATE cell_2.schema_repeatables SET checksum = repeat('0', 64)")
-    assert await _execute_fetch(cells_dsn, "SELECT to_regclass('cell_2.budget_transfers')") is None
+    assert await fetch_value(cells_dsn, "SELECT to_regclass('cell_2.budget_transfers')") is None
 
     cells = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
 
@@ -305,14 +305,14 @@ async def test_a_cell_behind_the_code_is_upgraded_in_place_to_what_a_build_makes
     # setting, body for body; nothing in `public`, no `reporting` of its own.
     assert await _cell_objects(cells_dsn, "cell_2") == await _cell_objects(cells_dsn, "cell_1")
     assert (
-        await _execute_fetch(
+        await fetch_value(
             cells_dsn,
             "SELECT count(*) FROM pg_proc WHERE pronamespace = 'public'::regnamespace"
             " AND proname LIKE 'lq\\_%'",
         )
         == 0
     )
-    assert await _execute_fetch(cells_dsn, "SELECT to_regclass('public.budget_transfers')") is None
+    assert await fetch_value(cells_dsn, "SELECT to_regclass('public.budget_transfers')") is None
     assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
     again = await asyncio.to_thread(build_cells, cells_dsn, CELLS)
     assert [c.status for c in again] == ["up to date", "up to date"]
@@ -327,7 +327,7 @@ async def test_a_cell_behind_the_code_is_upgraded_in_place_to_what_a_build_makes
     finally:
         await limiter.close()
     assert await _ledger_rows(cell) == 1
-    assert await _execute_fetch(cells_dsn, "SELECT count(*) FROM cell_2.budget_transfers") == 0
+    assert await fetch_value(cells_dsn, "SELECT count(*) FROM cell_2.budget_transfers") == 0
     assert await audit_findings(cell) == []
 
 
@@ -396,20 +396,12 @@ async def test_a_cell_that_cannot_be_upgraded_in_place_is_refused_and_nothing_ch
 
     # Refused before any cell was touched: cell 1's scripts were not applied either.
     assert (
-        await _execute_fetch(
+        await fetch_value(
             cells_dsn, "SELECT checksum FROM cell_1.schema_repeatables WHERE name = 'admission.sql'"
         )
         == "0" * 64
     )
     assert await _schemas(cells_dsn) == ["cell_1", "cell_1_reporting", "cell_2", "cell_2_reporting"]
-
-
-async def _execute_fetch(dsn: str, query: str) -> object:
-    connection = await asyncpg.connect(dsn)
-    try:
-        return await connection.fetchval(query)
-    finally:
-        await connection.close()
 
 
 async def test_a_cell_makes_its_ledger_partitions_beside_its_ledger(cells_dsn: str) -> None:

@@ -93,6 +93,11 @@ INSERT_BREAKS = (
     "INSERT INTO limit_layers (scope, tenant, tokens_per_minute, token_burst, tokens)"
     " VALUES ('route', 'acme', 600, 600, 600)"
 )
+# The same layer with its route goes in.
+INSERT_KEEPS = (
+    "INSERT INTO limit_layers (scope, tenant, route, tokens_per_minute, token_burst, tokens)"
+    " VALUES ('route', 'acme', 'summary', 600, 600, 600)"
+)
 # Rows an INSERT proposes, refused before any key is looked at, as by a CHECK:
 # the tenant's layer again (a duplicate key) with a priority out of range,
 # plainly and as upserts.
@@ -141,15 +146,20 @@ async def _refusal(connection: asyncpg.Connection, statement: str) -> tuple[str,
     return error.sqlstate, error.constraint_name, error.message  # type: ignore[attr-defined]
 
 
+async def _refusal_at_0035(checks_dsn: str, statement: str) -> tuple[str, str, str]:
+    """What `statement` raised where the rules were CHECKs (see _refusal)."""
+    with_checks = await asyncpg.connect(checks_dsn)
+    try:
+        return await _refusal(with_checks, statement)
+    finally:
+        await with_checks.close()
+
+
 @pytest.mark.parametrize("rule", sorted(BREAKS))
 async def test_each_rule_refuses_what_its_check_refused_and_changes_nothing(
     rules_db: asyncpg.Connection, checks_dsn: str, rule: str
 ) -> None:
-    with_checks = await asyncpg.connect(checks_dsn)
-    try:
-        before = await _refusal(with_checks, BREAKS[rule])
-    finally:
-        await with_checks.close()
+    before = await _refusal_at_0035(checks_dsn, BREAKS[rule])
     assert before == ("23514", rule, before[2])
     assert before[2] == f'new row for relation "limit_layers" violates check constraint "{rule}"'
     assert await _refusal(rules_db, BREAKS[rule]) == before
@@ -159,11 +169,7 @@ async def test_each_rule_refuses_what_its_check_refused_and_changes_nothing(
 async def test_a_proposed_row_is_refused_before_its_key_as_by_its_check(
     rules_db: asyncpg.Connection, checks_dsn: str, case: str
 ) -> None:
-    with_checks = await asyncpg.connect(checks_dsn)
-    try:
-        before = await _refusal(with_checks, PROPOSED_BREAKS[case])
-    finally:
-        await with_checks.close()
+    before = await _refusal_at_0035(checks_dsn, PROPOSED_BREAKS[case])
     assert before[:2] == ("23514", "limit_layers_priority_check")
     assert await _refusal(rules_db, PROPOSED_BREAKS[case]) == before
 
@@ -171,11 +177,7 @@ async def test_a_proposed_row_is_refused_before_its_key_as_by_its_check(
 async def test_an_insert_is_held_to_the_rules(rules_db: asyncpg.Connection) -> None:
     sqlstate, constraint, _ = await _refusal(rules_db, INSERT_BREAKS)
     assert (sqlstate, constraint) == ("23514", "limit_layers_check1")
-    await rules_db.execute(
-        INSERT_BREAKS.replace("(scope, tenant,", "(scope, tenant, route,").replace(
-            "('route', 'acme',", "('route', 'acme', 'summary',"
-        )
-    )
+    await rules_db.execute(INSERT_KEEPS)
     assert await rules_db.fetchval("SELECT count(*) FROM limit_layers") == 4
 
 

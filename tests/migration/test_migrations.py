@@ -12,6 +12,7 @@ from alembic.script import ScriptDirectory
 
 from llmquota.store import migrate
 from tests.conftest import _admin, dsn_with_database
+from tests.support import fetch_value
 
 SCHEMA_SNAPSHOT = """
 SELECT 'column' AS kind, table_schema || '.' || table_name || '.' || column_name AS name,
@@ -87,8 +88,8 @@ def test_downgrade_to_nothing_and_upgrade_again_gives_the_same_schema(empty_dsn:
 
 def test_a_revision_that_fails_half_way_changes_nothing(empty_dsn: str) -> None:
     """Each revision is one transaction, the first of a run and those after it
-    alike: from 0034, 0035 applies, then 0036 creates a function and a
-    trigger and drops 27 constraints, one of which is already gone, so its
+    alike: from 0034, 0035 applies, then 0036 creates a function and two
+    triggers and drops 27 constraints, one of which is already gone, so its
     last statement fails; 0036 then leaves nothing behind."""
     migrate.upgrade(empty_dsn, "0034")
     asyncio.run(
@@ -98,23 +99,17 @@ def test_a_revision_that_fails_half_way_changes_nothing(empty_dsn: str) -> None:
     with pytest.raises(asyncpg.UndefinedObjectError, match="limit_layers_upstream_ceiling"):
         migrate.upgrade(empty_dsn)
 
-    assert asyncio.run(_fetch(empty_dsn, "SELECT version_num FROM alembic_version")) == "0035"
-    assert asyncio.run(_fetch(empty_dsn, "SELECT to_regproc('lq_layer_policy_rules')")) is None
-    triggers = "SELECT count(*) FROM pg_trigger WHERE tgname = 'limit_layers_policy_rules'"
-    assert asyncio.run(_fetch(empty_dsn, triggers)) == 0
+    assert asyncio.run(fetch_value(empty_dsn, "SELECT version_num FROM alembic_version")) == "0035"
+    assert asyncio.run(fetch_value(empty_dsn, "SELECT to_regproc('lq_layer_policy_rules')")) is None
+    triggers = (
+        "SELECT count(*) FROM pg_trigger WHERE tgname LIKE 'limit\\_layers\\_policy\\_rules%'"
+    )
+    assert asyncio.run(fetch_value(empty_dsn, triggers)) == 0
     checks = (
         "SELECT count(*) FROM pg_constraint"
         " WHERE conrelid = 'limit_layers'::regclass AND contype = 'c'"
     )
-    assert asyncio.run(_fetch(empty_dsn, checks)) == 31  # 0035's 32, less the one dropped
-
-
-async def _fetch(dsn: str, query: str) -> object:
-    connection = await asyncpg.connect(dsn)
-    try:
-        return await connection.fetchval(query)
-    finally:
-        await connection.close()
+    assert asyncio.run(fetch_value(empty_dsn, checks)) == 31  # 0035's 32, less the one dropped
 
 
 async def test_0036_waits_for_a_debit_between_its_lock_and_its_update(empty_dsn: str) -> None:
