@@ -142,7 +142,7 @@ def measure(args: argparse.Namespace, dsn: str) -> None:
         spy = start_py_spy(args, workers[0].pid)
         admit, admit_us = cpu_per_request(workers, port, args.seconds, "admit")
         if spy is not None:
-            spy.wait(60)
+            stop_py_spy(spy)
         ids = asyncio.run(reservations(dsn, round(args.seconds * SETTLES_PER_SECOND)))
         lua = SETTLE_SCRIPT.format(key=http_admission.ADMIN_KEY, ids=ids)
         settle, settle_us = cpu_per_request(workers, port, args.seconds, "settle", lua)
@@ -213,6 +213,7 @@ def start_py_spy(args: argparse.Namespace, pid: int) -> subprocess.Popen[bytes] 
     """py-spy sampling one worker for the admit run, when --py-spy asks."""
     if args.py_spy is None:
         return None
+    args.py_spy.parent.mkdir(parents=True, exist_ok=True)
     spy = subprocess.Popen(
         [
             str(Path(sys.executable).with_name("py-spy")),
@@ -220,10 +221,18 @@ def start_py_spy(args: argparse.Namespace, pid: int) -> subprocess.Popen[bytes] 
             *("-d", str(round(args.seconds)), "-p", str(pid)),
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     time.sleep(0.5)
     return spy
+
+
+def stop_py_spy(spy: subprocess.Popen[bytes]) -> None:
+    """Wait for py-spy's file; a py-spy that failed says why, here, not in a
+    missing file later."""
+    _, errors = spy.communicate(timeout=60)
+    if spy.returncode != 0:
+        raise SystemExit(f"py-spy failed ({spy.returncode}): {errors.decode().strip()}")
 
 
 async def reservations(dsn: str, count: int) -> Path:

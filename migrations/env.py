@@ -16,7 +16,9 @@ versioned migrations (`llmquota.store.migrate.apply_repeatables`). A plain
 
 The migrations run under a session advisory lock (the one the repeatable step
 takes too), so two `llmquota migrate` at once do not race: the second waits,
-then finds the database at head.
+then finds the database at head. `llmquota migrate` bounds each statement's
+wait for a table lock (the config's LOCK_TIMEOUT_OPTION; store/migrate.py's
+LockPatience says why); a plain `alembic` call waits as long as it takes.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from llmquota.store.migrate import DSN_OPTION, MIGRATION_LOCK
+from llmquota.store.migrate import DSN_OPTION, LOCK_TIMEOUT_OPTION, MIGRATION_LOCK
 
 
 def _dsn() -> str:
@@ -50,6 +52,13 @@ def _run(connection: Connection) -> None:
     connection.execute(
         text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": MIGRATION_LOCK}
     )
+    lock_timeout_ms = context.config.get_main_option(LOCK_TIMEOUT_OPTION)
+    if lock_timeout_ms is not None:
+        # Set after the advisory lock (waiting for another migrate is queueing,
+        # not a stall), for the session: every revision's statements.
+        connection.execute(
+            text("SELECT set_config('lock_timeout', :ms, false)"), {"ms": lock_timeout_ms}
+        )
     connection.commit()
     context.configure(connection=connection, transaction_per_migration=True)
     with context.begin_transaction():

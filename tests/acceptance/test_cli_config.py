@@ -69,7 +69,7 @@ def test_config_json_is_masked_too_and_grouped_like_the_readme() -> None:
     assert topics["Database"]["LLMQUOTA_DATA_DIR"] is None
     readme_topics = list(dict.fromkeys(topic for topic, *_ in readme_rows()))
     assert list(topics) == readme_topics
-    assert sum(len(v) for v in topics.values()) == len(readme_rows()) == 131
+    assert sum(len(v) for v in topics.values()) == len(readme_rows()) == 133
 
 
 def test_config_in_a_clean_environment_prints_the_readme_defaults() -> None:
@@ -82,7 +82,7 @@ def test_config_in_a_clean_environment_prints_the_readme_defaults() -> None:
             printed[line.split()[1]] = "unset"
     documented = {variable: default for _t, variable, default, _m in readme_rows()}
     assert printed == documented
-    assert len(printed) == 131
+    assert len(printed) == 133
 
 
 def test_config_refuses_an_invalid_setting_without_echoing_it() -> None:

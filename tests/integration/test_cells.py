@@ -28,6 +28,7 @@ from llmquota.domain.policy import Policy
 from llmquota.finance.ledger import LedgerStore
 from llmquota.store import migrate
 from llmquota.store.cells import MAX_CELLS, CellsError, build_cells, cell_name, in_cell
+from llmquota.store.lock_patience import LockPatience, MigrationLocksUnavailable
 from llmquota.store.migrate import MigrationRefused
 from llmquota.store.sqlfiles import repeatable_scripts
 from tests.conftest import _admin as _execute
@@ -329,6 +330,33 @@ async def test_a_cell_behind_the_code_is_upgraded_in_place_to_what_a_build_makes
     assert await _ledger_rows(cell) == 1
     assert await fetch_value(cells_dsn, "SELECT count(*) FROM cell_2.budget_transfers") == 0
     assert await audit_findings(cell) == []
+
+
+async def test_a_cell_whose_table_a_report_holds_is_left_as_it_was_then_upgraded(
+    cells_dsn: str,
+) -> None:
+    """The in-place upgrade bounds its lock waits as `migrate` does
+    (tests/migration/test_lock_patience.py): 0036 takes cell_2's limit_layers
+    whole, a report reading it holds that back, and the revision is rolled
+    back once its tries are spent; the next build, the report ended, runs it."""
+    await asyncio.to_thread(
+        command.downgrade, migrate.alembic_config(in_cell(cells_dsn, "cell_2")), "0035"
+    )
+    patience = LockPatience(timeout_ms=300, attempts=1)
+    report = await asyncpg.connect(cells_dsn)
+    try:
+        async with report.transaction():
+            await report.fetchval("SELECT count(*) FROM cell_2.limit_layers")
+            with pytest.raises(MigrationLocksUnavailable, match="within 300 ms in its one try"):
+                await asyncio.to_thread(build_cells, cells_dsn, CELLS, patience)
+    finally:
+        await report.close()
+    at = "SELECT version_num FROM cell_2.alembic_version"
+    assert await fetch_value(cells_dsn, at) == "0035"
+
+    cells = await asyncio.to_thread(build_cells, cells_dsn, CELLS, patience)
+    assert cells[1].status.startswith("upgraded (revision 0035 to 0036")
+    assert await fetch_value(cells_dsn, at) == "0036"
 
 
 async def test_a_cell_is_upgraded_while_its_service_admits_and_settles_and_no_request_fails(

@@ -11,6 +11,7 @@ import pytest
 from alembic.script import ScriptDirectory
 
 from llmquota.store import migrate
+from llmquota.store.lock_patience import LockPatience
 from tests.conftest import _admin, dsn_with_database
 from tests.support import fetch_value
 
@@ -127,7 +128,12 @@ async def test_0036_waits_for_a_debit_between_its_lock_and_its_update(empty_dsn:
         )
         async with debit.transaction():
             await debit.execute("SELECT * FROM limit_layers FOR UPDATE")
-            migrating = asyncio.create_task(asyncio.to_thread(migrate.upgrade, empty_dsn))
+            # Without a bound on its wait (test_lock_patience.py has those):
+            # a timeout would roll it back and hide a deadlock behind a retry.
+            unbounded = LockPatience(timeout_ms=0, attempts=1)
+            migrating = asyncio.create_task(
+                asyncio.to_thread(migrate.upgrade, empty_dsn, patience=unbounded)
+            )
             await asyncio.sleep(1.5)  # the migration queues on the table
             assert not migrating.done()
             await debit.execute("UPDATE limit_layers SET tokens = tokens - 100")

@@ -11,6 +11,7 @@ from typing import Any
 from llmquota.cli.options import add_converted_flag, add_flag, ascii_integer, is_one
 from llmquota.config import Settings, export_for_workers
 from llmquota.store.database import open_database
+from llmquota.store.lock_patience import LockPatience
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
         return _migrate_cells(args.cells, settings)
     with open_database(settings.database_url, settings.data_dir) as db:
         try:
-            applied = migrate.upgrade(db.dsn)
-        except migrate.MigrationRefused as refused:
+            applied = migrate.upgrade(db.dsn, patience=lock_patience(settings))
+        except (migrate.MigrationRefused, migrate.MigrationLocksUnavailable) as refused:
             print(f"llmquota migrate: {refused}", file=sys.stderr)
             return 2
     for script in applied:
@@ -35,14 +36,20 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def lock_patience(settings: Settings) -> LockPatience:
+    """How long migrating waits for table locks, as the settings say."""
+    return LockPatience(settings.migrate_lock_timeout_ms, settings.migrate_lock_attempts)
+
+
 def _migrate_cells(count: int, settings: Settings) -> int:
     """`migrate --cells K`: a database of K cells (store/cells.py; docs/scaling.md)."""
     from llmquota.store.cells import CellsError, build_cells
+    from llmquota.store.lock_patience import MigrationLocksUnavailable
 
     with open_database(settings.database_url, settings.data_dir) as db:
         try:
-            cells = build_cells(db.dsn, count)
-        except CellsError as error:
+            cells = build_cells(db.dsn, count, lock_patience(settings))
+        except (CellsError, MigrationLocksUnavailable) as error:
             print(f"llmquota migrate: {error}", file=sys.stderr)
             return 2
     for cell in cells:
@@ -125,8 +132,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             return 2
         if (db.embedded or args.migrate) and not cells:
             try:
-                migrate.upgrade(db.dsn)
-            except migrate.MigrationRefused as refused:
+                migrate.upgrade(db.dsn, patience=lock_patience(settings))
+            except (migrate.MigrationRefused, migrate.MigrationLocksUnavailable) as refused:
                 print(f"llmquota serve: {refused}", file=sys.stderr)
                 return 2
         generated = None if cells else asyncio.run(_ensure_admin_key(db.dsn, settings))

@@ -42,6 +42,8 @@ TOPICS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "pool_max_size",
             "statement_timeout_ms",
             "lock_timeout_ms",
+            "migrate_lock_timeout_ms",
+            "migrate_lock_attempts",
         ),
     ),
     (

@@ -115,6 +115,20 @@ class Settings(OutboundSettings, ReportSettings, AllotmentSettings, GroupAdmissi
     lock_timeout_ms: int = Field(
         default=2_000, ge=10, le=600_000, description="server-side cap on waiting for a row lock"
     )
+    migrate_lock_timeout_ms: int = Field(
+        default=1_000,
+        ge=0,
+        le=600_000,
+        description="longest a migration statement waits for a table lock (0: no limit); "
+        "then its revision is rolled back and tried again",
+    )
+    migrate_lock_attempts: int = Field(
+        default=10,
+        ge=1,
+        le=100,
+        description="tries of a migration step whose lock waits run out, 1, 2, 4, 8, "
+        "then 15 s apart",
+    )
     concurrency_retry_ms: int = Field(
         default=1_000, ge=1, le=600_000, description="retry hint for a concurrency refusal"
     )

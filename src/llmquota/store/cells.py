@@ -43,6 +43,7 @@ import asyncpg
 from llmquota.domain.cell_hints import HINTED_CELLS
 from llmquota.store import migrate
 from llmquota.store.connection import translate_errors
+from llmquota.store.lock_patience import DEFAULT_PATIENCE, LockPatience
 from llmquota.store.sqlfiles import named_queries
 
 __all__ = [
@@ -191,7 +192,7 @@ async def _look(dsn: str) -> tuple[str | None, list[str]]:
     return schema, names
 
 
-def build_cells(dsn: str, count: int) -> list[Cell]:
+def build_cells(dsn: str, count: int, patience: LockPatience = DEFAULT_PATIENCE) -> list[Cell]:
     """Make the database hold exactly `count` cells, building the missing ones.
 
     Refused (CellsError, nothing changed) when `count` is out of range, when
@@ -202,10 +203,10 @@ def build_cells(dsn: str, count: int) -> list[Cell]:
     """
     if not 1 <= count <= MAX_CELLS:
         raise CellsError(f"the number of cells must be between 1 and {MAX_CELLS}, not {count}")
-    return asyncio.run(_build(dsn, count))
+    return asyncio.run(_build(dsn, count, patience))
 
 
-async def _build(dsn: str, count: int) -> list[Cell]:
+async def _build(dsn: str, count: int, patience: LockPatience) -> list[Cell]:
     queries = named_queries("cells_queries.sql")
     connection = await asyncpg.connect(dsn)
     try:
@@ -215,13 +216,13 @@ async def _build(dsn: str, count: int) -> list[Cell]:
         cells: list[Cell] = []
         for cell in (cell_name(k) for k in range(1, count + 1)):
             if cell in existing:
-                status = await _upgrade(connection, dsn, cell, count)
+                status = await _upgrade(connection, dsn, cell, count, patience=patience)
             else:
                 await connection.execute(queries["drop_reporting_over_cells"])
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["mark_public"])
-                await asyncio.to_thread(migrate.upgrade, dsn, for_a_cell=True)
+                await asyncio.to_thread(migrate.upgrade, dsn, for_a_cell=True, patience=patience)
                 async with connection.transaction():
                     await connection.execute(queries["name_the_cell"], cell, count)
                     await connection.execute(queries["seal_cell"])
@@ -314,7 +315,9 @@ async def _check_upgradable(connection: asyncpg.Connection, cell: str) -> None:
         )
 
 
-async def _upgrade(connection: asyncpg.Connection, dsn: str, cell: str, count: int) -> str:
+async def _upgrade(
+    connection: asyncpg.Connection, dsn: str, cell: str, count: int, *, patience: LockPatience
+) -> str:
     """Bring a cell built by an older release up to this code, in place, while
     its services run: its revisions still to run (their DDL names no schema,
     so it lands in the cell its DSN's search_path names), then its repeatable
@@ -329,7 +332,7 @@ async def _upgrade(connection: asyncpg.Connection, dsn: str, cell: str, count: i
     revision = await connection.fetchval(f"SELECT version_num FROM {_quoted(cell)}.alembic_version")
     done = []
     if revision != migrate.head_revision():
-        await asyncio.to_thread(migrate.upgrade_cell, at)
+        await asyncio.to_thread(migrate.upgrade_cell, at, patience)
         done.append(f"revision {revision} to {migrate.head_revision()}")
 
     async def pin(session: asyncpg.Connection) -> None:
@@ -337,7 +340,7 @@ async def _upgrade(connection: asyncpg.Connection, dsn: str, cell: str, count: i
         await session.execute(queries["pin_cell"])
 
     applied = await migrate.apply_repeatables_async(
-        at, rewrite=lambda text: script_in_cell(text, cell), finish=pin
+        at, rewrite=lambda text: script_in_cell(text, cell), finish=pin, patience=patience
     )
     if applied:
         done.append(f"scripts {', '.join(script.name for script in applied)}")

@@ -13,6 +13,14 @@ Two steps, always in this order (migrations/README.md has the rule):
 only the first: it gives that revision's tables, never today's functions.
 Both steps take the same advisory lock, so concurrent `migrate` runs (several
 API containers starting with `--migrate`) queue instead of racing.
+
+Both steps run while the service does, and wait for the locks their DDL
+takes (ACCESS EXCLUSIVE for most of it) with a bound (LockPatience): a lock
+request that waits queues every later one on the same table behind it, so a
+revision that waited for a long report's or a stuck transaction's lock
+without one would stall every admission for as long. Past the bound the
+revision is rolled back (each is one transaction) and tried again after a
+pause, in which the service runs.
 """
 
 from __future__ import annotations
@@ -32,11 +40,20 @@ from alembic.script import ScriptDirectory
 from alembic.script.revision import RevisionError
 
 from llmquota.resources import migrations_dir
+from llmquota.store.lock_patience import (
+    DEFAULT_PATIENCE,
+    LockPatience,
+    MigrationLocksUnavailable,
+    patiently,
+    patiently_async,
+)
 from llmquota.store.sqlfiles import RepeatableScript, named_queries, repeatable_scripts
 
 __all__ = [
     "MIGRATION_LOCK",
     "AppliedScript",
+    "LockPatience",
+    "MigrationLocksUnavailable",
     "MigrationRefused",
     "alembic_config",
     "apply_repeatables",
@@ -56,6 +73,8 @@ MIGRATION_LOCK = "llmquota.migrate"
 # The alembic config option migrations/env.py connects by: the DSN as asyncpg
 # takes it (several hosts, target_session_attrs, a socket directory).
 DSN_OPTION = "llmquota.dsn"
+# The alembic config option carrying LockPatience.timeout_ms to env.py.
+LOCK_TIMEOUT_OPTION = "llmquota.lock_timeout_ms"
 
 _T = TypeVar("_T")
 
@@ -89,11 +108,13 @@ def _scripts_config() -> Config:
     return config
 
 
-def alembic_config(dsn: str) -> Config:
+def alembic_config(dsn: str, patience: LockPatience | None = None) -> Config:
     """An alembic Config for this package's migrations against `dsn`."""
     config = _scripts_config()
     # ConfigParser interpolation: a literal % in a password must be doubled.
     config.set_main_option(DSN_OPTION, dsn.replace("%", "%%"))
+    if patience is not None:
+        config.set_main_option(LOCK_TIMEOUT_OPTION, str(patience.timeout_ms))
     return config
 
 
@@ -140,7 +161,13 @@ class MigrationRefused(Exception):
     """The database is not one `upgrade` may migrate as asked; nothing was changed."""
 
 
-def upgrade(dsn: str, revision: str = "head", *, for_a_cell: bool = False) -> list[AppliedScript]:
+def upgrade(
+    dsn: str,
+    revision: str = "head",
+    *,
+    for_a_cell: bool = False,
+    patience: LockPatience = DEFAULT_PATIENCE,
+) -> list[AppliedScript]:
     """Migrate the database to `revision`; at head, apply the repeatable scripts too.
 
     An older revision gets the versioned migrations up to it and nothing of
@@ -151,13 +178,19 @@ def upgrade(dsn: str, revision: str = "head", *, for_a_cell: bool = False) -> li
     (a DSN naming a cell's search_path: the migrations name `public`), or
     when the database holds cells, unless the cells' builder asks
     (`for_a_cell`: it migrates `public` and renames it, store/cells.py).
+    MigrationLocksUnavailable when a step's locks are not granted (`patience`).
     """
     _run(lambda: _refuse_other_schemas(dsn, for_a_cell))
-    config = alembic_config(dsn)
-    _outside_event_loop(command.upgrade, config, revision)
+    _versioned(alembic_config(dsn, patience), revision, patience)
     if _is_head(revision):
-        return apply_repeatables(dsn)
+        return apply_repeatables(dsn, patience=patience)
     return []
+
+
+def _versioned(config: Config, revision: str, patience: LockPatience) -> None:
+    """alembic's upgrade to `revision`, a try resuming at the revision the
+    last one could not apply."""
+    _outside_event_loop(patiently, patience, "tables", lambda: command.upgrade(config, revision))
 
 
 async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
@@ -180,14 +213,14 @@ async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
         )
 
 
-def upgrade_cell(cell_dsn: str) -> None:
+def upgrade_cell(cell_dsn: str, patience: LockPatience = DEFAULT_PATIENCE) -> None:
     """Migrate one cell in place to head: its DSN's search_path names the cell
     (store/cells.py, which checks first that every revision still to run names
     no schema, and applies the repeatable scripts after)."""
-    _outside_event_loop(command.upgrade, alembic_config(cell_dsn), "head")
+    _versioned(alembic_config(cell_dsn, patience), "head", patience)
 
 
-def downgrade(dsn: str, revision: str) -> None:
+def downgrade(dsn: str, revision: str, patience: LockPatience = DEFAULT_PATIENCE) -> None:
     """Migrate the database down to `revision` ("base": nothing at all).
 
     The tables become those of `revision`. Functions and views are not
@@ -197,11 +230,16 @@ def downgrade(dsn: str, revision: str) -> None:
     `upgrade` to head applies every script again. Refused where `upgrade` is.
     """
     _run(lambda: _refuse_other_schemas(dsn, False))
-    _outside_event_loop(command.downgrade, alembic_config(dsn), revision)
+    config = alembic_config(dsn, patience)
+    _outside_event_loop(patiently, patience, "tables", lambda: command.downgrade(config, revision))
 
 
 def apply_repeatables(
-    dsn: str, *, sql_root: Path | None = None, force: bool = False
+    dsn: str,
+    *,
+    sql_root: Path | None = None,
+    force: bool = False,
+    patience: LockPatience = DEFAULT_PATIENCE,
 ) -> list[AppliedScript]:
     """Apply the repeatable scripts that changed since this database last ran them.
 
@@ -210,7 +248,9 @@ def apply_repeatables(
     functions were up to date. Needs the database at head (the
     `schema_repeatables` table).
     """
-    return _run(lambda: apply_repeatables_async(dsn, sql_root=sql_root, force=force))
+    return _run(
+        lambda: apply_repeatables_async(dsn, sql_root=sql_root, force=force, patience=patience)
+    )
 
 
 async def apply_repeatables_async(
@@ -220,6 +260,7 @@ async def apply_repeatables_async(
     force: bool = False,
     rewrite: Callable[[str], str] | None = None,
     finish: Callable[[asyncpg.Connection], Awaitable[object]] | None = None,
+    patience: LockPatience = DEFAULT_PATIENCE,
 ) -> list[AppliedScript]:
     """apply_repeatables for an async caller (logs only scripts gone from sql/).
 
@@ -227,11 +268,34 @@ async def apply_repeatables_async(
     script's text name the cell's schemas, and `finish` runs in the same
     transaction once any script was applied (the cell's functions pinned)."""
     scripts = repeatable_scripts(sql_root)
+    return await patiently_async(
+        patience,
+        "functions",
+        lambda: _apply_repeatables_once(
+            dsn, scripts, force=force, rewrite=rewrite, finish=finish, patience=patience
+        ),
+    )
+
+
+async def _apply_repeatables_once(
+    dsn: str,
+    scripts: list[RepeatableScript],
+    *,
+    force: bool,
+    rewrite: Callable[[str], str] | None,
+    finish: Callable[[asyncpg.Connection], Awaitable[object]] | None,
+    patience: LockPatience,
+) -> list[AppliedScript]:
+    """One try of apply_repeatables_async, in one transaction."""
     connection = await asyncpg.connect(dsn)
     try:
         async with connection.transaction():
             await connection.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", MIGRATION_LOCK
+            )
+            # Bounded only now: waiting for another migrate's advisory lock is queueing.
+            await connection.execute(
+                "SELECT set_config('lock_timeout', $1, true)", str(patience.timeout_ms)
             )
             if await connection.fetchval("SELECT to_regclass('schema_repeatables')") is None:
                 raise RuntimeError(
