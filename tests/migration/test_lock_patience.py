@@ -29,11 +29,19 @@ from llmquota.store.lock_patience import LockPatience, MigrationLocksUnavailable
 from llmquota.store.migrate import AppliedScript
 from tests.support import fetch_value, run_cli
 
+
+def _queued(relation: str, mode: str) -> str:
+    """A query counting the lock requests in `mode` on `relation` not granted yet."""
+    return (
+        f"SELECT count(*) FROM pg_locks WHERE relation = '{relation}'::regclass"
+        f" AND mode = '{mode}' AND NOT granted"
+    )
+
+
 # The migration's request on limit_layers, queued (0036 takes the table first).
-QUEUED_ON_LAYERS = (
-    "SELECT count(*) FROM pg_locks WHERE relation = 'limit_layers'::regclass"
-    " AND mode = 'AccessExclusiveLock' AND NOT granted"
-)
+QUEUED_ON_LAYERS = _queued("limit_layers", "AccessExclusiveLock")
+# A debit's request, queued behind it.
+DEBIT_QUEUED = _queued("limit_layers", "RowExclusiveLock")
 # What an admission's UPDATE of its layers takes first: ROW EXCLUSIVE on the table.
 DEBIT = "UPDATE limit_layers SET tokens = tokens WHERE layer_id = -1"
 # How long the report holds its lock after a debit has queued, in the test
@@ -89,6 +97,7 @@ async def test_without_a_bound_a_waiting_revision_stalls_every_debit(fresh_dsn: 
         migrating = _in_thread(lambda: migrate.upgrade(fresh_dsn, patience=patience))
         await _until(fresh_dsn, QUEUED_ON_LAYERS)
         debit = asyncio.create_task(_debit_seconds(fresh_dsn))
+        await _until(fresh_dsn, DEBIT_QUEUED)
         await asyncio.sleep(REPORT_SECONDS)
         assert not debit.done()
     # The report has ended: the migration runs, then the debit.
@@ -105,7 +114,9 @@ async def test_a_revision_that_cannot_lock_its_table_gives_up_and_changes_nothin
     async with _report(fresh_dsn, "SELECT count(*) FROM limit_layers"):
         migrating = _in_thread(lambda: migrate.upgrade(fresh_dsn, patience=patience))
         await _until(fresh_dsn, QUEUED_ON_LAYERS)
-        waited = await _debit_seconds(fresh_dsn)
+        debit = asyncio.create_task(_debit_seconds(fresh_dsn))
+        await _until(fresh_dsn, DEBIT_QUEUED)  # behind the migration's request
+        waited = await debit
         started = time.monotonic()
         with pytest.raises(
             MigrationLocksUnavailable, match=r"not granted within 300 ms in any of 2"
@@ -143,7 +154,9 @@ async def test_a_revision_tried_again_applies_once_the_table_is_free(
     )
 
 
-async def test_the_repeatable_scripts_are_bounded_and_tried_again_too(fresh_dsn: str) -> None:
+async def test_the_repeatable_scripts_are_bounded_and_tried_again_too(
+    fresh_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Re-applying sql/ replaces its views, which takes ACCESS EXCLUSIVE on
     each: a report reading one holds that back as it holds a revision."""
     await asyncio.to_thread(migrate.upgrade, fresh_dsn)
@@ -159,10 +172,18 @@ async def test_the_repeatable_scripts_are_bounded_and_tried_again_too(fresh_dsn:
             await _in_thread(reapply)
     assert await fetch_value(fresh_dsn, recorded) == before
 
-    async with _report(fresh_dsn, "SELECT count(*) FROM global_layer"):
-        reapplying = _in_thread(reapply)
-        await asyncio.sleep(0.5)  # its first try waits, gives up, and pauses
-    applied = await reapplying
+    caplog.clear()  # the first part's tries
+    with caplog.at_level(logging.WARNING, logger="llmquota.store.lock_patience"):
+        async with _report(fresh_dsn, "SELECT count(*) FROM global_layer"):
+            reapplying = _in_thread(reapply)
+            await _until(fresh_dsn, _queued("global_layer", "AccessExclusiveLock"))
+            await asyncio.sleep(0.6)  # past the first try's 300 ms wait
+        applied = await reapplying
+    tries = [r.getMessage() for r in caplog.records if "was not granted" in r.getMessage()]
+    assert tries == [
+        "functions: a lock was not granted within 300 ms (try 1 of 2); rolled back, "
+        "trying again in 1 s"
+    ]
     assert {script.reason for script in applied} == {"forced"}
     assert await fetch_value(fresh_dsn, recorded) != before
 
@@ -202,3 +223,12 @@ def test_pauses_grow_to_fifteen_seconds_and_bad_patience_is_refused() -> None:
         LockPatience(attempts=0)
     with pytest.raises(ValueError, match="timeout_ms must be 0 or more"):
         LockPatience(timeout_ms=-1)
+
+
+@pytest.mark.parametrize("relative", ["-1", "+2", "head-1", "0030+1"])
+def test_a_relative_revision_is_refused_since_each_try_would_move_again(relative: str) -> None:
+    """Checked before any connection: no database is named here."""
+    with pytest.raises(ValueError, match="not a step from here"):
+        migrate.upgrade("postgresql://nobody@/nothing", relative)
+    with pytest.raises(ValueError, match="not a step from here"):
+        migrate.downgrade("postgresql://nobody@/nothing", relative)

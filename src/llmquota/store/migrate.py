@@ -180,6 +180,7 @@ def upgrade(
     (`for_a_cell`: it migrates `public` and renames it, store/cells.py).
     MigrationLocksUnavailable when a step's locks are not granted (`patience`).
     """
+    _refuse_relative(revision)
     _run(lambda: _refuse_other_schemas(dsn, for_a_cell))
     _versioned(alembic_config(dsn, patience), revision, patience)
     if _is_head(revision):
@@ -189,8 +190,15 @@ def upgrade(
 
 def _versioned(config: Config, revision: str, patience: LockPatience) -> None:
     """alembic's upgrade to `revision`, a try resuming at the revision the
-    last one could not apply."""
+    last one could not apply (`revision` a named one: see _refuse_relative)."""
     _outside_event_loop(patiently, patience, "tables", lambda: command.upgrade(config, revision))
+
+
+def _refuse_relative(revision: str) -> None:
+    """A target relative to where the database is (alembic's `-1`, `+2`,
+    `head-1`) would move again on each try: only a named one is taken."""
+    if "+" in revision or "-" in revision:
+        raise ValueError(f"name the revision to migrate to, not a step from here: {revision!r}")
 
 
 async def _refuse_other_schemas(dsn: str, for_a_cell: bool) -> None:
@@ -229,6 +237,7 @@ def downgrade(dsn: str, revision: str, patience: LockPatience = DEFAULT_PATIENCE
     revision 0006 the record of the repeatable scripts goes too, so the next
     `upgrade` to head applies every script again. Refused where `upgrade` is.
     """
+    _refuse_relative(revision)
     _run(lambda: _refuse_other_schemas(dsn, False))
     config = alembic_config(dsn, patience)
     _outside_event_loop(patiently, patience, "tables", lambda: command.downgrade(config, revision))
