@@ -47,6 +47,7 @@ from llmquota.store.lock_patience import (
     patiently,
     patiently_async,
 )
+from llmquota.store.migration_support import lock_timeout_for_workers
 from llmquota.store.sqlfiles import RepeatableScript, named_queries, repeatable_scripts
 
 __all__ = [
@@ -302,10 +303,10 @@ async def _apply_repeatables_once(
             await connection.execute(
                 "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", MIGRATION_LOCK
             )
-            # Bounded only now: waiting for another migrate's advisory lock is queueing.
-            await connection.execute(
-                "SELECT set_config('lock_timeout', $1, true)", str(patience.timeout_ms)
-            )
+            # Bounded only now: waiting for another migrate's advisory lock is
+            # queueing. On Citus the workers' connections get it too.
+            for statement in lock_timeout_for_workers(f"{patience.timeout_ms}ms"):
+                await connection.execute(statement)
             if await connection.fetchval("SELECT to_regclass('schema_repeatables')") is None:
                 raise RuntimeError(
                     "schema_repeatables does not exist: migrate the database to head first"

@@ -35,5 +35,25 @@ def execute_script(sql: str) -> None:
         raise RuntimeError("no driver connection for the migration")
     if not raw.is_in_transaction():
         raise RuntimeError("the migration's transaction has not begun")
-    for statement in sql_statements(sql):
+    lock_timeout: str = await_only(raw.fetchval("SELECT current_setting('lock_timeout')"))
+    for statement in (*lock_timeout_for_workers(lock_timeout), *sql_statements(sql)):
         await_only(raw.execute(statement))
+
+
+def lock_timeout_for_workers(lock_timeout: str) -> tuple[str, str]:
+    """The statements that give this transaction's Citus worker connections
+    the session's `lock_timeout` too (llmquota.store.lock_patience).
+
+    Citus sends a DDL statement to a worker over connections of its own,
+    which a session's settings do not reach; a SET LOCAL does, with
+    citus.propagate_set_commands = 'local', to each connection the
+    transaction opens after it. A cell's service locks its tables on the
+    worker only, so that is where a migration's wait must be bounded. On
+    PostgreSQL without Citus the first is a placeholder setting, and the
+    second sets what the session had.
+    """
+    quoted = lock_timeout.replace("'", "''")
+    return (
+        "SET LOCAL citus.propagate_set_commands = 'local'",
+        f"SET LOCAL lock_timeout = '{quoted}'",
+    )
