@@ -88,16 +88,25 @@ def _in_thread(call: Callable[[], _T]) -> asyncio.Task[_T]:
     return asyncio.create_task(asyncio.to_thread(call))
 
 
+async def _debit_behind_migration(
+    dsn: str, patience: LockPatience
+) -> tuple[asyncio.Task[list[AppliedScript]], asyncio.Task[float]]:
+    """Begin the upgrade from 0035, then a debit once the upgrade's request on
+    limit_layers queues; both returned once the debit queues behind it."""
+    migrating = _in_thread(lambda: migrate.upgrade(dsn, patience=patience))
+    await _until(dsn, QUEUED_ON_LAYERS)
+    debit = asyncio.create_task(_debit_seconds(dsn))
+    await _until(dsn, DEBIT_QUEUED)
+    return migrating, debit
+
+
 async def test_without_a_bound_a_waiting_revision_stalls_every_debit(fresh_dsn: str) -> None:
     """What the bound is for: with none (timeout 0), a debit asked for after
     the migration's request waits for the report to end."""
     await asyncio.to_thread(migrate.upgrade, fresh_dsn, "0035")
     patience = LockPatience(timeout_ms=0, attempts=1)
     async with _report(fresh_dsn, "SELECT count(*) FROM limit_layers"):
-        migrating = _in_thread(lambda: migrate.upgrade(fresh_dsn, patience=patience))
-        await _until(fresh_dsn, QUEUED_ON_LAYERS)
-        debit = asyncio.create_task(_debit_seconds(fresh_dsn))
-        await _until(fresh_dsn, DEBIT_QUEUED)
+        migrating, debit = await _debit_behind_migration(fresh_dsn, patience)
         await asyncio.sleep(REPORT_SECONDS)
         assert not debit.done()
     # The report has ended: the migration runs, then the debit.
@@ -112,10 +121,7 @@ async def test_a_revision_that_cannot_lock_its_table_gives_up_and_changes_nothin
     await asyncio.to_thread(migrate.upgrade, fresh_dsn, "0035")
     patience = LockPatience(timeout_ms=300, attempts=2)
     async with _report(fresh_dsn, "SELECT count(*) FROM limit_layers"):
-        migrating = _in_thread(lambda: migrate.upgrade(fresh_dsn, patience=patience))
-        await _until(fresh_dsn, QUEUED_ON_LAYERS)
-        debit = asyncio.create_task(_debit_seconds(fresh_dsn))
-        await _until(fresh_dsn, DEBIT_QUEUED)  # behind the migration's request
+        migrating, debit = await _debit_behind_migration(fresh_dsn, patience)
         waited = await debit
         started = time.monotonic()
         with pytest.raises(
